@@ -1,0 +1,3 @@
+"""unwindd: a long-running Linux profiling daemon that unwinds stacks live."""
+
+__version__ = "0.1.0"

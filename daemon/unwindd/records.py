@@ -1,0 +1,762 @@
+"""Decoding of perf records, the one stream both the live rings and perf.data files produce.
+
+Invariants:
+- Sans-IO: ``RecordDecoder.decode`` takes bytes and yields frozen record values; it never reads
+  files, rings or clocks.
+- Every record in the input becomes exactly one output value: a typed record, an ``Unknown``
+  (a type we do not model), or a ``BadRecord`` (its header is sane but its body is not). Nothing
+  is silently dropped, and every ``BadRecord`` and every unsplittable tail is counted in
+  ``DecodeStats``.
+- A header whose size is < 8, not a multiple of 8 where the kernel guarantees it, or past the
+  end of the buffer ends the buffer (there is no way to resynchronise a byte stream of
+  variable-size records): the rest is counted as one ``truncated`` error. So decoding always
+  terminates, after at most ``len(buf) / 8`` records.
+- Cost: O(record size) per record; the only copies are the stack dump and strings.
+
+Layouts follow ``include/uapi/linux/perf_event.h`` (Linux 6.x). Every record starts with::
+
+    struct perf_event_header { u32 type; u16 misc; u16 size; };   // size includes the header
+
+and, when ``attr.sample_id_all`` is set, every non-SAMPLE kernel record ends with::
+
+    struct sample_id {
+        { u32 pid, tid; }  && PERF_SAMPLE_TID
+        { u64 time;     }  && PERF_SAMPLE_TIME
+        { u64 id;       }  && PERF_SAMPLE_ID
+        { u64 stream_id;}  && PERF_SAMPLE_STREAM_ID
+        { u32 cpu, res; }  && PERF_SAMPLE_CPU
+        { u64 id;       }  && PERF_SAMPLE_IDENTIFIER
+    };
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .abi import (
+    BRANCH_COUNTERS,
+    BRANCH_HW_INDEX,
+    MISC_COMM_EXEC,
+    MISC_CPUMODE_MASK,
+    MISC_MMAP_BUILD_ID,
+    ReadFormat,
+    RecordType,
+    SampleType,
+)
+
+_HDR = struct.Struct("<IHH")
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_2U32 = struct.Struct("<II")
+_3U64 = struct.Struct("<QQQ")
+_MMAP_FIXED = struct.Struct("<IIQQQ")  # pid, tid, addr, len, pgoff
+_MMAP2_INODE = struct.Struct("<IIQQ")  # maj, min, ino, ino_generation
+_MMAP2_PROT = struct.Struct("<II")  # prot, flags
+_FORK = struct.Struct("<IIIIQ")  # pid, ppid, tid, ptid, time
+
+HEADER_SIZE = 8
+
+
+class DecodeError(Exception):
+    """A record body that does not match its attr's layout."""
+
+
+# --------------------------------------------------------------------------- formats
+
+
+@dataclass(frozen=True, slots=True)
+class EventFormat:
+    """The parts of a ``perf_event_attr`` that decide how its records are laid out."""
+
+    sample_type: int
+    sample_regs_user: int = 0
+    read_format: int = 0
+    branch_sample_type: int = 0
+    sample_regs_intr: int = 0
+    sample_id_all: bool = True
+    name: str = ""
+
+    def __repr__(self) -> str:
+        return (
+            f"EventFormat({self.name!r}, sample_type={SampleType(self.sample_type)!r}, "
+            f"regs_user={self.sample_regs_user:#x})"
+        )
+
+    @property
+    def sample_id_size(self) -> int:
+        st = self.sample_type
+        if not self.sample_id_all:
+            return 0
+        n = 0
+        for bit in (
+            SampleType.TID,
+            SampleType.TIME,
+            SampleType.ID,
+            SampleType.STREAM_ID,
+            SampleType.CPU,
+            SampleType.IDENTIFIER,
+        ):
+            if st & bit:
+                n += 8
+        return n
+
+    @property
+    def id_pos(self) -> int:
+        """u64 index of the event id in a SAMPLE body, or -1 (perf's ``evsel->id_pos``)."""
+        st = self.sample_type
+        if st & SampleType.IDENTIFIER:
+            return 0
+        if not st & SampleType.ID:
+            return -1
+        idx = 0
+        for bit in (SampleType.IP, SampleType.TID, SampleType.TIME, SampleType.ADDR):
+            if st & bit:
+                idx += 1
+        return idx
+
+    @property
+    def is_pos(self) -> int:
+        """u64 index, counted from the record's end (1 = last), of the id in a sample_id
+        trailer, or -1 (perf's ``evsel->is_pos``)."""
+        st = self.sample_type
+        if st & SampleType.IDENTIFIER:
+            return 1
+        if not st & SampleType.ID:
+            return -1
+        idx = 1
+        if st & SampleType.CPU:
+            idx += 1
+        if st & SampleType.STREAM_ID:
+            idx += 1
+        return idx
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True, slots=True)
+class SampleId:
+    """The ``sample_id`` trailer; fields absent from the attr are None."""
+
+    pid: int | None = None
+    tid: int | None = None
+    time: int | None = None
+    id: int | None = None
+    stream_id: int | None = None
+    cpu: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SampleId(pid={self.pid}, tid={self.tid}, time={self.time}, cpu={self.cpu})"
+
+
+NO_SAMPLE_ID = SampleId()
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """PERF_RECORD_SAMPLE. ``callchain`` holds the kernel's ips including context markers
+    (``abi.CONTEXT_*``); ``regs`` are in ascending perf register order for ``regs_mask``;
+    ``stack`` is only the ``dyn_size`` bytes the kernel really copied (never the padding)."""
+
+    misc: int
+    pid: int | None
+    tid: int | None
+    time: int | None
+    cpu: int | None
+    ip: int | None
+    id: int | None
+    period: int | None
+    callchain: tuple[int, ...]
+    regs_abi: int
+    regs_mask: int
+    regs: tuple[int, ...]
+    stack: bytes
+    stack_size: int  # requested copy size (sample_stack_user); 0 if none
+    addr: int | None = None
+
+    @property
+    def cpumode(self) -> int:
+        return self.misc & MISC_CPUMODE_MASK
+
+    @property
+    def dyn_size(self) -> int:
+        return len(self.stack)
+
+    def __repr__(self) -> str:
+        ip = f"{self.ip:#x}" if self.ip is not None else None
+        return (
+            f"Sample(pid={self.pid}, tid={self.tid}, time={self.time}, cpu={self.cpu}, ip={ip}, "
+            f"callchain={len(self.callchain)}, regs={len(self.regs)}, stack={len(self.stack)})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Mmap:
+    """PERF_RECORD_MMAP (32-bit fields only; no file identity)."""
+
+    misc: int
+    pid: int
+    tid: int
+    start: int
+    length: int
+    pgoff: int
+    filename: str
+    sample_id: SampleId
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+    def __repr__(self) -> str:
+        return (
+            f"Mmap(pid={self.pid}, {self.start:#x}+{self.length:#x} pgoff={self.pgoff:#x} "
+            f"{self.filename!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Mmap2:
+    """PERF_RECORD_MMAP2. Carries either inode identity (maj/min/ino/ino_generation) or, when
+    ``misc & PERF_RECORD_MISC_MMAP_BUILD_ID``, a build-id; the other form's fields are None."""
+
+    misc: int
+    pid: int
+    tid: int
+    start: int
+    length: int
+    pgoff: int
+    maj: int | None
+    min: int | None
+    ino: int | None
+    ino_generation: int | None
+    build_id: bytes | None
+    prot: int
+    flags: int
+    filename: str
+    sample_id: SampleId
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+    def __repr__(self) -> str:
+        ident = self.build_id.hex() if self.build_id is not None else f"ino={self.ino}"
+        return (
+            f"Mmap2(pid={self.pid}, {self.start:#x}+{self.length:#x} pgoff={self.pgoff:#x} "
+            f"prot={self.prot} {ident} {self.filename!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """PERF_RECORD_COMM; ``exec`` is PERF_RECORD_MISC_COMM_EXEC (the comm changed by exec)."""
+
+    misc: int
+    pid: int
+    tid: int
+    comm: str
+    sample_id: SampleId
+
+    @property
+    def exec(self) -> bool:
+        return bool(self.misc & MISC_COMM_EXEC)
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """PERF_RECORD_FORK (a new task; pid == tid for a new process)."""
+
+    misc: int
+    pid: int
+    ppid: int
+    tid: int
+    ptid: int
+    time: int
+    sample_id: SampleId
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """PERF_RECORD_EXIT (same layout as FORK)."""
+
+    misc: int
+    pid: int
+    ppid: int
+    tid: int
+    ptid: int
+    time: int
+    sample_id: SampleId
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """PERF_RECORD_LOST: ``lost`` records were dropped because the ring was full."""
+
+    misc: int
+    id: int
+    lost: int
+    sample_id: SampleId
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class LostSamples:
+    """PERF_RECORD_LOST_SAMPLES: samples dropped before reaching the ring."""
+
+    misc: int
+    lost: int
+    sample_id: SampleId
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class Throttle:
+    """PERF_RECORD_THROTTLE (``unthrottle`` False) or PERF_RECORD_UNTHROTTLE (True)."""
+
+    misc: int
+    unthrottle: bool
+    time: int
+    id: int
+    stream_id: int
+    sample_id: SampleId
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRound:
+    """PERF_RECORD_FINISHED_ROUND: everything before it was written in an earlier round."""
+
+    misc: int = 0
+
+    @property
+    def time(self) -> None:
+        return None
+
+    @property
+    def cpu(self) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """A well-framed record of a type not modelled here (e.g. KSYMBOL, ID_INDEX)."""
+
+    type: int
+    misc: int
+    payload: bytes
+    sample_id: SampleId = NO_SAMPLE_ID
+
+    @property
+    def time(self) -> int | None:
+        return self.sample_id.time
+
+    @property
+    def cpu(self) -> int | None:
+        return self.sample_id.cpu
+
+    def __repr__(self) -> str:
+        return f"Unknown(type={self.type}, misc={self.misc:#x}, {len(self.payload)} bytes)"
+
+
+@dataclass(frozen=True, slots=True)
+class BadRecord:
+    """A record with a sane header whose body did not decode: counted, then skipped."""
+
+    type: int
+    misc: int
+    size: int
+    reason: str
+
+    @property
+    def time(self) -> None:
+        return None
+
+    @property
+    def cpu(self) -> None:
+        return None
+
+
+Record = (
+    Sample
+    | Mmap
+    | Mmap2
+    | Comm
+    | Fork
+    | Exit
+    | Lost
+    | LostSamples
+    | Throttle
+    | FinishedRound
+    | Unknown
+    | BadRecord
+)
+
+
+def record_type_name(rec: Record) -> str:
+    """Upper-case perf name of a record value (``SAMPLE``, ``MMAP2``, ``UNKNOWN`` ...)."""
+    if isinstance(rec, Throttle):
+        return "UNTHROTTLE" if rec.unthrottle else "THROTTLE"
+    if isinstance(rec, Unknown):
+        try:
+            return RecordType(rec.type).name
+        except ValueError:
+            return f"TYPE_{rec.type}"
+    return _TYPE_NAMES[type(rec)]
+
+
+_TYPE_NAMES: dict[type, str] = {
+    Sample: "SAMPLE",
+    Mmap: "MMAP",
+    Mmap2: "MMAP2",
+    Comm: "COMM",
+    Fork: "FORK",
+    Exit: "EXIT",
+    Lost: "LOST",
+    LostSamples: "LOST_SAMPLES",
+    FinishedRound: "FINISHED_ROUND",
+    BadRecord: "BAD_RECORD",
+}
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@dataclass
+class DecodeStats:
+    """What a decoder has seen: records by type name, errors by reason."""
+
+    records: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def error_count(self) -> int:
+        return sum(self.errors.values())
+
+
+def _cstr(buf: bytes | memoryview, start: int, end: int) -> str:
+    raw = bytes(buf[start:end])
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        raw = raw[:nul]
+    return raw.decode("utf-8", "surrogateescape")
+
+
+class RecordDecoder:
+    """Turns a buffer of whole perf records into record values, for one or more event formats.
+
+    With several formats (a perf.data file with several attrs), each record's event id picks
+    the format, located the way perf does it (``id_pos``/``is_pos``, which must agree across
+    formats); ``ids`` maps every id to its format's index.
+    """
+
+    def __init__(
+        self,
+        formats: Sequence[EventFormat],
+        ids: dict[int, int] | None = None,
+    ) -> None:
+        if not formats:
+            raise ValueError("at least one event format is needed")
+        self.formats = tuple(formats)
+        self.ids = dict(ids or {})
+        self.stats = DecodeStats()
+        self._default = self.formats[0]
+        self._regs_count = [bin(f.sample_regs_user).count("1") for f in self.formats]
+        self._intr_count = [bin(f.sample_regs_intr).count("1") for f in self.formats]
+        # perf refuses mixed id positions (evlist__valid_sample_type); we do the same by
+        # falling back to the first format when they disagree.
+        self._id_pos = self._default.id_pos
+        self._is_pos = self._default.is_pos
+        if len(self.formats) > 1 and any(
+            f.id_pos != self._id_pos or f.is_pos != self._is_pos for f in self.formats
+        ):
+            self._id_pos = self._is_pos = -1
+
+    # -- format selection
+
+    def _format_for_sample(self, body: memoryview) -> int:
+        if len(self.formats) == 1 or self._id_pos < 0:
+            return 0
+        off = self._id_pos * 8
+        if off + 8 > len(body):
+            return 0
+        (eid,) = _U64.unpack_from(body, off)
+        return self.ids.get(eid, 0)
+
+    def _format_for_other(self, body: memoryview) -> int:
+        if len(self.formats) == 1 or self._is_pos < 0:
+            return 0
+        off = len(body) - self._is_pos * 8
+        if off < 0:
+            return 0
+        (eid,) = _U64.unpack_from(body, off)
+        return self.ids.get(eid, 0)
+
+    # -- entry points
+
+    def decode(self, buf: bytes | bytearray | memoryview) -> Iterator[Record]:
+        """Yield one value per record in ``buf`` (whole records, back to back)."""
+        mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+        n = len(mv)
+        off = 0
+        while off < n:
+            if n - off < HEADER_SIZE:
+                self.stats.errors["truncated"] += 1
+                return
+            rtype, misc, size = _HDR.unpack_from(mv, off)
+            if size < HEADER_SIZE or off + size > n:
+                self.stats.errors["truncated" if size >= HEADER_SIZE else "bad_size"] += 1
+                return
+            yield self.decode_one(rtype, misc, mv[off + HEADER_SIZE : off + size])
+            off += size
+
+    def decode_one(self, rtype: int, misc: int, body: memoryview) -> Record:
+        """Decode one record's body (the bytes after its header)."""
+        try:
+            rec = self._decode(rtype, misc, body)
+        except (DecodeError, struct.error, IndexError, UnicodeError, ValueError) as e:
+            reason = str(e) if isinstance(e, DecodeError) else "short_body"
+            self.stats.errors[reason] += 1
+            return BadRecord(rtype, misc, len(body) + HEADER_SIZE, reason)
+        self.stats.records[record_type_name(rec)] += 1
+        return rec
+
+    # -- per type
+
+    def _decode(self, rtype: int, misc: int, body: memoryview) -> Record:
+        if rtype == RecordType.SAMPLE:
+            return self._sample(misc, body)
+        if rtype == RecordType.FINISHED_ROUND:
+            return FinishedRound(misc)
+        if rtype >= RecordType.HEADER_ATTR:
+            # perf's own synthesized records never carry a sample_id trailer.
+            return Unknown(rtype, misc, bytes(body))
+        fmt_idx = self._format_for_other(body)
+        fmt = self.formats[fmt_idx]
+        sid_size = fmt.sample_id_size
+        if sid_size > len(body):
+            raise DecodeError("short_sample_id")
+        end = len(body) - sid_size
+        sid = self._sample_id(fmt, body, end) if sid_size else NO_SAMPLE_ID
+        if rtype == RecordType.MMAP2:
+            return self._mmap2(misc, body, end, sid)
+        if rtype == RecordType.MMAP:
+            if end < _MMAP_FIXED.size:
+                raise DecodeError("short_body")
+            pid, tid, addr, length, pgoff = _MMAP_FIXED.unpack_from(body, 0)
+            return Mmap(misc, pid, tid, addr, length, pgoff, _cstr(body, 32, end), sid)
+        if rtype == RecordType.COMM:
+            if end < 8:
+                raise DecodeError("short_body")
+            pid, tid = _2U32.unpack_from(body, 0)
+            return Comm(misc, pid, tid, _cstr(body, 8, end), sid)
+        if rtype in (RecordType.FORK, RecordType.EXIT):
+            if end < _FORK.size:
+                raise DecodeError("short_body")
+            pid, ppid, tid, ptid, time = _FORK.unpack_from(body, 0)
+            cls = Fork if rtype == RecordType.FORK else Exit
+            return cls(misc, pid, ppid, tid, ptid, time, sid)
+        if rtype == RecordType.LOST:
+            if end < 16:
+                raise DecodeError("short_body")
+            eid, lost = struct.unpack_from("<QQ", body, 0)
+            return Lost(misc, eid, lost, sid)
+        if rtype == RecordType.LOST_SAMPLES:
+            if end < 8:
+                raise DecodeError("short_body")
+            (lost,) = _U64.unpack_from(body, 0)
+            return LostSamples(misc, lost, sid)
+        if rtype in (RecordType.THROTTLE, RecordType.UNTHROTTLE):
+            if end < 24:
+                raise DecodeError("short_body")
+            time, eid, stream = _3U64.unpack_from(body, 0)
+            return Throttle(misc, rtype == RecordType.UNTHROTTLE, time, eid, stream, sid)
+        return Unknown(rtype, misc, bytes(body[:end]), sid)
+
+    @staticmethod
+    def _sample_id(fmt: EventFormat, body: memoryview, off: int) -> SampleId:
+        st = fmt.sample_type
+        pid = tid = time = eid = stream = cpu = None
+        if st & SampleType.TID:
+            pid, tid = _2U32.unpack_from(body, off)
+            off += 8
+        if st & SampleType.TIME:
+            (time,) = _U64.unpack_from(body, off)
+            off += 8
+        if st & SampleType.ID:
+            (eid,) = _U64.unpack_from(body, off)
+            off += 8
+        if st & SampleType.STREAM_ID:
+            (stream,) = _U64.unpack_from(body, off)
+            off += 8
+        if st & SampleType.CPU:
+            (cpu,) = _U32.unpack_from(body, off)
+            off += 8
+        if st & SampleType.IDENTIFIER:
+            (eid,) = _U64.unpack_from(body, off)
+        return SampleId(pid, tid, time, eid, stream, cpu)
+
+    @staticmethod
+    def _mmap2(misc: int, body: memoryview, end: int, sid: SampleId) -> Mmap2:
+        #   u32 pid, tid; u64 addr, len, pgoff;                         (32 bytes)
+        #   union { struct { u32 maj, min; u64 ino, ino_generation; };
+        #           struct { u8 build_id_size, __reserved_1; u16 __reserved_2;
+        #                    u8 build_id[20]; }; }                      (24 bytes)
+        #   u32 prot, flags; char filename[];
+        if end < 64:
+            raise DecodeError("short_body")
+        pid, tid, addr, length, pgoff = _MMAP_FIXED.unpack_from(body, 0)
+        maj = mnr = ino = gen = None
+        build_id = None
+        if misc & MISC_MMAP_BUILD_ID:
+            bsize = body[32]
+            if bsize > 20:
+                raise DecodeError("bad_build_id_size")
+            build_id = bytes(body[36 : 36 + bsize])
+        else:
+            maj, mnr, ino, gen = _MMAP2_INODE.unpack_from(body, 32)
+        prot, flags = _MMAP2_PROT.unpack_from(body, 56)
+        name = _cstr(body, 64, end)
+        return Mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen, build_id, prot,
+                     flags, name, sid)  # fmt: skip
+
+    def _sample(self, misc: int, body: memoryview) -> Sample:
+        fi = self._format_for_sample(body)
+        fmt = self.formats[fi]
+        st = fmt.sample_type
+        n = len(body)
+        off = 0
+        ip = pid = tid = time = eid = cpu = period = addr = None
+
+        def u64() -> int:
+            nonlocal off
+            if off + 8 > n:
+                raise DecodeError("short_body")
+            (v,) = _U64.unpack_from(body, off)
+            off += 8
+            return int(v)
+
+        if st & SampleType.IDENTIFIER:
+            eid = u64()
+        if st & SampleType.IP:
+            ip = u64()
+        if st & SampleType.TID:
+            v = u64()
+            pid, tid = v & 0xFFFFFFFF, v >> 32
+        if st & SampleType.TIME:
+            time = u64()
+        if st & SampleType.ADDR:
+            addr = u64()
+        if st & SampleType.ID:
+            eid = u64()
+        if st & SampleType.STREAM_ID:
+            u64()
+        if st & SampleType.CPU:
+            cpu = u64() & 0xFFFFFFFF
+        if st & SampleType.PERIOD:
+            period = u64()
+        if st & SampleType.READ:
+            rf = fmt.read_format
+            if rf & ReadFormat.GROUP:
+                nr = u64()
+                per = 1 + bool(rf & ReadFormat.ID) + bool(rf & ReadFormat.LOST)
+                skip = (bool(rf & ReadFormat.TOTAL_TIME_ENABLED)
+                        + bool(rf & ReadFormat.TOTAL_TIME_RUNNING) + nr * per)  # fmt: skip
+            else:
+                skip = 1 + sum(bool(rf & b) for b in (ReadFormat.TOTAL_TIME_ENABLED,
+                               ReadFormat.TOTAL_TIME_RUNNING, ReadFormat.ID, ReadFormat.LOST))  # fmt: skip
+            off += 8 * skip
+            if off > n:
+                raise DecodeError("short_body")
+        callchain: tuple[int, ...] = ()
+        if st & SampleType.CALLCHAIN:
+            nr = u64()
+            if off + 8 * nr > n:
+                raise DecodeError("bad_callchain_nr")
+            callchain = struct.unpack_from(f"<{nr}Q", body, off)
+            off += 8 * nr
+        if st & SampleType.RAW:
+            if off + 4 > n:
+                raise DecodeError("short_body")
+            (rsize,) = _U32.unpack_from(body, off)
+            off += 4 + rsize  # u32 size + data, padded by the kernel to keep u64 alignment
+            if off > n:
+                raise DecodeError("bad_raw_size")
+        if st & SampleType.BRANCH_STACK:
+            nr = u64()
+            if fmt.branch_sample_type & BRANCH_HW_INDEX:
+                u64()
+            off += 24 * nr
+            if fmt.branch_sample_type & BRANCH_COUNTERS:
+                off += 8 * nr
+            if off > n:
+                raise DecodeError("bad_branch_nr")
+        regs_abi = 0
+        regs: tuple[int, ...] = ()
+        if st & SampleType.REGS_USER:
+            regs_abi = u64()
+            if regs_abi:
+                cnt = self._regs_count[fi]
+                if off + 8 * cnt > n:
+                    raise DecodeError("short_regs")
+                regs = struct.unpack_from(f"<{cnt}Q", body, off)
+                off += 8 * cnt
+        stack = b""
+        stack_size = 0
+        if st & SampleType.STACK_USER:
+            stack_size = u64()
+            if stack_size:
+                if off + stack_size + 8 > n:
+                    raise DecodeError("bad_stack_size")
+                data_off = off
+                off += stack_size
+                dyn = u64()
+                if dyn > stack_size:
+                    raise DecodeError("bad_dyn_size")
+                stack = bytes(body[data_off : data_off + dyn])
+        # WEIGHT, DATA_SRC, TRANSACTION, REGS_INTR, ... follow; we do not use them.
+        return Sample(misc, pid, tid, time, cpu, ip, eid, period, callchain, regs_abi,
+                      fmt.sample_regs_user, regs, stack, stack_size, addr)  # fmt: skip
