@@ -1,0 +1,240 @@
+"""Command line: ``unwindd record`` (live capture), ``unwindd replay FILE`` (perf.data).
+
+Invariants:
+- Errors the user can fix (missing privilege, bad pid, unreadable or corrupt file, bad option)
+  end in one clear line on stderr and exit status 2, never a traceback.
+- SIGINT/SIGTERM stop a capture cleanly: the rings are drained and everything already recorded
+  is printed before exit (status 0).
+- With no subcommand, ``unwindd`` records the whole machine with the built-in defaults until
+  stopped, printing a status line to stderr every ``--status-interval`` seconds and the summary
+  at the end. (The long-running service with its socket API replaces this mode later.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TextIO
+
+from . import __version__
+from .capture import StreamPipeline, run_live
+from .output import record_to_json, render_summary
+from .records import Record
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="unwindd", description="Live stack-unwinding profiler for Linux."
+    )
+    p.add_argument("--version", action="version", version=f"unwindd {__version__}")
+    sub = p.add_subparsers(dest="command")
+
+    rec = sub.add_parser("record", help="sample live and print the record stream")
+    tgt = rec.add_mutually_exclusive_group()
+    tgt.add_argument("--pid", type=int, action="append", default=[], metavar="P",
+                     help="sample this pid (and its future children); repeatable")  # fmt: skip
+    tgt.add_argument("--all", action="store_true", help="sample every CPU (the default)")
+    tgt.add_argument("--cgroup", metavar="PATH", help="sample the tasks of a cgroup v2 directory")
+    rec.add_argument("--duration", type=_positive_float, metavar="S",
+                     help="stop after S seconds (default: until SIGINT/SIGTERM)")  # fmt: skip
+    _add_sampling_args(rec)
+    _add_output_args(rec)
+    rec.add_argument("--status-interval", type=_positive_float, default=None, metavar="S",
+                     help="print a status line to stderr every S seconds")  # fmt: skip
+
+    rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
+    rep.add_argument("file")
+    _add_output_args(rep)
+    return p
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--event", default="cpu-clock", help="software event (default cpu-clock)")
+    p.add_argument("--frequency", "-F", type=int, default=99, help="samples/s per CPU (99)")
+    p.add_argument("--stack-size", type=int, default=8192,
+                   help="user stack bytes copied per sample, multiple of 8, <= 65528 (8192)")  # fmt: skip
+    p.add_argument("--ring-pages", type=int, default=64,
+                   help="ring buffer data pages per CPU, a power of two (64)")  # fmt: skip
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("jsonl", "summary"), default="summary")
+    p.add_argument("--top", type=int, default=20, metavar="N",
+                   help="pids listed in the summary (0: all)")  # fmt: skip
+
+
+class _Output:
+    """Writes records as JSON lines, or nothing until the summary."""
+
+    def __init__(self, fmt: str, out: TextIO) -> None:
+        self.jsonl = fmt == "jsonl"
+        self.out = out
+
+    def __call__(self, recs: list[Record]) -> None:
+        if self.jsonl:
+            w = self.out.write
+            for rec in recs:
+                w(json.dumps(record_to_json(rec), separators=(",", ":")))
+                w("\n")
+            self.out.flush()
+
+
+def _fail(msg: str) -> int:
+    print(f"unwindd: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
+    from .perfcore import PerfOpenError, PerfSession, SamplingConfig, Target
+
+    if args.pid:
+        target = Target(pids=tuple(args.pid))
+    elif args.cgroup:
+        target = Target(cgroup=args.cgroup)
+    else:
+        target = Target(all_cpus=True)
+    try:
+        config = SamplingConfig(
+            event=args.event,
+            frequency=args.frequency,
+            stack_size=args.stack_size,
+            ring_pages=args.ring_pages,
+        )
+        session = PerfSession.open(target, config)
+    except (PerfOpenError, ValueError) as e:
+        return _fail(str(e))
+    stop = _install_stop_handlers()
+    pipeline = StreamPipeline.for_format(session.event_format)
+    sink = _Output(args.format, out)
+    started = time.monotonic()
+    on_tick = None
+    if args.status_interval:
+        on_tick = _status_printer(pipeline, started, args.status_interval)
+    with session:
+        session.enable()
+        run_live(session, pipeline, sink, duration=args.duration, should_stop=stop,
+                 on_tick=on_tick)  # fmt: skip
+        session.disable()
+        skipped = session.skipped_cpus
+        ring_errors = session.ring_errors
+    if args.format == "summary":
+        extra: dict[str, object] = {
+            "target": _describe(target),
+            "duration_s": round(time.monotonic() - started, 3),
+            "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
+            "ring_errors": ring_errors,
+        }
+        if skipped:
+            extra["skipped_cpus"] = ",".join(map(str, skipped))
+        out.write(render_summary(pipeline.stats, pipeline.decoder.stats,
+                                 pipeline.orderer.stats, extra, args.top or 1 << 30))  # fmt: skip
+    return 0
+
+
+def _describe(target: object) -> str:
+    pids = getattr(target, "pids", ())
+    if pids:
+        return "pids " + ",".join(map(str, pids))
+    cg = getattr(target, "cgroup", None)
+    return f"cgroup {cg}" if cg else "all CPUs"
+
+
+def _status_printer(pipeline: StreamPipeline, started: float, every: float) -> Callable[[], None]:
+    next_at = started + every
+
+    def tick() -> None:
+        nonlocal next_at
+        now = time.monotonic()
+        if now < next_at:
+            return
+        next_at = now + every
+        s = pipeline.stats
+        print(
+            f"unwindd: {now - started:.0f}s samples={s.by_type['SAMPLE']} "
+            f"records={sum(s.by_type.values())} lost={s.lost} lost_samples={s.lost_samples} "
+            f"throttled={s.throttled} decode_errors={pipeline.decoder.stats.error_count} "
+            f"late={pipeline.orderer.stats.late}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return tick
+
+
+def _install_stop_handlers() -> Callable[[], bool]:
+    stopped = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return lambda: stopped
+
+
+def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
+    from .perfdata import PerfData, PerfDataError
+
+    try:
+        src = sys.stdin.buffer if args.file == "-" else args.file
+        data = PerfData.open(src)
+    except (PerfDataError, OSError) as e:
+        return _fail(f"{args.file}: {e}")
+    sink = _Output(args.format, out)
+    with data:
+        pipeline = StreamPipeline(data.decoder)
+        batch: list[Record] = []
+        try:
+            for rec in pipeline.replay(data.records()):
+                batch.append(rec)
+                if len(batch) >= 4096:
+                    sink(batch)
+                    batch = []
+        except PerfDataError as e:
+            return _fail(f"{args.file}: {e}")
+        sink(batch)
+        if args.format == "summary":
+            extra: dict[str, object] = {
+                "file": args.file,
+                "mode": "pipe" if data.pipe_mode else "file",
+                "arch": data.arch or "?",
+                "events": ",".join(a.name or str(a.config) for a in data.attrs),
+            }
+            for reason, n in sorted(data.errors.items()):
+                extra[f"file error {reason}"] = n
+            out.write(render_summary(pipeline.stats, data.decoder.stats,
+                                     pipeline.orderer.stats, extra, args.top or 1 << 30))  # fmt: skip
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        # Built-in defaults: the whole machine, summary at the end, a status line every 10 s.
+        args = build_parser().parse_args(["record", "--all", "--status-interval", "10"])
+    out = sys.stdout
+    try:
+        if args.command == "record":
+            return cmd_record(args, out)
+        return cmd_replay(args, out)
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): not an error of ours.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

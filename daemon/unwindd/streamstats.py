@@ -1,0 +1,75 @@
+"""Counts over a record stream: what arrived, per type, per CPU and per pid, and what was lost.
+
+Invariants:
+- Sans-IO and order-insensitive: ``observe`` only adds to counters, so feeding the same records
+  in any order gives the same totals.
+- Loss is never inferred: LOST counts what the kernel said it dropped from a full ring
+  (``lost`` field), LOST_SAMPLES what it dropped before the ring, THROTTLE/UNTHROTTLE how often
+  the kernel throttled the event. All of them per CPU (``None`` when the record had no CPU).
+- Memory: O(types + CPUs + distinct pids). Cost per record: a few dict updates.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .records import (
+    BadRecord,
+    Comm,
+    Lost,
+    LostSamples,
+    Record,
+    Sample,
+    Throttle,
+    record_type_name,
+)
+
+
+@dataclass
+class StreamStats:
+    by_type: Counter[str] = field(default_factory=Counter)
+    by_cpu_type: dict[int | None, Counter[str]] = field(default_factory=dict)
+    samples_by_pid: Counter[int] = field(default_factory=Counter)
+    comm_by_pid: dict[int, str] = field(default_factory=dict)
+    lost_by_cpu: Counter[int | None] = field(default_factory=Counter)
+    lost_samples_by_cpu: Counter[int | None] = field(default_factory=Counter)
+    throttled_by_cpu: Counter[int | None] = field(default_factory=Counter)
+    unthrottled_by_cpu: Counter[int | None] = field(default_factory=Counter)
+    bad_records: Counter[str] = field(default_factory=Counter)
+
+    def observe(self, rec: Record, cpu: int | None = None) -> None:
+        """Count one record; ``cpu`` (the ring it came from) is used when the record has none."""
+        name = record_type_name(rec)
+        self.by_type[name] += 1
+        rcpu = rec.cpu if rec.cpu is not None else cpu
+        per = self.by_cpu_type.get(rcpu)
+        if per is None:
+            per = self.by_cpu_type[rcpu] = Counter()
+        per[name] += 1
+        if isinstance(rec, Sample):
+            if rec.pid is not None:
+                self.samples_by_pid[rec.pid] += 1
+        elif isinstance(rec, Comm):
+            if rec.pid == rec.tid or rec.pid not in self.comm_by_pid:
+                self.comm_by_pid[rec.pid] = rec.comm
+        elif isinstance(rec, Lost):
+            self.lost_by_cpu[rcpu] += rec.lost
+        elif isinstance(rec, LostSamples):
+            self.lost_samples_by_cpu[rcpu] += rec.lost
+        elif isinstance(rec, Throttle):
+            (self.unthrottled_by_cpu if rec.unthrottle else self.throttled_by_cpu)[rcpu] += 1
+        elif isinstance(rec, BadRecord):
+            self.bad_records[rec.reason] += 1
+
+    @property
+    def lost(self) -> int:
+        return sum(self.lost_by_cpu.values())
+
+    @property
+    def lost_samples(self) -> int:
+        return sum(self.lost_samples_by_cpu.values())
+
+    @property
+    def throttled(self) -> int:
+        return sum(self.throttled_by_cpu.values())
