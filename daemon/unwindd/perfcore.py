@@ -1,0 +1,500 @@
+"""Live perf sessions: the one Python module that talks to the native core (``unwindd._perfcore``).
+
+Invariants:
+- Only this module imports ``ffi``/``lib``. Arguments are checked here (``ValueError`` before any
+  syscall), every negative return code becomes an exception here (``PerfOpenError`` for opening,
+  ``OSError`` otherwise), and nothing cffi-typed leaves it: callers get ints, lists and bytes.
+- A session has one ring per CPU; ``fds[i]`` is that ring's pollable fd and ``cpus[i]`` its CPU.
+  Every other event opened for the CPU (one per task of a pid target) writes into that ring
+  (``PERF_EVENT_IOC_SET_OUTPUT``), so there is exactly one stream per CPU, time-ordered within
+  itself.
+- ``drain`` is one native call for all rings and returns only whole records, each chunk decodable
+  with ``records.RecordDecoder([session.event_format])``. Records it could not fit stay in their
+  ring for the next call, so nothing is lost by a small ``max_bytes``; only ring overflow loses
+  data, and the kernel reports that in-band as PERF_RECORD_LOST.
+- ``event_format`` is computed from the same C function that builds the attr
+  (``pc_sample_type``), so the decoder's idea of the layout cannot drift from the kernel's.
+- A failed ``open`` closes and unmaps everything it had opened before raising.
+
+Cost: ``open`` is O(CPUs x tasks) syscalls plus one mmap per CPU; ``drain`` is one cffi call
+(~0.3 us) plus one ``bytes`` copy per ring that had data, independent of the record count.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from . import abi, records
+from ._perfcore import ffi, lib
+
+# include/uapi/linux/perf_event.h: enum perf_type_id / perf_sw_ids, PERF_FLAG_PID_CGROUP.
+PERF_TYPE_SOFTWARE = 1
+PERF_COUNT_SW_CPU_CLOCK = 0
+PERF_COUNT_SW_TASK_CLOCK = 1
+PERF_FLAG_PID_CGROUP = 1 << 2
+
+EVENTS: dict[str, tuple[int, int]] = {
+    "cpu-clock": (PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK),
+    "task-clock": (PERF_TYPE_SOFTWARE, PERF_COUNT_SW_TASK_CLOCK),
+}
+
+MAX_STACK_SIZE = int(lib.PC_MAX_STACK_USER)
+# perf_event_header.size is a u16, so no record is larger than this; a drain buffer at least this
+# big can always take the next record of an otherwise empty output.
+MAX_RECORD_SIZE = 1 << 16
+MAX_RING_PAGES = 1 << 20
+
+
+class PerfOpenError(OSError):
+    """perf_event_open, its ioctls or the ring mmap failed; ``errno`` is the kernel's answer and
+    the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    event: str = "cpu-clock"
+    frequency: int = 99  # Hz, used when period is None
+    period: int | None = None
+    stack_size: int = 8192  # bytes of user stack per sample: 0..65528, multiple of 8
+    regs_mask: int = abi.X86_64_REGS_MASK
+    ring_pages: int = 64  # data pages per ring, a power of two
+    build_id: bool = True  # ask for build-id MMAP2 records (falls back to the inode form)
+
+    def validate(self) -> None:
+        """Raise ValueError for anything the kernel would refuse for a reason we can name now."""
+        if self.event not in EVENTS:
+            raise ValueError(f"unknown event {self.event!r}; supported: {', '.join(EVENTS)}")
+        if self.period is None:
+            if not 0 < self.frequency < 1 << 63:
+                raise ValueError(f"frequency must be > 0 Hz, got {self.frequency}")
+        elif not 0 < self.period < 1 << 63:
+            raise ValueError(f"period must be > 0, got {self.period}")
+        if not 0 <= self.stack_size <= MAX_STACK_SIZE or self.stack_size % 8:
+            raise ValueError(
+                f"stack_size must be a multiple of 8 in 0..{MAX_STACK_SIZE}, got {self.stack_size}"
+            )
+        if not 0 <= self.regs_mask < 1 << 64:
+            raise ValueError(f"regs_mask must be a 64-bit mask, got {self.regs_mask:#x}")
+        rp = self.ring_pages
+        if not 0 < rp <= MAX_RING_PAGES or rp & (rp - 1):
+            raise ValueError(f"ring_pages must be a power of two in 1..{MAX_RING_PAGES}, got {rp}")
+
+    def describe(self) -> str:
+        rate = f"period={self.period}" if self.period is not None else f"{self.frequency} Hz"
+        return (
+            f"event={self.event} {rate} stack_size={self.stack_size} "
+            f"regs_mask={self.regs_mask:#x} build_id={self.build_id}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to sample; exactly one field is set."""
+
+    all_cpus: bool = False
+    pids: tuple[int, ...] = ()
+    cgroup: str | None = None
+
+    def validate(self) -> None:
+        chosen = [self.all_cpus, bool(self.pids), self.cgroup is not None]
+        if sum(chosen) != 1:
+            raise ValueError("Target needs exactly one of all_cpus, pids, cgroup")
+        for pid in self.pids:
+            if not isinstance(pid, int) or not 0 < pid < 1 << 31:
+                raise ValueError(f"not a valid pid: {pid!r}")
+        if self.cgroup is not None and not self.cgroup:
+            raise ValueError("cgroup path is empty")
+
+
+# --------------------------------------------------------------------------- host facts
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """Parse the kernel's cpulist format, e.g. ``0-3,8,10-11``
+    (Documentation/ABI/testing/sysfs-devices-system-cpu)."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"bad cpu range {part!r}")
+        cpus.extend(range(first, last + 1))
+    return sorted(set(cpus))
+
+
+def online_cpus(sys_root: str = "/sys") -> list[int]:
+    with open(os.path.join(sys_root, "devices/system/cpu/online")) as f:
+        return parse_cpu_list(f.read())
+
+
+def _read_sysctl(name: str) -> str:
+    try:
+        with open(f"/proc/sys/kernel/{name}") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _expand_tasks(pids: Sequence[int], proc_root: str) -> tuple[list[int], set[int]]:
+    """Every thread of each pid (perf's thread_map__new_by_pid does the same: a per-task event
+    only follows the one task it is opened on and the children it creates later). Returns the
+    tids in order, given pids first, and the set of given pids (whose absence is an error;
+    a thread that exits before we open it is not)."""
+    tids: dict[int, None] = {}
+    for pid in pids:
+        tids[pid] = None
+        try:
+            names = os.listdir(os.path.join(proc_root, str(pid), "task"))
+        except OSError:
+            continue  # gone, or a tid: perf_event_open will say ESRCH if it does not exist
+        for name in sorted(names, key=lambda n: int(n) if n.isdigit() else 0):
+            if name.isdigit():
+                tids[int(name)] = None
+    return list(tids), set(pids)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _open_error(
+    err: int, what: str, config: SamplingConfig, *, nfds: int = 0, per_cpu: bool = True
+) -> PerfOpenError:
+    """Turn -errno from perf_event_open/mmap/ioctl into an error that says what to change."""
+    if err in (errno.EACCES, errno.EPERM):
+        need = 0 if per_cpu else 1
+        msg = (
+            f"perf_event_open({what}) denied: needs CAP_PERFMON (or CAP_SYS_ADMIN), or "
+            f"kernel.perf_event_paranoid <= {need} for this target with kernel callchains "
+            f"(currently {_read_sysctl('perf_event_paranoid')})"
+        )
+    elif err in (errno.EMFILE, errno.ENFILE):
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        msg = (
+            f"perf_event_open({what}): out of file descriptors; this target needs {nfds} perf "
+            f"fds (RLIMIT_NOFILE soft limit is {soft}); raise it (ulimit -n, LimitNOFILE=)"
+        )
+    elif err == errno.EINVAL:
+        msg = (
+            f"perf_event_open({what}): unsupported perf_event_attr: {config.describe()} "
+            f"(kernel.perf_event_max_sample_rate={_read_sysctl('perf_event_max_sample_rate')}; "
+            f"x86_64 user regs allow {abi.X86_64_REGS_MASK:#x}; stack_size <= {MAX_STACK_SIZE})"
+        )
+    elif err == errno.ESRCH:
+        msg = f"perf_event_open({what}): no such process"
+    elif err in (errno.ENOENT, errno.ENODEV):
+        msg = f"perf_event_open({what}): CPU or event not available ({config.event})"
+    elif err in (errno.EOPNOTSUPP, errno.ENOTSUP):
+        msg = f"perf_event_open({what}): {config.event} does not support this sampling mode"
+    elif err == errno.EBADF:
+        msg = f"perf_event_open({what}): not a cgroup directory of the perf_event hierarchy"
+    elif err == errno.E2BIG:
+        msg = f"perf_event_open({what}): kernel does not know this perf_event_attr size"
+    elif err == errno.EBUSY:
+        msg = f"perf_event_open({what}): the PMU is in exclusive use by another event"
+    else:
+        msg = f"perf_event_open({what}): {os.strerror(err)}"
+    return PerfOpenError(err, msg)
+
+
+# --------------------------------------------------------------------------- session
+
+
+class PerfSession:
+    """Opened, mapped (and initially disabled) perf events for one target; a context manager.
+
+    Not thread-safe: drain from one thread (or the event loop) at a time.
+    """
+
+    fds: list[int]
+    cpus: list[int]
+    event_format: records.EventFormat
+    build_id_mmap2: bool
+    skipped_cpus: list[int]
+
+    def __init__(
+        self,
+        rings: Any,
+        cpus: list[int],
+        fds: list[int],
+        all_fds: list[int],
+        event_format: records.EventFormat,
+        build_id_mmap2: bool,
+        skipped_cpus: list[int],
+    ) -> None:
+        """Use ``PerfSession.open``; this takes ownership of already opened native state."""
+        self._rings = rings
+        self._nrings = len(fds)
+        self._all_fds = all_fds
+        self._sizes = ffi.new("uint64_t[]", max(1, self._nrings))
+        self._out: Any = None
+        self._out_cap = 0
+        self._start = 0
+        self._closed = False
+        self._final_errors = 0
+        self.fds = fds
+        self.cpus = cpus
+        self.event_format = event_format
+        self.build_id_mmap2 = build_id_mmap2
+        self.skipped_cpus = skipped_cpus
+
+    # -- opening
+
+    @classmethod
+    def open(
+        cls,
+        target: Target,
+        config: SamplingConfig = SamplingConfig(),  # frozen, so sharing it is safe
+        *,
+        cpus: Sequence[int] | None = None,
+        proc_root: str = "/proc",
+    ) -> PerfSession:
+        """Open one ring per online CPU (or per CPU in ``cpus``) for ``target``.
+
+        Offline CPUs (ENODEV/ENOENT) are skipped and listed in ``skipped_cpus``; if none opens,
+        PerfOpenError. The events start disabled: call ``enable``."""
+        target.validate()
+        config.validate()
+        cpu_list = list(cpus) if cpus is not None else online_cpus()
+        if not cpu_list:
+            raise ValueError("no CPUs to open")
+        etype, econfig = EVENTS[config.event]
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def attr(sideband: bool, inherit: bool) -> Any:
+            c = ffi.new("pc_attr_config *")
+            c.type = etype
+            c.config = econfig
+            c.sample_freq = config.frequency if config.period is None else 0
+            c.sample_period = config.period or 0
+            c.sample_regs_user = config.regs_mask
+            c.sample_stack_user = config.stack_size
+            # Wake poll() at a quarter of the ring: late enough to batch many records per drain,
+            # early enough that three quarters remain for the drain latency before LOST.
+            c.wakeup_watermark = config.ring_pages * page // 4
+            c.sideband = int(sideband)
+            c.build_id = int(config.build_id)
+            c.inherit = int(inherit)
+            return c
+
+        tasks: list[int] = []
+        given: set[int] = set()
+        pid_mode = bool(target.pids)
+        if pid_mode:
+            tasks, given = _expand_tasks(target.pids, proc_root)
+        n_fds = len(cpu_list) * max(1, len(tasks))
+
+        cg_fd = -1
+        if target.cgroup is not None:
+            try:
+                cg_fd = os.open(target.cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise PerfOpenError(
+                    errno.ENOENT, f"cgroup {target.cgroup!r} does not exist"
+                ) from None
+            except NotADirectoryError:
+                raise PerfOpenError(
+                    errno.ENOTDIR, f"cgroup {target.cgroup!r} is not a directory"
+                ) from None
+            except OSError as e:
+                raise PerfOpenError(e.errno or errno.EIO, f"cgroup {target.cgroup!r}: {e}") from e
+
+        rings = ffi.new("pc_ring[]", len(cpu_list))
+        nrings = 0
+        fds: list[int] = []
+        ring_cpus: list[int] = []
+        all_fds: list[int] = []
+        skipped: list[int] = []
+        granted: list[bool] = []
+        bid = ffi.new("int *")
+        sb_attr = attr(sideband=True, inherit=pid_mode)
+
+        def cleanup() -> None:
+            for i in range(nrings):
+                lib.pc_ring_unmap(ffi.addressof(rings, i))
+            for fd in all_fds:
+                lib.pc_close(fd)
+
+        try:
+            for cpu in cpu_list:
+                if pid_mode:
+                    ring_fd = -1
+                    for tid in tasks:
+                        # Side-band on every task's event: kernel/events/core.c perf_iterate_sb
+                        # reports MMAP/COMM/FORK to the *current task's* context only, so an
+                        # event of another task would never see them; each (task, cpu) event is
+                        # the only one in its context for this CPU, so nothing is duplicated.
+                        fd = int(lib.pc_open(sb_attr, tid, cpu, -1, 0, bid))
+                        if fd == -errno.ESRCH and tid not in given:
+                            continue  # a thread that exited since we listed it
+                        if fd in (-errno.ENODEV, -errno.ENOENT) and ring_fd < 0:
+                            break
+                        if fd < 0:
+                            what = f"pid={tid}, cpu={cpu}"
+                            if fd == -errno.ESRCH:
+                                raise PerfOpenError(
+                                    errno.ESRCH,
+                                    f"pid {tid} does not exist (perf_event_open "
+                                    f"said ESRCH for {what})",
+                                )
+                            raise _open_error(-fd, what, config, nfds=n_fds, per_cpu=False)
+                        all_fds.append(fd)
+                        granted.append(bool(bid[0]))
+                        if ring_fd < 0:
+                            ring_fd = fd
+                            continue
+                        # tools/lib/perf/evlist.c mmap_per_cpu: one ring per CPU, the other
+                        # events of that CPU redirected into it (same CPU, same clock).
+                        rc = int(lib.pc_set_output(fd, ring_fd))
+                        if rc < 0:
+                            raise _open_error(-rc, f"SET_OUTPUT pid={tid}, cpu={cpu}", config)
+                    if ring_fd < 0:
+                        skipped.append(cpu)
+                        continue
+                    fd = ring_fd
+                else:
+                    pid, flags = (-1, 0) if cg_fd < 0 else (cg_fd, PERF_FLAG_PID_CGROUP)
+                    fd = int(lib.pc_open(sb_attr, pid, cpu, -1, flags, bid))
+                    what = f"cpu={cpu}" if cg_fd < 0 else f"cgroup={target.cgroup}, cpu={cpu}"
+                    if fd in (-errno.ENODEV, -errno.ENOENT):
+                        skipped.append(cpu)
+                        continue
+                    if fd < 0:
+                        raise _open_error(-fd, what, config, nfds=n_fds, per_cpu=True)
+                    all_fds.append(fd)
+                    granted.append(bool(bid[0]))
+                rc = int(lib.pc_ring_map(ffi.addressof(rings, nrings), fd, cpu, config.ring_pages))
+                if rc < 0:
+                    raise PerfOpenError(
+                        -rc,
+                        f"mmap of the cpu {cpu} ring ({config.ring_pages} data pages) failed: "
+                        f"{os.strerror(-rc)}; lower ring_pages or raise "
+                        f"kernel.perf_event_mlock_kb (now {_read_sysctl('perf_event_mlock_kb')})",
+                    )
+                nrings += 1
+                fds.append(fd)
+                ring_cpus.append(cpu)
+            if not nrings:
+                raise PerfOpenError(
+                    errno.ENODEV,
+                    f"no CPU could be opened (tried {cpu_list}; all offline or absent)",
+                )
+        except BaseException:
+            cleanup()
+            raise
+        finally:
+            if cg_fd >= 0:
+                os.close(cg_fd)  # the events hold their own reference to the cgroup
+
+        fmt = records.EventFormat(
+            sample_type=int(lib.pc_sample_type(sb_attr)),
+            sample_regs_user=config.regs_mask,
+            sample_id_all=True,
+            name=config.event,
+        )
+        return cls(rings, ring_cpus, fds, all_fds, fmt, all(granted), skipped)
+
+    # -- control
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("PerfSession is closed")
+
+    def _ioctl_all(self, fn: Any, name: str) -> None:
+        self._check_open()
+        for fd in self._all_fds:
+            rc = int(fn(fd))
+            if rc < 0:
+                raise OSError(-rc, f"PERF_EVENT_IOC_{name} on fd {fd}: {os.strerror(-rc)}")
+
+    def enable(self) -> None:
+        self._ioctl_all(lib.pc_enable, "ENABLE")
+
+    def disable(self) -> None:
+        self._ioctl_all(lib.pc_disable, "DISABLE")
+
+    # -- data
+
+    def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
+        """Copy whole records out of every ring in one native call: ``[(cpu, bytes)]`` for the
+        rings that had data. At most ``max_bytes`` in total (>= 64 KiB so any record fits);
+        what does not fit stays queued. The ring visited first rotates between calls so a busy
+        CPU cannot starve the others when the output fills."""
+        self._check_open()
+        if max_bytes < MAX_RECORD_SIZE:
+            raise ValueError(f"max_bytes must be >= {MAX_RECORD_SIZE}, got {max_bytes}")
+        if max_bytes > self._out_cap:
+            self._out = ffi.new("unsigned char[]", max_bytes)
+            self._out_cap = max_bytes
+        n = self._nrings
+        start = self._start
+        total = int(lib.pc_drain(self._rings, n, start, self._out, max_bytes, self._sizes))
+        if total < 0:
+            raise OSError(-total, f"pc_drain: {os.strerror(-total)}")
+        self._start = (start + 1) % n
+        if not total:
+            return []
+        buf = ffi.buffer(self._out, total)
+        out: list[tuple[int, bytes]] = []
+        pos = 0
+        for k in range(n):
+            i = (start + k) % n
+            size = int(self._sizes[i])
+            if size:
+                out.append((self.cpus[i], buf[pos : pos + size]))
+                pos += size
+        return out
+
+    def pending(self) -> list[int]:
+        """Unread bytes per ring (same order as ``fds``), without consuming anything."""
+        self._check_open()
+        return [
+            int(lib.pc_ring_pending(ffi.addressof(self._rings, i))) for i in range(self._nrings)
+        ]
+
+    @property
+    def ring_errors(self) -> int:
+        """Corrupt ring headers seen (each one discarded its ring's unread bytes)."""
+        if self._closed:
+            return self._final_errors
+        return sum(int(self._rings[i].errors) for i in range(self._nrings))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmap every ring and close every fd. Idempotent."""
+        if self._closed:
+            return
+        self._final_errors = self.ring_errors
+        self._closed = True
+        for i in range(self._nrings):
+            lib.pc_ring_unmap(ffi.addressof(self._rings, i))
+        for fd in self._all_fds:
+            lib.pc_close(fd)
+
+    def __enter__(self) -> PerfSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self._nrings} rings"
+        return (
+            f"PerfSession({state}, cpus={self.cpus}, {self.event_format!r}, "
+            f"build_id_mmap2={self.build_id_mmap2}, skipped_cpus={self.skipped_cpus})"
+        )
