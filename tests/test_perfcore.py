@@ -1,0 +1,506 @@
+"""unwindd.perfcore against the real kernel: sessions on real processes, decoded with
+``records.RecordDecoder([session.event_format])``, checked against ground truth the target
+itself announces (tests/native/busy.c prints its pid and the address of a stack slot holding a
+magic value while it spins).
+
+Layers (STYLE.md 8): argument checks and error messages; one system-wide session around a child
+that execs and exits (samples, MMAP2, COMM exec, EXIT, their order); a pid session with inherit
+that must see a grandchild forked after it opened; a cgroup v2 session; the output-full path
+of drain on real rings. Needs root (or CAP_PERFMON), cgroup v2 and gcc, all present on the dev
+machine; nothing here is skipped.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+from unwindd import abi, records
+from unwindd.perfcore import (
+    PerfOpenError,
+    PerfSession,
+    SamplingConfig,
+    Target,
+    online_cpus,
+    parse_cpu_list,
+)
+
+HERE = pathlib.Path(__file__).resolve().parent
+BUSY_SRC = HERE / "native" / "busy.c"
+MAGIC = 0xFEEDFACECAFEBEEF
+SP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(7)  # perf_regs.h: PERF_REG_X86_SP = 7
+IP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(8)  # PERF_REG_X86_IP = 8
+PROT_EXEC = 4
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="session")
+def busy(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "gcc is needed to build the sampling target"
+    exe = tmp_path_factory.mktemp("busy").resolve() / "busy"
+    subprocess.run([cc, "-O1", "-g", "-o", str(exe), str(BUSY_SRC)], check=True)
+    return exe
+
+
+def build_id_of(path: pathlib.Path) -> bytes:
+    out = subprocess.run(["readelf", "-n", str(path)], check=True, capture_output=True, text=True)
+    m = re.search(r"Build ID: ([0-9a-f]+)", out.stdout)
+    assert m, out.stdout
+    return bytes.fromhex(m.group(1))
+
+
+@dataclass
+class Announce:
+    pid: int
+    local: int  # address of the stack slot holding MAGIC
+
+
+def read_announce(proc: subprocess.Popen[bytes]) -> Announce:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    m = re.fullmatch(r"pid=(\d+) local=0x([0-9a-f]+)\n", line)
+    assert m, f"unexpected announce line {line!r}"
+    return Announce(int(m.group(1)), int(m.group(2), 16))
+
+
+@dataclass
+class Capture:
+    per_cpu: dict[int, list[records.Record]]
+    decoder: records.RecordDecoder
+
+    def all(self) -> Iterator[records.Record]:
+        for recs in self.per_cpu.values():
+            yield from recs
+
+    def samples(self, pid: int | None = None) -> list[records.Sample]:
+        out = [r for r in self.all() if isinstance(r, records.Sample)]
+        return [s for s in out if pid is None or s.pid == pid]
+
+
+def collect(session: PerfSession, done: Callable[[], bool], timeout: float = 10.0) -> Capture:
+    """Drain every 5 ms until ``done()`` (checked *before* a drain, so the drain after it sees
+    everything written up to then) or the timeout."""
+    dec = records.RecordDecoder([session.event_format])
+    per_cpu: dict[int, list[records.Record]] = defaultdict(list)
+    deadline = time.monotonic() + timeout
+    while True:
+        finished = done()
+        for cpu, chunk in session.drain():
+            assert len(chunk) % 8 == 0
+            per_cpu[cpu].extend(dec.decode(chunk))
+        if finished:
+            break
+        assert time.monotonic() < deadline, "target did not finish in time"
+        time.sleep(0.005)
+    assert session.ring_errors == 0
+    assert dec.stats.error_count == 0, dec.stats
+    return Capture(dict(per_cpu), dec)
+
+
+def check_sample_shape(s: records.Sample, config: SamplingConfig) -> None:
+    """What every sample of a user task must look like under ``config``."""
+    assert s.regs_abi == abi.REGS_ABI_64
+    assert len(s.regs) == bin(config.regs_mask).count("1")
+    assert s.stack_size == config.stack_size
+    assert 0 < s.dyn_size <= s.stack_size
+    if s.cpumode == abi.MISC_USER:
+        assert s.ip == s.regs[IP]  # a user-mode sample's ip is the interrupted user ip
+        assert s.callchain == ()  # exclude_callchain_user, and no kernel part in user mode
+
+
+def check_magic(s: records.Sample, ann: Announce) -> None:
+    """A sample inside spin(): the stack copy starts at sp and holds MAGIC at &magic."""
+    sp = s.regs[SP]
+    assert sp <= ann.local < sp + s.dyn_size, (hex(sp), hex(ann.local), s.dyn_size)
+    off = ann.local - sp
+    assert struct.unpack_from("<Q", s.stack, off)[0] == MAGIC
+
+
+def exec_range(cap: Capture, pid: int, path: pathlib.Path) -> list[records.Mmap2]:
+    return [
+        r
+        for r in cap.all()
+        if isinstance(r, records.Mmap2)
+        and r.pid == pid
+        and r.filename == str(path)
+        and r.prot & PROT_EXEC
+    ]
+
+
+def in_maps(ip: int, maps: list[records.Mmap2]) -> bool:
+    return in_ranges(ip, [(m.start, m.start + m.length) for m in maps])
+
+
+def in_ranges(ip: int, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= ip < hi for lo, hi in ranges)
+
+
+def proc_text_ranges(pid: int, path: pathlib.Path) -> list[tuple[int, int]]:
+    """Executable mappings of ``path`` in /proc/<pid>/maps (proc(5))."""
+    out = []
+    for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path) and "x" in fields[1]:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    assert out, f"{path} not mapped executable in pid {pid}"
+    return out
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def test_parse_cpu_list() -> None:
+    assert parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert parse_cpu_list("0") == [0]
+    assert parse_cpu_list("") == []
+    with pytest.raises(ValueError):
+        parse_cpu_list("3-1")
+    assert online_cpus() == parse_cpu_list(
+        pathlib.Path("/sys/devices/system/cpu/online").read_text()
+    )
+
+
+def missing_pid() -> int:
+    pid_max = int(pathlib.Path("/proc/sys/kernel/pid_max").read_text())
+    for pid in range(pid_max - 1, 1, -1):
+        if not os.path.exists(f"/proc/{pid}"):
+            return pid
+    raise AssertionError("no free pid")
+
+
+@pytest.mark.parametrize("stack_size", [12, 65536, 65528 + 8, -8])
+def test_bad_stack_size_is_refused_before_any_syscall(stack_size: int) -> None:
+    # A missing pid would make perf_event_open fail with ESRCH: a ValueError proves we never
+    # got that far.
+    with pytest.raises(ValueError, match="stack_size"):
+        PerfSession.open(Target(pids=(missing_pid(),)), SamplingConfig(stack_size=stack_size))
+
+
+@pytest.mark.parametrize(
+    ("config", "pattern"),
+    [
+        (SamplingConfig(event="cycles"), "unknown event 'cycles'"),
+        (SamplingConfig(ring_pages=3), "ring_pages"),
+        (SamplingConfig(ring_pages=0), "ring_pages"),
+        (SamplingConfig(frequency=0), "frequency"),
+        (SamplingConfig(period=0), "period"),
+        (SamplingConfig(regs_mask=1 << 64), "regs_mask"),
+    ],
+)
+def test_bad_config(config: SamplingConfig, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        PerfSession.open(Target(all_cpus=True), config)
+
+
+@pytest.mark.parametrize(
+    "target",
+    [Target(), Target(all_cpus=True, pids=(1,)), Target(pids=(0,)), Target(cgroup="")],
+)
+def test_bad_target(target: Target) -> None:
+    with pytest.raises(ValueError):
+        PerfSession.open(target)
+
+
+def test_nonexistent_pid() -> None:
+    pid = missing_pid()
+    with pytest.raises(PerfOpenError, match=f"pid {pid} does not exist") as ei:
+        PerfSession.open(Target(pids=(pid,)))
+    assert ei.value.errno == errno.ESRCH
+    assert isinstance(ei.value, OSError)
+
+
+def test_nonexistent_cgroup(tmp_path: pathlib.Path) -> None:
+    path = f"/sys/fs/cgroup/unwindd-no-such-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(PerfOpenError, match="does not exist") as ei:
+        PerfSession.open(Target(cgroup=path))
+    assert ei.value.errno == errno.ENOENT and path in str(ei.value)
+    # A directory that is not a cgroup: the kernel says EBADF (perf_cgroup_connect).
+    with pytest.raises(PerfOpenError, match="not a cgroup directory") as ei:
+        PerfSession.open(Target(cgroup=str(tmp_path)))
+    assert ei.value.errno == errno.EBADF
+
+
+def test_unsupported_attr_names_what_was_asked() -> None:
+    # DS is not a 64-bit user register (arch/x86/kernel/perf_regs.c: REG_NOSUPPORT).
+    mask = abi.X86_64_REGS_MASK | 1 << 12
+    with pytest.raises(PerfOpenError, match="unsupported perf_event_attr") as ei:
+        PerfSession.open(Target(all_cpus=True), SamplingConfig(regs_mask=mask))
+    assert ei.value.errno == errno.EINVAL and f"regs_mask={mask:#x}" in str(ei.value)
+    # Above kernel.perf_event_max_sample_rate (perf_event_open: sample_freq > sysctl -> EINVAL).
+    with pytest.raises(PerfOpenError, match="perf_event_max_sample_rate=") as ei:
+        PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=10**9))
+    assert "1000000000 Hz" in str(ei.value)
+
+
+def _run_as_child(code: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "daemon"))
+    return subprocess.run(
+        [*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env
+    )
+
+
+def test_permission_error_explains_what_is_needed() -> None:
+    code = (
+        "from unwindd.perfcore import *\n"
+        "try:\n"
+        "    PerfSession.open(Target(all_cpus=True))\n"
+        "except PerfOpenError as e:\n"
+        "    print(e.errno, e)\n"
+    )
+    # Root without capabilities (empty bounding set, so exec grants none): what an
+    # unprivileged daemon user sees, while still able to read this checkout.
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to drop capabilities"
+    proc = _run_as_child(code, (setpriv, "--bounding-set", "-all", "--inh-caps", "-all", "--"))
+    assert proc.returncode == 0, proc.stderr
+    paranoid = pathlib.Path("/proc/sys/kernel/perf_event_paranoid").read_text().strip()
+    err, _, msg = proc.stdout.partition(" ")
+    assert int(err) in (errno.EACCES, errno.EPERM)
+    assert "CAP_PERFMON" in msg and "perf_event_paranoid <= 0" in msg
+    assert f"(currently {paranoid})" in msg
+
+
+def test_fd_exhaustion_says_how_many_fds() -> None:
+    code = (
+        "import os, resource\n"
+        "from unwindd.perfcore import *\n"
+        "n = len(os.listdir('/proc/self/fd'))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n + 1, resource.getrlimit(resource."
+        "RLIMIT_NOFILE)[1]))\n"
+        "try:\n"
+        "    PerfSession.open(Target(all_cpus=True), cpus=[0, 1, 0, 1])\n"
+        "except PerfOpenError as e:\n"
+        "    print(e.errno, e)\n"
+    )
+    proc = _run_as_child(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{errno.EMFILE} "), proc.stdout
+    assert "needs 4 perf fds" in proc.stdout and "RLIMIT_NOFILE" in proc.stdout
+
+
+# --------------------------------------------------------------------------- real sessions
+
+
+@pytest.mark.parametrize("build_id", [True, False])
+def test_system_wide_sees_child_lifecycle(busy: pathlib.Path, build_id: bool) -> None:
+    config = SamplingConfig(frequency=999, ring_pages=256, build_id=build_id)
+    with PerfSession.open(Target(all_cpus=True), config) as session:
+        assert session.cpus == online_cpus() and len(session.fds) == len(session.cpus)
+        assert session.skipped_cpus == []
+        assert session.build_id_mmap2 is build_id  # kernel 6.18 grants it when asked
+        fmt = session.event_format
+        assert fmt.sample_regs_user == config.regs_mask and fmt.sample_id_all
+        session.enable()
+        proc = subprocess.Popen([str(busy), "spin", "250"], stdout=subprocess.PIPE)
+        ann = read_announce(proc)
+        cap = collect(session, lambda: proc.poll() is not None)
+        assert proc.wait() == 0
+        session.disable()
+    assert session.closed
+    pid = proc.pid
+    assert ann.pid == pid
+
+    # Samples: this pid/tid, the layout the attr asked for, times rising per CPU ring.
+    mine = cap.samples(pid)
+    assert len(mine) >= 50, f"only {len(mine)} samples in 250 ms at 999 Hz"
+    for s in mine:
+        assert s.tid == pid
+        check_sample_shape(s, config)
+    for cpu, recs in cap.per_cpu.items():
+        times = [r.time for r in recs if isinstance(r, records.Sample)]
+        assert times == sorted(times), f"cpu {cpu} samples out of order"
+        assert all(r.cpu == cpu for r in recs if isinstance(r, records.Sample))
+
+    # MMAP2 of its own binary, with the identity form the kernel granted.
+    maps = exec_range(cap, pid, busy)
+    assert maps, "no executable MMAP2 for the target binary"
+    st = busy.stat()
+    for m in maps:
+        if build_id:
+            assert m.misc & abi.MISC_MMAP_BUILD_ID and m.build_id == build_id_of(busy)
+        else:
+            assert m.build_id is None and m.ino == st.st_ino
+            assert (m.maj, m.min) == (os.major(st.st_dev), os.minor(st.st_dev))
+
+    # Samples inside spin(): the stack copy is really the stack at sp.
+    in_binary = [s for s in mine if s.cpumode == abi.MISC_USER and in_maps(s.regs[IP], maps)]
+    assert len(in_binary) >= 10
+    for s in in_binary:
+        check_magic(s, ann)
+
+    # COMM (exec) < samples in the new image <= EXIT.
+    comms = [r for r in cap.all() if isinstance(r, records.Comm) and r.pid == pid and r.exec]
+    assert [c.comm for c in comms] == ["busy"]
+    exits = [r for r in cap.all() if isinstance(r, records.Exit) and r.pid == pid]
+    assert len(exits) == 1
+    comm_t, exit_t = comms[0].time, exits[0].time
+    assert comm_t is not None
+    assert all(m.time is not None and m.time > comm_t for m in maps)
+    assert comm_t < min(s.time or 0 for s in in_binary)
+    # Kernel-mode samples can follow perf_event_exit_task inside do_exit; user ones cannot.
+    assert max(s.time or 0 for s in mine if s.cpumode == abi.MISC_USER) <= exit_t
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(frequency=999, ring_pages=128),
+        SamplingConfig(event="task-clock", period=1_000_000, stack_size=16384, ring_pages=128),
+    ],
+    ids=["cpu-clock", "task-clock-period"],
+)
+def test_pid_target_inherits_to_grandchild(busy: pathlib.Path, config: SamplingConfig) -> None:
+    proc = subprocess.Popen(
+        [str(busy), "wait-fork", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None
+    try:
+        with PerfSession.open(Target(pids=(proc.pid,)), config) as session:
+            assert len(session.fds) == len(session.cpus) == len(online_cpus())
+            session.enable()
+            proc.stdin.write(b"g")  # the session is open: fork now
+            proc.stdin.close()
+            ann = read_announce(proc)
+            # The grandchild runs the image mapped before the session opened (so no MMAP2):
+            # take its text range from /proc while the child waits for it.
+            text = proc_text_ranges(ann.pid, busy)
+            cap = collect(session, lambda: proc.poll() is not None)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait() == 0
+    child, grandchild = proc.pid, ann.pid
+    assert grandchild != child
+
+    pids = {s.pid for s in cap.samples()}
+    assert pids <= {child, grandchild}, pids  # nothing from outside the task tree
+    gc = cap.samples(grandchild)
+    assert len(gc) >= 30, f"only {len(gc)} grandchild samples"
+    for s in gc:
+        check_sample_shape(s, config)
+        if config.period is not None:
+            assert s.period == config.period
+    forks = [r for r in cap.all() if isinstance(r, records.Fork) and r.pid == grandchild]
+    assert len(forks) == 1 and forks[0].ppid == child
+    exits = [r for r in cap.all() if isinstance(r, records.Exit) and r.pid == grandchild]
+    assert len(exits) == 1
+    assert forks[0].time < min(s.time or 0 for s in gc)
+    assert max(s.time or 0 for s in gc if s.cpumode == abi.MISC_USER) <= exits[0].time
+    # The stack copies are real: every user sample in the binary's text is inside spin().
+    spun = [s for s in gc if s.cpumode == abi.MISC_USER and in_ranges(s.regs[IP], text)]
+    assert len(spun) >= 10
+    for s in spun:
+        check_magic(s, ann)
+
+
+def cgroup2_mount() -> pathlib.Path:
+    for line in pathlib.Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "cgroup2":
+            return pathlib.Path(fields[1])
+    pytest.fail("cgroup v2 is not mounted on this machine; the cgroup target cannot be tested")
+
+
+def test_cgroup_target(busy: pathlib.Path) -> None:
+    root = cgroup2_mount()
+    cg = root / f"unwindd-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    proc = subprocess.Popen(
+        [str(busy), "wait-spin", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None
+    try:
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+        with PerfSession.open(Target(cgroup=str(cg)), SamplingConfig(frequency=999)) as session:
+            assert len(session.fds) == len(online_cpus())
+            session.enable()
+            proc.stdin.write(b"g")
+            proc.stdin.close()
+            ann = read_announce(proc)
+            cap = collect(session, lambda: proc.poll() is not None)
+        assert proc.wait() == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for _ in range(100):  # the cgroup depopulates asynchronously after the exit
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.01)
+    assert not cg.exists()
+    samples = cap.samples()
+    assert {s.pid for s in samples} == {proc.pid}, "samples from outside the cgroup"
+    assert len(samples) >= 30
+    assert ann.pid == proc.pid
+    exits = [r for r in cap.all() if isinstance(r, records.Exit) and r.pid == proc.pid]
+    assert len(exits) == 1
+
+
+def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
+    config = SamplingConfig(frequency=999, ring_pages=256)
+    with PerfSession.open(Target(pids=(os.getpid(),)), config) as session:
+        session.enable()
+        end = time.monotonic() + 0.15
+        while time.monotonic() < end:
+            pass
+        session.disable()
+        pending = sum(session.pending())
+        assert pending > 3 * 65536, pending  # enough to need several small drains
+        dec = records.RecordDecoder([session.event_format])
+        drained = 0
+        calls = 0
+        while True:
+            chunks = session.drain(max_bytes=65536)
+            if not chunks:
+                break
+            calls += 1
+            got = sum(len(c) for _, c in chunks)
+            assert got <= 65536
+            drained += got
+            assert sum(session.pending()) == pending - drained  # the rest stayed queued
+            for _, chunk in chunks:
+                n = sum(1 for _ in dec.decode(chunk))
+                assert n > 0
+        assert drained == pending and calls >= 4
+        assert dec.stats.error_count == 0 and dec.stats.records["SAMPLE"] >= 50
+        assert session.ring_errors == 0
+        with pytest.raises(ValueError, match="max_bytes"):
+            session.drain(max_bytes=4096)
+    with pytest.raises(ValueError, match="closed"):
+        session.drain()
+    session.close()  # idempotent
+
+
+def test_fds_are_pollable(busy: pathlib.Path) -> None:
+    import select
+
+    config = SamplingConfig(frequency=999, ring_pages=16)  # watermark = 16 KiB: ~2 samples
+    with PerfSession.open(Target(all_cpus=True), config) as session:
+        poller = select.poll()
+        for fd in session.fds:
+            poller.register(fd, select.POLLIN)
+        session.enable()
+        proc = subprocess.Popen([str(busy), "spin", "100"], stdout=subprocess.DEVNULL)
+        ready = poller.poll(2000)
+        proc.wait()
+        assert ready and {fd for fd, _ in ready} <= set(session.fds)
+        assert any(ev & select.POLLIN for _, ev in ready)
+        assert session.drain()
