@@ -45,6 +45,7 @@ from .abi import MISC_BUILD_ID_SIZE, RecordType
 __all__ = [
     "CHUNK",
     "ERROR_HELP",
+    "MAX_ATTRS",
     "AttrInfo",
     "BuildIdEntry",
     "Feature",
@@ -58,6 +59,7 @@ __all__ = [
 
 CHUNK = 1 << 20  # data-section read size; bounds memory, see module invariants
 MAX_SECTION = 64 << 20  # cap on any header-side section (attrs, ids, one feature) we read whole
+MAX_ATTRS = 4096  # perf's own evlists are far smaller; bounds pipe-mode decoder rebuilds
 
 # --------------------------------------------------------------------------- layouts
 
@@ -692,8 +694,10 @@ class PerfData:
         self.data_offset = data_off
         self.data_size = data_size
         if data_off + data_size > file_size:
+            # read what is there (perf would refuse; a cut-off recording is still worth reading)
             self.errors["data_section_truncated"] += 1
-            self.data_size = max(0, min(data_size, file_size - data_off))
+            self.data_offset = min(data_off, file_size)
+            self.data_size = file_size - self.data_offset
 
         # header.c perf_header__process_sections: the table of perf_file_section, one per set
         # bit in ascending bit order, starts right after the data section as the header says
@@ -773,6 +777,10 @@ class PerfData:
         """Side effects of perf's synthesized records on the header view (pipe mode mostly)."""
         try:
             if rtype == RecordType.HEADER_ATTR:
+                if len(self.attrs) >= MAX_ATTRS:
+                    # each new attr rebuilds the decoder (O(attrs)): cap the quadratic case
+                    self.errors["too_many_attrs"] += 1
+                    return
                 fmt, atype, config, ids, stack_user, flags = _attr_record(body)
                 self._set_attrs([*self.attrs, AttrInfo(fmt, atype, config, ids, "",
                                                        stack_user, flags)])  # fmt: skip
