@@ -42,10 +42,26 @@ def record(path: Path, seconds: float, freq: int) -> None:
     work = subprocess.Popen([sys.executable, "-c", WORKLOAD], start_new_session=True)
     try:
         subprocess.run(
-            ["perf", "record", "-q", "-a", "-e", "cpu-clock", "-F", str(freq),
-             "--call-graph", "dwarf,8192", "-o", str(path), "--", "sleep", str(seconds)],
-            check=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                "perf",
+                "record",
+                "-q",
+                "-a",
+                "-e",
+                "cpu-clock",
+                "-F",
+                str(freq),
+                "--call-graph",
+                "dwarf,8192",
+                "-o",
+                str(path),
+                "--",
+                "sleep",
+                str(seconds),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     finally:
         import os
         import signal
@@ -83,12 +99,16 @@ def main() -> int:
     total = int(re.search(r"^TOTAL events: (\d+)", out, re.M).group(1))  # type: ignore[union-attr]
     samples = int(re.search(r"^SAMPLE events: (\d+)", out, re.M).group(1))  # type: ignore[union-attr]
     t_stats, _ = timed(["perf", "report", "-i", str(data), "--stats"], a.repeat)
-    t_script, _ = timed(["perf", "script", "-i", str(data), "-G",
-                         "-F", "comm,pid,tid,cpu,time,ip", "--ns"], a.repeat)  # fmt: skip
+    t_script, _ = timed(
+        ["perf", "script", "-i", str(data), "-G", "-F", "comm,pid,tid,cpu,time,ip", "--ns"],
+        a.repeat,
+    )
     size = data.stat().st_size
-    print(f"file: {size / 1e6:.1f} MB, {total} records, {samples} samples "
-          f"(recorded {a.seconds:g}s at {a.freq} Hz on all CPUs, dwarf 8192)\n")  # fmt: skip
-    print("| tool | best of %d (s) | records/s | unwindd speed ratio |" % a.repeat)
+    print(
+        f"file: {size / 1e6:.1f} MB, {total} records, {samples} samples "
+        f"(recorded {a.seconds:g}s at {a.freq} Hz on all CPUs, dwarf 8192)\n"
+    )
+    print(f"| tool | best of {a.repeat} (s) | records/s | unwindd speed ratio |")
     print("|---|---:|---:|---:|")
     for name, t in (
         ("unwindd replay --format summary", t_u),

@@ -13,7 +13,7 @@ from enum import IntEnum, IntFlag
 
 
 class RecordType(IntEnum):
-    """``enum perf_event_type`` plus perf's user-space types (>= 64, ``enum perf_user_event_type``)."""
+    """``enum perf_event_type`` plus perf's user-space types (>= 64, perf_user_event_type)."""
 
     MMAP = 1
     LOST = 2

@@ -43,16 +43,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     rec = sub.add_parser("record", help="sample live and print the record stream")
     tgt = rec.add_mutually_exclusive_group()
-    tgt.add_argument("--pid", type=int, action="append", default=[], metavar="P",
-                     help="sample this pid (and its future children); repeatable")  # fmt: skip
+    tgt.add_argument(
+        "--pid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="P",
+        help="sample this pid (and its future children); repeatable",
+    )
     tgt.add_argument("--all", action="store_true", help="sample every CPU (the default)")
     tgt.add_argument("--cgroup", metavar="PATH", help="sample the tasks of a cgroup v2 directory")
-    rec.add_argument("--duration", type=_positive_float, metavar="S",
-                     help="stop after S seconds (default: until SIGINT/SIGTERM)")  # fmt: skip
+    rec.add_argument(
+        "--duration",
+        type=_positive_float,
+        metavar="S",
+        help="stop after S seconds (default: until SIGINT/SIGTERM)",
+    )
     _add_sampling_args(rec)
     _add_output_args(rec)
-    rec.add_argument("--status-interval", type=_positive_float, default=None, metavar="S",
-                     help="print a status line to stderr every S seconds")  # fmt: skip
+    rec.add_argument(
+        "--status-interval",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="print a status line to stderr every S seconds",
+    )
 
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
@@ -63,16 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--event", default="cpu-clock", help="software event (default cpu-clock)")
     p.add_argument("--frequency", "-F", type=int, default=99, help="samples/s per CPU (99)")
-    p.add_argument("--stack-size", type=int, default=8192,
-                   help="user stack bytes copied per sample, multiple of 8, <= 65528 (8192)")  # fmt: skip
-    p.add_argument("--ring-pages", type=int, default=64,
-                   help="ring buffer data pages per CPU, a power of two (64)")  # fmt: skip
+    p.add_argument(
+        "--stack-size",
+        type=int,
+        default=8192,
+        help="user stack bytes copied per sample, multiple of 8, <= 65528 (8192)",
+    )
+    p.add_argument(
+        "--ring-pages",
+        type=int,
+        default=64,
+        help="ring buffer data pages per CPU, a power of two (64)",
+    )
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("jsonl", "summary"), default="summary")
-    p.add_argument("--top", type=int, default=20, metavar="N",
-                   help="pids listed in the summary (0: all)")  # fmt: skip
+    p.add_argument(
+        "--top", type=int, default=20, metavar="N", help="pids listed in the summary (0: all)"
+    )
 
 
 class _Output:
@@ -124,8 +148,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         on_tick = _status_printer(pipeline, started, args.status_interval)
     with session:
         session.enable()
-        run_live(session, pipeline, sink, duration=args.duration, should_stop=stop,
-                 on_tick=on_tick)  # fmt: skip
+        run_live(session, pipeline, sink, duration=args.duration, should_stop=stop, on_tick=on_tick)
         session.disable()
         skipped = session.skipped_cpus
         ring_errors = session.ring_errors
@@ -138,8 +161,15 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         }
         if skipped:
             extra["skipped_cpus"] = ",".join(map(str, skipped))
-        out.write(render_summary(pipeline.stats, pipeline.decoder.stats,
-                                 pipeline.orderer.stats, extra, args.top or 1 << 30))  # fmt: skip
+        out.write(
+            render_summary(
+                pipeline.stats,
+                pipeline.decoder.stats,
+                pipeline.orderer.stats,
+                extra,
+                args.top or 1 << 30,
+            )
+        )
     return 0
 
 
@@ -215,8 +245,15 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             }
             for reason, n in sorted(data.errors.items()):
                 extra[f"file error {reason}"] = n
-            out.write(render_summary(pipeline.stats, data.decoder.stats,
-                                     pipeline.orderer.stats, extra, args.top or 1 << 30))  # fmt: skip
+            out.write(
+                render_summary(
+                    pipeline.stats,
+                    data.decoder.stats,
+                    pipeline.orderer.stats,
+                    extra,
+                    args.top or 1 << 30,
+                )
+            )
     return 0
 
 

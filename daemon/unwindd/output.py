@@ -11,7 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .abi import X86_REG_NAMES, regs_in_mask
@@ -50,11 +50,11 @@ def record_to_json(rec: Record) -> dict[str, Any]:
         out["stack_size"] = rec.stack_size
         out["dyn_size"] = rec.dyn_size
         return out
-    for f in dataclasses.fields(rec):  # type: ignore[arg-type]
-        v = getattr(rec, f.name)
+    for fld in dataclasses.fields(rec):
+        v = getattr(rec, fld.name)
         if v is None:
             continue
-        out[f.name] = _jsonable(f.name, v)
+        out[fld.name] = _jsonable(fld.name, v)
     for prop in ("time", "cpu", "exec"):
         if prop not in out and hasattr(rec, prop):
             v = getattr(rec, prop)
@@ -63,7 +63,7 @@ def record_to_json(rec: Record) -> dict[str, Any]:
     return out
 
 
-def _table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return [fmt.format(*header), *(fmt.format(*r) for r in rows)]
@@ -119,8 +119,10 @@ def render_summary(
     if stats.samples_by_pid:
         lines.append("")
         top = stats.samples_by_pid.most_common(top_pids)
-        rows = [(str(pid), str(n), stats.comm_by_pid.get(pid, "?")) for pid, n in top]
-        lines += _table(rows, ("pid", "samples", "comm"))
+        lines += _table(
+            [(str(pid), str(n), stats.comm_by_pid.get(pid, "?")) for pid, n in top],
+            ("pid", "samples", "comm"),
+        )
         if len(stats.samples_by_pid) > top_pids:
             lines.append(f"... {len(stats.samples_by_pid) - top_pids} more pids")
     return "\n".join(lines) + "\n"

@@ -700,14 +700,16 @@ class RecordDecoder:
             period = u64()
         if st & SampleType.READ:
             rf = fmt.read_format
+            times = bool(rf & ReadFormat.TOTAL_TIME_ENABLED) + bool(
+                rf & ReadFormat.TOTAL_TIME_RUNNING
+            )
+            per_value = 1 + bool(rf & ReadFormat.ID) + bool(rf & ReadFormat.LOST)
             if rf & ReadFormat.GROUP:
-                nr = u64()
-                per = 1 + bool(rf & ReadFormat.ID) + bool(rf & ReadFormat.LOST)
-                skip = (bool(rf & ReadFormat.TOTAL_TIME_ENABLED)
-                        + bool(rf & ReadFormat.TOTAL_TIME_RUNNING) + nr * per)  # fmt: skip
+                # { u64 nr; {u64 time_enabled;} {u64 time_running;} {value, id, lost}[nr] }
+                skip = times + u64() * per_value
             else:
-                skip = 1 + sum(bool(rf & b) for b in (ReadFormat.TOTAL_TIME_ENABLED,
-                               ReadFormat.TOTAL_TIME_RUNNING, ReadFormat.ID, ReadFormat.LOST))  # fmt: skip
+                # { u64 value; {u64 time_enabled;} {u64 time_running;} {u64 id;} {u64 lost;} }
+                skip = times + per_value
             off += 8 * skip
             if off > n:
                 raise DecodeError("short_body")
