@@ -36,6 +36,7 @@ S_IP = 1 << 0
 S_TID = 1 << 1
 S_TIME = 1 << 2
 S_ADDR = 1 << 3
+S_READ = 1 << 4
 S_CALLCHAIN = 1 << 5
 S_ID = 1 << 6
 S_CPU = 1 << 7
@@ -136,6 +137,7 @@ def sample(
     stream_id: int = 0,
     cpu: int = 0,
     period: int = 0,
+    read: Sequence[int] = (),
     callchain: Sequence[int] = (),
     callchain_nr: int | None = None,
     raw: bytes = b"",
@@ -168,6 +170,10 @@ def sample(
         b += u32(cpu) + u32(0)  # { u32 cpu, res; } && PERF_SAMPLE_CPU
     if sample_type & S_PERIOD:
         b += u64(period)  # { u64 period; } && PERF_SAMPLE_PERIOD
+    if sample_type & S_READ:
+        # { struct read_format values; } && PERF_SAMPLE_READ: the caller lays out the u64s,
+        # since their meaning depends on attr.read_format (see ``read_format`` below).
+        b += b"".join(u64(v) for v in read)
     if sample_type & S_CALLCHAIN:
         # { u64 nr; u64 ips[nr]; } && PERF_SAMPLE_CALLCHAIN
         b += u64(len(callchain) if callchain_nr is None else callchain_nr)
@@ -376,3 +382,23 @@ def throttle(
 def finished_round() -> bytes:
     """PERF_RECORD_FINISHED_ROUND: a bare header (perf's ``perf_record_header_finished_round``)."""
     return header(FINISHED_ROUND, 0, 8)
+
+
+def read_format(
+    *, value: int = 0, enabled: int | None = None, running: int | None = None,
+    id: int | None = None, lost: int | None = None,
+    group: Sequence[tuple[int, int | None, int | None]] | None = None,
+) -> list[int]:  # fmt: skip
+    """The u64s of ``struct read_format`` (perf_event.h), optional fields present when given:
+
+    not GROUP: { u64 value; {u64 time_enabled;} {u64 time_running;} {u64 id;} {u64 lost;} }
+    GROUP:     { u64 nr; {u64 time_enabled;} {u64 time_running;}
+                 { u64 value; {u64 id;} {u64 lost;} } cntr[nr]; }   (group = [(value, id, lost)])
+    """
+    times = [v for v in (enabled, running) if v is not None]
+    if group is None:
+        return [value, *times, *(v for v in (id, lost) if v is not None)]
+    out = [len(group), *times]
+    for v, gid, glost in group:
+        out += [v, *(x for x in (gid, glost) if x is not None)]
+    return out

@@ -216,6 +216,24 @@ def test_sample_identifier_addr_id_stream_raw() -> None:
     assert rec.callchain == (0x10,)  # CALLCHAIN precedes RAW; RAW is skipped, not modelled
 
 
+@pytest.mark.parametrize(
+    ("read_fmt", "values"),
+    [
+        (0, rb.read_format(value=5)),
+        (0b111, rb.read_format(value=5, enabled=6, running=7, id=8)),
+        (0b10111, rb.read_format(value=5, enabled=6, running=7, id=8, lost=9)),
+        (0b1000, rb.read_format(group=[(1, None, None), (2, None, None)])),
+        (0b11111, rb.read_format(enabled=6, running=7, group=[(1, 10, 0), (2, 11, 0)] * 3)),
+    ],
+)
+def test_sample_read_is_skipped(read_fmt: int, values: list[int]) -> None:
+    # READ sits between PERIOD and CALLCHAIN; a wrong skip shows up as a wrong callchain.
+    st_ = rb.S_TIME | rb.S_PERIOD | rb.S_READ | rb.S_CALLCHAIN
+    buf = rb.sample(st_, time=3, period=4, read=values, callchain=[0xAA, 0xBB])
+    rec = decode_one(buf, EventFormat(st_, read_format=read_fmt))
+    assert isinstance(rec, Sample) and rec.period == 4 and rec.callchain == (0xAA, 0xBB)
+
+
 def test_sample_dyn_size_smaller_than_size() -> None:
     buf = rb.sample(FULL, regs=[0] * NREGS, stack=b"\x11" * 24, stack_size=8192)
     rec = decode_one(buf, EventFormat(FULL, sample_regs_user=REGS_MASK))
