@@ -7,9 +7,9 @@ Invariants:
   (a type we do not model), or a ``BadRecord`` (its header is sane but its body is not). Nothing
   is silently dropped, and every ``BadRecord`` and every unsplittable tail is counted in
   ``DecodeStats``.
-- A header whose size is < 8 or reaches past the end of the buffer ends the buffer (there is no way to resynchronise a byte stream of
-  variable-size records): the rest is counted as one ``truncated`` error. So decoding always
-  terminates, after at most ``len(buf) / 8`` records.
+- A header whose size is < 8 or reaches past the end of the buffer ends the buffer (there is
+  no way to resynchronise a byte stream of variable-size records): the rest is counted as one
+  ``truncated`` error. So decoding always terminates, after at most ``len(buf) / 8`` records.
 - Cost: O(record size) per record; the only copies are the stack dump and strings.
 
 Layouts follow ``include/uapi/linux/perf_event.h`` (Linux 6.x). Every record starts with::
