@@ -511,3 +511,46 @@ def test_fds_are_pollable(busy: pathlib.Path) -> None:
         assert ready and {fd for fd, _ in ready} <= set(session.fds)
         assert any(ev & select.POLLIN for _, ev in ready)
         assert session.drain()
+
+
+THREADED = """
+import sys, threading, time
+go = threading.Event()
+def spin():
+    go.wait()
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:
+        pass
+t = threading.Thread(target=spin)
+t.start()
+print(t.native_id, flush=True)
+sys.stdin.read(1)
+go.set()
+t.join()
+"""
+
+
+def test_pid_target_covers_existing_threads() -> None:
+    """A pid means all its threads (perf's thread_map__new_by_pid): one event per (thread, cpu),
+    all of a CPU's events redirected into that CPU's single ring."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", THREADED], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        tid = int(proc.stdout.readline())
+        assert tid != proc.pid
+        with PerfSession.open(Target(pids=(proc.pid,)), SamplingConfig(frequency=999)) as session:
+            assert len(session.fds) == len(online_cpus())  # still one ring per CPU
+            session.enable()
+            proc.stdin.write(b"g")
+            proc.stdin.close()
+            cap = collect(session, lambda: proc.poll() is not None)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.wait() == 0
+    spun = [s for s in cap.samples(proc.pid) if s.tid == tid]
+    assert len(spun) >= 30, f"only {len(spun)} samples of thread {tid}"
+    exits = [r for r in cap.all() if isinstance(r, records.Exit) and r.tid == tid]
+    assert len(exits) == 1 and exits[0].pid == proc.pid

@@ -322,44 +322,23 @@ class PerfSession:
             for fd in all_fds:
                 lib.pc_close(fd)
 
+        def map_ring(fd: int, cpu: int) -> None:
+            nonlocal nrings
+            rc = int(lib.pc_ring_map(ffi.addressof(rings, nrings), fd, cpu, config.ring_pages))
+            if rc < 0:
+                raise PerfOpenError(
+                    -rc,
+                    f"mmap of the cpu {cpu} ring ({config.ring_pages} data pages) failed: "
+                    f"{os.strerror(-rc)}; lower ring_pages or raise "
+                    f"kernel.perf_event_mlock_kb (now {_read_sysctl('perf_event_mlock_kb')})",
+                )
+            nrings += 1
+            fds.append(fd)
+            ring_cpus.append(cpu)
+
         try:
             for cpu in cpu_list:
-                if pid_mode:
-                    ring_fd = -1
-                    for tid in tasks:
-                        # Side-band on every task's event: kernel/events/core.c perf_iterate_sb
-                        # reports MMAP/COMM/FORK to the *current task's* context only, so an
-                        # event of another task would never see them; each (task, cpu) event is
-                        # the only one in its context for this CPU, so nothing is duplicated.
-                        fd = int(lib.pc_open(sb_attr, tid, cpu, -1, 0, bid))
-                        if fd == -errno.ESRCH and tid not in given:
-                            continue  # a thread that exited since we listed it
-                        if fd in (-errno.ENODEV, -errno.ENOENT) and ring_fd < 0:
-                            break
-                        if fd < 0:
-                            what = f"pid={tid}, cpu={cpu}"
-                            if fd == -errno.ESRCH:
-                                raise PerfOpenError(
-                                    errno.ESRCH,
-                                    f"pid {tid} does not exist (perf_event_open "
-                                    f"said ESRCH for {what})",
-                                )
-                            raise _open_error(-fd, what, config, nfds=n_fds, per_cpu=False)
-                        all_fds.append(fd)
-                        granted.append(bool(bid[0]))
-                        if ring_fd < 0:
-                            ring_fd = fd
-                            continue
-                        # tools/lib/perf/evlist.c mmap_per_cpu: one ring per CPU, the other
-                        # events of that CPU redirected into it (same CPU, same clock).
-                        rc = int(lib.pc_set_output(fd, ring_fd))
-                        if rc < 0:
-                            raise _open_error(-rc, f"SET_OUTPUT pid={tid}, cpu={cpu}", config)
-                    if ring_fd < 0:
-                        skipped.append(cpu)
-                        continue
-                    fd = ring_fd
-                else:
+                if not pid_mode:
                     pid, flags = (-1, 0) if cg_fd < 0 else (cg_fd, PERF_FLAG_PID_CGROUP)
                     fd = int(lib.pc_open(sb_attr, pid, cpu, -1, flags, bid))
                     what = f"cpu={cpu}" if cg_fd < 0 else f"cgroup={target.cgroup}, cpu={cpu}"
@@ -370,17 +349,47 @@ class PerfSession:
                         raise _open_error(-fd, what, config, nfds=n_fds, per_cpu=True)
                     all_fds.append(fd)
                     granted.append(bool(bid[0]))
-                rc = int(lib.pc_ring_map(ffi.addressof(rings, nrings), fd, cpu, config.ring_pages))
-                if rc < 0:
-                    raise PerfOpenError(
-                        -rc,
-                        f"mmap of the cpu {cpu} ring ({config.ring_pages} data pages) failed: "
-                        f"{os.strerror(-rc)}; lower ring_pages or raise "
-                        f"kernel.perf_event_mlock_kb (now {_read_sysctl('perf_event_mlock_kb')})",
-                    )
-                nrings += 1
-                fds.append(fd)
-                ring_cpus.append(cpu)
+                    map_ring(fd, cpu)
+                    continue
+                ring_fd = -1
+                for tid in tasks:
+                    # Side-band on every task's event: kernel/events/core.c perf_iterate_sb
+                    # reports MMAP/COMM/FORK to the *current task's* context only, so an event
+                    # of another task would never see them; each (task, cpu) event is the only
+                    # one in its context for this CPU, so nothing is duplicated.
+                    fd = int(lib.pc_open(sb_attr, tid, cpu, -1, 0, bid))
+                    if fd == -errno.ESRCH and tid not in given:
+                        continue  # a thread that exited since we listed it
+                    if fd in (-errno.ENODEV, -errno.ENOENT) and ring_fd < 0:
+                        break
+                    if fd < 0:
+                        what = f"pid={tid}, cpu={cpu}"
+                        if fd == -errno.ESRCH:
+                            raise PerfOpenError(
+                                errno.ESRCH,
+                                f"pid {tid} does not exist (perf_event_open said ESRCH for {what})",
+                            )
+                        raise _open_error(-fd, what, config, nfds=n_fds, per_cpu=False)
+                    all_fds.append(fd)
+                    granted.append(bool(bid[0]))
+                    if ring_fd < 0:
+                        # Map before redirecting: kernel/events/core.c perf_event_set_output
+                        # takes the target's ring (ring_buffer_get) and fails with EINVAL
+                        # while it has none.
+                        map_ring(fd, cpu)
+                        ring_fd = fd
+                        continue
+                    # tools/lib/perf/evlist.c mmap_per_evsel: one ring per CPU, the other events
+                    # of that CPU redirected into it (same CPU and clock, as set_output demands).
+                    rc = int(lib.pc_set_output(fd, ring_fd))
+                    if rc < 0:
+                        raise PerfOpenError(
+                            -rc,
+                            f"PERF_EVENT_IOC_SET_OUTPUT of pid={tid} into the cpu {cpu} ring "
+                            f"failed: {os.strerror(-rc)}",
+                        )
+                if ring_fd < 0:
+                    skipped.append(cpu)
             if not nrings:
                 raise PerfOpenError(
                     errno.ENODEV,
