@@ -503,8 +503,7 @@ class RecordDecoder:
         self.ids = dict(ids or {})
         self.stats = DecodeStats()
         self._default = self.formats[0]
-        self._regs_count = [bin(f.sample_regs_user).count("1") for f in self.formats]
-        self._intr_count = [bin(f.sample_regs_intr).count("1") for f in self.formats]
+        self._layouts = [_SampleLayout.of(f) for f in self.formats]
         # perf refuses mixed id positions (evlist__valid_sample_type); we do the same by
         # falling back to the first format when they disagree.
         self._id_pos = self._default.id_pos
@@ -663,101 +662,165 @@ class RecordDecoder:
                      flags, name, sid)  # fmt: skip
 
     def _sample(self, misc: int, body: memoryview) -> Sample:
-        fi = self._format_for_sample(body)
-        fmt = self.formats[fi]
-        st = fmt.sample_type
+        lay = self._layouts[self._format_for_sample(body)]
+        st = lay.sample_type
         n = len(body)
-        off = 0
-        ip = pid = tid = time = eid = cpu = period = addr = None
-
-        def u64() -> int:
-            nonlocal off
-            if off + 8 > n:
-                raise DecodeError("short_body")
-            (v,) = _U64.unpack_from(body, off)
-            off += 8
-            return int(v)
-
-        if st & SampleType.IDENTIFIER:
-            eid = u64()
-        if st & SampleType.IP:
-            ip = u64()
-        if st & SampleType.TID:
-            v = u64()
+        # The fixed-size prefix (IDENTIFIER .. PERIOD, all u64 slots) in one unpack.
+        off = lay.prefix.size
+        if off > n:
+            raise DecodeError("short_body")
+        fixed = lay.prefix.unpack_from(body, 0)
+        ip = fixed[lay.i_ip] if lay.i_ip >= 0 else None
+        pid = tid = None
+        if lay.i_tid >= 0:
+            v = fixed[lay.i_tid]
             pid, tid = v & 0xFFFFFFFF, v >> 32
-        if st & SampleType.TIME:
-            time = u64()
-        if st & SampleType.ADDR:
-            addr = u64()
-        if st & SampleType.ID:
-            eid = u64()
-        if st & SampleType.STREAM_ID:
-            u64()
-        if st & SampleType.CPU:
-            cpu = u64() & 0xFFFFFFFF
-        if st & SampleType.PERIOD:
-            period = u64()
-        if st & SampleType.READ:
-            rf = fmt.read_format
-            times = bool(rf & ReadFormat.TOTAL_TIME_ENABLED) + bool(
-                rf & ReadFormat.TOTAL_TIME_RUNNING
-            )
-            per_value = 1 + bool(rf & ReadFormat.ID) + bool(rf & ReadFormat.LOST)
-            if rf & ReadFormat.GROUP:
+        time = fixed[lay.i_time] if lay.i_time >= 0 else None
+        addr = fixed[lay.i_addr] if lay.i_addr >= 0 else None
+        eid = fixed[lay.i_id] if lay.i_id >= 0 else None
+        cpu = fixed[lay.i_cpu] & 0xFFFFFFFF if lay.i_cpu >= 0 else None
+        period = fixed[lay.i_period] if lay.i_period >= 0 else None
+        if st & _S_READ:
+            if lay.read_group:
                 # { u64 nr; {u64 time_enabled;} {u64 time_running;} {value, id, lost}[nr] }
-                skip = times + u64() * per_value
+                if off + 8 > n:
+                    raise DecodeError("short_body")
+                (nr,) = _U64.unpack_from(body, off)
+                off += 8 + 8 * (lay.read_times + nr * lay.read_per_value)
             else:
                 # { u64 value; {u64 time_enabled;} {u64 time_running;} {u64 id;} {u64 lost;} }
-                skip = times + per_value
-            off += 8 * skip
+                off += 8 * (lay.read_times + lay.read_per_value)
             if off > n:
                 raise DecodeError("short_body")
         callchain: tuple[int, ...] = ()
-        if st & SampleType.CALLCHAIN:
-            nr = u64()
+        if st & _S_CALLCHAIN:
+            if off + 8 > n:
+                raise DecodeError("short_body")
+            (nr,) = _U64.unpack_from(body, off)
+            off += 8
             if off + 8 * nr > n:
                 raise DecodeError("bad_callchain_nr")
             callchain = struct.unpack_from(f"<{nr}Q", body, off)
             off += 8 * nr
-        if st & SampleType.RAW:
+        if st & _S_RAW:
             if off + 4 > n:
                 raise DecodeError("short_body")
             (rsize,) = _U32.unpack_from(body, off)
             off += 4 + rsize  # u32 size + data, padded by the kernel to keep u64 alignment
             if off > n:
                 raise DecodeError("bad_raw_size")
-        if st & SampleType.BRANCH_STACK:
-            nr = u64()
-            if fmt.branch_sample_type & BRANCH_HW_INDEX:
-                u64()
-            off += 24 * nr
-            if fmt.branch_sample_type & BRANCH_COUNTERS:
-                off += 8 * nr
+        if st & _S_BRANCH_STACK:
+            # { u64 nr; {u64 hw_idx;} { u64 from, to, flags; } lbr[nr]; {u64 cntr[nr];} }
+            if off + 8 > n:
+                raise DecodeError("short_body")
+            (nr,) = _U64.unpack_from(body, off)
+            off += 8 + 8 * lay.branch_hw_index + (24 + 8 * lay.branch_counters) * nr
             if off > n:
                 raise DecodeError("bad_branch_nr")
         regs_abi = 0
         regs: tuple[int, ...] = ()
-        if st & SampleType.REGS_USER:
-            regs_abi = u64()
+        if st & _S_REGS_USER:
+            # { u64 abi; u64 regs[hweight(sample_regs_user)]; } (regs only when abi != 0)
+            if off + 8 > n:
+                raise DecodeError("short_body")
+            (regs_abi,) = _U64.unpack_from(body, off)
+            off += 8
             if regs_abi:
-                cnt = self._regs_count[fi]
-                if off + 8 * cnt > n:
+                if off + lay.regs.size > n:
                     raise DecodeError("short_regs")
-                regs = struct.unpack_from(f"<{cnt}Q", body, off)
-                off += 8 * cnt
+                regs = lay.regs.unpack_from(body, off)
+                off += lay.regs.size
         stack = b""
         stack_size = 0
-        if st & SampleType.STACK_USER:
-            stack_size = u64()
+        if st & _S_STACK_USER:
+            # { u64 size; char data[size]; u64 dyn_size; } (dyn_size only when size != 0)
+            if off + 8 > n:
+                raise DecodeError("short_body")
+            (stack_size,) = _U64.unpack_from(body, off)
+            off += 8
             if stack_size:
                 if off + stack_size + 8 > n:
                     raise DecodeError("bad_stack_size")
-                data_off = off
-                off += stack_size
-                dyn = u64()
+                (dyn,) = _U64.unpack_from(body, off + stack_size)
                 if dyn > stack_size:
                     raise DecodeError("bad_dyn_size")
-                stack = bytes(body[data_off : data_off + dyn])
+                stack = bytes(body[off : off + dyn])
+                off += stack_size + 8
         # WEIGHT, DATA_SRC, TRANSACTION, REGS_INTR, ... follow; we do not use them.
         return Sample(misc, pid, tid, time, cpu, ip, eid, period, callchain, regs_abi,
-                      fmt.sample_regs_user, regs, stack, stack_size, addr)  # fmt: skip
+                      lay.regs_mask, regs, stack, stack_size, addr)  # fmt: skip
+
+
+_S_READ = int(SampleType.READ)
+_S_CALLCHAIN = int(SampleType.CALLCHAIN)
+_S_RAW = int(SampleType.RAW)
+_S_BRANCH_STACK = int(SampleType.BRANCH_STACK)
+_S_REGS_USER = int(SampleType.REGS_USER)
+_S_STACK_USER = int(SampleType.STACK_USER)
+
+# The u64 slots that open a SAMPLE body, in order (perf_event.h, PERF_RECORD_SAMPLE).
+_PREFIX_SLOTS = (
+    SampleType.IDENTIFIER,
+    SampleType.IP,
+    SampleType.TID,
+    SampleType.TIME,
+    SampleType.ADDR,
+    SampleType.ID,
+    SampleType.STREAM_ID,
+    SampleType.CPU,
+    SampleType.PERIOD,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _SampleLayout:
+    """A format's SAMPLE layout compiled once, so decoding a sample does no flag arithmetic on
+    IntFlag values (which costs ~1 us each) and unpacks its fixed prefix in one call."""
+
+    sample_type: int
+    prefix: struct.Struct
+    i_ip: int
+    i_tid: int
+    i_time: int
+    i_addr: int
+    i_id: int
+    i_cpu: int
+    i_period: int
+    read_group: bool
+    read_times: int
+    read_per_value: int
+    branch_hw_index: int
+    branch_counters: int
+    regs: struct.Struct
+    regs_mask: int
+
+    @classmethod
+    def of(cls, fmt: EventFormat) -> _SampleLayout:
+        st = int(fmt.sample_type)
+        slots = [bit for bit in _PREFIX_SLOTS if st & bit]
+
+        def idx(bit: SampleType) -> int:
+            return slots.index(bit) if bit in slots else -1
+
+        # PERF_SAMPLE_ID wins over IDENTIFIER when both are set (same value; perf reads ID).
+        i_id = idx(SampleType.ID) if st & SampleType.ID else idx(SampleType.IDENTIFIER)
+        rf = fmt.read_format
+        return cls(
+            sample_type=st,
+            prefix=struct.Struct(f"<{len(slots)}Q"),
+            i_ip=idx(SampleType.IP),
+            i_tid=idx(SampleType.TID),
+            i_time=idx(SampleType.TIME),
+            i_addr=idx(SampleType.ADDR),
+            i_id=i_id,
+            i_cpu=idx(SampleType.CPU),
+            i_period=idx(SampleType.PERIOD),
+            read_group=bool(rf & ReadFormat.GROUP),
+            read_times=bool(rf & ReadFormat.TOTAL_TIME_ENABLED)
+            + bool(rf & ReadFormat.TOTAL_TIME_RUNNING),
+            read_per_value=1 + bool(rf & ReadFormat.ID) + bool(rf & ReadFormat.LOST),
+            branch_hw_index=int(bool(fmt.branch_sample_type & BRANCH_HW_INDEX)),
+            branch_counters=int(bool(fmt.branch_sample_type & BRANCH_COUNTERS)),
+            regs=struct.Struct(f"<{bin(fmt.sample_regs_user).count('1')}Q"),
+            regs_mask=fmt.sample_regs_user,
+        )
