@@ -256,7 +256,11 @@ def test_unsupported_attr_names_what_was_asked() -> None:
 
 
 def _run_as_child(code: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent / "daemon"))
+    # The package this test imported (installed or editable), not the checkout's sources,
+    # which lack the built extension after a plain `pip install .`.
+    import unwindd
+
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(unwindd.__file__).parent.parent))
     return subprocess.run(
         [*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env
     )
