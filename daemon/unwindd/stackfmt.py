@@ -1,0 +1,114 @@
+"""Unwound, symbolized samples and their three renderings: JSON lines, folded stacks, and perf
+script's callchain text.
+
+Invariants:
+- Value types only: an ``UnwoundSample`` is the complete answer for one sample (who, when, how
+  the unwind ended, every frame leaf first with kernel frames first); renderers are pure
+  functions of it.
+- ``perf_script`` reproduces ``perf script -F comm,pid,tid,time,ip,sym,dso --ns`` byte for byte
+  for the fields it prints (tools/perf/builtin-script.c ``perf_sample__fprintf_start`` and
+  util/evsel_fprintf.c ``sample__fprintf_callchain``): ``comm`` then ``%5d/%-5d``, the time as
+  ``%5lu.%09llu:``, then one ``\\t%16x sym (dso)`` line per frame and an empty line.
+- ``folded`` follows flamegraph.pl's stackcollapse-perf.pl: ``comm;outermost;...;leaf count``,
+  a frame without a symbol spelled ``[dso basename]`` (or ``[unknown]``), kernel frames
+  suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user frames.
+- Cost: O(frames) per sample.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    ip: int
+    dso: str | None
+    sym: str | None
+    offset: int | None
+    kernel: bool = False
+    inlined: bool = False
+
+    def __repr__(self) -> str:
+        where = f"{self.sym}+{self.offset:#x}" if self.sym and self.offset else self.sym
+        k = " [k]" if self.kernel else ""
+        return f"Frame({self.ip:#x} {where or '?'} in {self.dso or '?'}{k})"
+
+
+@dataclass(frozen=True, slots=True)
+class UnwoundSample:
+    time_ns: int | None
+    pid: int | None
+    tid: int | None
+    cpu: int | None
+    comm: str
+    period: int | None
+    unwind_status: str
+    frames: tuple[Frame, ...]  # leaf first; kernel frames first
+
+
+def to_json(s: UnwoundSample) -> dict[str, Any]:
+    return {
+        "time_ns": s.time_ns,
+        "pid": s.pid,
+        "tid": s.tid,
+        "cpu": s.cpu,
+        "comm": s.comm,
+        "period": s.period,
+        "unwind_status": s.unwind_status,
+        "frames": [
+            {
+                "ip": hex(f.ip),
+                "dso": f.dso,
+                "sym": f.sym,
+                "offset": f.offset,
+                "kernel": f.kernel,
+                "inlined": f.inlined,
+            }
+            for f in s.frames
+        ],
+    }
+
+
+def perf_script(s: UnwoundSample) -> str:
+    t = s.time_ns or 0
+    pid = -1 if s.pid is None else s.pid
+    tid = -1 if s.tid is None else s.tid
+    head = f"{s.comm} {pid:5d}/{tid:<5d} {t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n"
+    lines = [head]
+    for f in s.frames:
+        lines.append(f"\t{f.ip:16x} {f.sym or '[unknown]'} ({f.dso or '[unknown]'})\n")
+    lines.append("\n")
+    return "".join(lines)
+
+
+def folded_key(s: UnwoundSample) -> tuple[str, ...]:
+    """The stack as flamegraph.pl folds it: comm first, then outermost frame to leaf."""
+    names = [s.comm or "[unknown]"]
+    for f in reversed(s.frames):
+        if f.sym:
+            name = f.sym
+        elif f.dso:
+            name = f"[{os.path.basename(f.dso.strip('[]'))}]"
+        else:
+            name = "[unknown]"
+        if f.kernel:
+            name += "_[k]"
+        names.append(name.replace(";", ":"))
+    return tuple(names)
+
+
+def fold(samples: Iterable[UnwoundSample], by_period: bool = False) -> Counter[tuple[str, ...]]:
+    """Aggregate samples into folded stacks, counting samples (or their periods)."""
+    out: Counter[tuple[str, ...]] = Counter()
+    for s in samples:
+        out[folded_key(s)] += (s.period or 1) if by_period else 1
+    return out
+
+
+def render_folded(folded: Counter[tuple[str, ...]]) -> str:
+    return "".join(f"{';'.join(k)} {n}\n" for k, n in sorted(folded.items()))
