@@ -1,0 +1,220 @@
+"""Symbol demangling the way ``perf script`` prints names (C++ Itanium, Rust legacy).
+
+Rules (verified on this machine, perf 6.1 built with libiberty's ``cplus_demangle``):
+- perf demangles with ``DMGL_NO_OPTS`` unless ``-v`` (tools/perf/util/symbol-elf.c
+  demangle_sym): no parameter list, no return type, no ``[clone .cold]`` suffix. So
+  ``_ZN2ns3BoxIlE4spinElRKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE`` prints as
+  ``ns::Box<long>::spin`` while ``c++filt`` prints the full signature. ``demangle_full`` is
+  the c++filt form (libstdc++'s ``__cxa_demangle`` through ctypes, no new dependency);
+  ``demangle`` derives perf's form from it by removing the top-level function type.
+- Only the *outermost* function type goes: libiberty's d_encoding drops it only at top level,
+  so enclosing functions of local names (``f(int)::{lambda()#1}``) and thunk targets
+  (``non-virtual thunk to A::f()``) keep theirs.
+- Rust legacy symbols ``_ZN<len><ident>...17h<16 hex>E`` print as the path without the hash,
+  with ``$LT$``-style escapes and ``..`` decoded (perf's rust-demangle.c, from rustc-demangle).
+- A name that does not demangle is printed as is (perf too).
+
+Cost: one ``__cxa_demangle`` call per distinct symbol, cached by the caller (symbol tables
+store demangled names once per binary).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import re
+from functools import lru_cache
+
+__all__ = ["demangle", "demangle_full", "demangle_rust_legacy", "strip_function_type"]
+
+
+class _Cxx:
+    def __init__(self) -> None:
+        self.fn: ctypes._NamedFuncPointer | None = None
+        self.free: ctypes._NamedFuncPointer | None = None
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            return
+        fn = getattr(lib, "__cxa_demangle")  # a dunder name: attribute syntax would be mangled
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+        free = libc.free
+        free.argtypes = [ctypes.c_void_p]
+        free.restype = None
+        self.fn, self.free = fn, free
+
+
+_cxx = _Cxx()
+
+
+@lru_cache(maxsize=4096)
+def demangle_full(name: str) -> str | None:
+    """The c++filt form of an Itanium-mangled name, or None if it does not demangle."""
+    if _cxx.fn is None or _cxx.free is None or not name.startswith("_Z"):
+        return None
+    status = ctypes.c_int(0)
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return None
+    ptr = _cxx.fn(raw, None, None, ctypes.byref(status))
+    if not ptr:
+        return None
+    try:
+        if status.value != 0:
+            return None
+        return ctypes.string_at(ptr).decode("utf-8", "replace")
+    finally:
+        _cxx.free(ptr)
+
+
+_OPEN = {")": "(", ">": "<", "]": "[", "}": "{"}
+_QUALS = (" const", " volatile", " &&", " &", " restrict", " noexcept", " transaction_safe")
+
+
+def _match_back(s: str, end: int) -> int:
+    """Index of the bracket opening the one at ``s[end]``, or -1."""
+    close = s[end]
+    opener = _OPEN[close]
+    depth = 0
+    for i in range(end, -1, -1):
+        c = s[i]
+        if c == close:
+            depth += 1
+        elif c == opener:
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def strip_function_type(full: str) -> str:
+    """``ret name<T>(params) const [clone .cold]`` -> ``name<T>`` (libiberty DMGL_NO_OPTS)."""
+    s = full
+    while s.endswith("]"):
+        i = s.rfind(" [clone ")
+        if i < 0:
+            break
+        s = s[:i]
+    changed = True
+    while changed:
+        changed = False
+        for q in _QUALS:
+            if s.endswith(q):
+                s = s[: -len(q)]
+                changed = True
+    if not s.endswith(")"):
+        return s
+    i = _match_back(s, len(s) - 1)
+    if i <= 0:
+        return s
+    s = s[:i]
+    # A return type is printed only for template functions ("void f<int>(int)"), i.e. when
+    # the name ends with template args; it is separated from the name by a top-level space.
+    # Brackets inside operator names ("operator>>", "operator()") are masked so that only
+    # real brackets are counted.
+    m = _OPERATOR.sub(lambda mo: "operator" + "_" * (len(mo[0]) - 8), s)
+    if not m.endswith(">"):
+        return s
+    j = _match_back(m, len(m) - 1)
+    if j <= 0:
+        return s
+    depth = 0
+    for k in range(j - 1, -1, -1):
+        c = m[k]
+        if c in ")>]}":
+            depth += 1
+        elif c in "(<[{":
+            depth = max(depth - 1, 0)
+        elif c == " " and depth == 0 and not m[:k].endswith("operator"):
+            if m[:k].rstrip("_").endswith("operator"):
+                continue  # "operator<< <T>": the space libiberty puts after operator<
+            return s[k + 1 :]
+    return s
+
+
+_OPERATOR = re.compile(r"operator(?:<<=|>>=|<=>|<<|>>|<=|>=|->\*|->|<|>|\(\)|\[\])")
+
+
+_RUST_HASH = re.compile(r"17h[0-9a-f]{16}E$")
+_RUST_ESCAPES = {
+    "SP": "@", "BP": "*", "RF": "&", "LT": "<", "GT": ">", "LP": "(", "RP": ")", "C": ",",
+}  # fmt: skip
+
+
+def demangle_rust_legacy(name: str) -> str | None:
+    """``_ZN4core3ptr13drop_in_place17h0123456789abcdefE`` -> ``core::ptr::drop_in_place``."""
+    if not name.startswith("_ZN") or _RUST_HASH.search(name) is None:
+        return None
+    i = 3
+    parts: list[str] = []
+    end = len(name) - 1  # the final "E"
+    while i < end:
+        j = i
+        while j < end and name[j].isdigit():
+            j += 1
+        if j == i:
+            return None
+        n = int(name[i:j])
+        if n <= 0 or j + n > end:
+            return None
+        parts.append(name[j : j + n])
+        i = j + n
+    if i != end or len(parts) < 2:
+        return None
+    return "::".join(_rust_unescape(p) for p in parts[:-1])
+
+
+def _rust_unescape(ident: str) -> str:
+    if ident.startswith("_$"):
+        ident = ident[1:]
+    out: list[str] = []
+    i = 0
+    while i < len(ident):
+        c = ident[i]
+        if c == "$":
+            j = ident.find("$", i + 1)
+            if j < 0:
+                out.append(ident[i:])
+                break
+            code = ident[i + 1 : j]
+            if code in _RUST_ESCAPES:
+                out.append(_RUST_ESCAPES[code])
+            elif code.startswith("u") and len(code) > 1:
+                try:
+                    out.append(chr(int(code[1:], 16)))
+                except ValueError:
+                    out.append(ident[i : j + 1])
+            else:
+                out.append(ident[i : j + 1])
+            i = j + 1
+        elif ident.startswith("..", i):
+            out.append("::")
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+@lru_cache(maxsize=65536)
+def demangle(name: str) -> str:
+    """The name as ``perf script`` prints it (see the module rules)."""
+    if not name.startswith("_Z"):
+        return name
+    rust = demangle_rust_legacy(name)
+    if rust is not None:
+        return rust
+    full = demangle_full(name)
+    if full is None and "@" in name:
+        # libiberty without DMGL_PARAMS ignores trailing text such as a "@GLIBCXX_3.4"
+        # version suffix in a .symtab name; __cxa_demangle rejects it, so cut it first.
+        full = demangle_full(name[: name.index("@")])
+    if full is None:
+        return name
+    if name[2:3] in ("T", "G"):  # special names: vtable/typeinfo/thunk/guard keep their text
+        return full
+    return strip_function_type(full)

@@ -1,0 +1,813 @@
+"""Shared ELF cache: one entry per binary, shared by every pid that maps it.
+
+Invariants:
+- One ``ElfEntry`` per binary, keyed by build-id (``("b", id)``), else by file identity
+  ``("i", st_dev, st_ino, st_size, st_mtime_ns)``. Every pid mapping that binary gets the same
+  entry; per pid only the load bias differs (``ElfEntry.bias_for``). Seeds 000/002/003 and
+  DESIGN.md "Process table and ELF cache".
+- An entry is *usable* only if the file we opened is the file that was mapped: the build-id of
+  an MMAP2 build-id record, or the (dev, ino) of an inode-form MMAP2 / maps line, must match
+  the opened file. A mismatch gives an unusable entry (no symbols, no unwind table), counted
+  in ``stats.errors``; it is never put under a shared key, so a later good open still works.
+- Files are opened through ``<proc_root>/<pid>/root/<path>`` (the pid's mount namespace),
+  ``<proc_root>/<pid>/map_files/<start>-<end>`` for `` (deleted)`` paths, else the path itself;
+  with O_NONBLOCK (a FIFO must never block us) and O_NOFOLLOW on the last component (the kernel
+  reports d_path names, which contain no symlinks; one appearing there means the path changed).
+  Only regular files up to ``max_file_size`` bytes are read. The fd stays open while the entry
+  lives, so lazy loads (symbols, CFI via ``/proc/self/fd/N``) read the very file we validated,
+  even after it was deleted or replaced on disk.
+- Malformed ELF never raises out of this module: ``ElfReader`` checks every offset/size against
+  the file size and caps counts (``MAX_PHDRS``, ``MAX_SECTIONS``), so parsing costs
+  O(headers) time and memory; the error becomes a count and an unusable entry.
+- Memory: ``stats.bytes`` is an estimate of each cached entry's parsed data plus its CFI
+  table's ``nbytes``. Above ``max_bytes`` unreferenced entries are evicted least recently
+  released first; referenced entries are never evicted (the cap is then exceeded, visibly).
+- Reference counts are per address space (``proctable``): acquire once per space that maps
+  the binary, release when the space drops its last mapping of it.
+- Not thread-safe: one owner (the daemon's event loop) calls it.
+
+Cost: a hit by build-id or by a known (maj, min, ino, generation) costs one dict lookup and no
+syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat
+import struct
+import zlib
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .symbolize import SymbolTable
+
+__all__ = [
+    "CacheConfig",
+    "CacheStats",
+    "ElfCache",
+    "ElfEntry",
+    "ElfError",
+    "ElfReader",
+    "Section",
+    "Segment",
+]
+
+CfiFactory = Callable[[str, "str | None"], object]
+
+# --------------------------------------------------------------------------- ELF layouts
+
+# include/uapi/linux/elf.h, Elf64_Ehdr (after e_ident[16]):
+#   u16 e_type; u16 e_machine; u32 e_version; u64 e_entry; u64 e_phoff; u64 e_shoff;
+#   u32 e_flags; u16 e_ehsize; u16 e_phentsize; u16 e_phnum; u16 e_shentsize; u16 e_shnum;
+#   u16 e_shstrndx;                                                       (64 bytes in all)
+_EHDR = struct.Struct("<HHIQQQIHHHHHH")
+# Elf64_Phdr: u32 p_type, p_flags; u64 p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_align
+_PHDR = struct.Struct("<IIQQQQQQ")
+# Elf64_Shdr: u32 sh_name, sh_type; u64 sh_flags, sh_addr, sh_offset, sh_size;
+#             u32 sh_link, sh_info; u64 sh_addralign, sh_entsize
+_SHDR = struct.Struct("<IIQQQQIIQQ")
+# Elf64_Nhdr: u32 n_namesz, n_descsz, n_type; name and desc each padded to 4 bytes
+_NHDR = struct.Struct("<III")
+
+ET_EXEC = 2
+ET_DYN = 3
+PT_LOAD = 1
+PT_NOTE = 4
+PF_X = 1
+SHT_NOBITS = 8
+SHT_NOTE = 7
+SHN_XINDEX = 0xFFFF
+PN_XNUM = 0xFFFF
+NT_GNU_BUILD_ID = 3
+
+MAX_PHDRS = 4096  # real binaries have < 20; bounds a hostile e_phnum
+MAX_SECTIONS = 1 << 16  # real binaries have < 100 (< 70k only with -ffunction-sections .o)
+MAX_NOTES_BYTES = 1 << 16  # build-id notes are tiny; never read more note data than this
+MAX_BUILD_ID = 64
+PAGE = 4096
+
+
+class ElfError(Exception):
+    """A file that is not an ELF we can read; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One PT_LOAD program header."""
+
+    vaddr: int
+    offset: int
+    filesz: int
+    memsz: int
+    flags: int
+
+    def __repr__(self) -> str:
+        return (
+            f"Segment(vaddr={self.vaddr:#x}, offset={self.offset:#x}, filesz={self.filesz:#x}, "
+            f"memsz={self.memsz:#x}, flags={self.flags:#x})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    name: str
+    type: int
+    flags: int
+    addr: int
+    offset: int
+    size: int
+    link: int
+    info: int
+    entsize: int
+
+    def __repr__(self) -> str:
+        return (
+            f"Section({self.name!r}, type={self.type}, addr={self.addr:#x}, "
+            f"offset={self.offset:#x}, size={self.size:#x})"
+        )
+
+
+class ElfReader:
+    """Bounds-checked reader of a 64-bit little-endian ELF on an open fd.
+
+    Every read is ``os.pread`` of a range checked against ``size``; counts are capped. Sections
+    are read on first use. Raises only ``ElfError``."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        ident = self.read(0, 64)
+        if ident[:4] != b"\x7fELF":
+            raise ElfError("bad_magic")
+        if ident[4] != 2:
+            raise ElfError("unsupported_class", f"EI_CLASS={ident[4]}")
+        if ident[5] != 1:
+            raise ElfError("unsupported_data", f"EI_DATA={ident[5]}")
+        (self.type, self.machine, _ver, self.entry, phoff, shoff, _flags, _ehsize, phentsize,
+         phnum, shentsize, shnum, shstrndx) = _EHDR.unpack_from(ident, 16)  # fmt: skip
+        self._phoff, self._phentsize, self._phnum = phoff, phentsize, phnum
+        self._shoff, self._shentsize = shoff, shentsize
+        self._shnum, self._shstrndx = shnum, shstrndx
+        self._sections: tuple[Section, ...] | None = None
+        self._by_name: dict[str, Section] | None = None
+        if phnum and phentsize < _PHDR.size:
+            raise ElfError("bad_phentsize")
+        self.segments_all = self._read_phdrs()
+
+    def read(self, off: int, n: int) -> bytes:
+        if off < 0 or n < 0 or off + n > self.size:
+            raise ElfError("out_of_bounds", f"{off:#x}+{n:#x} > {self.size:#x}")
+        try:
+            data = os.pread(self.fd, n, off)
+        except OSError as e:
+            raise ElfError("read_failed", str(e)) from None
+        if len(data) != n:
+            raise ElfError("short_read")
+        return data
+
+    def _first_shdr(self) -> tuple[int, ...] | None:
+        if not self._shoff or self._shentsize < _SHDR.size:
+            return None
+        return _SHDR.unpack(self.read(self._shoff, _SHDR.size))
+
+    def _read_phdrs(self) -> tuple[tuple[int, int, int, int, int, int, int], ...]:
+        phnum = self._phnum
+        if phnum == PN_XNUM:  # extended numbering: real count in shdr[0].sh_info
+            first = self._first_shdr()
+            phnum = first[7] if first else 0
+        if phnum > MAX_PHDRS:
+            raise ElfError("too_many_phdrs", str(phnum))
+        if phnum == 0:
+            return ()
+        raw = self.read(self._phoff, phnum * self._phentsize)
+        out = []
+        for i in range(phnum):
+            p_type, p_flags, off, vaddr, _paddr, filesz, memsz, _align = _PHDR.unpack_from(
+                raw, i * self._phentsize
+            )
+            out.append((p_type, p_flags, off, vaddr, filesz, memsz, _align))
+        return tuple(out)
+
+    def load_segments(self) -> tuple[Segment, ...]:
+        segs = []
+        for p_type, flags, off, vaddr, filesz, memsz, _ in self.segments_all:
+            if p_type != PT_LOAD:
+                continue
+            if filesz > memsz or off + filesz > self.size:
+                raise ElfError("bad_segment", f"offset={off:#x} filesz={filesz:#x}")
+            segs.append(Segment(vaddr, off, filesz, memsz, flags))
+        return tuple(segs)
+
+    # -- sections
+
+    @property
+    def sections(self) -> tuple[Section, ...]:
+        if self._sections is None:
+            self._sections = self._read_sections()
+        return self._sections
+
+    def _read_sections(self) -> tuple[Section, ...]:
+        if not self._shoff:
+            return ()
+        if self._shentsize < _SHDR.size:
+            raise ElfError("bad_shentsize")
+        shnum, strndx = self._shnum, self._shstrndx
+        if shnum == 0 or strndx == SHN_XINDEX:
+            first = self._first_shdr()
+            if first is None:
+                return ()
+            if shnum == 0:
+                shnum = first[5]  # sh_size holds the real count
+            if strndx == SHN_XINDEX:
+                strndx = first[6]  # sh_link holds the real index
+        if shnum > MAX_SECTIONS:
+            raise ElfError("too_many_sections", str(shnum))
+        raw = self.read(self._shoff, shnum * self._shentsize)
+        hdrs = [_SHDR.unpack_from(raw, i * self._shentsize) for i in range(shnum)]
+        names = b""
+        if 0 < strndx < shnum:
+            s = hdrs[strndx]
+            if s[1] != SHT_NOBITS:
+                names = self.read(s[4], s[5])
+        out = []
+        for sh_name, sh_type, flags, addr, off, size, link, info, _al, entsize in hdrs:
+            if sh_type != SHT_NOBITS and off + size > self.size:
+                raise ElfError("bad_section", f"offset={off:#x} size={size:#x}")
+            name = _cstr(names, sh_name) if sh_name < len(names) else ""
+            out.append(Section(name, sh_type, flags, addr, off, size, link, info, entsize))
+        return tuple(out)
+
+    def section(self, name: str) -> Section | None:
+        if self._by_name is None:
+            by: dict[str, Section] = {}
+            for s in self.sections:
+                by.setdefault(s.name, s)
+            self._by_name = by
+        return self._by_name.get(name)
+
+    def section_data(self, sec: Section) -> bytes:
+        if sec.type == SHT_NOBITS:
+            return b""
+        return self.read(sec.offset, sec.size)
+
+    # -- notes
+
+    def build_id(self) -> bytes | None:
+        """NT_GNU_BUILD_ID from PT_NOTE segments, else SHT_NOTE sections (debug files)."""
+        ranges = [(off, filesz) for t, _f, off, _v, filesz, _m, _a in self.segments_all
+                  if t == PT_NOTE]  # fmt: skip
+        if not ranges:
+            ranges = [(s.offset, s.size) for s in self.sections if s.type == SHT_NOTE]
+        budget = MAX_NOTES_BYTES
+        for off, size in ranges:
+            size = min(size, budget)
+            budget -= size
+            if size <= 0:
+                break
+            bid = _find_build_id(self.read(off, size))
+            if bid is not None:
+                return bid
+        return None
+
+    def debuglink(self) -> tuple[str, int] | None:
+        """``.gnu_debuglink``: (file name, CRC32 of the debug file)."""
+        sec = self.section(".gnu_debuglink")
+        if sec is None or sec.size > 4096:
+            return None
+        data = self.section_data(sec)
+        nul = data.find(b"\0")
+        if nul <= 0:
+            return None
+        crc_off = (nul + 4) & ~3
+        if crc_off + 4 > len(data):
+            return None
+        name = data[:nul].decode("utf-8", "surrogateescape")
+        if "/" in name:
+            return None
+        return name, struct.unpack_from("<I", data, crc_off)[0]
+
+
+def _cstr(buf: bytes, off: int) -> str:
+    end = buf.find(b"\0", off)
+    if end < 0:
+        end = len(buf)
+    return buf[off:end].decode("utf-8", "surrogateescape")
+
+
+def _find_build_id(notes: bytes) -> bytes | None:
+    off = 0
+    n = len(notes)
+    while off + _NHDR.size <= n:
+        namesz, descsz, ntype = _NHDR.unpack_from(notes, off)
+        name_off = off + _NHDR.size
+        desc_off = name_off + ((namesz + 3) & ~3)
+        end = desc_off + ((descsz + 3) & ~3)
+        if end > n or end <= off:
+            return None
+        if ntype == NT_GNU_BUILD_ID and notes[name_off : name_off + namesz] == b"GNU\0":
+            if 0 < descsz <= MAX_BUILD_ID:
+                return notes[desc_off : desc_off + descsz]
+            return None
+        off = end
+    return None
+
+
+# --------------------------------------------------------------------------- entries
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    max_bytes: int = 512 << 20
+    max_file_size: int = 2 << 30
+    max_debug_file_size: int = 2 << 30
+    debug_roots: tuple[str, ...] = ("/usr/lib/debug",)
+
+
+@dataclass
+class CacheStats:
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+_ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry overhead
+_NOT_LOADED = object()
+_ids = itertools.count(1)
+
+
+class ElfEntry:
+    """One binary. Eagerly: identity and PT_LOAD segments (for the load bias). Lazily, once:
+    symbols (``symbols()``), separate debug file (``debug_path()``), CFI (``cfi()``)."""
+
+    __slots__ = (
+        "_cache",
+        "_cfi",
+        "_debug",
+        "_symbols",
+        "build_id",
+        "dev",
+        "error",
+        "etype",
+        "fd",
+        "filename",
+        "ino",
+        "key",
+        "mtime_ns",
+        "nbytes",
+        "path",
+        "refcount",
+        "segments",
+        "size",
+        "uid",
+    )
+
+    def __init__(
+        self,
+        *,
+        key: tuple[object, ...] | None,
+        filename: str,
+        path: str,
+        fd: int | None = None,
+        build_id: bytes | None = None,
+        etype: int = 0,
+        segments: tuple[Segment, ...] = (),
+        dev: int = 0,
+        ino: int = 0,
+        size: int = 0,
+        mtime_ns: int = 0,
+        error: str | None = None,
+        cache: ElfCache | None = None,
+    ) -> None:
+        self.uid = next(_ids)  # the unwinder's Module.key
+        self.key = key
+        self.filename = filename
+        self.path = path
+        self.fd = fd
+        self.build_id = build_id
+        self.etype = etype
+        self.segments = segments
+        self.dev, self.ino, self.size, self.mtime_ns = dev, ino, size, mtime_ns
+        self.error = error
+        self.refcount = 0
+        self.nbytes = _ENTRY_BASE_BYTES + 64 * len(segments) + 2 * len(path)
+        self._cache = cache
+        self._symbols: SymbolTable | None = None
+        self._debug: object = _NOT_LOADED
+        self._cfi: object = _NOT_LOADED
+
+    def __repr__(self) -> str:
+        bid = self.build_id.hex() if self.build_id else None
+        state = f"error={self.error}" if self.error else f"refs={self.refcount}"
+        return f"ElfEntry(#{self.uid} {self.filename!r} build_id={bid} {state})"
+
+    @property
+    def usable(self) -> bool:
+        return self.error is None and self.fd is not None
+
+    @property
+    def fd_path(self) -> str:
+        """A path that opens exactly the validated file (for readers that want a path)."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def reader(self) -> ElfReader:
+        if self.fd is None:
+            raise ElfError("unusable", self.error or "closed")
+        return ElfReader(self.fd, self.size)
+
+    def bias_for(self, start: int, pgoff: int) -> int:
+        """Load bias of a mapping of this file at ``start`` from file offset ``pgoff``:
+        runtime address = ELF vaddr + bias.
+
+        File offset o of segment S is at vaddr ``S.vaddr + (o - S.offset)`` and, in a mapping
+        of offset ``pgoff`` at ``start``, at runtime ``start + (o - pgoff)``; so
+        ``bias = start - pgoff + S.offset - S.vaddr`` for the PT_LOAD S whose page-aligned file
+        range holds ``pgoff`` (the kernel maps each PT_LOAD from ``p_offset`` rounded down to a
+        page: fs/binfmt_elf.c elf_map). For ET_EXEC, start - pgoff == S.vaddr - S.offset, so the
+        bias is 0. Without a matching segment we fall back to the executable one, then to
+        vaddr == offset (bias = start - pgoff), as perf's map__map_ip does."""
+        best: Segment | None = None
+        for s in self.segments:
+            lo = s.offset - s.offset % PAGE
+            if lo <= pgoff < s.offset + max(s.filesz, 1):
+                if best is None or (s.flags & PF_X and not best.flags & PF_X):
+                    best = s
+        if best is None:
+            best = next((s for s in self.segments if s.flags & PF_X), None)
+        if best is None:
+            return start - pgoff
+        return start - pgoff + best.offset - best.vaddr
+
+    # -- lazies
+
+    def symbols(self) -> SymbolTable:
+        """The symbol table (perf's rules, see symbolize.py); loaded once, empty on error."""
+        if self._symbols is None:
+            from .symbolize import SymbolTable, load_symbol_table
+
+            table = SymbolTable.empty()
+            if self.usable:
+                try:
+                    table = load_symbol_table(self)
+                except ElfError as e:
+                    self._count_error(f"symbols_{e.reason}")
+            self._symbols = table
+            self._grow(table.nbytes)
+        return self._symbols
+
+    def debug_path(self) -> str | None:
+        """Separate debug file: build-id dir first, then .gnu_debuglink (validated)."""
+        if self._debug is _NOT_LOADED:
+            found: str | None = None
+            if self.usable and self._cache is not None:
+                try:
+                    found = self._cache.find_debug_file(self)
+                except ElfError as e:
+                    self._count_error(f"debug_{e.reason}")
+            self._debug = found
+        return self._debug if isinstance(self._debug, str) else None
+
+    def cfi(self) -> object | None:
+        """The unwind table from the injected factory (``CfiTable.from_elf``), or None."""
+        if self._cfi is _NOT_LOADED:
+            table: object | None = None
+            factory = self._cache.cfi_factory if self._cache is not None else None
+            if factory is not None and self.usable:
+                try:
+                    table = factory(self.fd_path, self.debug_path())
+                except Exception as e:  # a native compiler error must not kill the daemon
+                    self._count_error(f"cfi_{type(e).__name__}")
+            self._cfi = table
+            nbytes = getattr(table, "nbytes", 0)
+            self._grow(nbytes if isinstance(nbytes, int) else 0)
+        return self._cfi
+
+    def _grow(self, n: int) -> None:
+        self.nbytes += n
+        if self._cache is not None:
+            self._cache._grew(self, n)
+
+    def _count_error(self, reason: str) -> None:
+        if self._cache is not None:
+            self._cache.stats.errors[reason] += 1
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class ElfCache:
+    """The shared cache. ``acquire`` returns an entry (usable or not) with one more reference;
+    ``release`` drops it. See the module invariants."""
+
+    def __init__(
+        self,
+        config: CacheConfig | None = None,
+        *,
+        proc_root: str = "/proc",
+        cfi_factory: CfiFactory | None = None,
+    ) -> None:
+        self.config = config or CacheConfig()
+        self.proc_root = proc_root
+        self.cfi_factory = cfi_factory
+        self.stats = CacheStats()
+        self._by_key: dict[tuple[object, ...], ElfEntry] = {}
+        self._alias: dict[tuple[object, ...], ElfEntry] = {}
+        self._lru: OrderedDict[int, ElfEntry] = OrderedDict()  # unreferenced, oldest first
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def entries(self) -> list[ElfEntry]:
+        return list(self._by_key.values())
+
+    def lookup_build_id(self, build_id: bytes) -> ElfEntry | None:
+        return self._by_key.get(("b", bytes(build_id)))
+
+    # -- acquire / release
+
+    def acquire(
+        self,
+        pid: int | None,
+        filename: str,
+        start: int = 0,
+        end: int = 0,
+        *,
+        build_id: bytes | None = None,
+        maj: int | None = None,
+        min: int | None = None,
+        ino: int | None = None,
+        ino_generation: int | None = None,
+    ) -> ElfEntry:
+        """The entry for the file mapped by ``pid`` at [start, end) as ``filename``, with one
+        more reference. Identity from the record (build-id, or maj/min/ino) is checked
+        against the opened file. Never raises."""
+        entry = self._lookup(build_id, maj, min, ino, ino_generation)
+        if entry is not None:
+            self.stats.hits += 1
+        else:
+            entry = self._open(pid, filename, start, end, build_id, maj, min, ino)
+            if entry.key is not None and ino is not None and entry.usable:
+                self._alias[("m", maj, min, ino, ino_generation)] = entry
+        self._ref(entry)
+        return entry
+
+    def retain(self, entry: ElfEntry) -> None:
+        """One more reference to an entry the caller already holds (a FORK copy)."""
+        if entry.refcount <= 0:
+            raise ValueError(f"retain of unreferenced {entry!r}")
+        self._ref(entry)
+
+    def release(self, entry: ElfEntry) -> None:
+        if entry.refcount <= 0:
+            raise ValueError(f"release of unreferenced {entry!r}")
+        entry.refcount -= 1
+        if entry.refcount == 0:
+            if entry.key is None or self._by_key.get(entry.key) is not entry:
+                entry._close()  # a private (unusable) entry: nobody else can reach it
+                return
+            self._lru[entry.uid] = entry
+            self._evict()
+
+    def _ref(self, entry: ElfEntry) -> None:
+        if entry.refcount == 0:
+            self._lru.pop(entry.uid, None)
+        entry.refcount += 1
+
+    def _lookup(
+        self,
+        build_id: bytes | None,
+        maj: int | None,
+        mnr: int | None,
+        ino: int | None,
+        gen: int | None,
+    ) -> ElfEntry | None:
+        if build_id:
+            return self._by_key.get(("b", bytes(build_id)))
+        if ino is not None:
+            # The kernel's identity of the mapped inode. An inode number reused after a delete
+            # gets a new i_generation on ext4/xfs/tmpfs, so a stale alias cannot match there;
+            # /proc/<pid>/maps carries no generation (None), a documented small risk.
+            return self._alias.get(("m", maj, mnr, ino, gen))
+        return None
+
+    def _grew(self, entry: ElfEntry, n: int) -> None:
+        if entry.key is not None and self._by_key.get(entry.key) is entry:
+            self.stats.bytes += n
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.stats.bytes > self.config.max_bytes and self._lru:
+            _, victim = self._lru.popitem(last=False)
+            self._drop(victim)
+            self.stats.evictions += 1
+
+    def _drop(self, entry: ElfEntry) -> None:
+        if entry.key is not None and self._by_key.get(entry.key) is entry:
+            del self._by_key[entry.key]
+            self.stats.bytes -= entry.nbytes
+            self.stats.entries = len(self._by_key)
+        for k in [k for k, v in self._alias.items() if v is entry]:
+            del self._alias[k]
+        entry._close()
+
+    def clear(self) -> None:
+        """Drop every entry (referenced ones too: their fds close; for shutdown)."""
+        for e in list(self._by_key.values()):
+            self._drop(e)
+        self._lru.clear()
+
+    # -- opening
+
+    def _candidate_paths(self, pid: int | None, filename: str, start: int, end: int
+                         ) -> list[tuple[str, bool]]:  # fmt: skip
+        """(path, follow_last_symlink) to try, in order."""
+        out: list[tuple[str, bool]] = []
+        if filename.endswith(" (deleted)"):
+            if pid is not None and end > start:
+                # The magic link of the mapping itself: the only way to the deleted inode.
+                out.append((f"{self.proc_root}/{pid}/map_files/{start:x}-{end:x}", True))
+            return out
+        if pid is not None and pid > 0:
+            out.append((f"{self.proc_root}/{pid}/root{filename}", False))
+        out.append((filename, False))
+        return out
+
+    def _open(
+        self,
+        pid: int | None,
+        filename: str,
+        start: int,
+        end: int,
+        build_id: bytes | None,
+        maj: int | None,
+        mnr: int | None,
+        ino: int | None,
+    ) -> ElfEntry:
+        if not filename.startswith("/"):
+            return self._unusable(filename, "", "not_a_file")
+        fd = -1
+        path = ""
+        last_err = "open_failed"
+        for path, follow in self._candidate_paths(pid, filename, start, end):
+            flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+            try:
+                fd = os.open(path, flags)
+                break
+            except OSError as e:
+                last_err = "symlink" if e.errno == errno.ELOOP else "open_failed"
+        if fd < 0:
+            return self._unusable(filename, path, last_err)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ElfError("not_regular")
+            if st.st_size > self.config.max_file_size:
+                raise ElfError("too_large")
+            if ino is not None and (
+                st.st_ino != ino
+                or (maj is not None and mnr is not None
+                    and (os.major(st.st_dev), os.minor(st.st_dev)) != (maj, mnr))
+            ):  # fmt: skip
+                raise ElfError("inode_mismatch")
+            reader = ElfReader(fd, st.st_size)
+            file_bid = reader.build_id()
+            if build_id and file_bid != bytes(build_id):
+                raise ElfError("build_id_mismatch")
+            segments = reader.load_segments()
+            etype = reader.type
+        except ElfError as e:
+            os.close(fd)
+            return self._unusable(filename, path, e.reason)
+        except OSError:
+            os.close(fd)
+            return self._unusable(filename, path, "stat_failed")
+        key: tuple[object, ...] = (
+            ("b", file_bid) if file_bid else ("i", st.st_dev, st.st_ino, st.st_size,
+                                               st.st_mtime_ns)
+        )  # fmt: skip
+        known = self._by_key.get(key)
+        if known is not None:
+            os.close(fd)
+            self.stats.hits += 1
+            return known
+        self.stats.misses += 1
+        entry = ElfEntry(
+            key=key, filename=filename, path=path, fd=fd, build_id=file_bid, etype=etype,
+            segments=segments, dev=st.st_dev, ino=st.st_ino, size=st.st_size,
+            mtime_ns=st.st_mtime_ns, cache=self,
+        )  # fmt: skip
+        self._by_key[key] = entry
+        self.stats.entries = len(self._by_key)
+        self.stats.bytes += entry.nbytes
+        return entry
+
+    def acquire_vdso(self) -> ElfEntry:
+        """The ``[vdso]`` image, with one more reference. Every 64-bit process on this kernel
+        maps the same image, so ours (read from ``/proc/self/mem`` into a memfd) stands for all
+        of them, as perf's vdso__dso_findnew does with its own."""
+        entry = self._by_key.get(("vdso",))
+        if entry is None:
+            entry = self._load_vdso()
+        self._ref(entry)
+        return entry
+
+    def _load_vdso(self) -> ElfEntry:
+        try:
+            with open("/proc/self/maps") as f:
+                line = next((ln for ln in f if ln.rstrip().endswith("[vdso]")), None)
+            if line is None:
+                return self._unusable("[vdso]", "", "no_vdso")
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            with open("/proc/self/mem", "rb", buffering=0) as mem:
+                mem.seek(lo)
+                image = mem.read(hi - lo)
+            fd = os.memfd_create("vdso", os.MFD_CLOEXEC)
+            os.write(fd, image)
+        except OSError:
+            return self._unusable("[vdso]", "", "vdso_read_failed")
+        try:
+            reader = ElfReader(fd, len(image))
+            entry = ElfEntry(
+                key=("vdso",), filename="[vdso]", path="[vdso]", fd=fd,
+                build_id=reader.build_id(), etype=reader.type,
+                segments=reader.load_segments(), size=len(image), cache=self,
+            )  # fmt: skip
+        except ElfError as e:
+            os.close(fd)
+            return self._unusable("[vdso]", "", e.reason)
+        self.stats.misses += 1
+        self._by_key[("vdso",)] = entry
+        self.stats.entries = len(self._by_key)
+        self.stats.bytes += entry.nbytes
+        return entry
+
+    def _unusable(self, filename: str, path: str, reason: str) -> ElfEntry:
+        self.stats.errors[reason] += 1
+        self.stats.misses += 1
+        return ElfEntry(key=None, filename=filename, path=path, error=reason, cache=self)
+
+    # -- debug files
+
+    def find_debug_file(self, entry: ElfEntry) -> str | None:
+        """``<root>/.build-id/xx/rest.debug`` when the binary has a build-id and that file
+        carries the same one; else ``.gnu_debuglink`` in the binary's dir, its ``.debug/``
+        subdir and ``<root>/<dir>/`` (gdb's order; perf's dso__read_binary_type_filename),
+        accepted if its build-id matches or, without build-ids, its CRC32 does."""
+        roots = self.config.debug_roots
+        bid = entry.build_id
+        if bid:
+            h = bid.hex()
+            for root in roots:
+                cand = f"{root}/.build-id/{h[:2]}/{h[2:]}.debug"
+                if self._debug_matches(cand, bid, None):
+                    return cand
+        link = entry.reader().debuglink()
+        if link is None:
+            return None
+        name, crc = link
+        d = os.path.dirname(entry.filename.removesuffix(" (deleted)"))
+        cands = [f"{d}/{name}", f"{d}/.debug/{name}"] + [f"{r}{d}/{name}" for r in roots]
+        for cand in cands:
+            if self._debug_matches(cand, bid, crc):
+                return cand
+        return None
+
+    def _debug_matches(self, path: str, bid: bytes | None, crc: int | None) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > self.config.max_debug_file_size:
+                return False
+            if bid:
+                return ElfReader(fd, st.st_size).build_id() == bid
+            if crc is None:
+                return False
+            c = 0
+            off = 0
+            while chunk := os.pread(fd, 1 << 20, off):
+                c = zlib.crc32(chunk, c)
+                off += len(chunk)
+            return c == crc
+        except (ElfError, OSError):
+            return False
+        finally:
+            os.close(fd)

@@ -1,0 +1,491 @@
+"""Process table core: per-pid address spaces built from MMAP/MMAP2/COMM/FORK/EXIT records.
+
+Invariants:
+- Sans-IO: records (or /proc/<pid>/maps *text*) in, address-space values out. The only
+  outside effect is through the injected ``binaries`` resolver (the ELF cache, which opens
+  files); with ``binaries=None`` mappings carry no binary and the table touches nothing.
+- Records are applied in stream order (the caller runs ordering.py first). One space per
+  process (pid = tgid); threads (FORK with pid == ppid) share it.
+- A space's mappings are sorted and disjoint, executable only (MMAP2 ``prot & PROT_EXEC``, MMAP
+  without ``PERF_RECORD_MISC_MMAP_DATA``). A new mapping removes what it overlaps, keeping the
+  non-overlapped head and tail pieces (tail pgoff advanced by the cut), like perf's
+  maps__fixup_overlappings (tools/perf/util/maps.c). A non-executable mapping also cuts what
+  it overlaps (the old code is gone) but is not inserted: better than perf, which only sees it
+  with mmap_data.
+- COMM with the exec flag for pid == tid clears the space: the kernel emits it from
+  begin_new_exec (fs/exec.c) *before* load_elf_binary maps the new image, so everything in the
+  space at that point belongs to the old image.
+- FORK of a new process copies the parent's space in O(1) (spaces share an immutable state
+  object; a change replaces the state) plus one reference per distinct binary.
+- EXIT of the main thread retires the pid: the space stays queryable (late samples, seed 002)
+  until ``drop(pid)``; ``on_retire`` is the hook for the retirement policy.
+- References: each space holds one reference per distinct binary (ELF cache entry) it maps,
+  taken when the first mapping of it arrives and released when the last one goes.
+- Cost: ``find`` is one bisect, O(log n); a mapping change is O(n) in the space's mapping
+  count (tens to hundreds); ``modules()``/``native_space()`` are rebuilt only when the mapping
+  list changed since the last call (``generation``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from .abi import MISC_MMAP_DATA
+from .elfcache import ElfEntry
+from .records import Comm, Exit, Fork, Mmap, Mmap2, Record
+
+__all__ = [
+    "PROT_EXEC",
+    "AddressSpace",
+    "BinaryResolver",
+    "Mapping",
+    "ProcessTable",
+    "parse_proc_maps",
+]
+
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_SHARED, MAP_PRIVATE = 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the record says the mapped file is: build-id, or device + inode."""
+
+    build_id: bytes | None = None
+    maj: int | None = None
+    min: int | None = None
+    ino: int | None = None
+    ino_generation: int | None = None
+
+    def __repr__(self) -> str:
+        if self.build_id:
+            return f"Identity({self.build_id.hex()})"
+        if self.ino is not None:
+            return f"Identity({self.maj:x}:{self.min:x} ino={self.ino})"
+        return "Identity()"
+
+
+NO_IDENTITY = Identity()
+
+
+@dataclass(frozen=True, slots=True)
+class Mapping:
+    """[start, end) of ``filename`` from file offset ``pgoff``; runtime = ELF vaddr + bias."""
+
+    start: int
+    end: int
+    pgoff: int
+    prot: int
+    flags: int
+    filename: str
+    identity: Identity = NO_IDENTITY
+    entry: ElfEntry | None = field(default=None, compare=False)
+    bias: int = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Mapping({self.start:#x}-{self.end:#x} pgoff={self.pgoff:#x} prot={self.prot} "
+            f"{self.filename!r} bias={self.bias:#x})"
+        )
+
+    def __contains__(self, addr: int) -> bool:
+        return self.start <= addr < self.end
+
+    @property
+    def anonymous(self) -> bool:
+        return not self.filename.startswith("/") or self.filename.startswith("//anon")
+
+    def vaddr(self, addr: int) -> int:
+        """ELF vaddr (what symbol tables and CFI are keyed by) of runtime ``addr``."""
+        return addr - self.bias
+
+
+class BinaryResolver(Protocol):
+    """The ELF cache's side of the contract (``elfcache.ElfCache``)."""
+
+    def acquire(
+        self,
+        pid: int | None,
+        filename: str,
+        start: int = 0,
+        end: int = 0,
+        *,
+        build_id: bytes | None = None,
+        maj: int | None = None,
+        min: int | None = None,
+        ino: int | None = None,
+        ino_generation: int | None = None,
+    ) -> ElfEntry: ...
+
+    def acquire_vdso(self) -> ElfEntry: ...
+
+    def retain(self, entry: ElfEntry) -> None: ...
+
+    def release(self, entry: ElfEntry) -> None: ...
+
+
+class _State:
+    """Immutable once built: the mapping list of one or more spaces (shared after FORK),
+    plus the lazily built modules / native space of exactly this list."""
+
+    __slots__ = ("generation", "mappings", "modules", "native", "starts")
+
+    def __init__(self, mappings: tuple[Mapping, ...], generation: int) -> None:
+        self.mappings = mappings
+        self.starts = [m.start for m in mappings]
+        self.generation = generation
+        self.modules: list[Any] | None = None
+        self.native: object | None = None
+
+
+_EMPTY = _State((), 0)
+_generations = iter(range(1, 1 << 62))
+
+
+class AddressSpace:
+    """One process's executable mappings (the ``space_for`` view)."""
+
+    def __init__(self, pid: int, table: ProcessTable) -> None:
+        self.pid = pid
+        self._table = table
+        self._state = _EMPTY
+        self._refs: Counter[int] = Counter()  # entry uid -> mappings of it here
+        self._entries: dict[int, ElfEntry] = {}
+        self.retired = False
+        self.from_proc_maps = False
+
+    def __repr__(self) -> str:
+        state = " retired" if self.retired else ""
+        return f"AddressSpace(pid={self.pid}, {len(self._state.mappings)} mappings{state})"
+
+    @property
+    def mappings(self) -> tuple[Mapping, ...]:
+        return self._state.mappings
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the mapping list changes (and only then)."""
+        return self._state.generation
+
+    def __len__(self) -> int:
+        return len(self._state.mappings)
+
+    def find(self, addr: int) -> Mapping | None:
+        st = self._state
+        i = bisect_right(st.starts, addr) - 1
+        if i >= 0:
+            m = st.mappings[i]
+            if addr < m.end:
+                return m
+        return None
+
+    def entries(self) -> list[ElfEntry]:
+        """Distinct binaries this space holds a reference to."""
+        return list(self._entries.values())
+
+    def modules(self, factory: Callable[..., Any] | None = None) -> list[Any]:
+        """Unwinder modules ``factory(start, end, bias, table, key)`` (``unwinder.Module``),
+        one per mapping with a usable binary; cached until the mapping list changes."""
+        st = self._state
+        if st.modules is None:
+            make = factory or self._table.module_factory()
+            mods = []
+            for m in st.mappings:
+                e = m.entry
+                if e is None or not e.usable:
+                    continue
+                mods.append(make(m.start, m.end, m.bias, e.cfi(), e.uid))
+            st.modules = mods
+        return st.modules
+
+    def native_space(self) -> object:
+        """The native ``AddressSpace(modules)``, rebuilt only after a mapping change."""
+        st = self._state
+        if st.native is None:
+            cls = self._table.space_factory()
+            st.native = cls(self.modules())
+        return st.native
+
+    # -- mutation (ProcessTable only)
+
+    def _set(self, mappings: tuple[Mapping, ...]) -> None:
+        self._state = _State(mappings, next(_generations))
+
+    def _hold(self, entry: ElfEntry | None) -> bool:
+        """Count one more mapping of ``entry``; True if it is the first one here."""
+        if entry is None:
+            return True
+        first = self._refs[entry.uid] == 0
+        if first:
+            self._entries[entry.uid] = entry
+        self._refs[entry.uid] += 1
+        return first
+
+    def _unhold(self, entry: ElfEntry | None) -> ElfEntry | None:
+        """Drop one mapping's hold; the entry if this space no longer maps it."""
+        if entry is None:
+            return None
+        self._refs[entry.uid] -= 1
+        if self._refs[entry.uid] <= 0:
+            del self._refs[entry.uid]
+            return self._entries.pop(entry.uid)
+        return None
+
+
+def _cut(
+    mappings: Sequence[Mapping], start: int, end: int
+) -> tuple[list[Mapping], list[Mapping], list[Mapping]]:
+    """maps__fixup_overlappings: (mappings with [start, end) removed, removed originals,
+    new head/tail pieces). Pieces keep their binary and bias (start - pgoff is unchanged);
+    a tail piece's pgoff advances by what was cut."""
+    kept: list[Mapping] = []
+    removed: list[Mapping] = []
+    pieces: list[Mapping] = []
+    lo = bisect_right([m.end for m in mappings], start)  # first that may overlap
+    kept.extend(mappings[:lo])
+    for m in mappings[lo:]:
+        if m.end <= start or m.start >= end:
+            kept.append(m)
+            continue
+        removed.append(m)
+        if m.start < start:
+            pieces.append(replace(m, end=start))
+        if m.end > end:
+            pieces.append(replace(m, start=end, pgoff=m.pgoff + (end - m.start)))
+    if pieces:
+        kept.extend(pieces)
+        kept.sort(key=lambda m: m.start)
+    return kept, removed, pieces
+
+
+@dataclass
+class TableStats:
+    records: Counter[str] = field(default_factory=Counter)
+    ignored: Counter[str] = field(default_factory=Counter)
+
+
+class ProcessTable:
+    """pid -> AddressSpace, driven by records in stream order."""
+
+    def __init__(
+        self,
+        binaries: BinaryResolver | None = None,
+        *,
+        unwinder: Any = None,
+        on_retire: Callable[[int], None] | None = None,
+    ) -> None:
+        """``unwinder``: an object with ``Module`` and ``AddressSpace`` attributes (the
+        ``unwindd.unwinder`` module); imported on first use when not given."""
+        self.binaries = binaries
+        self._unwinder = unwinder
+        self.on_retire = on_retire
+        self.spaces: dict[int, AddressSpace] = {}
+        self.stats = TableStats()
+
+    def module_factory(self) -> Callable[..., Any]:
+        return self._unwinder_module().Module  # type: ignore[no-any-return]
+
+    def space_factory(self) -> Callable[..., Any]:
+        return self._unwinder_module().AddressSpace  # type: ignore[no-any-return]
+
+    def _unwinder_module(self) -> Any:
+        if self._unwinder is None:
+            import importlib
+
+            self._unwinder = importlib.import_module("unwindd.unwinder")
+        return self._unwinder
+
+    # -- queries
+
+    def space_for(self, pid: int) -> AddressSpace:
+        sp = self.spaces.get(pid)
+        if sp is None:
+            sp = self.spaces[pid] = AddressSpace(pid, self)
+        return sp
+
+    def get(self, pid: int) -> AddressSpace | None:
+        return self.spaces.get(pid)
+
+    def __contains__(self, pid: int) -> bool:
+        return pid in self.spaces
+
+    # -- records
+
+    def apply(self, rec: Record) -> None:
+        """Apply one record; records other than MMAP/MMAP2/COMM/FORK/EXIT are ignored."""
+        if isinstance(rec, Mmap2):
+            self.stats.records["MMAP2"] += 1
+            ident = Identity(rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
+            self.add_mapping(rec.pid, rec.start, rec.start + rec.length, rec.pgoff, rec.prot,
+                             rec.flags, rec.filename, ident)  # fmt: skip
+        elif isinstance(rec, Mmap):
+            self.stats.records["MMAP"] += 1
+            prot = PROT_READ if rec.misc & MISC_MMAP_DATA else PROT_READ | PROT_EXEC
+            self.add_mapping(rec.pid, rec.start, rec.start + rec.length, rec.pgoff, prot,
+                             MAP_PRIVATE, rec.filename, NO_IDENTITY)  # fmt: skip
+        elif isinstance(rec, Comm):
+            if rec.exec and rec.pid == rec.tid:
+                self.stats.records["EXEC"] += 1
+                self.exec(rec.pid)
+        elif isinstance(rec, Fork):
+            self.stats.records["FORK"] += 1
+            self.fork(rec.pid, rec.ppid)
+        elif isinstance(rec, Exit):
+            self.stats.records["EXIT"] += 1
+            if rec.pid == rec.tid:
+                self.retire(rec.pid)
+
+    def apply_all(self, recs: Iterable[Record]) -> None:
+        for r in recs:
+            self.apply(r)
+
+    def add_mapping(
+        self,
+        pid: int,
+        start: int,
+        end: int,
+        pgoff: int,
+        prot: int,
+        flags: int,
+        filename: str,
+        identity: Identity = NO_IDENTITY,
+    ) -> Mapping | None:
+        """Insert a mapping (cutting what it overlaps); returns it if it was kept."""
+        if end <= start:
+            self.stats.ignored["empty_mapping"] += 1
+            return None
+        sp = self.space_for(pid)
+        kept, removed, pieces = _cut(sp.mappings, start, end)
+        new: Mapping | None = None
+        if prot & PROT_EXEC:
+            entry = self._resolve(pid, start, end, filename, identity)
+            bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
+                start - pgoff
+            )  # fmt: skip
+            new = Mapping(start, end, pgoff, prot, flags, filename, identity, entry, bias)
+            if not sp._hold(entry):
+                self._release(entry)  # the space already had its one reference
+            kept.insert(bisect_right([m.start for m in kept], start), new)
+        elif not removed:
+            return None  # a data mapping over nothing we track: no change
+        # pieces keep their binary: hold once per piece, drop once per removed original
+        for m in pieces:
+            sp._hold(m.entry)
+        for m in removed:
+            self._release(sp._unhold(m.entry))
+        sp._set(tuple(kept))
+        return new
+
+    def _resolve(
+        self, pid: int, start: int, end: int, filename: str, ident: Identity
+    ) -> ElfEntry | None:
+        if self.binaries is None:
+            return None
+        if filename == "[vdso]":
+            return self.binaries.acquire_vdso()
+        if not filename.startswith("/") or filename.startswith("//"):
+            return None  # anon, [stack], //anon JIT code: no file (JIT: symbolize.PerfMap)
+        return self.binaries.acquire(
+            pid, filename, start, end, build_id=ident.build_id, maj=ident.maj, min=ident.min,
+            ino=ident.ino, ino_generation=ident.ino_generation,
+        )  # fmt: skip
+
+    def _release(self, entry: ElfEntry | None) -> None:
+        """Give back the resolver's reference once a space stops mapping ``entry``."""
+        if entry is not None and self.binaries is not None:
+            self.binaries.release(entry)
+
+    def _clear(self, sp: AddressSpace) -> None:
+        for e in sp.entries():
+            self._release(e)
+        sp._refs.clear()
+        sp._entries.clear()
+        sp._set(())
+
+    def exec(self, pid: int) -> None:
+        sp = self.space_for(pid)
+        self._clear(sp)
+        sp.retired = False
+        sp.from_proc_maps = False
+
+    def fork(self, pid: int, ppid: int) -> None:
+        if pid == ppid:
+            return  # a new thread: it shares its process's space
+        old = self.spaces.pop(pid, None)
+        if old is not None:
+            self._clear(old)  # pid reuse: whatever was there is gone
+        child = self.space_for(pid)
+        parent = self.spaces.get(ppid)
+        if parent is None:
+            self.stats.ignored["fork_unknown_parent"] += 1
+            return
+        child._state = parent._state  # shared until either side changes (copy-on-write)
+        child._refs = Counter(parent._refs)
+        child._entries = dict(parent._entries)
+        if self.binaries is not None:
+            for e in child._entries.values():
+                self.binaries.retain(e)  # the cache counts spaces: one more per binary
+
+    def retire(self, pid: int) -> None:
+        sp = self.spaces.get(pid)
+        if sp is None or sp.retired:
+            return
+        sp.retired = True
+        if self.on_retire is not None:
+            self.on_retire(pid)
+
+    def drop(self, pid: int) -> None:
+        """Forget a pid for good, releasing its binaries."""
+        sp = self.spaces.pop(pid, None)
+        if sp is not None:
+            self._clear(sp)
+
+    # -- /proc/<pid>/maps
+
+    def load_proc_maps(self, pid: int, text: str) -> AddressSpace:
+        """Replace ``pid``'s space with the executable mappings of its maps text."""
+        sp = self.space_for(pid)
+        self._clear(sp)
+        for m in parse_proc_maps(text):
+            if m.prot & PROT_EXEC:
+                self.add_mapping(pid, m.start, m.end, m.pgoff, m.prot, m.flags, m.filename,
+                                 m.identity)  # fmt: skip
+        sp.from_proc_maps = True
+        sp.retired = False
+        return sp
+
+
+def parse_proc_maps(text: str) -> list[Mapping]:
+    """Lines of /proc/<pid>/maps (fs/proc/task_mmu.c show_map_vma)::
+
+        start-end perms offset maj:min inode [pathname]
+        55a966728000-55a96672d000 r-xp 00002000 fe:00 260131   /usr/bin/cat
+
+    all hex except the decimal inode; the pathname may contain spaces and ends with
+    `` (deleted)`` for an unlinked file. Malformed lines are skipped."""
+    out: list[Mapping] = []
+    for line in text.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        try:
+            lo, hi = (int(x, 16) for x in parts[0].split("-", 1))
+            perms = parts[1]
+            pgoff = int(parts[2], 16)
+            maj, mnr = (int(x, 16) for x in parts[3].split(":", 1))
+            ino = int(parts[4])
+        except ValueError:
+            continue
+        if len(perms) < 4:
+            continue
+        prot = ((PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0)
+                | (PROT_EXEC if perms[2] == "x" else 0))  # fmt: skip
+        flags = MAP_SHARED if perms[3] == "s" else MAP_PRIVATE
+        name = parts[5].rstrip("\n") if len(parts) > 5 else ""
+        ident = Identity(None, maj, mnr, ino, None) if ino else NO_IDENTITY
+        out.append(Mapping(lo, hi, pgoff, prot, flags, name, ident))
+    return out
