@@ -242,6 +242,15 @@ def test_real_maps_self_and_child() -> None:
 # --------------------------------------------------------------------------- real perf.data
 
 
+def time_ordered(path: Path) -> list[Any]:
+    """The file's records in time order (perf's ordered-events; per-CPU buffers interleave
+    in the file, so a child's samples can precede its FORK in file order)."""
+    with PerfData.open(path) as pd:
+        recs = [r for r in pd.records() if getattr(r, "time", None) is not None]
+    recs.sort(key=lambda r: r.time)
+    return recs
+
+
 @pytest.fixture(scope="module")
 def busy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("busy")
@@ -254,19 +263,18 @@ def test_replay_perf_data_user_ips_are_mapped(busy_data: Path) -> None:
     t = ProcessTable(cache)
     total = hit = 0
     misses: list[str] = []
-    with PerfData.open(busy_data) as pd:
-        for r in pd.records():
-            if isinstance(r, Sample):
-                if r.cpumode != MISC_USER or r.pid is None or r.ip is None:
-                    continue
-                total += 1
-                sp = t.get(r.pid)
-                if sp is not None and sp.find(r.ip) is not None:
-                    hit += 1
-                else:
-                    misses.append(f"pid={r.pid} ip={r.ip:#x}")
+    for r in time_ordered(busy_data):
+        if isinstance(r, Sample):
+            if r.cpumode != MISC_USER or r.pid is None or r.ip is None:
+                continue
+            total += 1
+            sp = t.get(r.pid)
+            if sp is not None and sp.find(r.ip) is not None:
+                hit += 1
             else:
-                t.apply(r)
+                misses.append(f"pid={r.pid} ip={r.ip:#x}")
+        else:
+            t.apply(r)
     assert total > 100
     assert hit >= 0.99 * total, f"{hit}/{total} mapped; misses: {misses[:10]}"
     assert t.stats.records["FORK"] >= 1 and t.stats.records["MMAP2"] > 0
