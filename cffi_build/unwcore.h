@@ -1,0 +1,169 @@
+/* unwcore.h: the native CFI compiler (cfi.c) and unwinder (unwind.c) of unwindd._unwcore.
+ *
+ * This file is both the cffi cdef and the C header (see build_unwcore.py), so it includes
+ * nothing and uses only fixed-width types and integer #defines.
+ *
+ * Invariants:
+ * - A compiled table is ONE self-describing, position-independent blob (header + arrays below);
+ *   Python keeps it as `bytes`, persists it verbatim and shares it between every address space
+ *   that maps the binary. Nothing in it points anywhere.
+ * - Every function that takes a blob validates it (unw_table_validate, O(rows)) or trusts it only
+ *   because the caller validated it once (AddressSpace construction does).
+ * - No function here allocates memory that outlives the call, except unw_cfi_compile's *out blob,
+ *   released with unw_free.
+ *
+ * Blob layout (little-endian; all offsets from the blob start; read with memcpy, so the blob
+ * needs no alignment):
+ *
+ *   struct unw_table_hdr                        UNW_HDR_SIZE bytes
+ *   uint32_t page_first[npages + 1]             first row of each 64 KiB pc page
+ *   uint16_t pc_lo[nrows]                       row pc = base + (page << 16) + pc_lo
+ *   uint16_t or uint32_t rule_idx[nrows]        idx_width bytes each; index into rules[]
+ *   (pad to 4)
+ *   struct unw_rule rules[nrules]               16 bytes each, deduplicated
+ *
+ * Rows of page p are page_first[p] .. page_first[p+1]-1, pcs strictly ascending overall.
+ * Row i covers [pc_i, pc_{i+1}); the last row is always a UNW_CFA_NONE row ("no CFI here"), so
+ * lookups past the end find no rule. A row with the same rule as its predecessor is never
+ * emitted, so a row costs 2 + idx_width bytes (4 for every binary seen so far: rules number in
+ * the hundreds), plus 4 bytes per 64 KiB of text. libc: ~0.8x the size of its .eh_frame.
+ */
+
+#define UNW_TABLE_MAGIC 0x54574e55 /* "UNWT" */
+#define UNW_TABLE_VERSION 2
+#define UNW_HDR_SIZE 96
+
+#define UNW_ARCH_X86_64 1
+#define UNW_ARCH_AARCH64 2
+
+/* CFA rule kinds (unw_rule.cfa_kind) */
+#define UNW_CFA_NONE 0        /* no FDE covers this pc: the unwinder uses frame pointers */
+#define UNW_CFA_REG_OFF 1     /* CFA = reg + off                                          */
+#define UNW_CFA_DEREF 2       /* CFA = *(reg + off)   (DW_OP_bregN off; DW_OP_deref)      */
+#define UNW_CFA_PLT 3         /* CFA = rsp + off + ((rip & 15) >= reg ? 8 : 0)  (PLT)     */
+#define UNW_CFA_SIGFRAME 4    /* signal frame: CFA = *(rsp + off), regs at rsp + k        */
+#define UNW_CFA_UNSUPPORTED 5 /* any other expression / corrupt: the unwinder stops       */
+
+/* Register rule kinds (unw_rule.fp_kind, unw_rule.ra_kind); DWARF 5 section 6.4.1 */
+#define UNW_REG_SAME 0        /* same value (or the CIE said nothing)                     */
+#define UNW_REG_UNDEF 1       /* undefined: for RA, the outermost frame                   */
+#define UNW_REG_AT_CFA 2      /* offset(N): saved at CFA + off                            */
+#define UNW_REG_VAL_CFA 3     /* val_offset(N): value is CFA + off                        */
+#define UNW_REG_AT_REG 4      /* expression "DW_OP_bregR off": saved at R + off           */
+#define UNW_REG_VAL_REG 5     /* val_expression "DW_OP_bregR off": value is R + off       */
+#define UNW_REG_REGISTER 6    /* register(R): value is in R                               */
+#define UNW_REG_UNSUPPORTED 7 /* other expressions                                        */
+
+#define UNW_RULE_SIGNAL 1     /* unw_rule.flags: FDE's CIE had the 'S' augmentation        */
+
+/* Error counters (unw_table_hdr.errors[]); names in cfi.py ERROR_NAMES, same order. */
+#define UNW_ERR_BAD_CIE 0
+#define UNW_ERR_BAD_FDE 1
+#define UNW_ERR_BAD_OP 2          /* unknown or malformed DW_CFA opcode: FDE skipped       */
+#define UNW_ERR_UNSUP_EXPR 3      /* an expression we do not evaluate (row kept, marked)   */
+#define UNW_ERR_STATE_STACK 4     /* remember_state nesting too deep / restore w/o remember */
+#define UNW_ERR_CAP 5             /* FDE/program/row/table size cap hit                    */
+#define UNW_ERR_OVERLAP 6         /* FDE overlapping an earlier one: skipped               */
+#define UNW_ERR_BAD_ENCODING 7    /* pointer encoding we cannot or may not decode          */
+#define UNW_ERR_RANGE 8           /* offset/pc not representable in the packed row         */
+#define UNW_ERR_BAD_HDR 9         /* .eh_frame_hdr unusable: fell back to a linear walk    */
+#define UNW_ERR_ZERO_FDE 10       /* FDE with an empty pc range (counted, harmless)        */
+#define UNW_NERR 16
+
+struct unw_table_hdr {
+    uint32_t magic;
+    uint16_t version;
+    uint8_t arch;
+    uint8_t idx_width;
+    uint32_t nrows;
+    uint32_t nrules;
+    uint64_t base;
+    uint32_t nfdes;     /* FDEs that contributed rows */
+    uint32_t npages;    /* 64 KiB pc pages spanned by the rows */
+    uint32_t errors[UNW_NERR];
+};
+
+struct unw_rule {
+    int32_t cfa_off;
+    int16_t fp_off;
+    int16_t ra_off;
+    uint8_t cfa_kind;
+    uint8_t cfa_reg;    /* DWARF register number; for UNW_CFA_PLT, the DW_OP_lit threshold */
+    uint8_t fp_kind;
+    uint8_t fp_reg;
+    uint8_t ra_kind;
+    uint8_t ra_reg;
+    uint8_t flags;
+    uint8_t pad;
+};
+
+/* Where the sections are inside the ELF image `buf` (file offsets and sizes bounded by the
+ * caller to buf_len; re-checked here). size 0 = absent. addr = sh_addr (ELF vaddr). */
+struct unw_sections {
+    uint64_t eh_frame_off, eh_frame_size, eh_frame_addr;
+    uint64_t eh_hdr_off, eh_hdr_size, eh_hdr_addr;
+    uint64_t text_addr;
+    uint64_t data_addr;     /* base for DW_EH_PE_datarel outside .eh_frame_hdr (GOT); 0 if unknown */
+};
+
+/* Compile eh_frame(+hdr) from img, then debug_frame (from dbg, which may be img) for pcs the
+ * eh_frame does not cover. *out is a malloc'd blob of *out_len bytes (free with unw_free).
+ * Returns 0, or -1 on allocation failure / no memory for caps (then *out is NULL).
+ * Bad CFI never fails the call: it is counted in the blob's errors[].
+ * Cost: O(E log E + R) time for E FDEs and R rows; memory O(R). */
+int unw_cfi_compile(int arch,
+                    const uint8_t *img, uint64_t img_len, const struct unw_sections *sec,
+                    const uint8_t *debug_frame, uint64_t debug_frame_len,
+                    uint8_t **out, uint64_t *out_len);
+void unw_free(void *p);
+
+/* 0 if blob is a well-formed table (header, sizes, sorted pcs, rule indices, rule kinds), else
+ * a negative code naming the first problem. O(rows + rules). */
+int unw_table_validate(const uint8_t *blob, uint64_t len);
+
+/* Row lookup: *rule = the rule covering vaddr pc, *row_start = that row's pc; returns the row
+ * index, or -1 if pc is below the first row. O(log rows). */
+int64_t unw_table_lookup(const uint8_t *blob, uint64_t pc, struct unw_rule *rule,
+                         uint64_t *row_start);
+
+/* Decode row i (for tests/debugging). Returns 0, or -1 if i is out of range. */
+int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule *rule);
+
+/* ------------------------------------------------------------------ unwinder */
+
+/* One executable mapping. [start,end) absolute; ELF vaddr = addr - bias. table NULL = no CFI
+ * (frame pointers only). Arrays of these must be sorted by start and non-overlapping. */
+struct unw_module {
+    uint64_t start, end, bias;
+    const uint8_t *table;
+    uint64_t key;
+};
+
+/* One sample. regs: nregs perf registers in ascending perf order for regs_mask (as the kernel
+ * dumps them). stack: the user stack copy starting at the sampled sp. */
+struct unw_item {
+    const struct unw_module *mods;
+    uint32_t nmods;
+    uint32_t nregs;
+    uint64_t regs_mask;
+    const uint64_t *regs;
+    const uint8_t *stack;
+    uint64_t stack_len;
+};
+
+#define UNW_OK 0
+#define UNW_TRUNCATED 1
+#define UNW_NO_PROGRESS 2
+#define UNW_DEPTH_CAP 3
+#define UNW_UNMAPPED_PC 4
+#define UNW_NO_CFI 5
+#define UNW_BAD_CFI 6
+#define UNW_NO_REGS 7
+
+/* Unwind n items. Item i writes up to max_depth pcs to pcs[i*max_depth ...], the count to
+ * counts[i], the UNW_* status to status[i] and the frame-pointer fallback frames to fp_frames[i].
+ * Cost: O(n * max_depth * (log modules + log rows)); no allocation; never reads outside
+ * [stack, stack + stack_len) of an item, nor outside validated tables. Returns 0 or -1 on bad
+ * arguments (unknown arch, max_depth 0). */
+int unw_unwind_batch(int arch, const struct unw_item *items, uint32_t n, uint32_t max_depth,
+                     uint64_t *pcs, uint32_t *counts, uint8_t *status, uint16_t *fp_frames);

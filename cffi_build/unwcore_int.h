@@ -1,0 +1,46 @@
+/* unwcore_int.h: internals shared by cfi.c and unwind.c (not part of the cffi interface).
+ *
+ * The arch descriptor is the whole register model: which DWARF columns are the stack pointer,
+ * frame pointer and return address, and where each DWARF register sits in perf's REGS_USER dump.
+ * Adding aarch64 means adding one descriptor (DWARF for Arm AArch64 ABI, section 4.1: x29 fp,
+ * x30 lr, 31 sp, 32 pc; perf arch/arm64/include/uapi/asm/perf_regs.h: x0..x30 = 0..30, sp 31,
+ * pc 32) plus its signal-frame layout; nothing else in the unwinder names a register.
+ */
+#ifndef UNWCORE_INT_H
+#define UNWCORE_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "unwcore.h"
+
+#define UNW_MAX_DWARF 34 /* tracked DWARF columns (aarch64 needs 0..32) */
+
+struct unw_arch_desc {
+    int id;
+    uint8_t ndwarf;       /* DWARF columns 0..ndwarf-1 are registers we can hold values for */
+    uint8_t sp, fp, ra;   /* DWARF numbers */
+    uint8_t perf_ip;      /* perf register number of the program counter */
+    int8_t dwarf_to_perf[UNW_MAX_DWARF]; /* -1: not in the perf dump */
+};
+
+const struct unw_arch_desc *unw_arch(int id);
+
+/* Offsets of the arrays in a blob (layout: unwcore.h). */
+static inline uint64_t unw_blob_lo_off(uint32_t npages)
+{
+    return UNW_HDR_SIZE + ((uint64_t)npages + 1) * 4;
+}
+
+static inline uint64_t unw_blob_idx_off(uint32_t npages, uint32_t nrows)
+{
+    return unw_blob_lo_off(npages) + (uint64_t)nrows * 2;
+}
+
+static inline uint64_t unw_blob_rules_off(uint32_t npages, uint32_t nrows, uint32_t idx_width)
+{
+    uint64_t off = unw_blob_idx_off(npages, nrows) + (uint64_t)nrows * idx_width;
+    return (off + 3) & ~(uint64_t)3;
+}
+
+#endif

@@ -1,0 +1,471 @@
+"""Compiled CFI unwind tables: the only module (with ``unwinder``) that imports ``_unwcore``.
+
+Invariants:
+- A ``CfiTable`` is an immutable ``bytes`` blob built by the native compiler
+  (``cffi_build/cfi.c``; layout drawn in ``cffi_build/unwcore.h``) and checked by
+  ``unw_table_validate`` before any native code trusts it (at compile, at cache load). One table
+  serves every process that maps the binary: rows are keyed by ELF virtual address, and only the
+  unwinder's per-mapping load bias differs.
+- Bad CFI never raises: the compiler skips what it cannot read and counts it in ``errors``
+  (names in ``ERROR_NAMES``). ``CfiError`` is raised only for files that are not ELF64 x86_64
+  images or cannot be read at all.
+- The ELF parse here reads only the ELF header and section headers, every offset/size checked
+  against the file size, section count capped; section data are handed to C as offsets into one
+  read-only mmap (zero copies; ``.debug_frame`` is copied only when SHF_COMPRESSED).
+- ``CfiStore`` files are ``FILE_HEADER`` + blob: magic, version, arch, blob size, CRC-32. Any
+  mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; writes go through
+  a temporary file + ``os.replace`` so readers never see half a file.
+
+Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see bench/bench_cfi.py);
+``lookup`` is O(log R); ``rows`` decodes the blob in Python, O(R), for tests and debugging.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+# No stubs for the cffi module; pyproject's mypy override lists only _perfcore so far.
+from ._unwcore import ffi, lib  # type: ignore[import-untyped, unused-ignore]
+
+__all__ = [
+    "ERROR_NAMES",
+    "CfaKind",
+    "CfiError",
+    "CfiRow",
+    "CfiStore",
+    "CfiTable",
+    "RegKind",
+]
+
+ARCH_X86_64 = int(lib.UNW_ARCH_X86_64)
+EM_X86_64 = 62  # ELF gABI e_machine
+
+# Order = UNW_ERR_* in unwcore.h.
+ERROR_NAMES: tuple[str, ...] = (
+    "bad_cie", "bad_fde", "bad_op", "unsupported_expr", "state_stack", "cap", "overlap",
+    "bad_encoding", "range", "bad_eh_frame_hdr", "empty_fde",
+)  # fmt: skip
+
+MAX_SECTIONS = 1 << 16
+MAX_DEBUG_FRAME = 256 << 20  # decompressed .debug_frame cap: bounded memory for absurd headers
+
+
+class CfiError(Exception):
+    """The file is not an ELF image we can compile CFI for (or could not be read)."""
+
+
+class CfaKind(IntEnum):
+    NONE = int(lib.UNW_CFA_NONE)  # no FDE covers the pc: frame-pointer fallback
+    REG_OFF = int(lib.UNW_CFA_REG_OFF)
+    DEREF = int(lib.UNW_CFA_DEREF)
+    PLT = int(lib.UNW_CFA_PLT)
+    SIGFRAME = int(lib.UNW_CFA_SIGFRAME)
+    UNSUPPORTED = int(lib.UNW_CFA_UNSUPPORTED)
+
+
+class RegKind(IntEnum):
+    SAME = int(lib.UNW_REG_SAME)
+    UNDEF = int(lib.UNW_REG_UNDEF)
+    AT_CFA = int(lib.UNW_REG_AT_CFA)
+    VAL_CFA = int(lib.UNW_REG_VAL_CFA)
+    AT_REG = int(lib.UNW_REG_AT_REG)
+    VAL_REG = int(lib.UNW_REG_VAL_REG)
+    REGISTER = int(lib.UNW_REG_REGISTER)
+    UNSUPPORTED = int(lib.UNW_REG_UNSUPPORTED)
+
+
+@dataclass(frozen=True, slots=True)
+class CfiRow:
+    """One row: valid from ``pc`` (ELF vaddr) to the next row's pc. ``cfa_reg`` is a DWARF
+    register number (for ``CfaKind.PLT``, the DW_OP_lit threshold); ``fp``/``ra`` are the rules for
+    the frame pointer (rbp) and return address columns."""
+
+    pc: int
+    cfa_kind: CfaKind
+    cfa_reg: int
+    cfa_off: int
+    fp_kind: RegKind
+    fp_reg: int
+    fp_off: int
+    ra_kind: RegKind
+    ra_reg: int
+    ra_off: int
+    signal: bool
+
+    def __repr__(self) -> str:
+        return (
+            f"CfiRow(pc={self.pc:#x}, cfa={self.cfa_kind.name}({self.cfa_reg},{self.cfa_off}), "
+            f"fp={self.fp_kind.name}({self.fp_reg},{self.fp_off}), "
+            f"ra={self.ra_kind.name}({self.ra_reg},{self.ra_off})"
+            f"{', signal' if self.signal else ''})"
+        )
+
+
+# struct unw_rule (unwcore.h): i32 cfa_off, i16 fp_off, i16 ra_off, then 8 u8 fields.
+_RULE = struct.Struct("<ihhBBBBBBBB")
+# struct unw_table_hdr: magic, version, arch, idx_width, nrows, nrules, base, nfdes, npages, errors
+_HDR = struct.Struct("<IHBBIIQII16I")
+assert _HDR.size == int(lib.UNW_HDR_SIZE) and _RULE.size == ffi.sizeof("struct unw_rule")
+
+
+def _row_from_rule(pc: int, r: Any) -> CfiRow:
+    return CfiRow(
+        pc, CfaKind(r.cfa_kind), r.cfa_reg, r.cfa_off,
+        RegKind(r.fp_kind), r.fp_reg, r.fp_off,
+        RegKind(r.ra_kind), r.ra_reg, r.ra_off,
+        bool(r.flags & lib.UNW_RULE_SIGNAL),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- minimal ELF64 parse
+
+# ELF gABI: Elf64_Ehdr fields after e_ident, and Elf64_Shdr.
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_SHDR = struct.Struct("<IIQQQQIIQQ")
+_CHDR = struct.Struct("<IIQQ")  # Elf64_Chdr: ch_type, reserved, ch_size, ch_addralign
+SHT_NOBITS = 8
+SHF_COMPRESSED = 0x800
+ELFCOMPRESS_ZLIB = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Sec:
+    offset: int
+    size: int
+    addr: int
+    flags: int
+
+
+def _sections(buf: Any, size: int) -> tuple[int, dict[str, _Sec]]:
+    """(e_machine, {name: section}) from an ELF64 little-endian image; CfiError if it is not."""
+    if size < _EHDR.size or bytes(buf[:4]) != b"\x7fELF":
+        raise CfiError("not an ELF file")
+    ident, _t, machine, _v, _e, _ph, shoff, _f, _eh, _phes, _phn, shes, shnum, shstrndx = (
+        _EHDR.unpack_from(buf, 0)
+    )
+    if ident[4] != 2 or ident[5] != 1:
+        raise CfiError("only ELF64 little-endian is supported")
+    if shoff == 0 or shes < _SHDR.size or shoff > size:
+        return machine, {}
+    if shnum == 0 or shstrndx == 0xFFFF:  # gABI extended numbering: the values live in shdr 0
+        if shoff + _SHDR.size > size:
+            raise CfiError("truncated section headers")
+        s0 = _SHDR.unpack_from(buf, shoff)
+        shnum = shnum or s0[5]
+        shstrndx = s0[6] if shstrndx == 0xFFFF else shstrndx
+    if shnum > MAX_SECTIONS or shoff + shnum * shes > size:
+        raise CfiError("truncated or absurd section headers")
+    hdrs = [_SHDR.unpack_from(buf, shoff + i * shes) for i in range(shnum)]
+    if shstrndx >= shnum:
+        raise CfiError("bad e_shstrndx")
+    _n, _ty, _fl, _a, stroff, strsize, *_ = hdrs[shstrndx]
+    if stroff + strsize > size:
+        raise CfiError("truncated .shstrtab")
+    strtab = bytes(buf[stroff : stroff + strsize])
+    out: dict[str, _Sec] = {}
+    for name_off, sh_type, flags, addr, off, sz, *_ in hdrs:
+        if name_off >= len(strtab):
+            continue
+        name = strtab[name_off : strtab.find(b"\0", name_off)].decode("latin-1")
+        if sh_type == SHT_NOBITS or off + sz > size or name in out:
+            continue
+        out[name] = _Sec(off, sz, addr, flags)
+    return machine, out
+
+
+def _section_bytes(buf: Any, sec: _Sec) -> bytes | None:
+    """Section contents, decompressed if SHF_COMPRESSED (zlib only; zstd: None)."""
+    raw = buf[sec.offset : sec.offset + sec.size]
+    if not sec.flags & SHF_COMPRESSED:
+        return bytes(raw)
+    if sec.size < _CHDR.size:
+        return None
+    ch_type, _r, ch_size, _al = _CHDR.unpack_from(raw, 0)
+    if ch_type != ELFCOMPRESS_ZLIB or ch_size > MAX_DEBUG_FRAME:
+        return None
+    d = zlib.decompressobj()
+    try:
+        data = d.decompress(bytes(raw[_CHDR.size :]), ch_size)
+    except zlib.error:
+        return None
+    return data if len(data) == ch_size else None
+
+
+class _Mapped:
+    """A read-only mmap of a file (or an empty buffer for an empty file); a context manager."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self.mm: mmap.mmap | None = (
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                )
+        except (OSError, ValueError) as e:
+            raise CfiError(f"cannot read {path}: {e}") from e
+        self.buf: Any = self.mm if self.mm is not None else b""
+        self.size = size
+
+    def __enter__(self) -> _Mapped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mm is not None:
+            self.mm.close()
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class CfiTable:
+    """A compiled unwind table for one binary (immutable; share it)."""
+
+    __slots__ = ("_blob", "errors", "nbytes", "nfdes", "nrows")
+
+    _blob: bytes
+    nbytes: int
+    nrows: int
+    nfdes: int
+    errors: dict[str, int]
+
+    def __init__(self, blob: bytes) -> None:
+        """Wrap a blob (from the compiler or a cache file); CfiError if it is not a valid table."""
+        rc = lib.unw_table_validate(ffi.from_buffer(blob), len(blob))
+        if rc != 0:
+            raise CfiError(f"invalid CFI table blob (check {rc})")
+        self._blob = bytes(blob)
+        h = _HDR.unpack_from(self._blob, 0)
+        self.nbytes = len(self._blob)
+        self.nrows = h[4]
+        self.nfdes = h[7]
+        self.errors = {n: c for n, c in zip(ERROR_NAMES, h[9:], strict=False) if c}
+
+    @property
+    def blob(self) -> bytes:
+        return self._blob
+
+    # -- construction
+
+    @classmethod
+    def from_elf(cls, path: str, debug_path: str | None = None) -> CfiTable:
+        """Compile ``.eh_frame`` (found through ``.eh_frame_hdr`` when present) of ``path``, then
+        ``.debug_frame`` of ``path`` (or, if it has none, of ``debug_path``) for the pcs
+        ``.eh_frame`` does not cover."""
+        with _Mapped(path) as m:
+            machine, secs = _sections(m.buf, m.size)
+            if machine != EM_X86_64:
+                raise CfiError(f"unsupported e_machine {machine} (x86_64 only for now)")
+            dbg = secs.get(".debug_frame")
+            debug_frame = _section_bytes(m.buf, dbg) if dbg else None
+            if debug_frame is None and debug_path is not None:
+                with _Mapped(debug_path) as dm:
+                    _dmach, dsecs = _sections(dm.buf, dm.size)
+                    ddbg = dsecs.get(".debug_frame")
+                    debug_frame = _section_bytes(dm.buf, ddbg) if ddbg else None
+            eh, hdr = secs.get(".eh_frame"), secs.get(".eh_frame_hdr")
+            text, got = secs.get(".text"), secs.get(".got")
+            return cls._compile(
+                m.buf,
+                m.size,
+                eh_frame=(eh.offset, eh.size, eh.addr) if eh else None,
+                eh_frame_hdr=(hdr.offset, hdr.size, hdr.addr) if hdr else None,
+                debug_frame=debug_frame,
+                text_addr=text.addr if text else 0,
+                data_addr=got.addr if got else 0,
+            )
+
+    @classmethod
+    def from_sections(
+        cls,
+        eh_frame: bytes = b"",
+        eh_frame_addr: int = 0,
+        *,
+        eh_frame_hdr: bytes | None = None,
+        eh_frame_hdr_addr: int = 0,
+        debug_frame: bytes | None = None,
+        text_addr: int = 0,
+        data_addr: int = 0,
+    ) -> CfiTable:
+        """Compile raw section bytes (byte-level tests, and callers that parsed the ELF)."""
+        img = eh_frame + (eh_frame_hdr or b"")
+        return cls._compile(
+            img,
+            len(img),
+            eh_frame=(0, len(eh_frame), eh_frame_addr) if eh_frame else None,
+            eh_frame_hdr=(len(eh_frame), len(eh_frame_hdr), eh_frame_hdr_addr)
+            if eh_frame_hdr
+            else None,
+            debug_frame=debug_frame,
+            text_addr=text_addr,
+            data_addr=data_addr,
+        )
+
+    @classmethod
+    def _compile(
+        cls,
+        img: Any,
+        img_len: int,
+        *,
+        eh_frame: tuple[int, int, int] | None,
+        eh_frame_hdr: tuple[int, int, int] | None,
+        debug_frame: bytes | None,
+        text_addr: int,
+        data_addr: int,
+    ) -> CfiTable:
+        sec = ffi.new("struct unw_sections *")
+        if eh_frame:
+            sec.eh_frame_off, sec.eh_frame_size, sec.eh_frame_addr = eh_frame
+        if eh_frame_hdr:
+            sec.eh_hdr_off, sec.eh_hdr_size, sec.eh_hdr_addr = eh_frame_hdr
+        sec.text_addr = text_addr
+        sec.data_addr = data_addr
+        out = ffi.new("uint8_t **")
+        out_len = ffi.new("uint64_t *")
+        img_c = ffi.from_buffer(img) if img_len else ffi.NULL
+        dbg_c = ffi.from_buffer(debug_frame) if debug_frame else ffi.NULL
+        rc = lib.unw_cfi_compile(
+            ARCH_X86_64, img_c, img_len, sec, dbg_c, len(debug_frame or b""), out, out_len
+        )
+        if rc != 0:
+            raise MemoryError("unw_cfi_compile: out of memory")
+        try:
+            blob = ffi.buffer(out[0], out_len[0])[:]
+        finally:
+            lib.unw_free(out[0])
+        return cls(blob)
+
+    # -- queries
+
+    def rows(self) -> list[CfiRow]:
+        """Every row, decoded in Python straight from the blob (layout: unwcore.h)."""
+        h = _HDR.unpack_from(self._blob, 0)
+        width, nrows, nrules, base, npages = h[3], h[4], h[5], h[6], h[8]
+        mv = memoryview(self._blob)
+        pf_off = _HDR.size
+        lo_off = pf_off + 4 * (npages + 1)
+        idx_off = lo_off + 2 * nrows
+        roff = (idx_off + width * nrows + 3) & ~3
+        page_first = mv[pf_off:lo_off].cast("I")
+        lo = mv[lo_off:idx_off].cast("H")
+        idx = mv[idx_off : idx_off + width * nrows].cast("H" if width == 2 else "I")
+        rules = []
+        for cfa_off, fp_off, ra_off, ck, cr, fk, fr, rk, rr, fl, _p in _RULE.iter_unpack(
+            self._blob[roff : roff + nrules * _RULE.size]
+        ):
+            rules.append((CfaKind(ck), cr, cfa_off, RegKind(fk), fr, fp_off, RegKind(rk), rr,
+                          ra_off, bool(fl & lib.UNW_RULE_SIGNAL)))  # fmt: skip
+        out: list[CfiRow] = []
+        for page in range(npages):
+            top = base + (page << 16)
+            for i in range(page_first[page], page_first[page + 1]):
+                out.append(CfiRow(top + lo[i], *rules[idx[i]]))
+        return out
+
+    def lookup(self, pc: int) -> CfiRow | None:
+        """The row covering ELF vaddr ``pc``; None below the first row or where no FDE covers it
+        (a ``CfaKind.NONE`` row)."""
+        if not 0 <= pc < 1 << 64:
+            return None
+        rule = ffi.new("struct unw_rule *")
+        start = ffi.new("uint64_t *")
+        if lib.unw_table_lookup(ffi.from_buffer(self._blob), pc, rule, start) < 0:
+            return None
+        if rule.cfa_kind == lib.UNW_CFA_NONE:
+            return None
+        return _row_from_rule(int(start[0]), rule)
+
+    def __repr__(self) -> str:
+        return (
+            f"CfiTable(rows={self.nrows}, fdes={self.nfdes}, bytes={self.nbytes}, "
+            f"errors={self.errors})"
+        )
+
+
+# --------------------------------------------------------------------------- persistence
+
+# "UWCFI" file header: magic[8], format version u32, arch u32, blob size u64, blob CRC-32 u32.
+FILE_MAGIC = b"UWCFI\x00\x00\x00"
+FILE_VERSION = 1
+FILE_HEADER = struct.Struct("<8sIIQI")
+MAX_CACHE_FILE = 1 << 30
+
+
+class CfiStore:
+    """Compiled tables on disk, one file per build-id: ``<cache_dir>/<build-id hex>.cfi``.
+
+    ``stats`` counts ``hits`` (loaded from disk), ``compiled``, ``corrupt`` (file discarded),
+    ``no_build_id`` (compiled, not persisted) and ``write_errors``. Not thread-safe."""
+
+    def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
+        self.cache_dir = os.fspath(cache_dir)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("hits", "compiled", "corrupt", "no_build_id", "write_errors"), 0
+        )
+
+    def path_for(self, build_id: bytes) -> str:
+        return os.path.join(self.cache_dir, build_id.hex() + ".cfi")
+
+    def get_or_compile(
+        self, build_id: bytes | None, elf_path: str, debug_path: str | None = None
+    ) -> CfiTable:
+        if not build_id:
+            self.stats["no_build_id"] += 1
+            return CfiTable.from_elf(elf_path, debug_path)
+        path = self.path_for(build_id)
+        table = self._load(path)
+        if table is not None:
+            self.stats["hits"] += 1
+            return table
+        table = CfiTable.from_elf(elf_path, debug_path)
+        self.stats["compiled"] += 1
+        self._save(path, table)
+        return table
+
+    def _load(self, path: str) -> CfiTable | None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_CACHE_FILE + FILE_HEADER.size + 1)
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self.stats["corrupt"] += 1
+            return None
+        try:
+            if len(data) < FILE_HEADER.size:
+                raise CfiError("short header")
+            magic, version, arch, size, crc = FILE_HEADER.unpack_from(data, 0)
+            blob = data[FILE_HEADER.size :]
+            if magic != FILE_MAGIC or version != FILE_VERSION or arch != ARCH_X86_64:
+                raise CfiError("magic/version/arch")
+            if size != len(blob) or zlib.crc32(blob) != crc:
+                raise CfiError("size/checksum")
+            return CfiTable(blob)
+        except CfiError:
+            self.stats["corrupt"] += 1
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+
+    def _save(self, path: str, table: CfiTable) -> None:
+        blob = table.blob
+        head = FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, ARCH_X86_64, len(blob), zlib.crc32(blob))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head + blob)
+            os.replace(tmp, path)
+        except OSError:
+            self.stats["write_errors"] += 1
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
