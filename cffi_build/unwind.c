@@ -190,6 +190,8 @@ static uint8_t unwind_one(const struct unw_arch_desc *a, const struct unw_item *
             default:
                 return UNW_BAD_CFI;
             }
+            if (!signal && cfa <= sp)
+                return UNW_NO_PROGRESS; /* before any read: a stuck CFA says more than a bad read */
             int e = eval_reg(&f, &s, rule.ra_kind, rule.ra_reg, rule.ra_off, cfa, a->ra, &npc);
             if (e == EV_UNDEF)
                 return UNW_OK; /* DWARF 5 6.4.4: undefined RA marks the outermost frame */

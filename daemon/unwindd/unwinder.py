@@ -1,0 +1,191 @@
+"""The batched native unwinder: samples (regs + stack copy) + address spaces -> return addresses.
+
+Invariants:
+- Sans-IO: no /proc, no files. The caller (process table / ELF cache) describes each address
+  space as ``Module``s (absolute [start, end), load bias, shared ``CfiTable``); we return absolute
+  pcs, leaf first, plus a ``UnwindStatus`` saying why the walk stopped (framehop's contract,
+  STYLE.md 5). Symbolization is a later stage.
+- One cffi call per batch (STYLE.md 3): all samples' registers go into one ``uint64_t`` array,
+  all stacks into one joined buffer, all results into one preallocated pcs array plus per-sample
+  count/status/fp-frame arrays, reused between batches.
+- Memory safety does not depend on the samples: the C side reads only inside each sample's stack
+  copy (``cffi_build/unwind.c``); tables were validated when their ``CfiTable`` was built and are
+  immutable ``bytes`` kept alive by the ``AddressSpace`` that points at them.
+- ``AddressSpace`` is immutable; build a new one when the caller's mappings change (O(modules)).
+
+Cost: ``unwind_batch`` is O(total stack bytes) to join plus O(samples x depth x (log modules +
+log rows)) native; Python does a few attribute stores per sample and one tuple per result.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from . import abi, records
+from ._unwcore import ffi, lib  # type: ignore[import-untyped, unused-ignore]
+from .cfi import ARCH_X86_64, CfiTable
+
+__all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder"]
+
+MAX_DEPTH_LIMIT = 1 << 16
+U64 = 1 << 64
+
+
+class UnwindStatus(IntEnum):
+    OK = int(lib.UNW_OK)  # reached the outermost frame (RA undefined, or return address 0)
+    TRUNCATED = int(lib.UNW_TRUNCATED)  # needed a stack read outside [sp, sp + dyn_size)
+    NO_PROGRESS = int(lib.UNW_NO_PROGRESS)  # CFA did not increase
+    DEPTH_CAP = int(lib.UNW_DEPTH_CAP)
+    UNMAPPED_PC = int(lib.UNW_UNMAPPED_PC)  # pc in no module of the address space
+    NO_CFI = int(lib.UNW_NO_CFI)  # no row covers pc and the frame-pointer fallback failed
+    BAD_CFI = int(lib.UNW_BAD_CFI)  # unsupported/corrupt rule, or a register we do not know
+    NO_REGS = int(lib.UNW_NO_REGS)  # the sample lacks user regs or a stack copy
+
+
+@dataclass(frozen=True, slots=True)
+class Module:
+    """One executable mapping: [start, end) absolute; ELF vaddr = address - bias. ``table`` None
+    means no CFI (frame pointers only). ``key`` is the caller's id for the module."""
+
+    start: int
+    end: int
+    bias: int
+    table: CfiTable | None
+    key: int
+
+    def __repr__(self) -> str:
+        t = f"{self.table.nrows} rows" if self.table is not None else "no CFI"
+        return f"Module({self.start:#x}-{self.end:#x}, bias={self.bias:#x}, key={self.key}, {t})"
+
+
+class AddressSpace:
+    """The sorted, non-overlapping modules of one process, in native form."""
+
+    __slots__ = ("_blobs", "_c", "_starts", "modules")
+
+    modules: tuple[Module, ...]
+
+    def __init__(self, modules: Sequence[Module]) -> None:
+        mods = tuple(sorted(modules, key=lambda m: m.start))
+        for i, m in enumerate(mods):
+            if not 0 <= m.start < m.end <= U64:
+                raise ValueError(f"bad module range {m!r}")
+            if i and m.start < mods[i - 1].end:
+                raise ValueError(f"overlapping modules {mods[i - 1]!r} and {m!r}")
+        self.modules = mods
+        self._starts = [m.start for m in mods]
+        self._c: Any = ffi.new("struct unw_module[]", max(1, len(mods)))
+        self._blobs: list[Any] = []  # keeps every table's bytes alive while _c points at them
+        for i, m in enumerate(mods):
+            c = self._c[i]
+            c.start, c.end, c.bias, c.key = m.start, m.end, m.bias % U64, m.key % U64
+            if m.table is not None:
+                buf = ffi.from_buffer("uint8_t[]", m.table.blob)
+                self._blobs.append(buf)
+                c.table = buf
+            else:
+                c.table = ffi.NULL
+
+    def module_for(self, addr: int) -> Module | None:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0 and addr < self.modules[i].end:
+            return self.modules[i]
+        return None
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+    def __repr__(self) -> str:
+        return f"AddressSpace({len(self.modules)} modules)"
+
+
+@dataclass(frozen=True, slots=True)
+class UnwindResult:
+    """``pcs``: absolute addresses, leaf first; ``pcs[0]`` is the sampled user ip, the rest are
+    return addresses as found (not minus 1). ``fp_frames``: frames found by the frame-pointer
+    fallback."""
+
+    pcs: tuple[int, ...]
+    status: UnwindStatus
+    fp_frames: int
+
+    def __repr__(self) -> str:
+        pcs = ", ".join(f"{pc:#x}" for pc in self.pcs)
+        return f"UnwindResult([{pcs}], {self.status.name}, fp_frames={self.fp_frames})"
+
+
+class Unwinder:
+    """Reusable output buffers for ``unwind_batch``; not thread-safe."""
+
+    def __init__(self, max_depth: int = 128) -> None:
+        if not 1 <= max_depth <= MAX_DEPTH_LIMIT:
+            raise ValueError(f"max_depth must be in 1..{MAX_DEPTH_LIMIT}, got {max_depth}")
+        self.max_depth = max_depth
+        self._cap = 0
+        self._pcs: Any = None
+        self._counts: Any = None
+        self._status: Any = None
+        self._fp: Any = None
+
+    def _ensure(self, n: int) -> None:
+        if n <= self._cap:
+            return
+        cap = max(n, 2 * self._cap, 64)
+        self._pcs = ffi.new("uint64_t[]", cap * self.max_depth)
+        self._counts = ffi.new("uint32_t[]", cap)
+        self._status = ffi.new("uint8_t[]", cap)
+        self._fp = ffi.new("uint16_t[]", cap)
+        self._cap = cap
+
+    def unwind_batch(
+        self, items: Sequence[tuple[AddressSpace, records.Sample]]
+    ) -> list[UnwindResult]:
+        """Unwind every (address space, sample) pair in one native call."""
+        n = len(items)
+        if n == 0:
+            return []
+        self._ensure(n)
+        # Registers of 64-bit tasks only (REGS_ABI_32 dumps are for compat tasks we do not
+        # unwind); anything else reaches C with nregs = 0 and comes back NO_REGS.
+        nregs = [
+            len(s.regs) if s.regs_abi == abi.REGS_ABI_64 and s.regs_mask else 0 for _, s in items
+        ]
+        total = sum(nregs)
+        regs = ffi.new("uint64_t[]", max(1, total))
+        flat: list[int] = []
+        for (_, s), k in zip(items, nregs, strict=True):
+            if k:
+                flat.extend(s.regs)
+        if flat:
+            regs[0:total] = [v % U64 for v in flat]
+        joined = b"".join(s.stack for _, s in items)
+        stacks = ffi.from_buffer("uint8_t[]", joined) if joined else ffi.NULL
+        c_items = ffi.new("struct unw_item[]", n)
+        roff = soff = 0
+        for i, (space, s) in enumerate(items):
+            it = c_items[i]
+            it.mods = space._c
+            it.nmods = len(space.modules)
+            it.nregs = nregs[i]
+            it.regs_mask = s.regs_mask % U64
+            it.regs = regs + roff
+            ls = len(s.stack)
+            it.stack = stacks + soff if ls else ffi.NULL
+            it.stack_len = ls
+            roff += nregs[i]
+            soff += ls
+        d = self.max_depth
+        rc = lib.unw_unwind_batch(
+            ARCH_X86_64, c_items, n, d, self._pcs, self._counts, self._status, self._fp
+        )
+        if rc != 0:
+            raise RuntimeError(f"unw_unwind_batch failed ({rc})")
+        pcs, counts, status, fp = self._pcs, self._counts, self._status, self._fp
+        return [
+            UnwindResult(tuple(ffi.unpack(pcs + i * d, counts[i])), UnwindStatus(status[i]), fp[i])
+            for i in range(n)
+        ]

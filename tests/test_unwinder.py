@@ -1,0 +1,429 @@
+"""unwindd.unwinder on real samples and on synthetic stacks (STYLE.md 8).
+
+1. Real: tests/native/unw_chain.c (-O2 -fomit-frame-pointer) sampled with the project's own perf
+   core (unwindd.perfcore); the address space comes from the child's /proc/<pid>/maps (a small
+   helper here; the process table builds the real one) and tables from CfiTable.from_elf. Frames
+   are named with pyelftools symbol tables (libc's locals from libc6-dbg's build-id file).
+   * chain: >= 95% of user samples unwind spin <- c <- b <- a <- main <- __libc_start_call_main
+     and end OK (glibc's _start marks the outermost frame with an undefined RA).
+   * signal: the stack continues through __restore_rt into the interrupted function.
+2. Synthetic: byte-literal tables and stacks for every stop reason, the pc-1 rule, the PLT rule
+   and the frame-pointer fallback.
+3. Garbage: random registers and stacks against real libc tables never crash and stay bounded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import pathlib
+import shutil
+import struct
+import subprocess
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from elftools.elf.constants import P_FLAGS
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset
+from unwindd import abi, records
+from unwindd.cfi import CfiTable
+from unwindd.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
+
+HERE = pathlib.Path(__file__).resolve().parent
+SRC = HERE / "native" / "unw_chain.c"
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+REGS = abi.regs_in_mask(abi.X86_64_REGS_MASK)  # perf register numbers in dump order
+PERF = {name: n for n, name in enumerate(abi.X86_REG_NAMES)}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def sample(stack: bytes = b"", abi_: int = abi.REGS_ABI_64, **regs: int) -> records.Sample:
+    """A SAMPLE as the decoder would produce it: regs in ascending perf order for the mask."""
+    vals = tuple(regs.get(abi.X86_REG_NAMES[r], 0) for r in REGS)
+    return records.Sample(
+        misc=abi.MISC_USER, pid=1, tid=1, time=0, cpu=0, ip=regs.get("ip"), id=None,
+        period=1, callchain=(), regs_abi=abi_, regs_mask=abi.X86_64_REGS_MASK, regs=vals,
+        stack=stack, stack_size=len(stack),
+    )  # fmt: skip
+
+
+def build_id(elf: ELFFile) -> bytes | None:
+    sec = elf.get_section_by_name(".note.gnu.build-id")
+    if sec is None:
+        return None
+    for note in sec.iter_notes():
+        if note["n_type"] == "NT_GNU_BUILD_ID":
+            return bytes.fromhex(note["n_desc"])
+    return None
+
+
+@dataclass
+class Symbols:
+    """FUNC symbols of one ELF (plus its build-id debug file), by ELF vaddr."""
+
+    starts: list[int]
+    ends: list[int]
+    names: list[str]
+
+    @classmethod
+    def load(cls, path: str) -> Symbols:
+        syms: dict[int, tuple[int, str]] = {}
+        paths = [path]
+        with open(path, "rb") as f:
+            bid = build_id(ELFFile(f))
+        if bid:
+            dbg = f"/usr/lib/debug/.build-id/{bid[:1].hex()}/{bid[1:].hex()}.debug"
+            if os.path.exists(dbg):
+                paths.append(dbg)
+        for p in paths:
+            with open(p, "rb") as f:
+                for name in (".symtab", ".dynsym"):
+                    tab = ELFFile(f).get_section_by_name(name)
+                    if not isinstance(tab, SymbolTableSection):
+                        continue  # absent, or NOBITS in a debug file
+                    for s in tab.iter_symbols():
+                        if s["st_info"]["type"] == "STT_FUNC" and s["st_value"]:
+                            old = syms.get(s["st_value"])
+                            if old is None or (old[0] == 0 and s["st_size"]):
+                                syms[s["st_value"]] = (s["st_size"], s.name)
+        order = sorted(syms)
+        ends = []
+        for i, a in enumerate(order):
+            size = syms[a][0]
+            nxt = order[i + 1] if i + 1 < len(order) else a + 1
+            ends.append(a + size if size else nxt)  # size 0 (asm, e.g. __restore_rt): to next
+        return cls(order, ends, [syms[a][1] for a in order])
+
+    def name(self, vaddr: int) -> str | None:
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        return self.names[i] if i >= 0 and vaddr < self.ends[i] else None
+
+
+def segment_bias(path: str, start: int, pgoff: int) -> int:
+    """Load bias of an executable mapping: ELF vaddr = address - bias. The mapping puts file
+    offset pgoff at `start`; the PT_LOAD holding that offset maps p_offset to p_vaddr."""
+    with open(path, "rb") as f:
+        for seg in ELFFile(f).iter_segments("PT_LOAD"):
+            if not seg["p_flags"] & P_FLAGS.PF_X:
+                continue
+            lo = seg["p_offset"] & ~(seg["p_align"] - 1 if seg["p_align"] > 1 else 0)
+            if lo <= pgoff < seg["p_offset"] + seg["p_filesz"]:
+                return start - pgoff + seg["p_offset"] - seg["p_vaddr"]
+    raise AssertionError(f"no executable PT_LOAD of {path} holds offset {pgoff:#x}")
+
+
+@dataclass
+class Space:
+    space: AddressSpace
+    paths: dict[int, str]  # module key -> path
+    symbols: dict[str, Symbols]
+
+    def name(self, pc: int, exact: bool) -> str:
+        """Function name for a leaf pc (exact) or a return address (looked up at pc - 1, except
+        at a size-0 asm symbol's start: glibc's __restore_rt is preceded by a nop so that pc - 1
+        stays inside its FDE, and a return into it must be named as the trampoline itself)."""
+        m = self.space.module_for(pc)
+        if m is None:
+            return "?"
+        syms = self.symbols.get(self.paths.get(m.key, ""))
+        if syms is None:
+            return "?"
+        v = pc - m.bias
+        i = bisect.bisect_left(syms.starts, v)
+        if not exact and i < len(syms.starts) and syms.starts[i] == v:
+            return syms.names[i]
+        return syms.name(v if exact else v - 1) or "?"
+
+    def names(self, r: UnwindResult) -> list[str]:
+        out, exact = [], True
+        for pc in r.pcs:
+            n = self.name(pc, exact)
+            out.append(n)
+            exact = n == "__restore_rt"  # the next pc is the interrupted one, not an RA
+        return out
+
+
+def space_from_maps(pid: int, tables: dict[str, CfiTable]) -> Space:
+    """Executable mappings of /proc/<pid>/maps as Modules (test helper; the process table owns
+    the real thing)."""
+    mods, paths, symbols = [], {}, {}
+    with open(f"/proc/{pid}/maps") as f:
+        for key, line in enumerate(f):
+            parts = line.split(maxsplit=5)
+            if "x" not in parts[1]:
+                continue
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if path.startswith("/") and os.path.isfile(path):
+                if path not in tables:
+                    tables[path] = CfiTable.from_elf(path)
+                    symbols[path] = Symbols.load(path)
+                symbols.setdefault(path, Symbols.load(path))
+                bias = segment_bias(path, start, int(parts[2], 16))
+                mods.append(Module(start, end, bias, tables[path], key))
+                paths[key] = path
+            else:  # [vdso] and anonymous code: no CFI here, frame pointers only
+                mods.append(Module(start, end, 0, None, key))
+    return Space(AddressSpace(mods), paths, symbols)
+
+
+@pytest.fixture(scope="module")
+def chain_exe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    gcc = shutil.which("gcc")
+    assert gcc
+    exe = tmp_path_factory.mktemp("unw") / "unw_chain"
+    subprocess.run([gcc, "-O2", "-fomit-frame-pointer", "-o", str(exe), str(SRC)], check=True)
+    return str(exe)
+
+
+def capture(exe: str, mode: str, iters: int) -> tuple[list[records.Sample], Space]:
+    proc = subprocess.Popen([exe, mode, str(iters)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        line = proc.stdout.readline().decode()
+        assert line.startswith("ready "), line
+        pid = int(line.split()[1])
+        space = space_from_maps(pid, {})
+        config = SamplingConfig(frequency=2000, stack_size=16384)
+        samples: list[records.Sample] = []
+        with PerfSession.open(Target(pids=(pid,)), config) as session:
+            dec = records.RecordDecoder([session.event_format])
+            session.enable()
+            proc.stdin.write(b"x")
+            proc.stdin.flush()
+            deadline = time.monotonic() + 30
+            while True:
+                finished = proc.poll() is not None
+                for _cpu, chunk in session.drain():
+                    for rec in dec.decode(chunk):
+                        if isinstance(rec, records.Sample) and rec.pid == pid:
+                            samples.append(rec)
+                if finished or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+        assert proc.wait(10) == 0
+        return samples, space
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- 1. real samples
+
+
+CHAIN = ["spin", "c", "b", "a", "main", "__libc_start_call_main"]
+
+
+def test_real_chain(chain_exe: str) -> None:
+    samples, space = capture(chain_exe, "chain", 400_000_000)
+    user = [s for s in samples if s.cpumode == abi.MISC_USER]
+    assert len(user) >= 100, f"only {len(user)} user samples of {len(samples)}"
+    results = Unwinder().unwind_batch([(space.space, s) for s in user])
+    named = [space.names(r) for r in results]
+    good = [r for r, n in zip(results, named, strict=True) if n[: len(CHAIN)] == CHAIN]
+    bad = [(r, n) for r, n in zip(results, named, strict=True) if n[: len(CHAIN)] != CHAIN]
+    assert len(good) >= 0.95 * len(user), (len(good), len(user), bad[:5])
+    ok = [r for r in good if r.status == UnwindStatus.OK]
+    assert len(ok) >= 0.95 * len(good), Counter(r.status.name for r in good)
+    # OK means glibc's _start was reached: its FDE says the RA is undefined
+    assert all(space.names(r)[-1] == "_start" for r in ok)
+    assert all(r.fp_frames == 0 for r in good)  # every frame had CFI
+    ip = REGS.index(PERF["ip"])
+    for s, r in zip(user, results, strict=True):
+        assert r.pcs[0] == s.regs[ip] and len(r.pcs) <= 128
+
+
+def test_real_signal_frame(chain_exe: str) -> None:
+    samples, space = capture(chain_exe, "signal", 400_000_000)
+    user = [s for s in samples if s.cpumode == abi.MISC_USER]
+    assert len(user) >= 100
+    results = Unwinder().unwind_batch([(space.space, s) for s in user])
+    expect = ["spin", "hspin", "handler", "__restore_rt", "interrupted", "main",
+              "__libc_start_call_main"]  # fmt: skip
+    named = [space.names(r) for r in results]
+    good = [r for r, n in zip(results, named, strict=True) if n[: len(expect)] == expect]
+    assert len(good) >= 0.9 * len(user), (len(good), len(user), named[:3])
+    assert Counter(r.status for r in good).most_common(1)[0][0] == UnwindStatus.OK
+
+
+def test_kernel_mode_samples_are_explained(chain_exe: str) -> None:
+    """Samples taken in the kernel (syscalls, exit) still carry user regs: each gets a status."""
+    samples, space = capture(chain_exe, "chain", 50_000_000)
+    results = Unwinder().unwind_batch([(space.space, s) for s in samples])
+    assert len(results) == len(samples)
+    for r in results:
+        assert r.status == UnwindStatus.NO_REGS or 0 < len(r.pcs) <= 128
+
+
+# --------------------------------------------------------------------------- 2. synthetic
+
+BIAS = 0x400000
+SP0 = 0x7FFF0000
+
+
+def q(*vals: int) -> bytes:
+    return struct.pack(f"<{len(vals)}Q", *vals)
+
+
+@pytest.fixture(scope="module")
+def synth() -> AddressSpace:
+    """Module 1 at [BIAS+0x1000, BIAS+0x2000): FDEs (ELF vaddr)
+         0x1000..0x1010  CFA rsp+16           (a frame that pushed one slot)
+         0x1010..0x1020  CFA rsp+8            (pc-1 rule: a call at 0x100f returns to 0x1010)
+         0x1020..0x1030  CFA rsp+0            (no progress)
+         0x1030..0x1040  CFA = DW_OP_breg7 8 alone (unsupported expression)
+         0x1040..0x1050  PLT CFA expression
+         0x1100..0x1110  CFA rbp+16, rbp at CFA-16 (frame-pointer CFI)
+    Module 2 at [BIAS+0x5000, BIAS+0x6000): no table (frame pointers only)."""
+    eh = EhFrame()
+    c = eh.cie()
+    eh.fde(c, 0x1000, 0x10, def_cfa_offset(16))
+    eh.fde(c, 0x1010, 0x10)
+    eh.fde(c, 0x1020, 0x10, def_cfa(7, 0))
+    eh.fde(c, 0x1030, 0x10, b"\x0f\x02\x77\x08")
+    plt = bytes([0x77, 8, 0x80, 0, 0x3F, 0x1A, 0x3B, 0x2A, 0x33, 0x24, 0x22])
+    eh.fde(c, 0x1040, 0x10, b"\x0f" + bytes([len(plt)]) + plt)
+    eh.fde(c, 0x1100, 0x10, def_cfa(6, 16) + bytes([0x86, 2]))
+    assert X86_CIE_INSNS and EH_ADDR
+    t = eh.table()
+    return AddressSpace([
+        Module(BIAS + 0x1000, BIAS + 0x2000, BIAS, t, 1),
+        Module(BIAS + 0x5000, BIAS + 0x6000, BIAS, None, 2),
+    ])  # fmt: skip
+
+
+def run(space: AddressSpace, s: records.Sample, depth: int = 128) -> UnwindResult:
+    return Unwinder(depth).unwind_batch([(space, s)])[0]
+
+
+def test_two_frames_then_ra_zero(synth: AddressSpace) -> None:
+    # leaf at 0x1004 (CFA sp+16, RA at sp+8) -> 0x1008 (again CFA+16, RA at sp+16+8) -> RA 0
+    s = sample(q(0, BIAS + 0x1008, 0, 0), ip=BIAS + 0x1004, sp=SP0)
+    r = run(synth, s)
+    assert r == UnwindResult((BIAS + 0x1004, BIAS + 0x1008), UnwindStatus.OK, 0)
+
+
+def test_return_address_uses_pc_minus_one(synth: AddressSpace) -> None:
+    # RA 0x1010 is the first byte of the rsp+8 FDE, but the call was in the rsp+16 one: the
+    # caller's CFA must be sp+16, so its RA comes from sp+16+8 (=0), not from sp+8+... (=0xdead).
+    s = sample(q(BIAS + 0x1010, 0, 0xDEAD, 0), ip=BIAS + 0x1010, sp=SP0)
+    r = run(synth, s)
+    # leaf 0x1010 (exact): CFA sp+8, RA [sp] = 0x1010; then pc-1 = 0x100f: CFA sp+8+16, RA [sp+16]
+    # (looked up at pc itself, the caller would get CFA sp+8+8 and RA [sp+8] = 0: a wrong "OK")
+    assert r == UnwindResult((BIAS + 0x1010, BIAS + 0x1010, 0xDEAD), UnwindStatus.UNMAPPED_PC, 0)
+
+
+def test_stop_reasons(synth: AddressSpace) -> None:
+    assert run(synth, sample(q(1), ip=BIAS + 0x1004, sp=SP0)).status == UnwindStatus.TRUNCATED
+    assert run(synth, sample(q(0) * 4, ip=BIAS + 0x1024, sp=SP0)).status == (
+        UnwindStatus.NO_PROGRESS
+    )
+    assert run(synth, sample(q(0) * 4, ip=BIAS + 0x1034, sp=SP0)).status == UnwindStatus.BAD_CFI
+    r = run(synth, sample(q(0) * 4, ip=BIAS + 0x9000, sp=SP0))
+    assert r == UnwindResult((BIAS + 0x9000,), UnwindStatus.UNMAPPED_PC, 0)
+    # a gap between FDEs, rbp useless: NO_CFI
+    assert run(synth, sample(q(0) * 4, ip=BIAS + 0x1080, sp=SP0, bp=5)).status == (
+        UnwindStatus.NO_CFI
+    )
+    # a self-recursive frame repeated down a long stack: the depth cap stops it
+    stack = b"".join(q(0, BIAS + 0x1008) for _ in range(100))
+    r = run(synth, sample(stack, ip=BIAS + 0x1004, sp=SP0), depth=5)
+    assert r.status == UnwindStatus.DEPTH_CAP and len(r.pcs) == 5
+    # no regs / 32-bit regs / no stack
+    assert run(synth, sample(q(0), abi.REGS_ABI_NONE, ip=1, sp=SP0)).status == (
+        UnwindStatus.NO_REGS
+    )
+    r = run(synth, sample(b"", ip=BIAS + 0x1004, sp=SP0))
+    assert r == UnwindResult((BIAS + 0x1004,), UnwindStatus.NO_REGS, 0)
+
+
+def test_plt_rule(synth: AddressSpace) -> None:
+    # PLT stub at 0x1040: before the push (pc & 15 < 11) CFA = rsp+8, after it rsp+16
+    r = run(synth, sample(q(0x1111, BIAS + 0x1008, 0, 0, 0), ip=BIAS + 0x1044, sp=SP0))
+    assert r.pcs[1] == 0x1111
+    r = run(synth, sample(q(0x1111, BIAS + 0x1008, 0, 0, 0), ip=BIAS + 0x104B, sp=SP0))
+    assert r.pcs[1] == BIAS + 0x1008
+
+
+def test_frame_pointer_fallback_and_rbp_rules(synth: AddressSpace) -> None:
+    # leaf in the module without CFI; rbp chain: [sp+16] = sp+48, [sp+24] = RA into the CFI
+    # module's rbp-based FDE (0x1104); there CFA = rbp+16 = sp+64, RA [sp+56] = 0 -> OK.
+    stack = q(0, 0, SP0 + 48, BIAS + 0x1104, 0, 0, 0x77, 0)
+    r = run(synth, sample(stack, ip=BIAS + 0x5010, sp=SP0, bp=SP0 + 16))
+    assert r == UnwindResult((BIAS + 0x5010, BIAS + 0x1104), UnwindStatus.OK, 1)
+
+
+# --------------------------------------------------------------------------- 3. garbage
+
+
+@pytest.fixture(scope="module")
+def libc_space() -> AddressSpace:
+    t = CfiTable.from_elf(LIBC)
+    return AddressSpace([
+        Module(0x7F0000026000, 0x7F0000180000, 0x7F0000000000, t, 1),
+        Module(0x555500001000, 0x555500002000, 0x555500000000, None, 2),
+    ])  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, (1 << 64) - 1), min_size=24, max_size=24),
+    st.binary(max_size=2048),
+    st.sampled_from([None, 0x7F0000026000, 0x7F0000100000]),
+    st.integers(1, 64),
+)
+def test_garbage_never_crashes(
+    libc_space: AddressSpace, regs: list[int], stack: bytes, ip_base: int | None, depth: int
+) -> None:
+    named = dict(zip(abi.X86_REG_NAMES, regs, strict=True))
+    if ip_base is not None:
+        named["ip"] = ip_base + regs[8] % 0x80000
+    s = sample(stack, **named)
+    t0 = time.perf_counter()
+    r = run(libc_space, s, depth)
+    assert time.perf_counter() - t0 < 0.5
+    assert len(r.pcs) <= depth and r.pcs[:1] == (named["ip"],) if stack else True
+
+
+def test_garbage_batch_with_plausible_stacks(libc_space: AddressSpace) -> None:
+    """Stacks full of pointers into libc (what a confused unwinder meets): thousands of
+    samples, one call, every result bounded."""
+    import random
+
+    rng = random.Random(7)
+    items = []
+    for _ in range(3000):
+        words = [rng.choice([0x7F0000026000 + rng.randrange(0x15A000), SP0 + rng.randrange(8192),
+                             rng.getrandbits(64)]) for _ in range(512)]  # fmt: skip
+        s = sample(q(*words), ip=0x7F0000026000 + rng.randrange(0x15A000), sp=SP0,
+                   bp=SP0 + 8 * rng.randrange(512))  # fmt: skip
+        items.append((libc_space, s))
+    t0 = time.perf_counter()
+    results = Unwinder(64).unwind_batch(items)
+    elapsed = time.perf_counter() - t0
+    assert len(results) == 3000 and all(len(r.pcs) <= 64 for r in results)
+    assert elapsed < 5.0
+    assert len({r.status for r in results}) >= 3
+
+
+def test_address_space_validation() -> None:
+    with pytest.raises(ValueError):
+        AddressSpace([Module(10, 5, 0, None, 1)])
+    with pytest.raises(ValueError):
+        AddressSpace([Module(0, 10, 0, None, 1), Module(5, 20, 0, None, 2)])
+    sp = AddressSpace([Module(100, 200, 0, None, 1), Module(0, 50, 0, None, 2)])
+    assert [m.key for m in sp.modules] == [2, 1]
+    assert sp.module_for(150) is not None and sp.module_for(60) is None
+    assert Unwinder().unwind_batch([]) == []
+    with pytest.raises(ValueError):
+        Unwinder(0)
