@@ -90,8 +90,8 @@ def test_replay_from_stdin_pipe(perf_pipe_file: Path) -> None:
     assert pids == perf_script_samples(perf_pipe_file)
 
 
-def test_replay_jsonl_is_time_ordered(perf_file: Path) -> None:
-    res = run_unwindd("replay", str(perf_file), "--format", "jsonl")
+def test_replay_records_are_time_ordered(perf_file: Path) -> None:
+    res = run_unwindd("replay", str(perf_file), "--format", "records")
     assert res.returncode == 0, res.stderr
     recs = [json.loads(line) for line in res.stdout.splitlines()]
     samples = [r for r in recs if r["type"] == "SAMPLE"]
@@ -103,7 +103,7 @@ def test_replay_jsonl_is_time_ordered(perf_file: Path) -> None:
     assert 0 < s["dyn_size"] <= s["stack_size"] == 8192
 
 
-def test_record_pid_jsonl_sees_child(tmp_path: Path) -> None:
+def test_record_pid_records_see_child(tmp_path: Path) -> None:
     # The child waits on a pipe until unwindd has its session open, then spins and exits.
     r, w = os.pipe()
     child = subprocess.Popen(
@@ -130,7 +130,7 @@ def test_record_pid_jsonl_sees_child(tmp_path: Path) -> None:
             "-F",
             "499",
             "--format",
-            "jsonl",
+            "records",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

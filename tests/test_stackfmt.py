@@ -53,4 +53,5 @@ def test_json_has_every_field() -> None:
         "offset": 0x2A,
         "kernel": False,
         "inlined": False,
+        "rel": "0x166cea",
     }

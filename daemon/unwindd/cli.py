@@ -17,12 +17,14 @@ import json
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TextIO
 
-from . import __version__
+from . import __version__, stackfmt
 from .capture import StreamPipeline, run_live
+from .engine import StackEngine
 from .output import record_to_json, render_summary
 from .records import Record
 
@@ -92,26 +94,59 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+FORMATS = ("summary", "records", "jsonl", "folded", "perf-script")
+
+
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=("jsonl", "summary"), default="summary")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="summary",
+        help="summary: counts per record type, CPU and pid; records: every record as a JSON "
+        "line; jsonl: every sample unwound and symbolized as a JSON line; folded: "
+        "flamegraph.pl collapsed stacks; perf-script: perf script's callchain text",
+    )
     p.add_argument(
         "--top", type=int, default=20, metavar="N", help="pids listed in the summary (0: all)"
     )
 
 
 class _Output:
-    """Writes records as JSON lines, or nothing until the summary."""
+    """Receives each round's time-ordered records and writes them in the chosen format;
+    ``finish`` writes what can only be written at the end (folded stacks)."""
 
     def __init__(self, fmt: str, out: TextIO) -> None:
-        self.jsonl = fmt == "jsonl"
+        self.fmt = fmt
         self.out = out
+        self.engine: StackEngine | None = None
+        self.folded: Counter[tuple[str, ...]] = Counter()
+        if fmt in ("jsonl", "folded", "perf-script"):
+            self.engine = StackEngine.create()
 
     def __call__(self, recs: list[Record]) -> None:
-        if self.jsonl:
-            w = self.out.write
+        w = self.out.write
+        if self.fmt == "records":
             for rec in recs:
                 w(json.dumps(record_to_json(rec), separators=(",", ":")))
                 w("\n")
+        elif self.engine is not None:
+            samples = self.engine.feed(recs)
+            if self.fmt == "jsonl":
+                for u in samples:
+                    w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
+                    w("\n")
+            elif self.fmt == "perf-script":
+                for u in samples:
+                    w(stackfmt.perf_script(u))
+            else:
+                self.folded.update(stackfmt.folded_key(u) for u in samples)
+        else:
+            return
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.fmt == "folded":
+            self.out.write(stackfmt.render_folded(self.folded))
             self.out.flush()
 
 
@@ -149,6 +184,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     with session:
         session.enable()
         run_live(session, pipeline, sink, duration=args.duration, should_stop=stop, on_tick=on_tick)
+        sink.finish()
         session.disable()
         skipped = session.skipped_cpus
         ring_errors = session.ring_errors
@@ -236,6 +272,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         except PerfDataError as e:
             return _fail(f"{args.file}: {e}")
         sink(batch)
+        sink.finish()
         if args.format == "summary":
             extra: dict[str, object] = {
                 "file": args.file,

@@ -8,7 +8,8 @@ Invariants:
 - ``perf_script`` reproduces ``perf script -F comm,pid,tid,time,ip,sym,dso --ns`` byte for byte
   for the fields it prints (tools/perf/builtin-script.c ``perf_sample__fprintf_start`` and
   util/evsel_fprintf.c ``sample__fprintf_callchain``): ``comm`` then ``%5d/%-5d``, the time as
-  ``%5lu.%09llu:``, then one ``\\t%16x sym (dso)`` line per frame and an empty line.
+  ``%5lu.%09llu:``, then one ``\\t%16x sym (dso)`` line per frame (the address perf prints:
+  ``Frame.rel``) and an empty line.
 - ``folded`` follows flamegraph.pl's stackcollapse-perf.pl: ``comm;outermost;...;leaf count``,
   a frame without a symbol spelled ``[dso basename]`` (or ``[unknown]``), kernel frames
   suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user frames.
@@ -32,6 +33,9 @@ class Frame:
     offset: int | None
     kernel: bool = False
     inlined: bool = False
+    # What perf script prints for the frame: the address inside the dso as perf's map__map_ip
+    # computes it (ip - map start + pgoff) for user frames, ip itself for kernel frames.
+    rel: int | None = None
 
     def __repr__(self) -> str:
         where = f"{self.sym}+{self.offset:#x}" if self.sym and self.offset else self.sym
@@ -68,6 +72,7 @@ def to_json(s: UnwoundSample) -> dict[str, Any]:
                 "offset": f.offset,
                 "kernel": f.kernel,
                 "inlined": f.inlined,
+                "rel": hex(f.rel if f.rel is not None else f.ip),
             }
             for f in s.frames
         ],
@@ -81,7 +86,8 @@ def perf_script(s: UnwoundSample) -> str:
     head = f"{s.comm} {pid:5d}/{tid:<5d} {t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n"
     lines = [head]
     for f in s.frames:
-        lines.append(f"\t{f.ip:16x} {f.sym or '[unknown]'} ({f.dso or '[unknown]'})\n")
+        addr = f.rel if f.rel is not None else f.ip
+        lines.append(f"\t{addr:16x} {f.sym or '[unknown]'} ({f.dso or '[unknown]'})\n")
     lines.append("\n")
     return "".join(lines)
 

@@ -1,0 +1,237 @@
+"""From time-ordered records to unwound, symbolized samples: the stage both replay and the live
+pipeline run after ordering.
+
+Invariants:
+- Records must arrive in time order (ordering.py first): side-band records (MMAP/MMAP2/COMM/
+  FORK/EXIT) are applied to the process table exactly where they fall between samples, so every
+  sample is unwound against the address space its process had when it was taken.
+- Samples are batched for the native unwinder (one cffi call per ``batch_size`` samples) without
+  changing that: each queued sample holds the immutable native address space and mapping list
+  of its own moment (``proctable`` replaces, never mutates, a space's state), so a later MMAP2
+  cannot leak into an earlier sample.
+- Output order = input order of samples; one ``UnwoundSample`` per ``Sample``, whatever
+  happened (a failed unwind still gives the kernel frames and the leaf, with a status).
+- Frames follow perf script's conventions so the two can be compared: leaf first, kernel frames
+  (from the kernel callchain) first; a caller frame's ``ip`` is its return address minus 1
+  (perf's unwinders report ``pc - 1`` for non-activation frames: unwind-libunwind-local.c,
+  "Decrement the IP for any non-activation frames"), and the symbol is looked up there, so a
+  call that ends a function is attributed to the caller, not to the next function.
+- Cost: one bisect per frame for the mapping, one dict hit per (binary, address) already
+  symbolized (bounded LRU), else one bisect in the binary's symbol table.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import abi
+from .elfcache import CacheConfig, ElfCache
+from .proctable import Mapping, ProcessTable
+from .records import Comm, Record, Sample
+from .stackfmt import Frame, UnwoundSample
+from .symbolize import Symbolizer
+
+KERNEL_DSO = "[kernel.kallsyms]"
+
+
+@dataclass
+class EngineStats:
+    samples: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    frames: int = 0
+    user_frames: int = 0
+    kernel_frames: int = 0
+    unsymbolized: int = 0
+    batches: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """One generation of one address space: what a sample is unwound and symbolized against."""
+
+    native: Any
+    mappings: tuple[Mapping, ...]
+    starts: tuple[int, ...]
+
+    def find(self, addr: int) -> Mapping | None:
+        i = bisect_right(self.starts, addr) - 1
+        if i >= 0:
+            m = self.mappings[i]
+            if addr < m.end:
+                return m
+        return None
+
+
+class StackEngine:
+    def __init__(
+        self,
+        table: ProcessTable,
+        unwinder: Any,
+        symbolizer: Symbolizer,
+        *,
+        batch_size: int = 512,
+        sym_cache_size: int = 1 << 16,
+    ) -> None:
+        self.table = table
+        self.unwinder = unwinder
+        self.symbolizer = symbolizer
+        self.batch_size = batch_size
+        self.stats = EngineStats()
+        self._comms: dict[int, str] = {}  # tid -> comm
+        self._snaps: OrderedDict[tuple[int, int], _Snapshot] = OrderedDict()
+        self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
+        self._sym_cache_size = sym_cache_size
+        self._signal: dict[tuple[int, int], bool] = {}
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        proc_root: str = "/proc",
+        cache_config: CacheConfig | None = None,
+        max_depth: int = 128,
+        batch_size: int = 512,
+    ) -> StackEngine:
+        """The engine with the real ELF cache, CFI compiler and native unwinder."""
+        from . import unwinder as unw
+        from .cfi import CfiTable
+
+        def factory(path: str, debug: str | None) -> object:
+            return CfiTable.from_elf(path, debug)
+
+        cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=factory)
+        table = ProcessTable(cache, unwinder=unw)
+        return cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
+                   batch_size=batch_size)  # fmt: skip
+
+    # -- records in, samples out
+
+    def feed(self, recs: Iterable[Record]) -> list[UnwoundSample]:
+        out: list[UnwoundSample] = []
+        pending: list[tuple[_Snapshot, Sample]] = []
+        for rec in recs:
+            if isinstance(rec, Sample):
+                pending.append((self._snapshot(rec.pid), rec))
+                if len(pending) >= self.batch_size:
+                    out += self._unwind(pending)
+                    pending = []
+            else:
+                if isinstance(rec, Comm):
+                    self._comms[rec.tid] = rec.comm
+                self.table.apply(rec)
+        if pending:
+            out += self._unwind(pending)
+        return out
+
+    def comm_of(self, pid: int | None, tid: int | None) -> str:
+        if tid is not None and tid in self._comms:
+            return self._comms[tid]
+        if pid is not None and pid in self._comms:
+            return self._comms[pid]
+        return ":-1" if pid is None else f":{pid}"
+
+    # -- internals
+
+    def _snapshot(self, pid: int | None) -> _Snapshot:
+        sp = self.table.space_for(pid if pid is not None else -1)
+        key = (sp.pid, sp.generation)
+        snap = self._snaps.get(key)
+        if snap is None:
+            mappings = sp.mappings
+            snap = _Snapshot(sp.native_space(), mappings, tuple(m.start for m in mappings))
+            self._snaps[key] = snap
+            if len(self._snaps) > 4096:
+                self._snaps.popitem(last=False)
+        return snap
+
+    def _unwind(self, pending: list[tuple[_Snapshot, Sample]]) -> list[UnwoundSample]:
+        self.stats.batches += 1
+        results = self.unwinder.unwind_batch([(snap.native, s) for snap, s in pending])
+        out = []
+        for (snap, s), res in zip(pending, results, strict=True):
+            frames = self._kernel_frames(s)
+            nk = len(frames)
+            if s.regs_abi == abi.REGS_ABI_NONE and nk:
+                status = "kernel_only"
+            else:
+                status = res.status.name.lower()
+                after_signal = True  # the leaf's pc is exact, like a frame a signal interrupted
+                for pc in res.pcs:
+                    frames.append(self._user_frame(s.pid, snap, pc if after_signal else pc - 1))
+                    after_signal = self._is_signal_frame(snap, pc)
+            self.stats.samples += 1
+            self.stats.by_status[status] += 1
+            self.stats.kernel_frames += nk
+            self.stats.user_frames += len(frames) - nk
+            comm = self.comm_of(s.pid, s.tid)
+            out.append(
+                UnwoundSample(s.time, s.pid, s.tid, s.cpu, comm, s.period, status, tuple(frames))
+            )
+        self.stats.frames = self.stats.kernel_frames + self.stats.user_frames
+        return out
+
+    def _kernel_frames(self, s: Sample) -> list[Frame]:
+        frames: list[Frame] = []
+        in_kernel = False
+        for ip in s.callchain:
+            if ip >= abi.CONTEXT_MAX:
+                in_kernel = ip == abi.CONTEXT_KERNEL
+                continue
+            if not in_kernel:
+                continue  # user entries: we unwind the user stack ourselves
+            ks = self.symbolizer.kernel(ip)
+            if ks is None:
+                frames.append(Frame(ip, KERNEL_DSO, None, None, kernel=True))
+            else:
+                dso = f"[{ks.module}]" if ks.module else KERNEL_DSO
+                frames.append(Frame(ip, dso, ks.name, ks.offset, kernel=True))
+        return frames
+
+    def _is_signal_frame(self, snap: _Snapshot, pc: int) -> bool:
+        """Whether ``pc`` is in a signal trampoline (CFI 'S' augmentation, e.g. glibc's
+        __restore_rt): the frame below it was interrupted, not called, so its pc is exact."""
+        m = snap.native.module_for(pc)
+        if m is None or m.table is None:
+            return False
+        key = (m.key, pc - m.bias)
+        hit = self._signal.get(key)
+        if hit is None:
+            # A trampoline is entered by "returning" to its first byte; glibc starts its FDE one
+            # byte early (the nop before __restore_rt) so that pc - 1 lookups find it too.
+            row = m.table.lookup(pc - m.bias)
+            hit = self._signal[key] = row is not None and row.signal
+            if len(self._signal) > self._sym_cache_size:
+                self._signal.clear()
+        return hit
+
+    def _user_frame(self, pid: int | None, snap: _Snapshot, ip: int) -> Frame:
+        m = snap.find(ip)
+        if m is None:
+            self.stats.unsymbolized += 1
+            return Frame(ip, None, None, None)
+        rel = ip if m.anonymous else ip - m.start + m.pgoff
+        e = m.entry
+        if e is None or not e.usable:
+            if m.anonymous and pid is not None:
+                jit = self.symbolizer.jit(pid, ip)
+                if jit is not None:
+                    return Frame(ip, f"/tmp/perf-{pid}.map", jit[0], jit[1], rel=ip)
+            self.stats.unsymbolized += 1
+            return Frame(ip, m.filename, None, None, rel=rel)
+        vaddr = m.vaddr(ip)
+        key = (e.uid, vaddr)
+        if key in self._syms:
+            hit = self._syms[key]
+        else:
+            hit = self.symbolizer.symbolize(e, vaddr)
+            self._syms[key] = hit
+            if len(self._syms) > self._sym_cache_size:
+                self._syms.popitem(last=False)
+        if hit is None:
+            self.stats.unsymbolized += 1
+            return Frame(ip, m.filename, None, None, rel=rel)
+        return Frame(ip, m.filename, hit[0], hit[1], rel=rel)
