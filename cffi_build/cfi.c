@@ -1006,7 +1006,8 @@ int unw_cfi_compile(int arch, const uint8_t *img, uint64_t img_len, const struct
 
     /* eh_frame groups first, sorted, overlaps dropped; then debug_frame groups that fall
      * entirely in eh_frame's gaps. Cost O(G log G). */
-    qsort(c.groups, c.ngroups, sizeof *c.groups, group_cmp);
+    if (c.ngroups) /* qsort(NULL, 0, ...) is undefined (C11 7.22.5p1) */
+        qsort(c.groups, c.ngroups, sizeof *c.groups, group_cmp);
     uint32_t keep = 0;
     for (uint32_t i = 0; i < n_eh; i++) {
         if (keep && c.groups[i].start < c.groups[keep - 1].end) {
@@ -1022,7 +1023,8 @@ int unw_cfi_compile(int arch, const uint8_t *img, uint64_t img_len, const struct
         c.groups[keep++] = c.groups[i];
     }
     c.ngroups = keep;
-    qsort(c.groups, c.ngroups, sizeof *c.groups, group_cmp_start);
+    if (c.ngroups)
+        qsort(c.groups, c.ngroups, sizeof *c.groups, group_cmp_start);
 
     /* Emit: rows of each group, a NONE row at each gap, dedupe equal neighbours. */
     uint32_t cap = 0;
