@@ -16,8 +16,10 @@ Invariants:
   (perf's unwinders report ``pc - 1`` for non-activation frames: unwind-libunwind-local.c,
   "Decrement the IP for any non-activation frames"), and the symbol is looked up there, so a
   call that ends a function is attributed to the caller, not to the next function.
-- Cost: one bisect per frame for the mapping, one dict hit per (binary, address) already
-  symbolized (bounded LRU), else one bisect in the binary's symbol table.
+- Cost: a stack already seen in the same address-space generation costs one dict lookup; a new
+  one costs, per frame, one bisect for the mapping and one dict hit per (binary, address)
+  already symbolized, else one bisect in the binary's symbol table. Every cache is bounded
+  (cleared when it outgrows ``sym_cache_size`` entries).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class EngineStats:
 class _Snapshot:
     """One generation of one address space: what a sample is unwound and symbolized against."""
 
+    key: tuple[int, int]  # (pid, generation)
     native: Any
     mappings: tuple[Mapping, ...]
     starts: tuple[int, ...]
@@ -86,6 +89,8 @@ class StackEngine:
         self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
         self._sym_cache_size = sym_cache_size
         self._signal: dict[tuple[int, int], bool] = {}
+        self._stacks: dict[tuple[tuple[int, int], tuple[int, ...]], tuple[Frame, ...]] = {}
+        self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
 
     @classmethod
     def create(
@@ -142,7 +147,7 @@ class StackEngine:
         snap = self._snaps.get(key)
         if snap is None:
             mappings = sp.mappings
-            snap = _Snapshot(sp.native_space(), mappings, tuple(m.start for m in mappings))
+            snap = _Snapshot(key, sp.native_space(), mappings, tuple(m.start for m in mappings))
             self._snaps[key] = snap
             if len(self._snaps) > 4096:
                 self._snaps.popitem(last=False)
@@ -152,32 +157,49 @@ class StackEngine:
         self.stats.batches += 1
         results = self.unwinder.unwind_batch([(snap.native, s) for snap, s in pending])
         out = []
+        stats = self.stats
         for (snap, s), res in zip(pending, results, strict=True):
-            frames = self._kernel_frames(s)
-            nk = len(frames)
-            if s.regs_abi == abi.REGS_ABI_NONE and nk:
+            kframes = self._kernel_frames(s.callchain) if s.callchain else ()
+            if s.regs_abi == abi.REGS_ABI_NONE and kframes:
                 status = "kernel_only"
+                frames = kframes
             else:
                 status = res.status.name.lower()
-                after_signal = True  # the leaf's pc is exact, like a frame a signal interrupted
-                for pc in res.pcs:
-                    frames.append(self._user_frame(s.pid, snap, pc if after_signal else pc - 1))
-                    after_signal = self._is_signal_frame(snap, pc)
-            self.stats.samples += 1
-            self.stats.by_status[status] += 1
-            self.stats.kernel_frames += nk
-            self.stats.user_frames += len(frames) - nk
+                frames = kframes + self._user_frames(s.pid, snap, res.pcs)
+            stats.samples += 1
+            stats.by_status[status] += 1
+            stats.kernel_frames += len(kframes)
+            stats.user_frames += len(frames) - len(kframes)
             comm = self.comm_of(s.pid, s.tid)
-            out.append(
-                UnwoundSample(s.time, s.pid, s.tid, s.cpu, comm, s.period, status, tuple(frames))
-            )
-        self.stats.frames = self.stats.kernel_frames + self.stats.user_frames
+            out.append(UnwoundSample(s.time, s.pid, s.tid, s.cpu, comm, s.period, status, frames))
+        stats.frames = stats.kernel_frames + stats.user_frames
         return out
 
-    def _kernel_frames(self, s: Sample) -> list[Frame]:
+    def _user_frames(
+        self, pid: int | None, snap: _Snapshot, pcs: tuple[int, ...]
+    ) -> tuple[Frame, ...]:
+        # Profiles repeat the same stacks: symbolize each (address space, stack) once.
+        key = (snap.key, pcs)
+        hit = self._stacks.get(key)
+        if hit is not None:
+            return hit
+        frames = []
+        after_signal = True  # the leaf's pc is exact, like a frame a signal interrupted
+        for pc in pcs:
+            frames.append(self._user_frame(pid, snap, pc if after_signal else pc - 1))
+            after_signal = self._is_signal_frame(snap, pc)
+        out = self._stacks[key] = tuple(frames)
+        if len(self._stacks) > self._sym_cache_size:
+            self._stacks.clear()
+        return out
+
+    def _kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
+        hit = self._kstacks.get(callchain)
+        if hit is not None:
+            return hit
         frames: list[Frame] = []
         in_kernel = False
-        for ip in s.callchain:
+        for ip in callchain:
             if ip >= abi.CONTEXT_MAX:
                 in_kernel = ip == abi.CONTEXT_KERNEL
                 continue
@@ -189,7 +211,10 @@ class StackEngine:
             else:
                 dso = f"[{ks.module}]" if ks.module else KERNEL_DSO
                 frames.append(Frame(ip, dso, ks.name, ks.offset, kernel=True))
-        return frames
+        out = self._kstacks[callchain] = tuple(frames)
+        if len(self._kstacks) > self._sym_cache_size:
+            self._kstacks.clear()
+        return out
 
     def _is_signal_frame(self, snap: _Snapshot, pc: int) -> bool:
         """Whether ``pc`` is in a signal trampoline (CFI 'S' augmentation, e.g. glibc's
