@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-# No stubs for the cffi module; pyproject's mypy override lists only _perfcore so far.
-from ._unwcore import ffi, lib  # type: ignore[import-untyped, unused-ignore]
+from ._unwcore import ffi, lib
 
 __all__ = [
     "ERROR_NAMES",

@@ -27,7 +27,7 @@ from enum import IntEnum
 from typing import Any
 
 from . import abi, records
-from ._unwcore import ffi, lib  # type: ignore[import-untyped, unused-ignore]
+from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64, CfiTable
 
 __all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder"]
