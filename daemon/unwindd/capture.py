@@ -100,24 +100,23 @@ def run_live(
             poller.poll(int(timeout * 1000))
         except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
             pass
-        _drain_round(session, pipeline, sink, max_bytes, max_passes)
+        out = drain_round(session, pipeline, max_bytes, max_passes)
+        if out:
+            sink(out)
         if on_tick is not None:
             on_tick()
         if should_stop() or (deadline is not None and clock() >= deadline):
             break
-    _drain_round(session, pipeline, sink, max_bytes, max_passes)
-    out = pipeline.finish()
+    out = drain_round(session, pipeline, max_bytes, max_passes) + pipeline.finish()
     if out:
         sink(out)
 
 
-def _drain_round(
-    session: Drainable,
-    pipeline: StreamPipeline,
-    sink: Callable[[list[Record]], None],
-    max_bytes: int,
-    max_passes: int,
-) -> None:
+def drain_round(
+    session: Drainable, pipeline: StreamPipeline, max_bytes: int = 4 << 20, max_passes: int = 8
+) -> list[Record]:
+    """One live round: drain every ring (until empty, at most ``max_passes`` passes), then
+    return what the round rule says is safe to deliver, in time order."""
     for _ in range(max_passes):
         chunks = session.drain(max_bytes)
         pipeline.push_chunks(chunks)
@@ -126,6 +125,4 @@ def _drain_round(
         # every ring up to the head it read.
         if sum(len(b) for _, b in chunks) <= max_bytes - _MAX_RECORD:
             break
-    out = pipeline.end_round()
-    if out:
-        sink(out)
+    return pipeline.end_round()
