@@ -52,7 +52,7 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
-class _Snapshot:
+class Snapshot:
     """One generation of one address space: what a sample is unwound and symbolized against."""
 
     key: tuple[int, int]  # (pid, generation)
@@ -85,7 +85,7 @@ class StackEngine:
         self.batch_size = batch_size
         self.stats = EngineStats()
         self._comms: dict[int, str] = {}  # tid -> comm
-        self._snaps: OrderedDict[tuple[int, int], _Snapshot] = OrderedDict()
+        self._snaps: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()
         self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
         self._sym_cache_size = sym_cache_size
         self._signal: dict[tuple[int, int], bool] = {}
@@ -117,10 +117,10 @@ class StackEngine:
 
     def feed(self, recs: Iterable[Record]) -> list[UnwoundSample]:
         out: list[UnwoundSample] = []
-        pending: list[tuple[_Snapshot, Sample]] = []
+        pending: list[tuple[Snapshot, Sample]] = []
         for rec in recs:
             if isinstance(rec, Sample):
-                pending.append((self._snapshot(rec.pid), rec))
+                pending.append((self.snapshot(rec.pid), rec))
                 if len(pending) >= self.batch_size:
                     out += self._unwind(pending)
                     pending = []
@@ -141,31 +141,33 @@ class StackEngine:
 
     # -- internals
 
-    def _snapshot(self, pid: int | None) -> _Snapshot:
+    def snapshot(self, pid: int | None) -> Snapshot:
+        """The process's address space as it is now (immutable: later records do not change
+        it); its ``native`` form is what the unwinder takes."""
         sp = self.table.space_for(pid if pid is not None else -1)
         key = (sp.pid, sp.generation)
         snap = self._snaps.get(key)
         if snap is None:
             mappings = sp.mappings
-            snap = _Snapshot(key, sp.native_space(), mappings, tuple(m.start for m in mappings))
+            snap = Snapshot(key, sp.native_space(), mappings, tuple(m.start for m in mappings))
             self._snaps[key] = snap
             if len(self._snaps) > 4096:
                 self._snaps.popitem(last=False)
         return snap
 
-    def _unwind(self, pending: list[tuple[_Snapshot, Sample]]) -> list[UnwoundSample]:
+    def _unwind(self, pending: list[tuple[Snapshot, Sample]]) -> list[UnwoundSample]:
         self.stats.batches += 1
         results = self.unwinder.unwind_batch([(snap.native, s) for snap, s in pending])
         out = []
         stats = self.stats
         for (snap, s), res in zip(pending, results, strict=True):
-            kframes = self._kernel_frames(s.callchain) if s.callchain else ()
+            kframes = self.kernel_frames(s.callchain) if s.callchain else ()
             if s.regs_abi == abi.REGS_ABI_NONE and kframes:
                 status = "kernel_only"
                 frames = kframes
             else:
                 status = res.status.name.lower()
-                frames = kframes + self._user_frames(s.pid, snap, res.pcs)
+                frames = kframes + self.user_frames(s.pid, snap, res.pcs)
             stats.samples += 1
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)
@@ -175,10 +177,12 @@ class StackEngine:
         stats.frames = stats.kernel_frames + stats.user_frames
         return out
 
-    def _user_frames(
-        self, pid: int | None, snap: _Snapshot, pcs: tuple[int, ...]
+    def user_frames(
+        self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...]
     ) -> tuple[Frame, ...]:
-        # Profiles repeat the same stacks: symbolize each (address space, stack) once.
+        """Symbolized user frames for unwound ``pcs`` (leaf first, return addresses as the
+        unwinder found them). Profiles repeat the same stacks: each (address space, stack) is
+        symbolized once."""
         key = (snap.key, pcs)
         hit = self._stacks.get(key)
         if hit is not None:
@@ -193,7 +197,8 @@ class StackEngine:
             self._stacks.clear()
         return out
 
-    def _kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
+    def kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
+        """Symbolized kernel frames of a sample's kernel callchain (user entries skipped)."""
         hit = self._kstacks.get(callchain)
         if hit is not None:
             return hit
@@ -216,7 +221,7 @@ class StackEngine:
             self._kstacks.clear()
         return out
 
-    def _is_signal_frame(self, snap: _Snapshot, pc: int) -> bool:
+    def _is_signal_frame(self, snap: Snapshot, pc: int) -> bool:
         """Whether ``pc`` is in a signal trampoline (CFI 'S' augmentation, e.g. glibc's
         __restore_rt): the frame below it was interrupted, not called, so its pc is exact."""
         m = snap.native.module_for(pc)
@@ -233,7 +238,7 @@ class StackEngine:
                 self._signal.clear()
         return hit
 
-    def _user_frame(self, pid: int | None, snap: _Snapshot, ip: int) -> Frame:
+    def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)
         if m is None:
             self.stats.unsymbolized += 1
