@@ -5,9 +5,9 @@ Invariants:
   end in one clear line on stderr and exit status 2, never a traceback.
 - SIGINT/SIGTERM stop a capture cleanly: the rings are drained and everything already recorded
   is printed before exit (status 0).
-- With no subcommand, ``unwindd`` records the whole machine with the built-in defaults until
-  stopped, printing a status line to stderr every ``--status-interval`` seconds and the summary
-  at the end. (The long-running service with its socket API replaces this mode later.)
+- With no subcommand (or ``run``), ``unwindd`` is the daemon (service.py): the whole machine by
+  default, configured by ``--config`` TOML, queried over its Unix socket. ``check-config FILE``
+  validates a config without starting anything.
 """
 
 from __future__ import annotations
@@ -71,10 +71,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a status line to stderr every S seconds",
     )
 
+    run = sub.add_parser("run", help="run the daemon in the foreground (the default command)")
+    _add_config_arg(run)
+    chk = sub.add_parser("check-config", help="validate a config file and print it resolved")
+    chk.add_argument("file", help="the TOML file to check")
+
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
     _add_output_args(rep)
     return p
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    from .config import DEFAULT_PATH
+
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"TOML config (default {DEFAULT_PATH}; if that file is absent, built-in defaults)",
+    )
+
+
+def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.file)
+    except ConfigError as e:
+        return _fail(str(e))
+    out.write(json.dumps(cfg.to_json(), indent=2) + "\n")
+    print(f"unwindd: {args.file}: ok", file=sys.stderr)
+    return 0
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -296,11 +324,15 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command is None:
-        # Built-in defaults: the whole machine, summary at the end, a status line every 10 s.
-        args = build_parser().parse_args(["record", "--all", "--status-interval", "10"])
+    if args.command in (None, "run"):
+        # No subcommand: the daemon, on /etc/unwindd/config.toml or the built-in defaults.
+        from .service import run_daemon
+
+        return run_daemon(getattr(args, "config", None))
     out = sys.stdout
     try:
+        if args.command == "check-config":
+            return cmd_check_config(args, out)
         if args.command == "record":
             return cmd_record(args, out)
         return cmd_replay(args, out)

@@ -1,0 +1,275 @@
+"""The query API: routes a parsed ``Request`` to the stack store and the daemon's counters.
+
+Endpoints (GET only; JSON unless a format says otherwise)::
+
+    /v1/status                      version, uptime, samples, lost, throttled, processes, caches
+    /v1/processes                   [{pid, comm, exe, samples, last_seen_ns}]
+    /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
+    /v1/top?FILTERS&limit=N         functions by self and total samples
+    /v1/stream?pid=&comm=&tid=&limit=&seconds=    chunked JSON lines, one per unwound sample
+    FILTERS: since=SECONDS (ago) | since_ns=NS, until_ns=NS (CLOCK_MONOTONIC), pid=P[,P..]
+             (repeatable), comm=NAME, tid=T
+
+Invariants:
+- Sans-IO: handlers read the ``Source`` (store, counters, injected clock and uid lookup) and
+  return a ``Response`` or a ``StreamStart``; the shell owns sockets and subscriptions.
+- Visibility: a peer whose uid is not 0 sees only processes owned by its uid (the uid of a pid
+  comes from ``Source.uid_of``; an unknown uid hides the process). The status endpoint shows
+  machine-wide totals only, never per-process data.
+- Bounded answers: at most ``Source.max_stacks`` stacks per reply (``truncated`` says so), at
+  most 1000 functions or processes; a bad parameter is a 400 naming it.
+- Cost: O(entries in the queried window) per stacks/top query.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import stackfmt
+from .httpapi import Request, Response, StreamStart, error_response, json_response
+from .pprof import encode_profile
+from .stackfmt import UnwoundSample
+from .stackstore import StackCount, StackStore, top_functions
+
+
+class Source(Protocol):
+    @property
+    def store(self) -> StackStore: ...
+
+    @property
+    def period_ns(self) -> int: ...
+
+    @property
+    def max_stacks(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def now_ns(self) -> int: ...
+
+    def uid_of(self, pid: int) -> int | None: ...
+
+    def exe_of(self, pid: int) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    uid: int | None  # None: SO_PEERCRED unavailable; sees nothing per-process
+    pid: int | None = None
+
+    @property
+    def root(self) -> bool:
+        return self.uid == 0
+
+
+class BadParam(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    since_ns: int | None
+    until_ns: int | None
+    pids: frozenset[int] | None
+    tid: int | None
+    comm: str | None
+
+
+def _int(req: Request, name: str) -> int | None:
+    v = req.arg(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise BadParam(f"{name}: not an integer: {v!r}") from None
+
+
+def _float(req: Request, name: str) -> float | None:
+    v = req.arg(name)
+    if v is None or v == "":
+        return None
+    try:
+        f = float(v)
+    except ValueError:
+        raise BadParam(f"{name}: not a number: {v!r}") from None
+    if not f >= 0 or f == float("inf"):
+        raise BadParam(f"{name}: must be a finite number >= 0, got {v!r}")
+    return f
+
+
+def parse_filters(req: Request, now_ns: int) -> Filters:
+    since = _float(req, "since")
+    since_ns = _int(req, "since_ns")
+    if since is not None:
+        since_ns = now_ns - int(since * 1e9)
+    pids: set[int] = set()
+    for p in req.args("pid"):
+        try:
+            pids.add(int(p))
+        except ValueError:
+            raise BadParam(f"pid: not an integer: {p!r}") from None
+    comm = req.arg("comm")
+    return Filters(since_ns, _int(req, "until_ns"), frozenset(pids) if pids else None,
+                   _int(req, "tid"), comm or None)  # fmt: skip
+
+
+def _limit(req: Request, default: int, cap: int) -> int:
+    n = _int(req, "limit")
+    if n is None:
+        return default
+    if n <= 0:
+        raise BadParam(f"limit: must be > 0, got {n}")
+    return min(n, cap)
+
+
+class Api:
+    def __init__(self, source: Source) -> None:
+        self.source = source
+        self.routes: dict[str, Callable[[Request, Peer], Response | StreamStart]] = {
+            "/": self.index,
+            "/v1/status": self.status,
+            "/v1/processes": self.processes,
+            "/v1/stacks": self.stacks,
+            "/v1/top": self.top,
+            "/v1/stream": self.stream,
+        }
+        self.requests: Counter[str] = Counter()  # by endpoint (bounded: the route names)
+
+    def handle(self, req: Request, peer: Peer) -> Response | StreamStart:
+        route = self.routes.get(req.path.rstrip("/") or "/")
+        name = req.path if route is not None else "other"
+        self.requests[name] += 1
+        if route is None:
+            return error_response(404, f"no such endpoint: {req.path}")
+        if req.method != "GET":
+            return Response(405, b'{"error":"only GET"}\n', headers=(("allow", "GET"),))
+        try:
+            return route(req, peer)
+        except BadParam as e:
+            return error_response(400, str(e))
+
+    # -- visibility
+
+    def visible_pids(self, peer: Peer, wanted: frozenset[int] | None) -> frozenset[int] | None:
+        """None means "every pid" (root without a pid filter)."""
+        if peer.root:
+            return wanted
+        candidates = wanted
+        if candidates is None:
+            candidates = frozenset(p.pid for p in self.source.store.processes())
+        uid = peer.uid
+        return frozenset(p for p in candidates if uid is not None and self.source.uid_of(p) == uid)
+
+    def query(self, req: Request, peer: Peer) -> tuple[list[StackCount], Filters]:
+        f = parse_filters(req, self.source.now_ns())
+        pids = self.visible_pids(peer, f.pids)
+        stacks = self.source.store.query(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                         comm=f.comm)  # fmt: skip
+        return stacks, f
+
+    # -- endpoints
+
+    def index(self, req: Request, peer: Peer) -> Response:
+        return json_response({"endpoints": sorted(self.routes)})
+
+    def status(self, req: Request, peer: Peer) -> Response:
+        return json_response(self.source.status())
+
+    def processes(self, req: Request, peer: Peer) -> Response:
+        limit = _limit(req, 1000, 100_000)
+        procs = self.source.store.processes()
+        if not peer.root:
+            vis = self.visible_pids(peer, None) or frozenset()
+            procs = [p for p in procs if p.pid in vis]
+        procs.sort(key=lambda p: -p.samples)
+        out = [
+            {"pid": p.pid, "comm": p.comm, "exe": self.source.exe_of(p.pid),
+             "samples": p.samples, "last_seen_ns": p.last_seen_ns}
+            for p in procs[:limit]
+        ]  # fmt: skip
+        return json_response({"processes": out, "truncated": len(procs) > limit})
+
+    def stacks(self, req: Request, peer: Peer) -> Response:
+        fmt = req.arg("format") or "json"
+        if fmt not in ("json", "folded", "pprof"):
+            raise BadParam(f"format: one of json, folded, pprof, got {fmt!r}")
+        limit = _limit(req, self.source.max_stacks, self.source.max_stacks)
+        stacks, f = self.query(req, peer)
+        truncated = len(stacks) > limit
+        stacks = stacks[:limit]
+        if fmt == "folded":
+            return Response(200, render_folded(stacks).encode(), "text/plain; charset=utf-8",
+                            (("x-unwindd-truncated", str(truncated).lower()),))  # fmt: skip
+        if fmt == "pprof":
+            now = self.source.now_ns()
+            since = f.since_ns if f.since_ns is not None else now
+            body = encode_profile(stacks, period_ns=self.source.period_ns,
+                                  duration_nanos=max(0, now - since))  # fmt: skip
+            disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
+            return Response(200, body, "application/vnd.google.protobuf+gzip", (disposition,))
+        return json_response({
+            "samples": sum(s.count for s in stacks),
+            "truncated": truncated,
+            "stacks": [stack_json(s) for s in stacks],
+        })  # fmt: skip
+
+    def top(self, req: Request, peer: Peer) -> Response:
+        limit = _limit(req, 50, 1000)
+        stacks, _ = self.query(req, peer)
+        total = sum(s.count for s in stacks)
+        funcs = top_functions(stacks, limit)
+        return json_response({
+            "samples": total,
+            "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
+                           "total": fc.total_count} for fc in funcs],
+        })  # fmt: skip
+
+    def stream(self, req: Request, peer: Peer) -> StreamStart:
+        f = parse_filters(req, self.source.now_ns())
+        limit = _int(req, "limit")
+        seconds = _float(req, "seconds")
+        accept = self.stream_filter(peer, f)
+        return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds})
+
+    def stream_filter(self, peer: Peer, f: Filters) -> Callable[[UnwoundSample], bool]:
+        uid_of = self.source.uid_of
+
+        def accept(s: UnwoundSample) -> bool:
+            if f.pids is not None and s.pid not in f.pids:
+                return False
+            if (f.tid is not None and s.tid != f.tid) or (f.comm is not None and s.comm != f.comm):
+                return False
+            if peer.root:
+                return True
+            return s.pid is not None and peer.uid is not None and uid_of(s.pid) == peer.uid
+
+        return accept
+
+
+def stack_json(s: StackCount) -> dict[str, Any]:
+    return {
+        "pid": s.pid,
+        "tid": s.tid,
+        "comm": s.comm,
+        "count": s.count,
+        "frames": [
+            {"ip": hex(f.ip), "sym": f.sym, "dso": f.dso, "offset": f.offset, "kernel": f.kernel}
+            for f in s.frames
+        ],
+    }
+
+
+def render_folded(stacks: Iterable[StackCount]) -> str:
+    folded: Counter[tuple[str, ...]] = Counter()
+    for s in stacks:
+        u = UnwoundSample(None, s.pid, s.tid, None, s.comm, None, "", s.frames)
+        folded[stackfmt.folded_key(u)] += s.count
+    return stackfmt.render_folded(folded)
+
+
+def stream_line(s: UnwoundSample) -> bytes:
+    return json.dumps(stackfmt.to_json(s), separators=(",", ":")).encode() + b"\n"

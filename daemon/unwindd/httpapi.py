@@ -1,0 +1,235 @@
+"""HTTP/1.1 for the query socket, sans-IO: bytes in -> requests; responses -> bytes out.
+
+Built on h11 (which itself does no I/O); this module adds the daemon's limits and turns every
+client mistake into a response instead of an exception.
+
+Invariants:
+- No sockets, no clocks: the shell feeds received bytes (``b""`` at EOF), asks for the next
+  request, and writes whatever bytes the session returns. Time limits are the shell's (it
+  calls ``error(408)`` when a request is too slow).
+- Bounded memory per connection: an incomplete request head may not exceed
+  ``max_header_bytes`` (h11's ``max_incomplete_event_size``; 431 when exceeded) and a body may
+  not exceed ``max_body_bytes`` (413). Nothing is buffered past those bounds.
+- Garbage gets a 400 with a JSON ``{"error": ...}`` body and the connection is closed; a
+  well-formed request gets exactly one response (plain, or a chunked stream), after which the
+  session accepts the next request on the same connection (keep-alive) unless either side
+  asked to close.
+- Cost: O(bytes received + bytes sent).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from . import __version__
+
+SERVER = f"unwindd/{__version__}".encode()
+
+_REASONS: Final = {
+    200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found",
+    405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Content Too Large",
+    414: b"URI Too Long", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
+    500: b"Internal Server Error", 503: b"Service Unavailable",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    target: str
+    path: str
+    query: dict[str, list[str]]
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+
+    def arg(self, name: str) -> str | None:
+        v = self.query.get(name)
+        return v[-1] if v else None
+
+    def args(self, name: str) -> list[str]:
+        """All values of a repeatable parameter; ``pid=1,2&pid=3`` -> ["1", "2", "3"]."""
+        return [p for v in self.query.get(name, ()) for p in v.split(",") if p]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStart:
+    """A chunked response whose body the shell produces over time (the live stream)."""
+
+    content_type: str = "application/x-ndjson"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(status, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+
+
+def error_response(status: int, message: str) -> Response:
+    return json_response({"error": message, "status": status}, status)
+
+
+class NeedData:
+    """More bytes are needed before the next request is complete."""
+
+
+class Closed:
+    """The peer closed the connection cleanly (between requests)."""
+
+
+NEED_DATA: Final = NeedData()
+CLOSED: Final = Closed()
+
+
+class HttpSession:
+    """One server-side connection."""
+
+    def __init__(self, *, max_header_bytes: int = 16384, max_body_bytes: int = 4096) -> None:
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_header_bytes)
+        self.max_body_bytes = max_body_bytes
+        self._head: h11.Request | None = None
+        self._body = bytearray()
+        self.requests = 0
+        self.must_close = False
+
+    def receive(self, data: bytes) -> None:
+        """Feed bytes from the socket; ``b""`` means the peer sent EOF."""
+        try:
+            self.conn.receive_data(data)
+        except RuntimeError:
+            # Data after we decided to close (e.g. after an error): ignore it.
+            pass
+
+    def next_request(self) -> Request | Response | NeedData | Closed:
+        """A complete request; or an error ``Response`` to send before closing; or
+        ``NEED_DATA``/``CLOSED``."""
+        while True:
+            try:
+                ev = self.conn.next_event()
+            except h11.RemoteProtocolError as e:
+                status = e.error_status_hint if e.error_status_hint in _REASONS else 400
+                msg = str(e) or "malformed request"
+                if status == 431:
+                    msg = "request head too large"
+                return self._fail(status, msg)
+            if ev is h11.NEED_DATA:
+                return NEED_DATA
+            if isinstance(ev, h11.ConnectionClosed):
+                return CLOSED
+            if ev is h11.PAUSED:
+                # Our response to the previous request is not finished yet.
+                return NEED_DATA
+            if isinstance(ev, h11.Request):
+                self._head = ev
+                self._body.clear()
+                declared = dict(ev.headers).get(b"content-length")
+                if declared is not None and int(declared) > self.max_body_bytes:
+                    return self._fail(413, f"body larger than {self.max_body_bytes} bytes")
+            elif isinstance(ev, h11.Data):
+                self._body += ev.data
+                if len(self._body) > self.max_body_bytes:
+                    return self._fail(413, f"body larger than {self.max_body_bytes} bytes")
+            elif isinstance(ev, h11.EndOfMessage):
+                head = self._head
+                assert head is not None
+                self._head = None
+                self.requests += 1
+                try:
+                    return _to_request(head, bytes(self._body))
+                except ValueError as e:
+                    return self._fail(400, f"bad query string: {e}")
+
+    def _fail(self, status: int, message: str) -> Response:
+        self.must_close = True
+        return error_response(status, message)
+
+    def error(self, status: int, message: str) -> bytes:
+        """Bytes of an error response sent outside the normal flow (timeouts, overload);
+        the connection must be closed after them."""
+        return self.respond(self._fail(status, message))
+
+    def respond(self, resp: Response) -> bytes:
+        """Bytes for a complete response. After it, ``keep_alive`` says whether to read on."""
+        headers = self._headers(resp.content_type, resp.headers)
+        headers.append((b"content-length", str(len(resp.body)).encode()))
+        try:
+            head = h11.Response(
+                status_code=resp.status, headers=headers, reason=_REASONS.get(resp.status, b"")
+            )
+            return (
+                (self.conn.send(head) or b"")
+                + (self.conn.send(h11.Data(data=resp.body)) or b"")
+                + (self.conn.send(h11.EndOfMessage()) or b"")
+            )
+        except h11.LocalProtocolError:
+            # h11 refuses to answer in its current state (e.g. the request line itself was
+            # unparseable): write the minimal response by hand.
+            self.must_close = True
+            return _raw_response(resp)
+
+    def start_stream(self, content_type: str) -> bytes:
+        headers = self._headers(content_type, ())
+        # No content-length: h11 frames the body with chunked transfer coding (HTTP/1.1) or
+        # delimits it by closing (HTTP/1.0).
+        return self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+
+    def stream_data(self, data: bytes) -> bytes:
+        return self.conn.send(h11.Data(data=data)) or b"" if data else b""
+
+    def end_stream(self) -> bytes:
+        self.must_close = True
+        try:
+            return self.conn.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError:
+            return b""
+
+    @property
+    def keep_alive(self) -> bool:
+        """After a complete response: start the next request cycle if both sides allow it."""
+        if self.must_close or self.conn.our_state is not h11.DONE:
+            return False
+        if self.conn.their_state is not h11.DONE:
+            return False
+        try:
+            self.conn.start_next_cycle()
+        except h11.LocalProtocolError:
+            return False
+        return True
+
+    def _headers(
+        self, content_type: str, extra: tuple[tuple[str, str], ...]
+    ) -> list[tuple[bytes, bytes]]:
+        h = [(b"server", SERVER), (b"content-type", content_type.encode())]
+        h += [(k.encode(), v.encode()) for k, v in extra]
+        if self.must_close:
+            h.append((b"connection", b"close"))
+        return h
+
+
+def _to_request(head: h11.Request, body: bytes) -> Request:
+    target = head.target.decode("latin-1")
+    parts = urlsplit(target)
+    # max_num_fields bounds the work a hostile query string can cause (ValueError past it).
+    query = parse_qs(parts.query, keep_blank_values=True, max_num_fields=64)
+    headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in head.headers)
+    return Request(head.method.decode("latin-1"), target, parts.path, query, headers, body)
+
+
+def _raw_response(resp: Response) -> bytes:
+    head = (
+        f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, b'').decode()}\r\n"
+        f"server: {SERVER.decode()}\r\ncontent-type: {resp.content_type}\r\n"
+        f"content-length: {len(resp.body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + resp.body

@@ -1,0 +1,229 @@
+"""Prometheus metrics, computed at scrape time from the live counters.
+
+Invariants:
+- Nothing is counted twice: the pipeline, orderer, engine, ELF cache and store already keep
+  their counters; ``UnwinddCollector.collect`` reads them when scraped (prometheus-client's
+  custom-collector pattern) instead of mirroring every increment. Only what no stage measures —
+  the time a ``step()`` takes and the depth of each unwound stack — is accumulated here, in
+  ``Histogram`` (a sans-IO bucket counter the shell feeds).
+- Bounded labels: result/status names, record types, decode-error reasons, rescan reasons,
+  endpoints and CPU numbers. Never a pid, tid, comm or path.
+- Adding a counter is one entry in ``counter_specs``/``gauge_specs``: a name, a help text,
+  an optional label name and a getter returning a number or a mapping label -> number; a getter
+  that raises ``AttributeError`` (a stage that does not have that counter yet) is skipped, so
+  the collector works against older and newer stages alike.
+- Scrapes run on the event loop thread (the shell serves /metrics itself), so counters are never
+  read while a step mutates them.
+- Cost per scrape: O(CPUs + label values + buckets).
+"""
+
+from __future__ import annotations
+
+import bisect
+import platform
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from . import __version__
+
+NS = 1e-9
+
+
+class Histogram:
+    """Fixed upper bounds; ``observe(v, n)`` adds ``n`` observations of ``v``."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+        self.count += n
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for b, c in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            acc += c
+            out.append(("+Inf" if b == float("inf") else _fmt(b), acc))
+        return out
+
+
+def _fmt(b: float) -> str:
+    return repr(float(b))
+
+
+DEPTH_BOUNDS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+STEP_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+PER_SAMPLE_BOUNDS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2)
+LATENESS_BOUNDS_NS = tuple(1 << k for k in range(10, 36, 2))  # ~1 µs .. ~34 s
+
+
+@dataclass
+class Measurements:
+    """What the shell measures around ``step()``."""
+
+    depth: Histogram
+    step_seconds: Histogram
+    sample_seconds: Histogram
+
+    @classmethod
+    def create(cls) -> Measurements:
+        return cls(Histogram(DEPTH_BOUNDS), Histogram(STEP_BOUNDS), Histogram(PER_SAMPLE_BOUNDS))
+
+
+def lateness_histogram(late_buckets: Mapping[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """The orderer's power-of-two lateness counts (ns) -> cumulative buckets in seconds. The sum
+    is of each bucket's upper bound: an upper bound on the true total lateness."""
+    out = []
+    for bound in LATENESS_BOUNDS_NS:
+        out.append((_fmt(bound * NS), float(sum(n for k, n in late_buckets.items() if k <= bound))))
+    out.append(("+Inf", float(sum(late_buckets.values()))))
+    return out, sum(k * n for k, n in late_buckets.items()) * NS
+
+
+Getter = Callable[[Any], "float | Mapping[Any, float]"]
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    doc: str
+    get: Getter
+    label: str | None = None
+
+
+def _cpu(k: object) -> str:
+    return "unknown" if k is None else str(k)
+
+
+def counter_specs() -> list[Spec]:
+    """Monotonic counters. ``d`` is the daemon (see ``service.Daemon``)."""
+    return [
+        Spec("unwindd_samples", "Samples unwound, by unwind result.",
+             lambda d: d.profiler.engine.stats.by_status, "result"),
+        Spec("unwindd_records", "Perf records read from the rings, by type.",
+             lambda d: d.profiler.pipeline.stats.by_type, "type"),
+        Spec("unwindd_lost_records", "Records the kernel dropped from a full ring, by CPU.",
+             lambda d: d.profiler.pipeline.stats.lost_by_cpu, "cpu"),
+        Spec("unwindd_lost_samples", "Samples the kernel dropped before the ring, by CPU.",
+             lambda d: d.profiler.pipeline.stats.lost_samples_by_cpu, "cpu"),
+        Spec("unwindd_throttled", "THROTTLE records (the kernel throttled sampling), by CPU.",
+             lambda d: d.profiler.pipeline.stats.throttled_by_cpu, "cpu"),
+        Spec("unwindd_decode_errors", "Records that could not be decoded, by reason.",
+             lambda d: d.profiler.pipeline.decoder.stats.errors, "reason"),
+        Spec("unwindd_reorder_late", "Records that arrived after newer ones were delivered.",
+             lambda d: d.profiler.pipeline.orderer.stats.late),
+        Spec("unwindd_reorder_forced_flushes", "Orderer flushes forced by its queue bound.",
+             lambda d: d.profiler.pipeline.orderer.stats.forced_flushes),
+        Spec("unwindd_unwound_frames", "Frames produced by unwinding, user and kernel.",
+             lambda d: {"user": d.profiler.engine.stats.user_frames,
+                        "kernel": d.profiler.engine.stats.kernel_frames}, "space"),
+        Spec("unwindd_elf_cache_hits", "ELF cache lookups that found the binary.",
+             lambda d: d.profiler.engine.table.binaries.stats.hits),
+        Spec("unwindd_elf_cache_misses", "ELF cache lookups that had to open the binary.",
+             lambda d: d.profiler.engine.table.binaries.stats.misses),
+        Spec("unwindd_elf_cache_evictions", "ELF cache entries evicted (LRU, byte bound).",
+             lambda d: d.profiler.engine.table.binaries.stats.evictions),
+        Spec("unwindd_elf_cache_errors", "Binaries the ELF cache could not use, by reason.",
+             lambda d: d.profiler.engine.table.binaries.stats.errors, "reason"),
+        Spec("unwindd_proc_rescans", "/proc/<pid>/maps reads, by reason.",
+             lambda d: d.profiler.engine.table.stats.rescans, "reason"),
+        Spec("unwindd_store_evicted_samples", "Samples dropped from the store by retention.",
+             lambda d: d.profiler.store.stats.evicted_samples),
+        Spec("unwindd_api_requests", "Query API requests, by endpoint.",
+             lambda d: d.api.requests, "endpoint"),
+        Spec("unwindd_api_rejected", "Query API connections or requests refused, by reason.",
+             lambda d: d.rejected, "reason"),
+        Spec("unwindd_stream_dropped_samples", "Samples not sent to slow stream clients.",
+             lambda d: d.stream_dropped),
+        Spec("unwindd_reloads", "Configuration reloads (SIGHUP).", lambda d: d.reloads),
+    ]  # fmt: skip
+
+
+def gauge_specs() -> list[Spec]:
+    return [
+        Spec("unwindd_processes_tracked", "Address spaces in the process table.",
+             lambda d: len(d.profiler.engine.table.spaces)),
+        Spec("unwindd_elf_cache_entries", "Binaries held in the ELF cache.",
+             lambda d: d.profiler.engine.table.binaries.stats.entries),
+        Spec("unwindd_elf_cache_bytes", "Estimated bytes held by the ELF cache.",
+             lambda d: d.profiler.engine.table.binaries.stats.bytes),
+        Spec("unwindd_store_stacks", "Distinct stacks held in the store.",
+             lambda d: d.profiler.store.stats.stacks),
+        Spec("unwindd_store_entries", "(time bucket, pid, tid, comm, stack) entries held.",
+             lambda d: d.profiler.store.stats.entries),
+        Spec("unwindd_store_bytes", "Estimated bytes held by the store.",
+             lambda d: d.profiler.store.stats.bytes_estimate),
+        Spec("unwindd_reorder_queued", "Records waiting in the orderer.",
+             lambda d: d.profiler.pipeline.orderer.stats.queued),
+        Spec("unwindd_api_connections", "Open query API connections.",
+             lambda d: d.connections),
+        Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
+             lambda d: d.uptime()),
+    ]  # fmt: skip
+
+
+class UnwinddCollector(Collector):
+    def __init__(self, daemon: Any, measurements: Measurements) -> None:
+        self.daemon = daemon
+        self.m = measurements
+        self.counters = counter_specs()
+        self.gauges = gauge_specs()
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("unwindd_build_info", "Version of the running daemon.",
+                                 labels=["version", "python"])  # fmt: skip
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+        for spec in self.counters:
+            yield from self._family(CounterMetricFamily, spec)
+        for spec in self.gauges:
+            yield from self._family(GaugeMetricFamily, spec)
+        lat = self._get(lambda d: d.profiler.pipeline.orderer.stats.late_buckets)
+        if lat is not None:
+            buckets, total = lateness_histogram(lat)
+            yield HistogramMetricFamily(
+                "unwindd_reorder_lateness_seconds",
+                "How late records arrived behind already delivered ones.",
+                buckets=buckets, sum_value=total,
+            )  # fmt: skip
+        for name, doc, h in (
+            ("unwindd_unwind_depth_frames", "Frames per unwound sample.", self.m.depth),
+            ("unwindd_step_seconds", "Wall time of one drain+unwind+store step.",
+             self.m.step_seconds),
+            ("unwindd_sample_processing_seconds",
+             "Step time divided among its samples (drain, order, unwind, symbolize, store).",
+             self.m.sample_seconds),
+        ):  # fmt: skip
+            yield HistogramMetricFamily(name, doc, buckets=h.buckets(), sum_value=h.sum)
+
+    def _get(self, getter: Getter) -> Any:
+        try:
+            return getter(self.daemon)
+        except (AttributeError, KeyError):
+            return None
+
+    def _family(self, kind: Any, spec: Spec) -> Iterator[Metric]:
+        v = self._get(spec.get)
+        if v is None:
+            return
+        if spec.label is None:
+            fam = kind(spec.name, spec.doc, value=float(v))
+        else:
+            fam = kind(spec.name, spec.doc, labels=[spec.label])
+            for k, n in sorted(dict(v).items(), key=lambda kv: str(kv[0])):
+                fam.add_metric([_cpu(k) if spec.label == "cpu" else str(k)], float(n))
+        yield fam

@@ -1,0 +1,76 @@
+"""pprof encoding, checked by an independent decoder (tests/pprofcheck.py) for the invariants
+``go tool pprof`` enforces: ids defined, string table consistent, values per sample type."""
+
+from __future__ import annotations
+
+import gzip
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pprofcheck import check_valid, decode, fields_of, read_varint
+from unwindd.pprof import encode_profile, varint
+from unwindd.stackfmt import Frame
+from unwindd.stackstore import StackCount
+
+SPIN = Frame(0x401136, "/w/chain_o2", "spin", 6, rel=0x1136)
+C = Frame(0x401150, "/w/chain_o2", "c", 4, rel=0x1150)
+LIBC = Frame(0x7F0000029D90, "/usr/lib/x86_64-linux-gnu/libc.so.6", None, None)
+KERN = Frame(0xFFFFFFFF81000000, "[kernel.kallsyms]", "asm_sysvec", 0, kernel=True)
+
+
+def test_varint_wire_format() -> None:
+    # developers.google.com/protocol-buffers/docs/encoding: 150 -> 96 01; 1 -> 01; -1 -> 10 bytes.
+    assert varint(150) == b"\x96\x01" and varint(1) == b"\x01" and varint(0) == b"\x00"
+    assert varint(-1) == b"\xff" * 9 + b"\x01"
+    assert read_varint(varint(1 << 63), 0) == (1 << 63, 10)
+
+
+def test_profile_round_trips() -> None:
+    stacks = [
+        StackCount(42, 43, "chain_o2", (KERN, SPIN, C, LIBC), 7),
+        StackCount(42, 42, "chain_o2", (SPIN, C), 3),
+        StackCount(-1, -1, "", (), 1),
+    ]
+    data = encode_profile(stacks, period_ns=10_101_010, duration_nanos=5_000_000_000)
+    assert data[:2] == b"\x1f\x8b"
+    p = decode(data)
+    check_valid(p)
+    assert p.sample_types == [("samples", "count"), ("cpu", "nanoseconds")]
+    assert p.period_type == ("cpu", "nanoseconds") and p.period == 10_101_010
+    assert [s[1] for s in p.samples] == [[7, 70_707_070], [3, 30_303_030], [1, 10_101_010]]
+    assert p.stack_names(0) == ["asm_sysvec", "spin", "c", "[/usr/lib/x86_64-linux-gnu/libc.so.6]"]
+    assert p.stack_names(1) == ["spin", "c"]
+    assert p.samples[0][2] == {"comm": "chain_o2", "pid": 42, "tid": 43}
+    assert p.samples[2][2] == {}
+    # Shared frames are one location and one function; each dso is one mapping.
+    assert len(p.locations) == 4 and len(p.functions) == 4
+    assert sorted(p.mappings.values()) == ["/usr/lib/x86_64-linux-gnu/libc.so.6", "/w/chain_o2",
+                                           "[kernel.kallsyms]"]
+    assert p.locations[p.samples[0][0][1]][1] == SPIN.ip
+    assert len(set(p.strings)) == len(p.strings), "string table has duplicates"
+    top = fields_of(gzip.decompress(data))
+    assert top[10] == [5_000_000_000]
+
+
+frames = st.builds(
+    Frame,
+    ip=st.integers(0, (1 << 64) - 1),
+    dso=st.none() | st.sampled_from(["/bin/a", "/lib/b.so", "[vdso]"]),
+    sym=st.none() | st.text(max_size=8),
+    offset=st.none() | st.integers(0, 1 << 20),
+    kernel=st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.builds(StackCount, pid=st.integers(-1, 1 << 22), tid=st.integers(-1, 1 << 22),
+                          comm=st.text(max_size=16), frames=st.lists(frames, max_size=6).map(tuple),
+                          count=st.integers(1, 1 << 40)), max_size=8))
+def test_any_stacks_encode_to_a_valid_profile(stacks: list[StackCount]) -> None:
+    p = decode(encode_profile(stacks, period_ns=1_000_000, compress=False))
+    check_valid(p)
+    assert len(p.samples) == len(stacks)
+    for (lids, values, labels), sc in zip(p.samples, stacks, strict=True):
+        assert values == [sc.count, sc.count * 1_000_000]
+        assert labels.get("comm", "") == sc.comm
+        assert [p.locations[lid][1] for lid in lids] == [f.ip for f in sc.frames]
