@@ -37,7 +37,7 @@ def user_syms(frames: tuple[object, ...]) -> list[str | None]:
 
 
 def test_live_samples_unwind_to_the_known_chain(workloads: dict[str, Workload]) -> None:
-    pid, prof = run_under_profiler(workloads["c_o2"].argv)
+    pid, prof = run_under_profiler((workloads["c_o2"].argv[0], "300"))
     stacks = prof.store.query(pids=[pid])
     total = sum(s.count for s in stacks)
     assert total >= 50, f"only {total} samples of the workload"

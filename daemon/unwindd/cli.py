@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from . import __version__, stackfmt
 from .capture import StreamPipeline, run_live
 from .engine import StackEngine
 from .output import record_to_json, render_summary
 from .records import Record
+
+if TYPE_CHECKING:
+    from .live import LiveProfiler
+    from .perfcore import Target
 
 
 def _positive_float(s: str) -> float:
@@ -143,12 +148,12 @@ class _Output:
     """Receives each round's time-ordered records and writes them in the chosen format;
     ``finish`` writes what can only be written at the end (folded stacks)."""
 
-    def __init__(self, fmt: str, out: TextIO) -> None:
+    def __init__(self, fmt: str, out: TextIO, *, unwind: bool = True) -> None:
         self.fmt = fmt
         self.out = out
         self.engine: StackEngine | None = None
         self.folded: Counter[tuple[str, ...]] = Counter()
-        if fmt in ("jsonl", "folded", "perf-script"):
+        if unwind and fmt in ("jsonl", "folded", "perf-script"):
             self.engine = StackEngine.create()
 
     def __call__(self, recs: list[Record]) -> None:
@@ -157,17 +162,24 @@ class _Output:
             for rec in recs:
                 w(json.dumps(record_to_json(rec), separators=(",", ":")))
                 w("\n")
+            self.out.flush()
         elif self.engine is not None:
-            samples = self.engine.feed(recs)
-            if self.fmt == "jsonl":
-                for u in samples:
-                    w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
-                    w("\n")
-            elif self.fmt == "perf-script":
-                for u in samples:
-                    w(stackfmt.perf_script(u))
-            else:
-                self.folded.update(stackfmt.folded_key(u) for u in samples)
+            self.samples(self.engine.feed(recs))
+
+    def samples(self, samples: list[stackfmt.UnwoundSample]) -> None:
+        """Write unwound samples (from the engine here, or from a LiveProfiler)."""
+        if not samples:
+            return
+        w = self.out.write
+        if self.fmt == "jsonl":
+            for u in samples:
+                w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
+                w("\n")
+        elif self.fmt == "perf-script":
+            for u in samples:
+                w(stackfmt.perf_script(u))
+        elif self.fmt == "folded":
+            self.folded.update(stackfmt.folded_key(u) for u in samples)
         else:
             return
         self.out.flush()
@@ -185,6 +197,9 @@ def _fail(msg: str) -> int:
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     from .perfcore import PerfOpenError, PerfSession, SamplingConfig, Target
+
+    if args.format != "records":
+        return _record_live(args, out)
 
     if args.pid:
         target = Target(pids=tuple(args.pid))
@@ -235,6 +250,106 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
             )
         )
     return 0
+
+
+def _target(args: argparse.Namespace) -> Target:
+    from .perfcore import Target
+
+    if args.pid:
+        return Target(pids=tuple(args.pid))
+    if args.cgroup:
+        return Target(cgroup=args.cgroup)
+    return Target(all_cpus=True)
+
+
+def _record_live(args: argparse.Namespace, out: TextIO) -> int:
+    """Live capture through LiveProfiler: every sample unwound and symbolized as it arrives."""
+    from .live import LiveProfiler
+    from .perfcore import PerfOpenError, SamplingConfig
+
+    target = _target(args)
+    try:
+        config = SamplingConfig(
+            event=args.event,
+            frequency=args.frequency,
+            stack_size=args.stack_size,
+            ring_pages=args.ring_pages,
+        )
+        prof = LiveProfiler.open(target, config)
+    except (PerfOpenError, ValueError) as e:
+        return _fail(str(e))
+    stop = _install_stop_handlers()
+    sink = _Output(args.format, out, unwind=False)
+    started = time.monotonic()
+    on_tick = None
+    if args.status_interval:
+        on_tick = _status_printer(prof.pipeline, started, args.status_interval)
+    poller = select.poll()
+    for fd in prof.fds:
+        poller.register(fd, select.POLLIN)
+    deadline = None if args.duration is None else started + args.duration
+    try:
+        sink.samples(prof.start())
+        while not stop() and (deadline is None or time.monotonic() < deadline):
+            timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            poller.poll(int(timeout * 1000))
+            sink.samples(prof.step())
+            if on_tick is not None:
+                on_tick()
+        sink.samples(prof.close())
+    finally:
+        if not prof.closed:
+            prof.close()
+    sink.finish()
+    if args.format == "summary":
+        session = prof.session
+        extra: dict[str, object] = {
+            "target": _describe(target),
+            "duration_s": round(time.monotonic() - started, 3),
+            "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
+            "ring_errors": session.ring_errors,
+        }
+        if session.skipped_cpus:
+            extra["skipped_cpus"] = ",".join(map(str, session.skipped_cpus))
+        out.write(
+            render_summary(
+                prof.pipeline.stats,
+                prof.pipeline.decoder.stats,
+                prof.pipeline.orderer.stats,
+                extra,
+                args.top or 1 << 30,
+            )
+        )
+        out.write(_render_unwind_summary(prof))
+    return 0
+
+
+def _render_unwind_summary(prof: LiveProfiler) -> str:
+    """Unwind results by status and the live table's counters (livetable.LiveTableStats)."""
+    es = prof.engine.stats
+    ls = prof.live.stats
+    ts = prof.engine.table.stats
+    lines = ["", f"unwound samples: {es.samples}"]
+    for status, n in es.by_status.most_common():
+        pct = 100.0 * n / es.samples if es.samples else 0.0
+        lines.append(f"  {status}: {n} ({pct:.1f}%)")
+    lines.append(f"frames: user={es.user_frames} kernel={es.kernel_frames} "
+                 f"unsymbolized={es.unsymbolized}")  # fmt: skip
+    lines.append(
+        f"bootstrap: processes={ls.bootstrap_processes} kernel_threads="
+        f"{ls.bootstrap_kernel_threads} mappings={ls.bootstrap_mappings} "
+        f"seconds={ls.bootstrap_seconds:.3f}"
+    )
+    for name, counter in (("rescans", ls.rescans), ("backfilled", ls.backfilled),
+                          ("give_ups", ls.give_ups), ("drops", ts.drops)):  # fmt: skip
+        body = " ".join(f"{k}={v}" for k, v in sorted(counter.items())) or "-"
+        lines.append(f"{name}: {body}")
+    lines.append(
+        f"held={ls.held} verifications={ls.verifications} pid_reuse={ls.pid_reuse} "
+        f"rescans_override={ls.rescans_override} lost_epochs={ls.lost_epochs} "
+        f"tracked_processes={len(prof.engine.table.spaces)} pinned_at_drain={prof.stats_pinned}"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _describe(target: object) -> str:

@@ -646,6 +646,10 @@ class ElfCache:
         if pid is not None and pid > 0:
             out.append((f"{self.proc_root}/{pid}/root{filename}", False))
         out.append((filename, False))
+        if pid is not None and pid > 0 and end > start:
+            # Unlinked after it was mapped (the record still names the path): the mapping's
+            # own link is the last way to it while the process lives.
+            out.append((f"{self.proc_root}/{pid}/map_files/{start:x}-{end:x}", True))
         return out
 
     def _open(

@@ -16,6 +16,12 @@ Invariants:
   (perf's unwinders report ``pc - 1`` for non-activation frames: unwind-libunwind-local.c,
   "Decrement the IP for any non-activation frames"), and the symbol is looked up there, so a
   call that ends a function is attributed to the caller, not to the next function.
+- Live mode (``attach(LiveTable)``): every sample is first offered to ``live.place``, which may
+  rescan /proc for its pid or *hold* it for a rate-limited rescan; held samples come back from
+  ``live.due()`` at the start of a later ``feed`` and are unwound then (so in live mode output
+  order is input order except for those, each still exactly once); ``finish()`` returns the
+  rest. After each batch is unwound ``live.end_batch()`` drops retired/over-cap pids, and a
+  dropped pid's comms are forgotten here.
 - Cost: a stack already seen in the same address-space generation costs one dict lookup; a new
   one costs, per frame, one bisect for the mapping and one dict hit per (binary, address)
   already symbolized, else one bisect in the binary's symbol table. Every cache is bounded
@@ -28,7 +34,7 @@ from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import abi
 from .elfcache import CacheConfig, ElfCache
@@ -36,6 +42,9 @@ from .proctable import Mapping, ProcessTable
 from .records import Comm, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
+
+if TYPE_CHECKING:
+    from .livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
 
@@ -91,6 +100,8 @@ class StackEngine:
         self._signal: dict[tuple[int, int], bool] = {}
         self._stacks: dict[tuple[tuple[int, int], tuple[int, ...]], tuple[Frame, ...]] = {}
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        self.live: LiveTable | None = None
+        self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
 
     @classmethod
     def create(
@@ -118,8 +129,13 @@ class StackEngine:
     def feed(self, recs: Iterable[Record]) -> list[UnwoundSample]:
         out: list[UnwoundSample] = []
         pending: list[tuple[Snapshot, Sample]] = []
+        live = self.live
+        if live is not None:
+            pending = [(self.snapshot(s.pid), s) for s in live.due()]
         for rec in recs:
             if isinstance(rec, Sample):
+                if live is not None and not live.place(rec):
+                    continue  # held for a rescan: comes back from live.due()
                 pending.append((self.snapshot(rec.pid), rec))
                 if len(pending) >= self.batch_size:
                     out += self._unwind(pending)
@@ -127,10 +143,44 @@ class StackEngine:
             else:
                 if isinstance(rec, Comm):
                     self._comms[rec.tid] = rec.comm
+                    if live is not None and rec.tid != rec.pid:
+                        self._tids.setdefault(rec.pid, set()).add(rec.tid)
                 self.table.apply(rec)
+                if live is not None:
+                    live.observe(rec)
         if pending:
             out += self._unwind(pending)
+        if live is not None:
+            live.end_batch()
         return out
+
+    # -- live mode
+
+    def attach(self, live: LiveTable) -> None:
+        """Run in live mode (see the module doc); ``live.table`` must be ``self.table``."""
+        if live.table is not self.table:
+            raise ValueError("the LiveTable must wrap this engine's process table")
+        self.live = live
+        live.on_comm = self.set_comm
+        self.table.on_drop = self._dropped
+
+    def finish(self) -> list[UnwoundSample]:
+        """End of stream: unwind every sample still held for a rescan."""
+        if self.live is None:
+            return []
+        held = self.live.flush_held()
+        return self._unwind([(self.snapshot(s.pid), s) for s in held]) if held else []
+
+    def set_comm(self, tid: int, comm: str) -> None:
+        self._comms[tid] = comm
+
+    def _dropped(self, pid: int) -> None:
+        self._comms.pop(pid, None)
+        for tid in self._tids.pop(pid, ()):
+            self._comms.pop(tid, None)
+        self.symbolizer.forget_pid(pid)
+        if self.live is not None:
+            self.live.forget(pid)
 
     def comm_of(self, pid: int | None, tid: int | None) -> str:
         if tid is not None and tid in self._comms:

@@ -8,19 +8,59 @@ Invariants:
 - Every record drained is counted (``pipeline.stats``) before anything else happens to it;
   every sample delivered by the orderer becomes exactly one stored ``UnwoundSample``.
 - ``close()`` drains and flushes what is left before closing the rings: stopping loses nothing
-  that was already recorded.
+  that was already recorded (samples held for a rescan included).
+- The table is live (livetable.py): ``start()`` enables the rings *first* and then loads every
+  existing process from /proc, in slices with a drain between them (so a slow scan of a big
+  machine cannot overflow the rings). Enabling first means every change after the scan's
+  moment is also in the record stream, which is replayed on top of the scan in time order.
+- Binaries are pinned when their MMAP2 is *drained*, not when the orderer delivers it (up to a
+  round later): the ELF cache entry, and its open fd, is acquired right away through
+  ``/proc/<pid>/root`` or ``map_files`` while the process still exists, and released once the
+  record has been applied (the table then holds its own reference). A process that lives
+  10 ms in another mount namespace, or runs a binary deleted right after exec, is still
+  unwound and symbolized, the CFI compiled later from the held fd.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .capture import StreamPipeline, drain_round
+from .capture import StreamPipeline
+from .elfcache import ElfCache, ElfEntry
 from .engine import StackEngine
+from .livetable import LiveTable, LiveTableConfig
 from .perfcore import PerfSession, SamplingConfig, Target
-from .records import Record
+from .procscan import ProcFS
+from .proctable import PROT_EXEC
+from .records import Mmap2, Record
 from .stackfmt import UnwoundSample
 from .stackstore import StackStore
+
+_MAX_RECORD = 1 << 16
+BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
+
+
+def drain_round(
+    session: PerfSession,
+    pipeline: StreamPipeline,
+    on_record: Callable[[Record], None] | None = None,
+    max_bytes: int = 4 << 20,
+    max_passes: int = 8,
+) -> list[Record]:
+    """capture.drain_round, plus ``on_record`` for each record as it leaves the ring (before
+    ordering): the moment to pin what a short-lived process leaves behind."""
+    for _ in range(max_passes):
+        chunks = session.drain(max_bytes)
+        for cpu, data in chunks:
+            for rec in pipeline.decoder.decode(data):
+                pipeline.stats.observe(rec, cpu)
+                if on_record is not None:
+                    on_record(rec)
+                pipeline.orderer.push(rec)
+        # see capture.drain_round: a pass that left a record's room emptied every ring
+        if sum(len(b) for _, b in chunks) <= max_bytes - _MAX_RECORD:
+            break
+    return pipeline.end_round()
 
 
 class LiveProfiler:
@@ -31,6 +71,8 @@ class LiveProfiler:
         store: StackStore,
         *,
         on_records: Callable[[list[Record]], None] | None = None,
+        live: LiveTable | None = None,
+        bootstrap: bool = True,
     ) -> None:
         self.session = session
         self.engine = engine
@@ -38,6 +80,15 @@ class LiveProfiler:
         self.pipeline = StreamPipeline.for_format(session.event_format)
         self.on_records = on_records
         self.closed = False
+        self.bootstrap = bootstrap
+        if live is None and engine.live is None:
+            live = LiveTable(engine.table, ProcFS(_proc_root(engine)))
+        if live is not None:
+            engine.attach(live)
+        assert engine.live is not None
+        self.live: LiveTable = engine.live
+        self._pinned: dict[int, tuple[Record, ElfEntry]] = {}  # id(MMAP2) -> (it, its entry)
+        self.stats_pinned = 0  # MMAP2 binaries acquired at drain time
 
     @classmethod
     def open(
@@ -47,10 +98,17 @@ class LiveProfiler:
         *,
         engine: StackEngine | None = None,
         store: StackStore | None = None,
+        live_config: LiveTableConfig | None = None,
+        proc_root: str = "/proc",
+        bootstrap: bool = True,
     ) -> LiveProfiler:
         session = PerfSession.open(target, config or SamplingConfig())
         try:
-            return cls(session, engine or StackEngine.create(), store or StackStore())
+            engine = engine or StackEngine.create(proc_root=proc_root)
+            live = None
+            if engine.live is None:
+                live = LiveTable(engine.table, ProcFS(proc_root), live_config)
+            return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap)
         except BaseException:
             session.close()
             raise
@@ -59,19 +117,57 @@ class LiveProfiler:
     def fds(self) -> list[int]:
         return self.session.fds
 
-    def start(self) -> None:
+    def start(self) -> list[UnwoundSample]:
+        """Enable sampling, then load the processes that already exist (see module doc).
+        Returns the samples processed while bootstrapping."""
         self.session.enable()
+        out: list[UnwoundSample] = []
+        if self.bootstrap:
+            pids = self.live.procfs.pids()
+            cap = self.live.config.bootstrap_max_processes
+            if cap is not None:
+                pids = pids[:cap]
+            for i in range(0, len(pids), BOOTSTRAP_SLICE):
+                self.live.bootstrap(pids[i : i + BOOTSTRAP_SLICE])
+                out += self.step()
+        return out
 
     def step(self) -> list[UnwoundSample]:
         """Drain one round and process it; returns the samples it stored."""
-        return self._process(drain_round(self.session, self.pipeline))
+        return self._process(drain_round(self.session, self.pipeline, self._pin))
 
-    def _process(self, recs: list[Record]) -> list[UnwoundSample]:
-        if not recs:
-            return []
-        if self.on_records is not None:
+    def _pin(self, rec: Record) -> None:
+        if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:
+            return
+        name = rec.filename
+        if not name.startswith("/") or name.startswith("//"):
+            return
+        cache = self.engine.table.binaries
+        if not isinstance(cache, ElfCache):
+            return
+        entry = cache.acquire(
+            rec.pid, name, rec.start, rec.start + rec.length, build_id=rec.build_id,
+            maj=rec.maj, min=rec.min, ino=rec.ino, ino_generation=rec.ino_generation,
+        )  # fmt: skip
+        self._pinned[id(rec)] = (rec, entry)
+        self.stats_pinned += 1
+
+    def _unpin(self, recs: list[Record]) -> None:
+        if not self._pinned:
+            return
+        cache = self.engine.table.binaries
+        for rec in recs:
+            hit = self._pinned.pop(id(rec), None)
+            if hit is not None and cache is not None:
+                cache.release(hit[1])
+
+    def _process(self, recs: list[Record], final: bool = False) -> list[UnwoundSample]:
+        if self.on_records is not None and recs:
             self.on_records(recs)
-        samples = self.engine.feed(recs)
+        samples = self.engine.feed(recs) if recs or self.live.stats.held_now else []
+        if final:
+            samples += self.engine.finish()
+        self._unpin(recs)
         if samples:
             self.store.add(samples)
         return samples
@@ -81,7 +177,14 @@ class LiveProfiler:
         if self.closed:
             return []
         self.session.disable()
-        out = self._process(drain_round(self.session, self.pipeline) + self.pipeline.finish())
+        recs = drain_round(self.session, self.pipeline, self._pin) + self.pipeline.finish()
+        out = self._process(recs, final=True)
+        self._unpin([r for r, _ in list(self._pinned.values())])
         self.session.close()
         self.closed = True
         return out
+
+
+def _proc_root(engine: StackEngine) -> str:
+    cache = engine.table.binaries
+    return cache.proc_root if isinstance(cache, ElfCache) else "/proc"

@@ -18,7 +18,19 @@ Invariants:
 - FORK of a new process copies the parent's space in O(1) (spaces share an immutable state
   object; a change replaces the state) plus one reference per distinct binary.
 - EXIT of the main thread retires the pid: the space stays queryable (late samples, seed 002)
-  until ``drop(pid)``; ``on_retire`` is the hook for the retirement policy.
+  until ``drop(pid)``; ``on_retire`` is the hook for the retirement policy. ``reap(now, grace)``
+  drops spaces retired more than ``grace`` ns (record time) ago, oldest first; ``evict_to(cap)``
+  enforces a cap on tracked spaces (retired first, then least recently used live ones, which a
+  /proc rescan can rebuild). Every drop is counted by reason in ``stats.drops`` and reported
+  through ``on_drop`` (so caches keyed by pid can forget it).
+- A space knows which process it is: ``start_time`` (``/proc/<pid>/stat`` starttime ticks, exact
+  when read from /proc, estimated from the FORK record's time otherwise). A pid whose start
+  time changed is a new process: its space is cleared, never inherited (pid reuse).
+- /proc maps merge three ways (``load_mappings``): ``replace`` (bootstrap, pid reuse: the space
+  becomes exactly the maps), ``fill`` (backfill: maps only fill holes; every mapping the table
+  already has, in particular those from MMAP2 records, is kept as is) and ``override`` (the
+  churn fallback: /proc, read *now*, after every record applied so far, wins where it overlaps;
+  non-overlapping mappings are kept for samples still in flight).
 - References: each space holds one reference per distinct binary (ELF cache entry) it maps,
   taken when the first mapping of it arrives and released when the last one goes.
 - Cost: ``find`` is one bisect, O(log n); a mapping change is O(n) in the space's mapping
@@ -30,7 +42,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -156,7 +168,12 @@ class AddressSpace:
         self._refs: Counter[int] = Counter()  # entry uid -> mappings of it here
         self._entries: dict[int, ElfEntry] = {}
         self.retired = False
+        self.retired_at: int | None = None
         self.from_proc_maps = False
+        self.start_time: int | None = None  # /proc/<pid>/stat starttime (ticks since boot)
+        self.start_exact = False  # read from /proc (else estimated from a FORK record's time)
+        self.verified_epoch = 0  # the table epoch this space was last known to be current in
+        self.last_used = 0  # record time of the last sample placed in it (cap eviction order)
 
     def __repr__(self) -> str:
         state = " retired" if self.retired else ""
@@ -266,6 +283,12 @@ def _cut(
 class TableStats:
     records: Counter[str] = field(default_factory=Counter)
     ignored: Counter[str] = field(default_factory=Counter)
+    # spaces dropped, by reason: "exit_grace" (retired and past the grace period), "cap_retired"
+    # / "cap_live" (over ``max`` spaces), "reused" (a new process took the pid), "manual"
+    drops: Counter[str] = field(default_factory=Counter)
+
+
+MERGE_MODES = ("replace", "fill", "override")
 
 
 class ProcessTable:
@@ -277,13 +300,17 @@ class ProcessTable:
         *,
         unwinder: Any = None,
         on_retire: Callable[[int], None] | None = None,
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         """``unwinder``: an object with ``Module`` and ``AddressSpace`` attributes (the
         ``unwindd.unwinder`` module); imported on first use when not given."""
         self.binaries = binaries
         self._unwinder = unwinder
         self.on_retire = on_retire
+        self.on_drop = on_drop
         self.spaces: dict[int, AddressSpace] = {}
+        self.retired: dict[int, int] = {}  # pid -> retire time; insertion order = retire order
+        self.epoch = 0  # bumped when records were lost: every space must be re-verified
         self.stats = TableStats()
 
     def module_factory(self) -> Callable[..., Any]:
@@ -337,7 +364,7 @@ class ProcessTable:
         elif isinstance(rec, Exit):
             self.stats.records["EXIT"] += 1
             if rec.pid == rec.tid:
-                self.retire(rec.pid)
+                self.retire(rec.pid, rec.time)
 
     def apply_all(self, recs: Iterable[Record]) -> None:
         for r in recs:
@@ -409,16 +436,18 @@ class ProcessTable:
     def exec(self, pid: int) -> None:
         sp = self.space_for(pid)
         self._clear(sp)
-        sp.retired = False
+        self._unretire(sp)
         sp.from_proc_maps = False
 
-    def fork(self, pid: int, ppid: int) -> None:
+    def fork(self, pid: int, ppid: int, start_time: int | None = None) -> None:
+        """``start_time``: the child's starttime estimated from the record time, if known."""
         if pid == ppid:
             return  # a new thread: it shares its process's space
-        old = self.spaces.pop(pid, None)
-        if old is not None:
-            self._clear(old)  # pid reuse: whatever was there is gone
+        if pid in self.spaces:
+            self._drop(pid, "reused")  # pid reuse: whatever was there is gone
         child = self.space_for(pid)
+        child.start_time = start_time
+        child.verified_epoch = self.epoch
         parent = self.spaces.get(ppid)
         if parent is None:
             self.stats.ignored["fork_unknown_parent"] += 1
@@ -430,33 +459,173 @@ class ProcessTable:
             for e in child._entries.values():
                 self.binaries.retain(e)  # the cache counts spaces: one more per binary
 
-    def retire(self, pid: int) -> None:
+    def retire(self, pid: int, time: int | None = None) -> None:
+        """The process exited at record time ``time``: every earlier sample of it has already
+        been taken (records are applied in time order); later ones can only be late records,
+        which ``reap``'s grace period leaves room for."""
         sp = self.spaces.get(pid)
         if sp is None or sp.retired:
             return
         sp.retired = True
+        sp.retired_at = time if time is not None else 0
+        self.retired[pid] = sp.retired_at
         if self.on_retire is not None:
             self.on_retire(pid)
 
-    def drop(self, pid: int) -> None:
+    def _unretire(self, sp: AddressSpace) -> None:
+        sp.retired = False
+        sp.retired_at = None
+        self.retired.pop(sp.pid, None)
+
+    def drop(self, pid: int, reason: str = "manual") -> None:
         """Forget a pid for good, releasing its binaries."""
-        sp = self.spaces.pop(pid, None)
-        if sp is not None:
-            self._clear(sp)
+        if pid in self.spaces:
+            self._drop(pid, reason)
+
+    def _drop(self, pid: int, reason: str) -> None:
+        sp = self.spaces.pop(pid)
+        self.retired.pop(pid, None)
+        self._clear(sp)
+        self.stats.drops[reason] += 1
+        if self.on_drop is not None:
+            self.on_drop(pid)
+
+    def reap(self, now: int, grace: int, pinned: Container[int] = ()) -> int:
+        """Drop spaces retired at or before ``now - grace`` (record time), except ``pinned``
+        pids (samples of them still wait somewhere). Returns how many were dropped. O(dropped +
+        pinned) per call: ``retired`` is in retire order, so the scan stops at the first young
+        one."""
+        n = 0
+        for pid, t in list(self.retired.items()):
+            if t > now - grace:
+                break
+            if pid in pinned:
+                continue
+            self._drop(pid, "exit_grace")
+            n += 1
+        return n
+
+    def evict_to(self, cap: int, pinned: Container[int] = ()) -> int:
+        """Drop spaces until at most ``cap`` remain: retired ones first (oldest retirement),
+        then live ones least recently used (a rescan of /proc rebuilds them if they sample
+        again). O(n log n) when over the cap, O(1) otherwise."""
+        excess = len(self.spaces) - cap
+        if excess <= 0:
+            return 0
+        n = 0
+        for pid in list(self.retired):
+            if n >= excess:
+                return n
+            if pid not in pinned:
+                self._drop(pid, "cap_retired")
+                n += 1
+        live = sorted((sp.last_used, sp.pid) for sp in self.spaces.values() if not sp.retired)
+        for _, pid in live:
+            if n >= excess:
+                break
+            if pid not in pinned:
+                self._drop(pid, "cap_live")
+                n += 1
+        return n
+
+    def bump_epoch(self) -> None:
+        """Records were lost: any space may have missed an exec, an exit or a pid reuse."""
+        self.epoch += 1
 
     # -- /proc/<pid>/maps
 
     def load_proc_maps(self, pid: int, text: str) -> AddressSpace:
         """Replace ``pid``'s space with the executable mappings of its maps text."""
-        sp = self.space_for(pid)
-        self._clear(sp)
-        for m in parse_proc_maps(text):
-            if m.prot & PROT_EXEC:
-                self.add_mapping(pid, m.start, m.end, m.pgoff, m.prot, m.flags, m.filename,
-                                 m.identity)  # fmt: skip
+        return self.load_mappings(pid, [m for m in parse_proc_maps(text) if m.prot & PROT_EXEC])
+
+    def load_mappings(
+        self,
+        pid: int,
+        maps: Sequence[Mapping],
+        mode: str = "replace",
+        *,
+        start_time: int | None = None,
+    ) -> AddressSpace:
+        """Merge executable mappings read from /proc/<pid>/maps (sorted, disjoint, as the
+        kernel prints them) into ``pid``'s space; see the module doc for ``mode``. A
+        ``start_time`` that differs from the space's known one means another process had the
+        pid: the space is cleared first whatever the mode (counted as a "reused" drop).
+        Cost: O(n + m) list work plus one resolver call per inserted mapping."""
+        if mode not in MERGE_MODES:
+            raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
+        sp = self.spaces.get(pid)
+        if sp is not None and start_time is not None and not self.same_process(sp, start_time):
+            self._drop(pid, "reused")
+            sp = None
+        if sp is None:
+            sp = self.space_for(pid)
+        if mode == "replace":
+            self._clear(sp)
+        new = [m for m in maps if m.prot & PROT_EXEC and m.end > m.start]
+        if mode == "fill":
+            new = _holes(sp.mappings, new)
+        elif mode == "override":
+            for m in new:
+                kept, removed, pieces = _cut(sp.mappings, m.start, m.end)
+                for p in pieces:
+                    sp._hold(p.entry)
+                for r in removed:
+                    self._release(sp._unhold(r.entry))
+                sp._set(tuple(kept))
+        if new:
+            merged = list(sp.mappings)
+            for m in new:
+                entry = self._resolve(pid, m.start, m.end, m.filename, m.identity)
+                bias = (entry.bias_for(m.start, m.pgoff) if entry is not None and entry.usable
+                        else m.start - m.pgoff)  # fmt: skip
+                if not sp._hold(entry):
+                    self._release(entry)
+                merged.append(replace(m, entry=entry, bias=bias))
+            merged.sort(key=lambda m: m.start)
+            sp._set(tuple(merged))
+        elif mode == "replace":
+            sp._set(())
         sp.from_proc_maps = True
-        sp.retired = False
+        if mode == "replace":
+            self._unretire(sp)  # a zombie's empty maps must not revive a space EXIT retired
+        if start_time is not None:
+            sp.start_time = start_time
+            sp.start_exact = True
+        sp.verified_epoch = self.epoch
         return sp
+
+    @staticmethod
+    def same_process(sp: AddressSpace, start_time: int, slack: int = 2) -> bool:
+        """Whether ``start_time`` (exact, from /proc) is the process ``sp`` describes. An
+        estimate from a FORK record's time may be off by the tick rounding (``slack`` ticks)."""
+        if sp.start_time is None:
+            return True  # nothing to compare: the caller's verification records it
+        if sp.start_exact:
+            return sp.start_time == start_time
+        return abs(sp.start_time - start_time) <= slack
+
+
+def _holes(have: Sequence[Mapping], new: Sequence[Mapping]) -> list[Mapping]:
+    """The parts of ``new`` (sorted, disjoint) that no mapping in ``have`` (sorted, disjoint)
+    covers; a piece keeps its mapping's bias (pgoff advances by the cut). O(n + m)."""
+    out: list[Mapping] = []
+    i = 0
+    for m in new:
+        lo = m.start
+        while i < len(have) and have[i].end <= lo:
+            i += 1
+        j = i
+        while lo < m.end:
+            if j < len(have) and have[j].start < m.end:
+                h = have[j]
+                if h.start > lo:
+                    out.append(replace(m, start=lo, end=h.start, pgoff=m.pgoff + (lo - m.start)))
+                lo = max(lo, h.end)
+                j += 1
+            else:
+                out.append(replace(m, start=lo, pgoff=m.pgoff + (lo - m.start)))
+                break
+    return out
 
 
 def parse_proc_maps(text: str) -> list[Mapping]:
