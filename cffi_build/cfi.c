@@ -43,6 +43,18 @@ static const struct unw_arch_desc ARCH_X86_64 = {
      * rax rdx rcx rbx rsi rdi rbp rsp r8..r15 RA(rip) */
     .dwarf_to_perf = {0, 3, 2, 1, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23, 8,
                       -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    /* System V AMD64 ABI 3.2.1: rbx, rbp, r12-r15 are callee-saved (plus the RA column) */
+    .nsaved = 7,
+    .saved = {6, 16, 3, 12, 13, 14, 15},
+    .slot_of = {-1, -1, -1, 2, -1, -1, 0, -1, -1, -1, -1, -1, 3, 4, 5, 6, 1,
+                -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
+    /* Linux x86_64 rt_sigframe: the handler's `ret` pops pretcode, so at __restore_rt rsp points
+     * at the struct ucontext (arch/x86/include/asm/sigframe.h); uc_mcontext is at +40 (uc_flags,
+     * uc_link, 24-byte stack_t), and struct sigcontext_64 (arch/x86/include/uapi/asm/
+     * sigcontext.h) holds r8..r15, rdi, rsi, rbp, rbx, rdx, rax, rcx, rsp, rip, 8 bytes each.
+     * glibc's __restore_rt CFI says the same (libc_sigaction.c do_expr(oRBP ...)). */
+    .sigctx_off = {144, 136, 152, 128, 112, 104, 120, 160, 40, 48, 56, 64, 72, 80, 88, 96, 168,
+                   -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1},
 };
 
 const struct unw_arch_desc *unw_arch(int id)
@@ -275,7 +287,7 @@ struct cfarule {
 
 struct state {
     struct cfarule cfa;
-    struct regrule fp, ra;
+    struct regrule regs[UNW_NSAVED]; /* slot order: arch->saved[] */
 };
 
 struct cie {
@@ -372,22 +384,20 @@ static uint32_t emit_rule(struct ctx *c, const struct state *s, const struct cie
         if (r.cfa_kind == UNW_CFA_DEREF && r.cfa_reg == c->arch->sp)
             r.cfa_kind = UNW_CFA_SIGFRAME;
     }
-    const struct regrule *in[2] = {&s->fp, &s->ra};
-    uint8_t *kind[2] = {&r.fp_kind, &r.ra_kind};
-    uint8_t *reg[2] = {&r.fp_reg, &r.ra_reg};
-    int16_t *off[2] = {&r.fp_off, &r.ra_off};
-    for (int i = 0; i < 2; i++) {
-        *kind[i] = in[i]->kind;
-        if (in[i]->kind == UNW_REG_SAME || in[i]->kind == UNW_REG_UNDEF ||
-            in[i]->kind == UNW_REG_UNSUPPORTED)
+    for (unsigned i = 0; i < c->arch->nsaved; i++) {
+        const struct regrule *in = &s->regs[i];
+        struct unw_regrule *o = &r.regs[i];
+        o->kind = in->kind;
+        if (in->kind == UNW_REG_SAME || in->kind == UNW_REG_UNDEF ||
+            in->kind == UNW_REG_UNSUPPORTED)
             continue;
-        if (in[i]->off < INT16_MIN || in[i]->off > INT16_MAX) {
+        if (in->off < INT16_MIN || in->off > INT16_MAX) {
             err(c, UNW_ERR_RANGE);
-            *kind[i] = UNW_REG_UNSUPPORTED;
+            o->kind = UNW_REG_UNSUPPORTED;
             continue;
         }
-        *reg[i] = in[i]->reg;
-        *off[i] = (int16_t)in[i]->off;
+        o->reg = in->reg;
+        o->off = (int16_t)in->off;
     }
     return intern(c, &r);
 }
@@ -445,11 +455,9 @@ static int64_t fac_s(int64_t v, int64_t f)
 
 static struct regrule *track(struct state *s, const struct unw_arch_desc *a, uint64_t reg)
 {
-    if (reg == a->fp)
-        return &s->fp;
-    if (reg == a->ra)
-        return &s->ra;
-    return NULL; /* a column we do not keep (callee-saved regs other than fp) */
+    if (reg >= UNW_MAX_DWARF || a->slot_of[reg] < 0)
+        return NULL; /* a caller-saved column: no caller may depend on it, so it is not kept */
+    return &s->regs[a->slot_of[reg]];
 }
 
 /* Run one CFA program. For the CIE (fde_start == NULL-range: emit == 0) it only builds *s.
@@ -808,9 +816,9 @@ static void do_fde(struct ctx *c, const struct section *s, uint64_t off, uint32_
             err(c, UNW_ERR_BAD_CIE);
             return;
         }
-        struct state init = {{UNW_CFA_UNSUPPORTED, 0, 0},
-                             {UNW_REG_SAME, 0, 0},
-                             {UNW_REG_SAME, 0, 0}};
+        struct state init;
+        memset(&init, 0, sizeof init); /* every column UNW_REG_SAME (0) until the CIE says */
+        init.cfa = (struct cfarule){UNW_CFA_UNSUPPORTED, 0, 0};
         if (run_program(c, cie_cache, cie_cache->insns, cie_cache->insns_end, &init, NULL, 0, 0, 0,
                         &s->ec, 0)) {
             err(c, UNW_ERR_BAD_CIE);
@@ -1199,10 +1207,11 @@ int unw_table_validate(const uint8_t *blob, uint64_t len)
     for (uint32_t i = 0; i < h.nrules; i++) {
         struct unw_rule r;
         memcpy(&r, blob + roff + (uint64_t)i * sizeof r, sizeof r);
-        if (r.cfa_kind > UNW_CFA_UNSUPPORTED || r.fp_kind > UNW_REG_UNSUPPORTED ||
-            r.ra_kind > UNW_REG_UNSUPPORTED || r.cfa_reg >= UNW_MAX_DWARF ||
-            r.fp_reg >= UNW_MAX_DWARF || r.ra_reg >= UNW_MAX_DWARF)
+        if (r.cfa_kind > UNW_CFA_UNSUPPORTED || r.cfa_reg >= UNW_MAX_DWARF)
             return -9;
+        for (unsigned k = 0; k < UNW_NSAVED; k++)
+            if (r.regs[k].kind > UNW_REG_UNSUPPORTED || r.regs[k].reg >= UNW_MAX_DWARF)
+                return -9;
     }
     return 0;
 }

@@ -20,7 +20,7 @@
  *   uint16_t pc_lo[nrows]                       row pc = base + (page << 16) + pc_lo
  *   uint16_t or uint32_t rule_idx[nrows]        idx_width bytes each; index into rules[]
  *   (pad to 4)
- *   struct unw_rule rules[nrules]               16 bytes each, deduplicated
+ *   struct unw_rule rules[nrules]               56 bytes each, deduplicated
  *
  * Rows of page p are page_first[p] .. page_first[p+1]-1, pcs strictly ascending overall.
  * Row i covers [pc_i, pc_{i+1}); the last row is always a UNW_CFA_NONE row ("no CFI here"), so
@@ -30,8 +30,9 @@
  */
 
 #define UNW_TABLE_MAGIC 0x54574e55 /* "UNWT" */
-#define UNW_TABLE_VERSION 2
+#define UNW_TABLE_VERSION 3 /* 3: every callee-saved column (unw_rule.regs), not just fp/RA */
 #define UNW_HDR_SIZE 96
+#define UNW_NSAVED 12         /* register columns a rule carries (aarch64: x19..x30)         */
 
 #define UNW_ARCH_X86_64 1
 #define UNW_ARCH_AARCH64 2
@@ -44,7 +45,7 @@
 #define UNW_CFA_SIGFRAME 4    /* signal frame: CFA = *(rsp + off), regs at rsp + k        */
 #define UNW_CFA_UNSUPPORTED 5 /* any other expression / corrupt: the unwinder stops       */
 
-/* Register rule kinds (unw_rule.fp_kind, unw_rule.ra_kind); DWARF 5 section 6.4.1 */
+/* Register rule kinds (unw_regrule.kind); DWARF 5 section 6.4.1 */
 #define UNW_REG_SAME 0        /* same value (or the CIE said nothing)                     */
 #define UNW_REG_UNDEF 1       /* undefined: for RA, the outermost frame                   */
 #define UNW_REG_AT_CFA 2      /* offset(N): saved at CFA + off                            */
@@ -83,18 +84,26 @@ struct unw_table_hdr {
     uint32_t errors[UNW_NERR];
 };
 
+/* The rule of one register column. Slot i of unw_rule.regs is DWARF column UNW_SAVED_<arch>[i]:
+ * x86_64 (System V AMD64 ABI 3.2.1 callee-saved + RA): rbp(6) RA(16) rbx(3) r12 r13 r14 r15;
+ * aarch64 (AAPCS64 6.1.1): x29 x30 x19..x28. Slot 0 is always the frame pointer, slot 1 the
+ * return address; unused slots stay UNW_REG_SAME with reg 0 off 0. */
+struct unw_regrule {
+    int16_t off;
+    uint8_t kind;
+    uint8_t reg;
+};
+
+#define UNW_SLOT_FP 0
+#define UNW_SLOT_RA 1
+
 struct unw_rule {
     int32_t cfa_off;
-    int16_t fp_off;
-    int16_t ra_off;
     uint8_t cfa_kind;
     uint8_t cfa_reg;    /* DWARF register number; for UNW_CFA_PLT, the DW_OP_lit threshold */
-    uint8_t fp_kind;
-    uint8_t fp_reg;
-    uint8_t ra_kind;
-    uint8_t ra_reg;
     uint8_t flags;
     uint8_t pad;
+    struct unw_regrule regs[UNW_NSAVED];
 };
 
 /* Where the sections are inside the ELF image `buf` (file offsets and sizes bounded by the
@@ -160,10 +169,18 @@ struct unw_item {
 #define UNW_BAD_CFI 6
 #define UNW_NO_REGS 7
 
-/* Unwind n items. Item i writes up to max_depth pcs to pcs[i*max_depth ...], the count to
- * counts[i], the UNW_* status to status[i] and the frame-pointer fallback frames to fp_frames[i].
+/* Per-frame kind bits (kinds[] of unw_unwind_batch, parallel to pcs[]). */
+#define UNW_FRAME_SIGNAL 1    /* pc is in a signal trampoline (CFI 'S'): the NEXT frame's pc
+                               * is the exact interrupted pc, not a return address          */
+#define UNW_FRAME_FP 2        /* this frame's caller was found by the frame-pointer fallback */
+
+/* Unwind n items. Item i writes up to max_depth pcs to pcs[i*max_depth ...] and their kind bits
+ * to kinds[i*max_depth ...], the count to counts[i], the UNW_* status to status[i], the
+ * frame-pointer fallback frames to fp_frames[i] and the number of signal frames to
+ * sig_frames[i] (so callers look at kinds[] only when it is non-zero).
  * Cost: O(n * max_depth * (log modules + log rows)); no allocation; never reads outside
  * [stack, stack + stack_len) of an item, nor outside validated tables. Returns 0 or -1 on bad
  * arguments (unknown arch, max_depth 0). */
 int unw_unwind_batch(int arch, const struct unw_item *items, uint32_t n, uint32_t max_depth,
-                     uint64_t *pcs, uint32_t *counts, uint8_t *status, uint16_t *fp_frames);
+                     uint64_t *pcs, uint8_t *kinds, uint32_t *counts, uint8_t *status,
+                     uint16_t *fp_frames, uint16_t *sig_frames);

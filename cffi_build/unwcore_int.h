@@ -22,9 +22,23 @@ struct unw_arch_desc {
     uint8_t sp, fp, ra;   /* DWARF numbers */
     uint8_t perf_ip;      /* perf register number of the program counter */
     int8_t dwarf_to_perf[UNW_MAX_DWARF]; /* -1: not in the perf dump */
+    /* Columns a compiled rule carries (unw_rule.regs slot i = saved[i]; slot 0 fp, slot 1 RA):
+     * the callee-saved registers, whose values a caller may still depend on. */
+    uint8_t nsaved;
+    uint8_t saved[UNW_NSAVED];
+    int8_t slot_of[UNW_MAX_DWARF];        /* inverse of saved[]; -1: column not carried */
+    /* The kernel's signal frame: offset from the trampoline's sp of each DWARF register's slot
+     * in the saved user context, -1 if absent (restored at a UNW_CFA_SIGFRAME frame). */
+    int16_t sigctx_off[UNW_MAX_DWARF];
 };
 
 const struct unw_arch_desc *unw_arch(int id);
+
+/* One sample's unwind (unwind.c), for the batch entry point and fastpath.c's replay loop: the
+ * same contract as one item of unw_unwind_batch. pcs/kinds hold max_depth entries. */
+uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
+                       uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,
+                       uint16_t *fp_frames, uint16_t *sig_frames);
 
 /* Offsets of the arrays in a blob (layout: unwcore.h). */
 static inline uint64_t unw_blob_lo_off(uint32_t npages)

@@ -25,6 +25,7 @@ from elftools.elf.elffile import ELFFile
 Rule = tuple[Any, ...]
 NONE: Rule = ("none",)
 SP, FP, RA, NDWARF = 7, 6, 16, 17
+SAVED = (3, 12, 13, 14, 15)  # the other callee-saved columns the native table keeps
 
 
 def _fits(v: int, bits: int) -> bool:
@@ -84,7 +85,8 @@ class Classifier:
 
     def rule(self, line: dict[Any, Any], signal: bool) -> Rule:
         cfa = self.cfa(line["cfa"], signal)
-        return (cfa, self.reg(line.get(FP)), self.reg(line.get(RA)), signal)
+        saved = tuple(self.reg(line.get(c)) for c in SAVED)
+        return (cfa, self.reg(line.get(FP)), self.reg(line.get(RA)), signal, saved)
 
 
 def _fde_groups(entries: Any, cls: Classifier) -> list[tuple[int, int, list[tuple[int, Rule]]]]:
@@ -172,5 +174,6 @@ def native_rule(row: Any) -> Rule:
             return (k, r)
         return (k, r, off)
 
+    saved = tuple(reg(k, r, o) for _c, k, r, o in row.saved)
     return (cfa, reg(row.fp_kind, row.fp_reg, row.fp_off),
-            reg(row.ra_kind, row.ra_reg, row.ra_off), row.signal)  # fmt: skip
+            reg(row.ra_kind, row.ra_reg, row.ra_off), row.signal, saved)  # fmt: skip

@@ -283,6 +283,7 @@ def rules(table: CfiTable) -> list[tuple[int, str]]:
         cfa = f"{row.cfa_kind.name.lower()}(r{row.cfa_reg}{row.cfa_off:+d})"
         s = f"{cfa}|{reg(row.fp_kind, row.fp_reg, row.fp_off)}|"
         s += reg(row.ra_kind, row.ra_reg, row.ra_off) + ("|S" if row.signal else "")
+        s += "".join(f"|r{c}={reg(k, r, o)}" for c, k, r, o in row.saved if k != RegKind.SAME)
         out.append((row.pc, s))
     return out
 
@@ -373,15 +374,19 @@ def test_register_rule_ops() -> None:
         + advance(1)
         + b"\x10" + uleb(6) + uleb(3) + b"\x77\x08\x06"  # expression breg7 8; deref: unsupported
         + advance(1)
-        + b"\x10" + uleb(3) + uleb(2) + b"\x77\x08"  # expression for rbx: not tracked, no row
+        + b"\x10" + uleb(3) + uleb(2) + b"\x77\x08"  # expression for rbx: a row of its own
+        + advance(1)
+        + b"\x10" + uleb(1) + uleb(2) + b"\x77\x10"  # rdx: caller-saved, not kept, no row
     ))  # fmt: skip
     t = eh.table()
-    fps = [s.split("|")[1] for _pc, s in rules(t)[:-1]]
+    rows = rules(t)[:-1]
+    fps = [s.split("|")[1] for _pc, s in rows]
     assert fps == [
         "at_cfa-24", "at_cfa+32", "at_cfa+16", "val_cfa-8", "val_cfa-16", "register(r3+0)",
         "undef", "same", "at_cfa-16", "same", "at_reg(r7+40)", "val_reg(r7+48)",
-        "unsupported",
+        "unsupported", "unsupported",
     ]  # fmt: skip
+    assert rows[-1][1].endswith("|r3=at_reg(r7+8)")  # callee-saved rbx: carried (v3 tables)
     assert t.errors == {"unsupported_expr": 1}
 
 

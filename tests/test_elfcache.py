@@ -247,10 +247,10 @@ class FakeCfi:
 
 
 def test_cfi_factory_lru_and_stats() -> None:
-    calls: list[tuple[str, str | None]] = []
+    calls: list[tuple[str, str | None, bytes | None]] = []
 
-    def factory(path: str, debug: str | None) -> FakeCfi:
-        calls.append((path, debug))
+    def factory(path: str, debug: str | None, build_id: bytes | None) -> FakeCfi:
+        calls.append((path, debug, build_id))
         return FakeCfi(path, debug)
 
     cache = ElfCache(CacheConfig(max_bytes=150_000), cfi_factory=factory)
@@ -258,6 +258,7 @@ def test_cfi_factory_lru_and_stats() -> None:
     t = e1.cfi()
     assert isinstance(t, FakeCfi) and e1.cfi() is t and len(calls) == 1
     assert t.path.startswith("/proc/self/fd/")
+    assert calls[0][2] == e1.build_id and e1.build_id  # the key a CfiStore persists under
     assert cache.stats.bytes >= 100_000
     e2 = cache.acquire(None, "/bin/sleep")
     e2.cfi()
@@ -294,7 +295,7 @@ def small_elf() -> bytes:
 
 
 def _exercise(path: Path) -> None:
-    cache = ElfCache(cfi_factory=lambda p, d: None)
+    cache = ElfCache(cfi_factory=lambda p, d, b: None)
     e = cache.acquire(None, str(path))
     e.bias_for(0x1000, 0)
     e.symbols().lookup(0x1234)

@@ -133,7 +133,7 @@ class FakeUnwinder:
 
 
 def test_modules_and_native_space_cached_by_generation() -> None:
-    cache = ElfCache(cfi_factory=lambda p, d: "table")
+    cache = ElfCache(cfi_factory=lambda p, d, b: "table")
     t = ProcessTable(cache, unwinder=FakeUnwinder)
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"
     text = Path("/proc/self/maps").read_text()

@@ -30,7 +30,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset
+from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset, offset, uleb
 from unwindd import abi, records
 from unwindd.cfi import CfiTable
 from unwindd.perfcore import PerfSession, SamplingConfig, Target
@@ -254,6 +254,8 @@ def test_real_signal_frame(chain_exe: str) -> None:
     good = [r for r, n in zip(results, named, strict=True) if n[: len(expect)] == expect]
     assert len(good) >= 0.9 * len(user), (len(good), len(user), named[:3])
     assert Counter(r.status for r in good).most_common(1)[0][0] == UnwindStatus.OK
+    # the per-frame signal flag marks exactly the trampoline (pcs[3]), for every good sample
+    assert all(r.signal_frames == 1 << 3 for r in good)
 
 
 def test_kernel_mode_samples_are_explained(chain_exe: str) -> None:
@@ -363,6 +365,97 @@ def test_frame_pointer_fallback_and_rbp_rules(synth: AddressSpace) -> None:
     assert r == UnwindResult((BIAS + 0x5010, BIAS + 0x1104), UnwindStatus.OK, 1)
 
 
+# Lazy register recovery (unwind.c invariants): a saved slot outside the stack copy makes that
+# register unknown, and fails the walk only when the register is needed.
+
+
+@pytest.fixture(scope="module")
+def lazy() -> AddressSpace:
+    """Module at [BIAS+0x1000, BIAS+0x2000), FDEs (ELF vaddr):
+         0x1000..0x1010  CFA rsp+8, rbp at CFA-32  (python3.11 0x5c53e3: an epilogue, rbp popped)
+         0x1010..0x1020  CFA rsp+16                (an ordinary caller)
+         0x1020..0x1030  CFA rbp+16, rbp at CFA-16 (a caller that needs rbp)
+         0x1030..0x1040  CFA rsp+8, rbx undefined
+         0x1040..0x1050  CFA rbx+16                (a caller whose CFA is rbx-based)
+         0x1050..0x1060  CFA rsp+16, rbx at CFA-16 (saves rbx)
+         0x1060..0x106f  CFA r10+8                 (DRAP-style: caller-saved r10)
+         0x106f..0x1080  signal frame: CFA = *(rsp+160), RA at rsp+168 (glibc __restore_rt)"""
+    eh = EhFrame()
+    c = eh.cie()
+    eh.fde(c, 0x1000, 0x10, offset(6, 4))
+    eh.fde(c, 0x1010, 0x10, def_cfa_offset(16))
+    eh.fde(c, 0x1020, 0x10, def_cfa(6, 16) + offset(6, 2))
+    eh.fde(c, 0x1030, 0x10, b"\x07" + uleb(3))
+    eh.fde(c, 0x1040, 0x10, def_cfa(3, 16))
+    eh.fde(c, 0x1050, 0x10, def_cfa_offset(16) + offset(3, 2))
+    eh.fde(c, 0x1060, 0xF, def_cfa(10, 8))
+    sig = eh.cie(aug=b"zRS")
+    cfa = bytes([0x77]) + bytes([0xA0, 0x01]) + b"\x06"  # DW_OP_breg7 160; DW_OP_deref
+    ra = bytes([0x77, 0xA8, 0x01])  # DW_OP_breg7 168
+    # glibc starts the trampoline's FDE one byte early (the nop before __restore_rt), so that a
+    # pc - 1 lookup of the "return address" __restore_rt finds it
+    eh.fde(sig, 0x106F, 0x11, b"\x0f" + uleb(len(cfa)) + cfa + b"\x10" + uleb(16) + uleb(3) + ra)
+    return AddressSpace([Module(BIAS + 0x1000, BIAS + 0x2000, BIAS, eh.table(), 1)])
+
+
+def test_lazy_unreadable_saved_reg_not_needed(lazy: AddressSpace) -> None:
+    # leaf 0x1004: rbp's slot (sp-24) is below the copy; the caller (CFA rsp-based) never needs
+    # it: RA [sp] = 0x1014 -> CFA sp+8+16, RA [sp+16] = 0 -> OK (before: TRUNCATED at the leaf)
+    r = run(lazy, sample(q(BIAS + 0x1014, 0, 0, 0), ip=BIAS + 0x1004, sp=SP0, bp=7))
+    assert r == UnwindResult((BIAS + 0x1004, BIAS + 0x1014), UnwindStatus.OK, 0)
+
+
+def test_lazy_unreadable_saved_reg_needed_is_truncated(lazy: AddressSpace) -> None:
+    # the same leaf, but its caller's CFA is rbp-based: rbp was lost to the copy -> TRUNCATED
+    r = run(lazy, sample(q(BIAS + 0x1024, 0, 0, 0), ip=BIAS + 0x1004, sp=SP0, bp=7))
+    assert r == UnwindResult((BIAS + 0x1004, BIAS + 0x1024), UnwindStatus.TRUNCATED, 0)
+
+
+def test_undefined_reg_needed_is_bad_cfi(lazy: AddressSpace) -> None:
+    r = run(lazy, sample(q(BIAS + 0x1044, 0, 0, 0), ip=BIAS + 0x1034, sp=SP0, bx=SP0))
+    assert r == UnwindResult((BIAS + 0x1034, BIAS + 0x1044), UnwindStatus.BAD_CFI, 0)
+
+
+def test_callee_saved_rbx_carried(lazy: AddressSpace) -> None:
+    # leaf 0x1054 saved rbx at [sp] (= sp+32); caller 0x1044: CFA = rbx+16 = sp+48, RA [sp+40]
+    stack = q(SP0 + 32, BIAS + 0x1044, 0, 0, 0, 0)
+    r = run(lazy, sample(stack, ip=BIAS + 0x1054, sp=SP0, bx=0xBAD))
+    assert r == UnwindResult((BIAS + 0x1054, BIAS + 0x1044), UnwindStatus.OK, 0)
+    # rbx never saved: the leaf's own rbx is the caller's (same value)
+    r = run(lazy, sample(q(0, BIAS + 0x1044, 0, 0, 0, 0), ip=BIAS + 0x1014, sp=SP0, bx=SP0 + 16))
+    assert r.status == UnwindStatus.OK and r.pcs == (BIAS + 0x1014, BIAS + 0x1044)
+
+
+def test_sigframe_restores_every_register(lazy: AddressSpace) -> None:
+    # leaf 0x1018 (CFA sp+16) returns into the trampoline 0x1070; at the trampoline rsp = SP0+16
+    # points at the ucontext: sigcontext rsp (+160), rip (+168), r10 (+56). The interrupted frame
+    # 0x1064 has CFA = r10+8: only the sigcontext's r10 makes that computable.
+    uc = [0] * 24
+    ctx_sp = SP0 + 16
+    uc[56 // 8] = ctx_sp + 200  # r10
+    uc[160 // 8] = ctx_sp + 192  # rsp
+    uc[168 // 8] = BIAS + 0x1064  # rip: the exact interrupted pc
+    stack = q(0, BIAS + 0x1070, *uc, 0, 0, 0, 0)  # [ctx_sp+200] = RA of the interrupted frame
+    r = run(lazy, sample(stack, ip=BIAS + 0x1018, sp=SP0))
+    assert r.pcs == (BIAS + 0x1018, BIAS + 0x1070, BIAS + 0x1064), r
+    assert r.status == UnwindStatus.OK and r.signal_frames == 1 << 1
+
+
+def test_python_epilogue_real_table() -> None:
+    """The real case: /usr/bin/python3.11 (non-PIE) at 0x5c53e3, PyNumber_Remainder's epilogue
+    after the pops: 'CFA=rsp+8, rbp at CFA-32, ra at CFA-8'. perf (libunwind) unwinds these
+    samples fully; so must we."""
+    exe = "/usr/bin/python3.11"
+    t = CfiTable.from_elf(exe)
+    row = t.lookup(0x5C53E3)
+    assert row is not None and (row.cfa_reg, row.cfa_off, row.fp_off) == (7, 8, -32)
+    space = AddressSpace([Module(0x41F000, 0x6F0000, 0, t, 1)])
+    # RA into PyNumber_Remainder's caller region (any pc with CFI), then 0 through a CFA+8 frame
+    ra = 0x5C53E3  # a return into the same epilogue: CFA sp+8, RA at [sp+8] = 0
+    r = run(space, sample(q(ra + 1, 0, 0, 0), ip=0x5C53E3, sp=SP0, bp=0))
+    assert r.status != UnwindStatus.TRUNCATED and r.pcs[:2] == (0x5C53E3, ra + 1), r
+
+
 # --------------------------------------------------------------------------- 3. garbage
 
 
@@ -427,3 +520,19 @@ def test_address_space_validation() -> None:
     assert Unwinder().unwind_batch([]) == []
     with pytest.raises(ValueError):
         Unwinder(0)
+
+
+def test_vdso_cfi_compiled_and_used() -> None:
+    """The [vdso] image (read from /proc/self/mem by the ELF cache) has an .eh_frame: it gets a
+    compiled table like any file, so vdso leaves unwind by CFI, not by frame pointers."""
+    from unwindd.elfcache import ElfCache
+
+    cache = ElfCache(cfi_factory=lambda p, d, b: CfiTable.from_elf(p, d))
+    e = cache.acquire_vdso()
+    assert e.usable and e.build_id
+    t = e.cfi()
+    assert isinstance(t, CfiTable) and t.nrows > 4 and t.errors == {}
+    syms = e.symbols()
+    start = next(a for a, n in zip(syms.starts, syms.names, strict=True) if "clock_gettime" in n)
+    row = t.lookup(start)
+    assert row is not None and (row.cfa_reg, row.cfa_off) == (7, 8)  # function entry: rsp+8

@@ -22,6 +22,7 @@ Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see ben
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import struct
@@ -79,11 +80,20 @@ class RegKind(IntEnum):
     UNSUPPORTED = int(lib.UNW_REG_UNSUPPORTED)
 
 
+# DWARF columns of unw_rule.regs slots 2.. for x86_64 (cffi_build/cfi.c ARCH_X86_64.saved; slot 0
+# is rbp, slot 1 the return address): the other callee-saved registers, System V AMD64 ABI 3.2.1.
+SAVED_X86_64: tuple[int, ...] = (3, 12, 13, 14, 15)  # rbx r12 r13 r14 r15
+NSAVED = int(lib.UNW_NSAVED)
+
+SavedRule = tuple[int, "RegKind", int, int]  # (DWARF column, kind, reg, off)
+
+
 @dataclass(frozen=True, slots=True)
 class CfiRow:
     """One row: valid from ``pc`` (ELF vaddr) to the next row's pc. ``cfa_reg`` is a DWARF
     register number (for ``CfaKind.PLT``, the DW_OP_lit threshold); ``fp``/``ra`` are the rules for
-    the frame pointer (rbp) and return address columns."""
+    the frame pointer (rbp) and return address columns; ``saved`` those of the other
+    callee-saved columns (``SAVED_X86_64`` order), as (column, kind, reg, off)."""
 
     pc: int
     cfa_kind: CfaKind
@@ -96,30 +106,43 @@ class CfiRow:
     ra_reg: int
     ra_off: int
     signal: bool
+    saved: tuple[SavedRule, ...] = ()
 
     def __repr__(self) -> str:
+        other = "".join(
+            f", r{c}={k.name}({r},{o})" for c, k, r, o in self.saved if k != RegKind.SAME
+        )
         return (
             f"CfiRow(pc={self.pc:#x}, cfa={self.cfa_kind.name}({self.cfa_reg},{self.cfa_off}), "
             f"fp={self.fp_kind.name}({self.fp_reg},{self.fp_off}), "
-            f"ra={self.ra_kind.name}({self.ra_reg},{self.ra_off})"
+            f"ra={self.ra_kind.name}({self.ra_reg},{self.ra_off}){other}"
             f"{', signal' if self.signal else ''})"
         )
 
 
-# struct unw_rule (unwcore.h): i32 cfa_off, i16 fp_off, i16 ra_off, then 8 u8 fields.
-_RULE = struct.Struct("<ihhBBBBBBBB")
+# struct unw_rule (unwcore.h): i32 cfa_off; u8 cfa_kind, cfa_reg, flags, pad; then UNW_NSAVED
+# struct unw_regrule { i16 off; u8 kind; u8 reg; }.
+_RULE = struct.Struct("<iBBBB" + "hBB" * NSAVED)
 # struct unw_table_hdr: magic, version, arch, idx_width, nrows, nrules, base, nfdes, npages, errors
 _HDR = struct.Struct("<IHBBIIQII16I")
 assert _HDR.size == int(lib.UNW_HDR_SIZE) and _RULE.size == ffi.sizeof("struct unw_rule")
 
 
+def _make_row(
+    pc: int, cfa_off: int, cfa_kind: int, cfa_reg: int, flags: int, regs: list[tuple[int, int, int]]
+) -> CfiRow:
+    """A row from a rule's fields; ``regs`` = (off, kind, reg) per slot."""
+    (fo, fk, fr), (ro, rk, rr) = regs[0], regs[1]
+    saved = tuple(
+        (col, RegKind(k), r, o) for col, (o, k, r) in zip(SAVED_X86_64, regs[2:], strict=False)
+    )
+    return CfiRow(pc, CfaKind(cfa_kind), cfa_reg, cfa_off, RegKind(fk), fr, fo, RegKind(rk), rr,
+                  ro, bool(flags & lib.UNW_RULE_SIGNAL), saved)  # fmt: skip
+
+
 def _row_from_rule(pc: int, r: Any) -> CfiRow:
-    return CfiRow(
-        pc, CfaKind(r.cfa_kind), r.cfa_reg, r.cfa_off,
-        RegKind(r.fp_kind), r.fp_reg, r.fp_off,
-        RegKind(r.ra_kind), r.ra_reg, r.ra_off,
-        bool(r.flags & lib.UNW_RULE_SIGNAL),
-    )  # fmt: skip
+    regs = [(r.regs[i].off, r.regs[i].kind, r.regs[i].reg) for i in range(NSAVED)]
+    return _make_row(pc, r.cfa_off, r.cfa_kind, r.cfa_reg, r.flags, regs)
 
 
 # --------------------------------------------------------------------------- minimal ELF64 parse
@@ -354,16 +377,14 @@ class CfiTable:
         lo = mv[lo_off:idx_off].cast("H")
         idx = mv[idx_off : idx_off + width * nrows].cast("H" if width == 2 else "I")
         rules = []
-        for cfa_off, fp_off, ra_off, ck, cr, fk, fr, rk, rr, fl, _p in _RULE.iter_unpack(
-            self._blob[roff : roff + nrules * _RULE.size]
-        ):
-            rules.append((CfaKind(ck), cr, cfa_off, RegKind(fk), fr, fp_off, RegKind(rk), rr,
-                          ra_off, bool(fl & lib.UNW_RULE_SIGNAL)))  # fmt: skip
+        for f in _RULE.iter_unpack(self._blob[roff : roff + nrules * _RULE.size]):
+            regs = [(f[5 + 3 * k], f[6 + 3 * k], f[7 + 3 * k]) for k in range(NSAVED)]
+            rules.append(_make_row(0, f[0], f[1], f[2], f[3], regs))
         out: list[CfiRow] = []
         for page in range(npages):
             top = base + (page << 16)
             for i in range(page_first[page], page_first[page + 1]):
-                out.append(CfiRow(top + lo[i], *rules[idx[i]]))
+                out.append(dataclasses.replace(rules[idx[i]], pc=top + lo[i]))
         return out
 
     def lookup(self, pc: int) -> CfiRow | None:

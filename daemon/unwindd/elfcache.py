@@ -57,7 +57,9 @@ __all__ = [
     "Segment",
 ]
 
-CfiFactory = Callable[[str, "str | None"], object]
+# (path that opens the validated file, separate debug file or None, the file's build-id or
+# None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
+CfiFactory = Callable[[str, "str | None", "bytes | None"], object]
 
 # --------------------------------------------------------------------------- ELF layouts
 
@@ -479,13 +481,14 @@ class ElfEntry:
         return self._debug if isinstance(self._debug, str) else None
 
     def cfi(self) -> object | None:
-        """The unwind table from the injected factory (``CfiTable.from_elf``), or None."""
+        """The unwind table from the injected factory (``CfiTable.from_elf``, or a
+        ``CfiStore`` keyed by ``build_id``), or None."""
         if self._cfi is _NOT_LOADED:
             table: object | None = None
             factory = self._cache.cfi_factory if self._cache is not None else None
             if factory is not None and self.usable:
                 try:
-                    table = factory(self.fd_path, self.debug_path())
+                    table = factory(self.fd_path, self.debug_path(), self.build_id)
                 except Exception as e:  # a native compiler error must not kill the daemon
                     self._count_error(f"cfi_{type(e).__name__}")
             self._cfi = table

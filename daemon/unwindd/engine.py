@@ -97,7 +97,6 @@ class StackEngine:
         self._snaps: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()
         self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
         self._sym_cache_size = sym_cache_size
-        self._signal: dict[tuple[int, int], bool] = {}
         self._stacks: dict[tuple[tuple[int, int], tuple[int, ...]], tuple[Frame, ...]] = {}
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
         self.live: LiveTable | None = None
@@ -111,12 +110,18 @@ class StackEngine:
         cache_config: CacheConfig | None = None,
         max_depth: int = 128,
         batch_size: int = 512,
+        cfi_cache_dir: str | None = None,
     ) -> StackEngine:
-        """The engine with the real ELF cache, CFI compiler and native unwinder."""
+        """The engine with the real ELF cache, CFI compiler and native unwinder. With
+        ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``)."""
         from . import unwinder as unw
-        from .cfi import CfiTable
+        from .cfi import CfiStore, CfiTable
 
-        def factory(path: str, debug: str | None) -> object:
+        store = CfiStore(cfi_cache_dir) if cfi_cache_dir is not None else None
+
+        def factory(path: str, debug: str | None, build_id: bytes | None) -> object:
+            if store is not None:
+                return store.get_or_compile(build_id, path, debug)
             return CfiTable.from_elf(path, debug)
 
         cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=factory)
@@ -217,7 +222,7 @@ class StackEngine:
                 frames = kframes
             else:
                 status = res.status.name.lower()
-                frames = kframes + self.user_frames(s.pid, snap, res.pcs)
+                frames = kframes + self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
             stats.samples += 1
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)
@@ -228,20 +233,22 @@ class StackEngine:
         return out
 
     def user_frames(
-        self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...]
+        self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...], signal_frames: int = 0
     ) -> tuple[Frame, ...]:
         """Symbolized user frames for unwound ``pcs`` (leaf first, return addresses as the
-        unwinder found them). Profiles repeat the same stacks: each (address space, stack) is
-        symbolized once."""
+        unwinder found them; ``signal_frames``: the unwinder's mask of signal-trampoline
+        frames, ``UnwindResult.signal_frames``). Profiles repeat the same stacks: each
+        (address space, stack) is symbolized once (the mask is a function of both)."""
         key = (snap.key, pcs)
         hit = self._stacks.get(key)
         if hit is not None:
             return hit
         frames = []
-        after_signal = True  # the leaf's pc is exact, like a frame a signal interrupted
-        for pc in pcs:
-            frames.append(self._user_frame(pid, snap, pc if after_signal else pc - 1))
-            after_signal = self._is_signal_frame(snap, pc)
+        # The leaf's pc is exact; so is the pc of a frame right after a signal trampoline (it
+        # was interrupted, not called); every other pc is a return address, reported - 1.
+        exact = signal_frames << 1 | 1
+        for i, pc in enumerate(pcs):
+            frames.append(self._user_frame(pid, snap, pc if exact >> i & 1 else pc - 1))
         out = self._stacks[key] = tuple(frames)
         if len(self._stacks) > self._sym_cache_size:
             self._stacks.clear()
@@ -270,23 +277,6 @@ class StackEngine:
         if len(self._kstacks) > self._sym_cache_size:
             self._kstacks.clear()
         return out
-
-    def _is_signal_frame(self, snap: Snapshot, pc: int) -> bool:
-        """Whether ``pc`` is in a signal trampoline (CFI 'S' augmentation, e.g. glibc's
-        __restore_rt): the frame below it was interrupted, not called, so its pc is exact."""
-        m = snap.native.module_for(pc)
-        if m is None or m.table is None:
-            return False
-        key = (m.key, pc - m.bias)
-        hit = self._signal.get(key)
-        if hit is None:
-            # A trampoline is entered by "returning" to its first byte; glibc starts its FDE one
-            # byte early (the nop before __restore_rt) so that pc - 1 lookups find it too.
-            row = m.table.lookup(pc - m.bias)
-            hit = self._signal[key] = row is not None and row.signal
-            if len(self._signal) > self._sym_cache_size:
-                self._signal.clear()
-        return hit
 
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)

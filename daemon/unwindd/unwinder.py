@@ -112,15 +112,29 @@ class AddressSpace:
 class UnwindResult:
     """``pcs``: absolute addresses, leaf first; ``pcs[0]`` is the sampled user ip, the rest are
     return addresses as found (not minus 1). ``fp_frames``: frames found by the frame-pointer
-    fallback."""
+    fallback. ``signal_frames``: bit i set when ``pcs[i]`` is in a signal trampoline (CFI 'S'
+    augmentation, e.g. glibc's __restore_rt), so ``pcs[i + 1]`` is the exact interrupted pc,
+    not a return address (perf prints it unadjusted)."""
 
     pcs: tuple[int, ...]
     status: UnwindStatus
     fp_frames: int
+    signal_frames: int = 0
 
     def __repr__(self) -> str:
         pcs = ", ".join(f"{pc:#x}" for pc in self.pcs)
-        return f"UnwindResult([{pcs}], {self.status.name}, fp_frames={self.fp_frames})"
+        sig = f", signal_frames={self.signal_frames:#x}" if self.signal_frames else ""
+        return f"UnwindResult([{pcs}], {self.status.name}, fp_frames={self.fp_frames}{sig})"
+
+
+def signal_mask(kinds: Any, n: int) -> int:
+    """Bitmask of the UNW_FRAME_SIGNAL frames among ``kinds[0:n]`` (a cdata uint8_t array)."""
+    flag = int(lib.UNW_FRAME_SIGNAL)
+    mask = 0
+    for i, k in enumerate(ffi.unpack(kinds, n)):
+        if k & flag:
+            mask |= 1 << i
+    return mask
 
 
 class Unwinder:
@@ -135,6 +149,8 @@ class Unwinder:
         self._counts: Any = None
         self._status: Any = None
         self._fp: Any = None
+        self._kinds: Any = None
+        self._sig: Any = None
 
     def _ensure(self, n: int) -> None:
         if n <= self._cap:
@@ -144,6 +160,8 @@ class Unwinder:
         self._counts = ffi.new("uint32_t[]", cap)
         self._status = ffi.new("uint8_t[]", cap)
         self._fp = ffi.new("uint16_t[]", cap)
+        self._kinds = ffi.new("uint8_t[]", cap * self.max_depth)
+        self._sig = ffi.new("uint16_t[]", cap)
         self._cap = cap
 
     def unwind_batch(
@@ -187,13 +205,20 @@ class Unwinder:
                 it.stack_len = len(s.stack)
         d = self.max_depth
         rc = lib.unw_unwind_batch(
-            ARCH_X86_64, c_items, n, d, self._pcs, self._counts, self._status, self._fp
-        )
+            ARCH_X86_64, c_items, n, d, self._pcs, self._kinds, self._counts, self._status,
+            self._fp, self._sig,
+        )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"unw_unwind_batch failed ({rc})")
-        pcs, counts, status, fp = self._pcs, self._counts, self._status, self._fp
+        pcs, counts, status, fp, sig = self._pcs, self._counts, self._status, self._fp, self._sig
+        kinds = self._kinds
         st = _STATUS
         return [
-            UnwindResult(tuple(ffi.unpack(pcs + i * d, counts[i])), st[status[i]], fp[i])
+            UnwindResult(
+                tuple(ffi.unpack(pcs + i * d, counts[i])),
+                st[status[i]],
+                fp[i],
+                signal_mask(kinds + i * d, counts[i]) if sig[i] else 0,
+            )
             for i in range(n)
         ]

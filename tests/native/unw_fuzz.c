@@ -124,10 +124,14 @@ static void unwind_random(const uint8_t *blob, uint64_t base, uint64_t span, int
         uint64_t pcs[N * DEPTH];
         uint32_t counts[N];
         uint8_t status[N];
-        uint16_t fp[N];
-        CHECK(unw_unwind_batch(UNW_ARCH_X86_64, items, N, DEPTH, pcs, counts, status, fp) == 0);
+        uint16_t fp[N], sig[N];
+        uint8_t kinds[N * DEPTH];
+        CHECK(unw_unwind_batch(UNW_ARCH_X86_64, items, N, DEPTH, pcs, kinds, counts, status, fp,
+                               sig) == 0);
         for (int i = 0; i < N; i++) {
-            CHECK(counts[i] <= DEPTH && status[i] <= UNW_NO_REGS);
+            CHECK(counts[i] <= DEPTH && status[i] <= UNW_NO_REGS && sig[i] <= counts[i]);
+            for (uint32_t k = 0; k < counts[i]; k++)
+                CHECK(kinds[i * DEPTH + k] <= (UNW_FRAME_SIGNAL | UNW_FRAME_FP));
             free(regs[i]);
             free(stacks[i]);
         }
