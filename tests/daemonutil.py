@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,10 @@ def dechunk(body: bytes) -> bytes:
 class DaemonProc:
     def __init__(self, tmp: Path, extra_toml: str = "", frequency: int = 499) -> None:
         self.tmp = tmp
-        self.sock = tmp / "unwindd.sock"
+        # Its own world-traversable directory (pytest's tmp is 0700): non-root peers connect.
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="unwindd-test-"))
+        self.sock_dir.chmod(0o755)
+        self.sock = self.sock_dir / "unwindd.sock"
         self.port = free_port()
         self.config = tmp / "config.toml"
         self.frequency = frequency
@@ -88,7 +93,8 @@ class DaemonProc:
 
     def write_config(self, extra: str | None = None, frequency: int | None = None) -> None:
         self.config.write_text(
-            f'[sampling]\nfrequency = {frequency or self.frequency}\n'
+            # Rings of 1 MiB per CPU: cold ELF loads stall a step for a while (see README).
+            f'[sampling]\nfrequency = {frequency or self.frequency}\nring_pages = 256\n'
             f'[api]\nsocket = "{self.sock}"\nmode = "0666"\nrequest_timeout = 1.5\n'
             f'[metrics]\nlisten = "127.0.0.1:{self.port}"\n'
             + (self.extra if extra is None else extra)
@@ -153,6 +159,7 @@ class DaemonProc:
                 self.proc.wait()
         with contextlib.suppress(OSError):
             self.notify.close()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
         return self.proc.returncode
 
 

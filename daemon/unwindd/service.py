@@ -11,6 +11,7 @@ Invariants:
   ``[daemon] tick_ms`` by a timer. A ring fd that stays readable without yielding records (a
   sampled pid exited: POLLHUP) is dropped from the reader set until the next tick, so it cannot
   spin the loop.
+- Identical queries within ``_ANSWER_TTL`` share one answer (bounded cache of 64).
 - Per connection: a request must arrive completely within ``[api] request_timeout`` (else 408),
   its head within ``max_header_bytes`` (431) and its body within ``max_body_bytes`` (413); more
   than ``max_connections`` open connections get 503 at once; a stream client that does not keep
@@ -67,6 +68,11 @@ from .stackfmt import UnwoundSample
 log = logging.getLogger("unwindd")
 
 _READ_CHUNK = 65536
+# Identical stack/top/process queries (same target, same peer uid) within this many seconds
+# share one answer: a burst of dashboards or scripts costs one pass over the store, not one
+# each. Status is never cached (it is cheap and reload tests read it back at once).
+_ANSWER_TTL = 0.5
+_CACHED_PATHS = frozenset({"/v1/stacks", "/v1/top", "/v1/processes"})
 _UID_CACHE_MAX = 65536
 
 
@@ -169,6 +175,7 @@ class Daemon:
         self.last_step_mono = time.monotonic()
         self._streams: set[_StreamClient] = set()
         self._uid_cache: dict[int, tuple[int | None, str | None, float]] = {}
+        self._answers: dict[tuple[str, int | None], tuple[float, Response]] = {}
         self._stop = asyncio.Event()
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -206,6 +213,9 @@ class Daemon:
             exe: str | None = os.readlink(f"{self.proc_root}/{pid}/exe")
         except OSError:
             exe = None
+        if uid is None and hit is not None:
+            # The process exited: its stored samples still belong to the uid it had.
+            uid, exe = hit[0], hit[1]
         if len(self._uid_cache) >= _UID_CACHE_MAX:
             self._uid_cache.clear()  # bounded; a cold cache only costs re-reads
         self._uid_cache[pid] = (uid, exe, now + self.config.daemon.uid_cache_seconds)
@@ -426,11 +436,18 @@ class Daemon:
         self.last_step_mono = time.monotonic()
         m = self.m
         m.step_seconds.observe(dt)
+        if dt > 0.25:
+            log.debug("slow step: %.3f s for %d samples (cold binaries?)", dt, len(samples))
         if samples:
             m.sample_seconds.observe(dt / len(samples), len(samples))
             depth = m.depth
             for s in samples:
                 depth.observe(len(s.frames))
+            # Learn each new pid's uid while it is alive, so visibility still works after it
+            # exits (one /proc read per pid per uid_cache_seconds).
+            for pid in {s.pid for s in samples}:
+                if pid is not None and pid > 0:
+                    self._proc_facts(pid)
         return self.profiler.pipeline.stats.by_type.total() != before
 
     def _fanout(self, samples: Sequence[UnwoundSample]) -> None:
@@ -507,7 +524,20 @@ class Daemon:
             writer.transport.abort()
 
     def _api_request(self, req: Request, peer: Peer) -> Response | StreamStart:
+        cacheable = req.method == "GET" and req.path in _CACHED_PATHS
+        key = (req.target, peer.uid)
+        now = time.monotonic()
+        if cacheable:
+            hit = self._answers.get(key)
+            if hit is not None and hit[0] > now:
+                self.api.requests[req.path] += 1
+                return hit[1]
         res = self.api.handle(req, peer)
+        if cacheable and isinstance(res, Response) and res.status == 200:
+            if len(self._answers) >= 64:
+                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
+            if len(self._answers) < 64:
+                self._answers[key] = (now + _ANSWER_TTL, res)
         full = len(self._streams) >= self.config.api.max_stream_clients
         if isinstance(res, StreamStart) and full:
             self.rejected["too_many_streams"] += 1

@@ -1,0 +1,112 @@
+"""The metrics collector against real stage counter objects (no daemon): names, labels (bounded,
+never a pid), histograms, and counters that a stage does not have yet being skipped."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+from daemonutil import metric_values
+from prometheus_client import CollectorRegistry, generate_latest
+from unwindd.elfcache import CacheStats
+from unwindd.engine import EngineStats
+from unwindd.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
+from unwindd.ordering import OrderStats
+from unwindd.records import DecodeStats
+from unwindd.stackstore import StackStore
+from unwindd.streamstats import StreamStats
+
+
+def fake_daemon(rescans: Counter[str] | None = None) -> Any:
+    ps = StreamStats()
+    ps.by_type.update({"SAMPLE": 10, "MMAP2": 2})
+    ps.lost_by_cpu.update({0: 3, 1: 0})
+    ps.lost_samples_by_cpu.update({None: 1})
+    ps.throttled_by_cpu.update({1: 2})
+    dec = DecodeStats()
+    dec.errors.update({"truncated": 1})
+    order = OrderStats(late=3)
+    order.late_buckets.update({1 << 10: 1, 1 << 20: 2})
+    eng = EngineStats(samples=10, user_frames=40, kernel_frames=5)
+    eng.by_status.update({"ok": 8, "unmapped_pc": 2})
+    cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1)
+    table_stats = SimpleNamespace(records=Counter()) if rescans is None else \
+        SimpleNamespace(records=Counter(), rescans=rescans)  # fmt: skip
+    table = SimpleNamespace(binaries=SimpleNamespace(stats=cache), spaces={1: 0, 2: 0},
+                            stats=table_stats)  # fmt: skip
+    prof = SimpleNamespace(
+        pipeline=SimpleNamespace(stats=ps, decoder=SimpleNamespace(stats=dec),
+                                 orderer=SimpleNamespace(stats=order)),
+        engine=SimpleNamespace(stats=eng, table=table),
+        store=StackStore(),
+    )  # fmt: skip
+    return SimpleNamespace(profiler=prof, api=SimpleNamespace(requests=Counter({"/v1/status": 4})),
+                           rejected=Counter({"timeout": 1}), stream_dropped=0, reloads=1,
+                           connections=3, uptime=lambda: 12.5)  # fmt: skip
+
+
+def scrape(daemon: Any, m: Measurements | None = None) -> str:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(UnwinddCollector(daemon, m or Measurements.create()))
+    return generate_latest(reg).decode()
+
+
+def test_counters_and_gauges() -> None:
+    text = scrape(fake_daemon())
+    assert metric_values(text, "unwindd_samples_total") == {
+        '{result="ok"}': 8.0, '{result="unmapped_pc"}': 2.0}
+    assert metric_values(text, "unwindd_lost_records_total") == {'{cpu="0"}': 3.0, '{cpu="1"}': 0.0}
+    assert metric_values(text, "unwindd_lost_samples_total") == {'{cpu="unknown"}': 1.0}
+    assert metric_values(text, "unwindd_throttled_total") == {'{cpu="1"}': 2.0}
+    assert metric_values(text, "unwindd_decode_errors_total") == {'{reason="truncated"}': 1.0}
+    assert metric_values(text, "unwindd_elf_cache_entries") == {"": 2.0}
+    assert metric_values(text, "unwindd_elf_cache_bytes") == {"": 4096.0}
+    assert metric_values(text, "unwindd_elf_cache_hits_total") == {"": 7.0}
+    assert metric_values(text, "unwindd_elf_cache_misses_total") == {"": 2.0}
+    assert metric_values(text, "unwindd_elf_cache_evictions_total") == {"": 1.0}
+    assert metric_values(text, "unwindd_processes_tracked") == {"": 2.0}
+    assert metric_values(text, "unwindd_api_requests_total") == {'{endpoint="/v1/status"}': 4.0}
+    assert 'unwindd_build_info{python="' in text and 'version="0.1.0"' in text
+    assert "unwindd_proc_rescans_total" not in text  # the table has no rescan counter yet
+
+
+def test_new_stage_counters_appear_when_they_exist() -> None:
+    text = scrape(fake_daemon(Counter({"unmapped_pc": 4, "exec": 1})))
+    assert metric_values(text, "unwindd_proc_rescans_total") == {
+        '{reason="exec"}': 1.0, '{reason="unmapped_pc"}': 4.0}
+
+
+def test_histograms() -> None:
+    m = Measurements.create()
+    m.depth.observe(5, 3)
+    m.depth.observe(300)
+    m.step_seconds.observe(0.002)
+    text = scrape(fake_daemon(), m)
+    depth = metric_values(text, "unwindd_unwind_depth_frames_bucket")
+    assert depth['{le="4.0"}'] == 0 and depth['{le="8.0"}'] == 3 and depth['{le="+Inf"}'] == 4
+    assert metric_values(text, "unwindd_unwind_depth_frames_count") == {"": 4.0}
+    assert metric_values(text, "unwindd_step_seconds_count") == {"": 1.0}
+    late = metric_values(text, "unwindd_reorder_lateness_seconds_bucket")
+    assert late['{le="1.024e-06"}'] == 1 and late['{le="+Inf"}'] == 3
+    assert metric_values(text, "unwindd_reorder_lateness_seconds_count") == {"": 3.0}
+
+
+def test_labels_are_bounded() -> None:
+    text = scrape(fake_daemon())
+    for line in text.splitlines():
+        if "{" in line and not line.startswith("#"):
+            labels = line[line.index("{") + 1 : line.index("}")]
+            for kv in labels.split(","):
+                assert kv.split("=")[0] in {"result", "type", "cpu", "reason", "space",
+                                            "endpoint", "le", "version", "python"}, line
+
+
+def test_histogram_and_lateness_math() -> None:
+    h = Histogram((1, 10))
+    h.observe(1)
+    h.observe(5, 2)
+    h.observe(11)
+    assert h.buckets() == [("1.0", 1), ("10.0", 3), ("+Inf", 4)] and h.sum == 22
+    buckets, total = lateness_histogram({})
+    assert buckets[-1] == ("+Inf", 0.0) and total == 0

@@ -1,0 +1,290 @@
+"""The daemon end to end: ``unwindd run`` as a subprocess from a temp config (socket in tmp,
+metrics on a free localhost port, a fake NOTIFY_SOCKET), a known workload, and queries over raw
+HTTP on AF_UNIX; then hostile clients, SIGHUP and SIGTERM. Tests run in file order and share
+one daemon; the lifecycle tests at the end stop it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonutil import DaemonProc, dechunk, metric_values, raw_http
+from pprofcheck import check_valid, decode
+from workloads.build import Workload, build_workloads
+
+CHAIN = ["spin", "c", "b", "a", "main"]
+
+
+@pytest.fixture(scope="module")
+def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
+    return build_workloads(tmp_path_factory.mktemp("svc-wl"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    d = DaemonProc(tmp_path_factory.mktemp("svc"))
+    try:
+        d.wait_message("READY=1")
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def workload_pid(daemon: DaemonProc, workloads: dict[str, Workload]) -> int:
+    child = subprocess.run(workloads["c_o2"].argv, stdout=subprocess.DEVNULL, timeout=60)
+    assert child.returncode == 0
+    proc = subprocess.Popen(workloads["c_o2"].argv, stdout=subprocess.DEVNULL)
+    assert proc.wait(60) == 0
+    time.sleep(0.4)  # a few ticks: the last round is drained and stored
+    return proc.pid
+
+
+def user_syms(frames: list[dict[str, object]]) -> list[object]:
+    return [f["sym"] for f in frames if not f["kernel"]]
+
+
+def test_ready_and_watchdog(daemon: DaemonProc) -> None:
+    assert any(m.startswith("READY=1") for m in daemon.messages)
+    # WATCHDOG_USEC=400000: a ping every 0.2 s, except while a step is stuck loading cold
+    # binaries (the first steps after start parse every running program's ELF files).
+    got = daemon.recv_messages(2.0)
+    assert got.count("WATCHDOG=1") >= 2, got
+
+
+def test_stacks_of_the_workload_over_raw_http(daemon: DaemonProc, workload_pid: int) -> None:
+    out = daemon.json(f"/v1/stacks?pid={workload_pid}")
+    total = out["samples"]
+    assert total >= 50, out
+    spin = [s for s in out["stacks"] if user_syms(s["frames"])[:1] == ["spin"]]
+    n_spin = sum(s["count"] for s in spin)
+    good = sum(s["count"] for s in spin if user_syms(s["frames"])[:5] == CHAIN)
+    assert n_spin >= total // 2 and good >= 0.95 * n_spin, out["stacks"][:3]
+    procs = {p["pid"]: p for p in daemon.json("/v1/processes")["processes"]}
+    assert procs[workload_pid]["comm"] == "chain_o2"
+    assert procs[workload_pid]["samples"] == total
+    status, headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=folded")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert any(ln.startswith("chain_o2;") and ";main;a;b;c;spin" in ln
+               for ln in body.decode().splitlines()), body[:500]  # fmt: skip
+    # The same window by time: everything of the last minute includes the workload.
+    recent = daemon.json(f"/v1/stacks?pid={workload_pid}&since=60")
+    assert recent["samples"] == total
+    assert daemon.json(f"/v1/stacks?pid={workload_pid}&comm=nope")["samples"] == 0
+
+
+def test_top_and_status(daemon: DaemonProc, workload_pid: int) -> None:
+    top = daemon.json(f"/v1/top?pid={workload_pid}&limit=100")
+    assert top["functions"][0]["sym"] == "spin"
+    totals = {f["sym"]: f["total"] for f in top["functions"]}
+    assert totals["main"] >= 0.9 * top["samples"]
+    st = daemon.json("/v1/status")
+    assert st["version"] == "0.1.0" and st["samples"] >= top["samples"]
+    assert st["processes"] >= 1 and st["cache"]["entries"] >= 1
+    lost = metric_values(daemon.metrics(), "unwindd_lost_records_total")
+    assert sum(lost.values()) >= st["lost"]  # metrics are read later: never fewer
+    assert st["config"]["sampling"]["frequency"] == 499 and st["uptime_s"] > 0
+
+
+def test_pprof_parses(daemon: DaemonProc, workload_pid: int) -> None:
+    status, _headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=pprof")
+    assert status == 200 and body[:2] == b"\x1f\x8b"
+    p = decode(body)
+    check_valid(p)
+    assert p.sample_types == [("samples", "count"), ("cpu", "nanoseconds")]
+    total = sum(v[0] for _, v, _ in p.samples)
+    assert total == daemon.json(f"/v1/stacks?pid={workload_pid}")["samples"]
+    chains = [[n for n in p.stack_names(i) if n in CHAIN] for i in range(len(p.samples))]
+    assert CHAIN in chains
+    assert all(lb["pid"] == workload_pid for _, _, lb in p.samples)
+
+
+def test_metrics_show_the_samples(daemon: DaemonProc, workload_pid: int) -> None:
+    text = daemon.metrics()
+    by_result = metric_values(text, "unwindd_samples_total")
+    st = daemon.json("/v1/status")
+    assert sum(by_result.values()) >= 50 and by_result.get('{result="ok"}', 0) >= 50, by_result
+    assert metric_values(text, "unwindd_records_total")['{type="SAMPLE"}'] <= st["samples"]
+    assert metric_values(text, "unwindd_unwind_depth_frames_count")[""] >= 50
+    assert metric_values(text, "unwindd_step_seconds_count")[""] > 0
+    assert metric_values(text, "unwindd_elf_cache_entries")[""] >= 1
+    assert "unwindd_reorder_lateness_seconds_bucket" in text
+    assert "unwindd_build_info{" in text
+    assert f"{workload_pid}" not in "".join(ln for ln in text.splitlines() if "{" in ln
+                                            and "le=" not in ln)  # fmt: skip
+
+
+def test_stream_is_live(daemon: DaemonProc, workloads: dict[str, Workload]) -> None:
+    lines: list[bytes] = []
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(str(daemon.sock))
+    s.sendall(b"GET /v1/stream?comm=chain_o3&limit=20 HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.2)  # subscribed before the workload starts: every line is a live sample
+    started = time.monotonic_ns()
+    child = subprocess.Popen(workloads["c_o3"].argv, stdout=subprocess.DEVNULL)
+    buf = b""
+    while b"\r\n0\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    s.close()
+    child.wait(60)
+    head, _, body = buf.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower()
+    lines = dechunk(body).splitlines()
+    assert len(lines) == 20
+    samples = [json.loads(ln) for ln in lines]
+    assert {x["pid"] for x in samples} == {child.pid}
+    assert all(x["time_ns"] >= started - 50_000_000 for x in samples)
+    assert any(user_syms(x["frames"])[:5] == CHAIN for x in samples)
+
+
+def test_non_root_peer_sees_only_its_own_processes(daemon: DaemonProc, workload_pid: int) -> None:
+    nobody = 65534
+    # A busy process owned by nobody, then a query from a nobody peer (SO_PEERCRED).
+    busy = subprocess.Popen(["python3", "-c", "import time\ne=time.time()+0.6\n"
+                             "while time.time()<e: pass"], user=nobody)  # fmt: skip
+    assert busy.wait(30) == 0
+    time.sleep(0.3)
+    script = ("import json,sys; sys.path.insert(0, sys.argv[2]); from daemonutil import raw_http;"
+              "print(json.dumps([json.loads(raw_http(sys.argv[1], p)[2]) for p in "
+              "('/v1/processes', '/v1/stacks?pid=%d' % int(sys.argv[3]))]))")
+    res = subprocess.run(["python3", "-c", script, str(daemon.sock), str(Path(__file__).parent),
+                          str(workload_pid)], user=nobody, capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    procs, stacks = json.loads(res.stdout)
+    pids = {p["pid"] for p in procs["processes"]}
+    assert busy.pid in pids and workload_pid not in pids
+    assert stacks["samples"] == 0
+    assert workload_pid in {p["pid"] for p in daemon.json("/v1/processes")["processes"]}
+
+
+def test_bad_clients_get_errors(daemon: DaemonProc) -> None:
+    big = b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 100_000 + b"\r\n\r\n"
+    assert raw_http(daemon.sock, "", data=big)[0] == 431
+    assert raw_http(daemon.sock, "", data=b"\x16\x03\x01garbage\r\n\r\n")[0] == 400
+    assert raw_http(daemon.sock, "", data=b"GET / HTTP/1.1\r\n\r\n")[0] == 400
+    body = b"POST /v1/status HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+    assert raw_http(daemon.sock, "", data=body)[0] == 413
+    assert daemon.get("/v1/nothing")[0] == 404
+    assert daemon.get("/v1/stacks?since=abc")[0] == 400
+
+
+def test_slow_client_times_out_without_stalling(daemon: DaemonProc) -> None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(daemon.sock))
+    s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")  # never finished
+    t0 = time.monotonic()
+    before = daemon.json("/v1/status")["samples"]
+    assert time.monotonic() - t0 < 1.0  # others are answered meanwhile
+    s.settimeout(10)
+    buf = b""
+    while chunk := s.recv(4096):
+        buf += chunk
+    waited = time.monotonic() - t0
+    s.close()
+    assert buf.startswith(b"HTTP/1.1 408"), buf
+    assert 1.0 < waited < 5.0  # request_timeout = 1.5 in the test config
+    assert daemon.json("/v1/status")["samples"] > before  # still sampling
+
+
+def test_200_concurrent_clients(daemon: DaemonProc) -> None:
+    before = daemon.json("/v1/status")["samples"]
+    results: list[int] = []
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        try:
+            results.append(raw_http(daemon.sock, "/v1/top?limit=3", timeout=30)[0])
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    assert len(results) == 200 and set(results) <= {200, 503}
+    assert results.count(200) >= 100
+    time.sleep(0.3)
+    after = daemon.json("/v1/status")
+    assert after["samples"] > before and after["api"]["connections"] == 1
+
+
+def test_sighup_reloads_without_losing_state(daemon: DaemonProc) -> None:
+    before = daemon.json("/v1/status")
+    daemon.write_config(extra="[store]\nmax_entries = 123456\n", frequency=1000)
+    daemon.recv_messages(0.05)
+    daemon.proc.send_signal(signal.SIGHUP)
+    got = daemon.wait_message("READY=1", timeout=10)
+    reloading = [m for m in got if m.startswith("RELOADING=1")]
+    assert reloading and "MONOTONIC_USEC=" in reloading[0], got
+    after = daemon.json("/v1/status")
+    assert after["reloads"] == before["reloads"] + 1
+    assert after["config"]["store"]["max_entries"] == 123456  # applied live
+    assert after["config"]["sampling"]["frequency"] == 499  # rings stay as opened
+    assert after["pending_restart"] == ["[sampling] frequency"]
+    assert after["samples"] >= before["samples"] and after["uptime_s"] > before["uptime_s"]
+    assert after["store"]["samples"] >= before["store"]["samples"]
+    # A broken file is refused and the running config kept.
+    daemon.config.write_text("[sampling]\nfrequency = -1\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    daemon.wait_message("READY=1", timeout=10)
+    bad = daemon.json("/v1/status")
+    assert "[sampling] frequency" in bad["reload_errors"][-1]
+    assert bad["config"]["store"]["max_entries"] == 123456
+
+
+def test_sigterm_drains_and_exits_zero(daemon: DaemonProc) -> None:
+    assert daemon.sock.exists()
+    t0 = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    rc = daemon.proc.wait(10)
+    assert rc == 0 and time.monotonic() - t0 < 5
+    assert not daemon.sock.exists()
+    daemon.recv_messages(0.2)
+    assert "STOPPING=1" in daemon.messages
+    log = daemon.log.read_text()
+    assert "Traceback" not in log, log
+
+
+def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> None:
+    """`pip install . && unwindd` as a user who cannot create /run/unwindd: the daemon says
+    where it listens instead (checked on the helper, not by starting a second sampler)."""
+    from unwindd.service import prepare_socket_path
+
+    env_before = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(tmp_path)
+    try:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        os.chmod(ro, 0o500)
+        if os.geteuid() == 0:
+            # root can write anywhere; emulate the failure with a path under a file.
+            target = str(tmp_path / "file" / "sub" / "unwindd.sock")
+            (tmp_path / "file").write_text("")
+        else:
+            target = str(ro / "unwindd" / "unwindd.sock")
+        got = prepare_socket_path(target, is_default=True)
+        assert got == str(tmp_path / "unwindd" / "unwindd.sock")
+        from unwindd.service import StartupError
+
+        with pytest.raises(StartupError, match=r"\[api\] socket"):
+            prepare_socket_path(target, is_default=False)
+    finally:
+        if env_before is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = env_before
