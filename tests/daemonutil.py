@@ -21,6 +21,21 @@ UNWINDD = [sys.executable, "-m", "unwindd.cli"]
 UNWINDCTL = [sys.executable, "-m", "unwindd.ctl"]
 
 
+def held(argv: tuple[str, ...] | list[str]) -> subprocess.Popen[bytes]:
+    """Start ``argv`` held at a shell's ``read`` (same pid after exec): a stream can subscribe to
+    the pid before it runs. Other sessions may run the same workloads on this machine, so tests
+    filter by pid, never by comm alone. ``release`` starts it."""
+    script = 'read _ && exec "$@"'
+    return subprocess.Popen(["sh", "-c", script, "sh", *argv], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def release(p: subprocess.Popen[bytes]) -> None:
+    assert p.stdin is not None
+    p.stdin.write(b"go\n")
+    p.stdin.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -225,7 +225,14 @@ class Daemon:
         return self._proc_facts(pid)[0]
 
     def exe_of(self, pid: int) -> str | None:
-        return self._proc_facts(pid)[1]
+        exe = self._proc_facts(pid)[1]
+        if exe is None:
+            # Gone before we looked (short-lived, or its samples were processed late): the
+            # lowest file mapping of its address space is, in practice, the executable.
+            sp = self.profiler.engine.table.get(pid)
+            files = [m for m in sp.mappings if m.filename.startswith("/")] if sp else []
+            exe = min(files, key=lambda m: m.start).filename if files else None
+        return exe
 
     def status(self) -> dict[str, Any]:
         p = self.profiler

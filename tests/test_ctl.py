@@ -1,0 +1,101 @@
+"""``unwindctl`` against a real daemon: every command, human and --json output, filters, the
+pprof file, watch streaming live, and the error path when no daemon listens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonutil import UNWINDCTL, DaemonProc, held, release
+from pprofcheck import check_valid, decode
+from workloads.build import Workload, build_workloads
+
+CHAIN = ["spin", "c", "b", "a", "main"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, int, Workload]]:
+    wl = build_workloads(tmp_path_factory.mktemp("ctl-wl"))["c_o2"]
+    d = DaemonProc(tmp_path_factory.mktemp("ctl"))
+    try:
+        d.wait_message("READY=1")
+        proc = subprocess.Popen(wl.argv, stdout=subprocess.DEVNULL)
+        assert proc.wait(60) == 0
+        time.sleep(0.4)
+        yield d, proc.pid, wl
+    finally:
+        assert d.stop() == 0
+
+
+def ctl(d: DaemonProc, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*UNWINDCTL, "--socket", str(d.sock), *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def test_status_and_ps(env: tuple[DaemonProc, int, Workload]) -> None:
+    d, pid, wl = env
+    res = ctl(d, "status")
+    assert res.returncode == 0 and "samples:" in res.stdout and "ELF cache:" in res.stdout
+    st = json.loads(ctl(d, "--json", "status").stdout)
+    assert st["samples"] > 0 and st["config"]["api"]["socket"] == str(d.sock)
+    ps = ctl(d, "ps")
+    assert ps.stdout.splitlines()[0].split() == ["PID", "SAMPLES", "COMM", "EXE"]
+    row = next(ln.split() for ln in ps.stdout.splitlines() if ln.split()[0] == str(pid))
+    assert row[2] == "chain_o2" and row[3] == wl.argv[0]
+    procs = json.loads(ctl(d, "--json", "ps").stdout)["processes"]
+    assert any(p["pid"] == pid and p["samples"] >= 50 for p in procs)
+
+
+def test_top_folded_pprof(env: tuple[DaemonProc, int, Workload], tmp_path: Path) -> None:
+    d, pid, _ = env
+    top = ctl(d, "top", "--pid", str(pid), "--since", "120")
+    assert top.returncode == 0
+    first = top.stdout.splitlines()[1].split()
+    assert first[4] == "spin", top.stdout
+    tj = json.loads(ctl(d, "--json", "top", "--pid", str(pid), "--comm", "chain_o2", "--limit",
+                        "50").stdout)
+    assert tj["functions"][0]["sym"] == "spin" and tj["samples"] >= 50
+    folded = ctl(d, "folded", "--pid", str(pid)).stdout.splitlines()
+    hot = [ln for ln in folded if ln.rsplit(" ", 1)[0].endswith("main;a;b;c;spin")]
+    assert hot and sum(int(ln.rsplit(" ", 1)[1]) for ln in hot) >= 25, folded[:5]
+    out = tmp_path / "p.pb.gz"
+    res = ctl(d, "pprof", "--pid", str(pid), "-o", str(out))
+    assert res.returncode == 0 and "go tool pprof" in res.stdout
+    p = decode(out.read_bytes())
+    check_valid(p)
+    assert any([n for n in p.stack_names(i) if n in CHAIN] == CHAIN for i in range(len(p.samples)))
+    assert ctl(d, "top", "--pid", "1", "--since", "0.001").returncode == 0
+
+
+def test_watch_streams_live(env: tuple[DaemonProc, int, Workload]) -> None:
+    d, _, wl = env
+    child = held(wl.argv)
+    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "--json", "watch", "--pid",
+                              str(child.pid), "--count", "10", "--seconds", "30"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.3)
+    release(child)
+    out, _ = watch.communicate(timeout=40)
+    child.wait(60)
+    lines = [json.loads(ln) for ln in out.splitlines()]
+    assert watch.returncode == 0 and len(lines) == 10
+    assert {x["pid"] for x in lines} == {child.pid}
+    comms = [x["comm"] for x in lines]
+    assert set(comms) <= {"sh", "chain_o2"} and "chain_o2" in comms  # "sh": before its exec
+    human = subprocess.run([*UNWINDCTL, "--socket", str(d.sock), "watch", "--seconds", "0.5"],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert human.returncode == 0 and human.stdout.strip(), human.stderr
+
+
+def test_errors(env: tuple[DaemonProc, int, Workload], tmp_path: Path) -> None:
+    d, _, _ = env
+    res = subprocess.run([*UNWINDCTL, "--socket", str(tmp_path / "none.sock"), "status"],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip().endswith("no such socket (is unwindd running?)")
+    res = ctl(d, "top", "--since", "-5")
+    assert res.returncode == 2 and "HTTP 400" in res.stderr and "since" in res.stderr
