@@ -304,3 +304,20 @@ def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> N
             os.environ.pop("XDG_RUNTIME_DIR", None)
         else:
             os.environ["XDG_RUNTIME_DIR"] = env_before
+
+
+def test_systemd_unit_verifies(tmp_path: Path) -> None:
+    """`systemd-analyze verify` accepts the unit (ExecStart pointed at the installed script:
+    verify insists that the binary exists)."""
+    import shutil
+
+    analyze, exe = shutil.which("systemd-analyze"), shutil.which("unwindd")
+    assert analyze, "systemd-analyze is part of the systemd package (.ci/run installs it)"
+    assert exe, "the unwindd console script is installed"
+    unit = (Path(__file__).parent.parent / "systemd" / "unwindd.service").read_text()
+    assert "Type=notify" in unit and "WatchdogSec=" in unit and "Restart=on-failure" in unit
+    copy = tmp_path / "unwindd.service"
+    copy.write_text(unit.replace("/usr/local/bin/unwindd", os.path.realpath(exe)))
+    res = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
