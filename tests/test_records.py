@@ -346,7 +346,7 @@ def test_mmap2_build_id(bid: bytes) -> None:
         sample_type=SB,
         sid=SID,
     )
-    rec = decode_one(buf)
+    rec = decode_one(buf, EventFormat(SB, build_id_mmap=True))
     assert isinstance(rec, Mmap2)
     assert rec.build_id == bid  # exactly build_id_size bytes, not the 20-byte array
     assert rec.maj is None and rec.ino is None and rec.misc & abi.MISC_MMAP_BUILD_ID
@@ -508,7 +508,7 @@ def test_no_formats_is_a_usage_error() -> None:
 
 
 def _valid_stream() -> tuple[bytes, EventFormat]:
-    fmt = EventFormat(FULL | rb.S_ID, sample_regs_user=0b111)
+    fmt = EventFormat(FULL | rb.S_ID, sample_regs_user=0b111, build_id_mmap=True)
     st_ = fmt.sample_type
     sid = rb.Sid(pid=1, tid=1, time=50, id=3, cpu=1)
     parts = [
@@ -626,7 +626,9 @@ def test_bad_callchain_nr(nr: int) -> None:
     )
 
 
-def test_bad_build_id_size() -> None:
+def test_build_id_size_over_20_is_inode_data_under_a_leaked_flag() -> None:
+    # No build-id is longer than 20 bytes (BUILD_ID_SIZE_MAX): a "size" of 21 under the flag is
+    # the low byte of an inode-form maj, even for an event that asked for build-ids.
     buf = rb.mmap2_build_id(
         pid=1,
         tid=1,
@@ -641,7 +643,39 @@ def test_bad_build_id_size() -> None:
         sample_type=SB,
         sid=SID,
     )
-    _bad(buf, EventFormat(SB), "bad_build_id_size")
+    recs, dec = decode(buf, EventFormat(SB, build_id_mmap=True))
+    (rec,) = recs
+    assert isinstance(rec, Mmap2) and rec.build_id is None and rec.maj == 21
+    assert dec.stats.repairs["mmap2_leaked_build_id_flag"] == 1 and not dec.stats.errors
+
+
+@pytest.mark.parametrize("build_id_mmap", [False, True])
+def test_mmap2_leaked_build_id_flag_is_read_as_inode(build_id_mmap: bool) -> None:
+    # What this machine's kernel really wrote for `perf record` (no attr.build_id) while
+    # another tool held a build-id event: misc 0x4002 over inode data (maj 0xfe).
+    buf = rb.mmap2_inode(
+        pid=4694,
+        tid=4694,
+        addr=0x56080B509000,
+        length=0x1000,
+        pgoff=0x2000,
+        maj=0xFE,
+        min=0,
+        ino=0x3F808,
+        ino_generation=0,
+        prot=5,
+        flags=2,
+        filename="/usr/bin/bash",
+        misc=rb.MISC_USER | abi.MISC_MMAP_BUILD_ID,
+        sample_type=SB,
+        sid=SID,
+    )
+    recs, dec = decode(buf, EventFormat(SB, build_id_mmap=build_id_mmap))
+    (rec,) = recs
+    assert isinstance(rec, Mmap2) and not rec.misc & abi.MISC_MMAP_BUILD_ID
+    assert (rec.maj, rec.min, rec.ino, rec.build_id) == (0xFE, 0, 0x3F808, None)
+    assert rec.filename == "/usr/bin/bash"
+    assert dec.stats.repairs == {"mmap2_leaked_build_id_flag": 1} and not dec.stats.errors
 
 
 def test_short_bodies() -> None:

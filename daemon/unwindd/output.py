@@ -93,6 +93,8 @@ def render_summary(
     lines.append(f"decode errors: {sum(decode.errors.values())}")
     for reason, n in sorted(errors.items()):
         lines.append(f"  {reason}: {n}")
+    for defect, n in sorted(decode.repairs.items()):
+        lines.append(f"repaired records ({defect}): {n}")
     if order is not None:
         lines.append(
             f"ordering: rounds={order.rounds} late={order.late} "

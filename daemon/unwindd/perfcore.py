@@ -64,7 +64,13 @@ class SamplingConfig:
     stack_size: int = 8192  # bytes of user stack per sample: 0..65528, multiple of 8
     regs_mask: int = abi.X86_64_REGS_MASK
     ring_pages: int = 64  # data pages per ring, a power of two
-    build_id: bool = True  # ask for build-id MMAP2 records (falls back to the inode form)
+    # Ask for build-id MMAP2 records (falls back to the inode form). Off by default: while a
+    # build-id event is open, the kernel leaks PERF_RECORD_MISC_MMAP_BUILD_ID into every other
+    # perf user's MMAP2 records (kernel/events/core.c perf_event_mmap_output sets the bit on
+    # the shared mmap event and never clears it), which makes perf 6.1 overflow a stack
+    # buffer in build_id__init and abort. The ELF cache reads build-ids from the files and
+    # checks them against the inode identity instead.
+    build_id: bool = False
 
     def validate(self) -> None:
         """Raise ValueError for anything the kernel would refuse for a reason we can name now."""
@@ -407,6 +413,7 @@ class PerfSession:
             sample_regs_user=config.regs_mask,
             sample_id_all=True,
             name=config.event,
+            build_id_mmap=all(granted) and config.build_id,
         )
         return cls(rings, ring_cpus, fds, all_fds, fmt, all(granted), skipped)
 

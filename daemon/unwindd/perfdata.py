@@ -103,7 +103,9 @@ _U64 = struct.Struct("<Q")
 #            exclude_kernel:1, exclude_hv:1, exclude_idle:1, mmap:1 (8), comm:1, freq:1 (10),
 #            inherit_stat:1, enable_on_exec:1, task:1 (13), watermark:1, precise_ip:2 (15-16),
 #            mmap_data:1 (17), sample_id_all:1 (18), exclude_host:1, exclude_guest:1,
-#            exclude_callchain_kernel:1 (21), exclude_callchain_user:1 (22), mmap2:1 (23), ...
+#            exclude_callchain_kernel:1 (21), exclude_callchain_user:1 (22), mmap2:1 (23),
+#            comm_exec, use_clockid, context_switch, write_backward, namespaces, ksymbol,
+#            bpf_event, aux_output, cgroup, text_poke (33), build_id:1 (34), ...
 #    48  u32 wakeup_events;       52  u32 bp_type;
 #    56  u64 bp_addr | config1;                             // PERF_ATTR_SIZE_VER0 = 64
 #    64  u64 bp_len | config2;                              // VER1 = 72
@@ -117,6 +119,7 @@ _U64 = struct.Struct("<Q")
 ATTR_SIZE_VER0 = 64
 _ATTR_HEAD = struct.Struct("<IIQQQQQ")  # type, size, config, period, sample_type, read_fmt, flags
 _ATTR_FLAG_SAMPLE_ID_ALL = 1 << 18
+_ATTR_FLAG_BUILD_ID = 1 << 34
 _ATTR_OFF_BRANCH_SAMPLE_TYPE = 72
 _ATTR_OFF_REGS_USER = 80
 _ATTR_OFF_STACK_USER = 88
@@ -288,6 +291,7 @@ def parse_attr(raw: bytes | memoryview) -> tuple[records.EventFormat, int, int, 
         branch_sample_type=u64(_ATTR_OFF_BRANCH_SAMPLE_TYPE),
         sample_regs_intr=u64(_ATTR_OFF_REGS_INTR),
         sample_id_all=bool(flags & _ATTR_FLAG_SAMPLE_ID_ALL),
+        build_id_mmap=bool(flags & _ATTR_FLAG_BUILD_ID),
     )
     stack_user = int(_U32.unpack_from(body, _ATTR_OFF_STACK_USER)[0])
     return fmt, int(atype), int(config), size, stack_user, int(flags)

@@ -77,6 +77,13 @@ class EventFormat:
     sample_regs_intr: int = 0
     sample_id_all: bool = True
     name: str = ""
+    # attr.build_id: whether this event asked for build-id MMAP2 records. When it did not, a
+    # MMAP2 carrying PERF_RECORD_MISC_MMAP_BUILD_ID still holds inode data: the kernel sets
+    # that bit on the mmap event it shares between all events (kernel/events/core.c
+    # perf_event_mmap_output: ``header.misc |= PERF_RECORD_MISC_MMAP_BUILD_ID`` for a
+    # build-id event, never cleared for the events iterated after it), so it leaks into the
+    # records of every other event while any build-id event is open on the machine.
+    build_id_mmap: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -466,10 +473,12 @@ _TYPE_NAMES: dict[type, str] = {
 
 @dataclass
 class DecodeStats:
-    """What a decoder has seen: records by type name, errors by reason."""
+    """What a decoder has seen: records by type name, errors by reason, repairs by defect."""
 
     records: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    # Records decoded after undoing a known kernel defect (nothing lost), by defect.
+    repairs: Counter[str] = field(default_factory=Counter)
 
     @property
     def error_count(self) -> int:
@@ -580,6 +589,9 @@ class RecordDecoder:
         end = len(body) - sid_size
         sid = self._sample_id(fmt, body, end) if sid_size else NO_SAMPLE_ID
         if rtype == RecordType.MMAP2:
+            if misc & MISC_MMAP_BUILD_ID and not self._mmap2_build_id_form(fmt, body, end):
+                self.stats.repairs["mmap2_leaked_build_id_flag"] += 1
+                misc &= ~MISC_MMAP_BUILD_ID
             return self._mmap2(misc, body, end, sid)
         if rtype == RecordType.MMAP:
             if end < _MMAP_FIXED.size:
@@ -636,6 +648,16 @@ class RecordDecoder:
         if st & SampleType.IDENTIFIER:
             (eid,) = _U64.unpack_from(body, off)
         return SampleId(pid, tid, time, eid, stream, cpu)
+
+    @staticmethod
+    def _mmap2_build_id_form(fmt: EventFormat, body: memoryview, end: int) -> bool:
+        """Whether a MMAP2 flagged PERF_RECORD_MISC_MMAP_BUILD_ID really holds a build-id: only
+        an event that asked for build-ids gets one, and a real one is at most 20 bytes with
+        zeroed reserved bytes (``u8 build_id_size, __reserved_1; u16 __reserved_2``) — inode
+        data leaked under the flag (see ``EventFormat.build_id_mmap``) fails one of these."""
+        if not fmt.build_id_mmap or end < 64:
+            return False
+        return body[32] <= 20 and body[33] == body[34] == body[35] == 0
 
     @staticmethod
     def _mmap2(misc: int, body: memoryview, end: int, sid: SampleId) -> Mmap2:
