@@ -4,7 +4,8 @@ Same layout as ``build_perfcore.py`` (cryptography's ``src/_cffi_src/build_*.py`
 own ``cfi.c`` and ``unwind.c`` are compiled as extra sources, and ``unwcore.h`` is used twice, as
 the cdef (so the Python-visible interface cannot drift from the C one) and as the header the
 generated module includes. setup.py names this file as ``cffi_build/build_unwcore.py:ffibuilder``.
-``daemon/unwindd/cfi.py`` and ``daemon/unwindd/unwinder.py`` are the only importers.
+``daemon/unwindd/cfi.py``, ``daemon/unwindd/unwinder.py`` and ``daemon/unwindd/fastreplay.py`` are
+the only importers.
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "unwcore.h"
-SOURCES = [HERE / "cfi.c", HERE / "unwind.c"]
+FAST_HEADER = HERE / "fastpath.h"  # the native replay path (fastpath.c), same module
+SOURCES = [HERE / "cfi.c", HERE / "unwind.c", HERE / "fastpath.c"]
 
 ffibuilder = FFI()
-ffibuilder.cdef(HEADER.read_text())
+ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())
 ffibuilder.set_source(
     "unwindd._unwcore",
     # unwcore.h includes nothing (cffi's cdef parser rejects #include): supply the types first.
-    '#include <stddef.h>\n#include <stdint.h>\n#include "unwcore.h"\n',
+    '#include <stddef.h>\n#include <stdint.h>\n#include "unwcore.h"\n#include "fastpath.h"\n',
     # Relative to the build's cwd: distutils mirrors a source's path under build_temp for its
     # object file, and an absolute path would escape it.
     sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[str(HERE)],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
-    depends=[str(HERE / "unwcore.h"), str(HERE / "unwcore_int.h")],
+    depends=[str(HERE / "unwcore.h"), str(HERE / "unwcore_int.h"), str(FAST_HEADER)],
 )
 
 if __name__ == "__main__":

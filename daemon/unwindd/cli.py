@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
     _add_output_args(rep)
+    rep.add_argument(
+        "--slow-path",
+        action="store_true",
+        help="folded/jsonl/perf-script through the Python reference path instead of the native "
+        "one (fastreplay.py); same output, for comparison",
+    )
     return p
 
 
@@ -402,6 +408,9 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         data = PerfData.open(src)
     except (PerfDataError, OSError) as e:
         return _fail(f"{args.file}: {e}")
+    if args.format in ("folded", "jsonl", "perf-script") and args.file != "-":
+        if not args.slow_path and _fast_replay(data, args.file, args.format, out):
+            return 0
     sink = _Output(args.format, out)
     with data:
         pipeline = StreamPipeline(data.decoder)
@@ -435,6 +444,21 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
                 )
             )
     return 0
+
+
+def _fast_replay(data: object, path: str, fmt: str, out: TextIO) -> bool:
+    """The native replay path; False (nothing done) when the file needs the slow path."""
+    from .fastreplay import Unsupported, replay
+    from .perfdata import PerfData
+
+    assert isinstance(data, PerfData)
+    try:
+        replay(data, path, fmt, out)
+    except Unsupported:
+        return False
+    data.close()
+    out.flush()
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

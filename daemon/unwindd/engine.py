@@ -8,7 +8,8 @@ Invariants:
 - Samples are batched for the native unwinder (one cffi call per ``batch_size`` samples) without
   changing that: each queued sample holds the immutable native address space and mapping list
   of its own moment (``proctable`` replaces, never mutates, a space's state), so a later MMAP2
-  cannot leak into an earlier sample.
+  cannot leak into an earlier sample. A COMM flushes the queue first, so each sample is named
+  with the comm its thread had when it was taken (as perf does), whatever the batch size.
 - Output order = input order of samples; one ``UnwoundSample`` per ``Sample``, whatever
   happened (a failed unwind still gives the kernel frames and the leaf, with a status).
 - Frames follow perf script's conventions so the two can be compared: leaf first, kernel frames
@@ -147,6 +148,9 @@ class StackEngine:
                     pending = []
             else:
                 if isinstance(rec, Comm):
+                    if pending:  # queued samples keep the comm they were taken under
+                        out += self._unwind(pending)
+                        pending = []
                     self._comms[rec.tid] = rec.comm
                     if live is not None and rec.tid != rec.pid:
                         self._tids.setdefault(rec.pid, set()).add(rec.tid)

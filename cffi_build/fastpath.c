@@ -1,0 +1,770 @@
+/* fastpath.c: the native replay path (contract and invariants: fastpath.h).
+ *
+ * Layouts followed (include/uapi/linux/perf_event.h, Linux 6.x), as records.py decodes them:
+ *
+ *   struct perf_event_header { u32 type; u16 misc; u16 size; };      size includes the header
+ *   PERF_RECORD_SAMPLE body:
+ *     { u64 IDENTIFIER, IP, TID(pid|tid<<32), TIME, ADDR, ID, STREAM_ID, CPU(cpu|res<<32),
+ *       PERIOD }                                    each slot only if its sample_type bit is set
+ *     { READ }  { u64 nr; u64 ips[nr]; } CALLCHAIN  { u32 size; char raw[size]; } RAW
+ *     { u64 nr; {u64 hw_idx;} {from,to,flags}[nr]; {u64 cntr[nr];} } BRANCH_STACK
+ *     { u64 abi; u64 regs[popcount(mask)] (if abi); } REGS_USER
+ *     { u64 size; char data[size]; u64 dyn_size (if size); } STACK_USER
+ *   perf.data user records with a payload after header.size (perf session.c): AUXTRACE (71)
+ *   { u64 size; ... } then size bytes; HEADER_TRACING_DATA (66) { u32 size; } then size padded
+ *   to 8.
+ *
+ * Offsets are computed in unsigned __int128, so no count in the input can wrap them (records.py
+ * uses Python integers; the comparisons here are the same ones).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "unwcore_int.h"
+#include "fastpath.h"
+
+#define S_IP (1ull << 0)
+#define S_TID (1ull << 1)
+#define S_TIME (1ull << 2)
+#define S_READ (1ull << 4)
+#define S_CALLCHAIN (1ull << 5)
+#define S_CPU (1ull << 7)
+#define S_PERIOD (1ull << 8)
+#define S_RAW (1ull << 10)
+#define S_BRANCH_STACK (1ull << 11)
+#define S_REGS_USER (1ull << 12)
+#define S_STACK_USER (1ull << 13)
+
+#define T_SAMPLE 9
+#define T_HEADER_TRACING_DATA 66
+#define T_FINISHED_ROUND 68
+#define T_AUXTRACE 71
+
+typedef unsigned __int128 u128;
+
+static inline uint64_t ld64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t ld32(const uint8_t *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Where a sample's variable parts are (offsets from the body start). */
+struct sample_view {
+    uint64_t cc_off, cc_nr;     /* callchain */
+    uint64_t regs_abi, regs_off;
+    uint64_t stack_off, dyn;
+};
+
+/* records.RecordDecoder._sample's checks, in its order; 0 or FP_ERR_*. */
+static int parse_sample(const struct fp_layout *L, const uint8_t *b, uint64_t n,
+                        struct sample_view *v)
+{
+    uint64_t st = L->sample_type;
+    u128 off = (u128)L->nprefix * 8;
+    memset(v, 0, sizeof *v);
+    if (off > n)
+        return FP_ERR_SHORT_BODY;
+    if (st & S_READ) {
+        if (L->read_group) {
+            if (off + 8 > n)
+                return FP_ERR_SHORT_BODY;
+            uint64_t nr = ld64(b + (uint64_t)off);
+            off += 8 + 8 * ((u128)L->read_times + (u128)nr * L->read_per_value);
+        } else {
+            off += 8 * ((u128)L->read_times + L->read_per_value);
+        }
+        if (off > n)
+            return FP_ERR_SHORT_BODY;
+    }
+    if (st & S_CALLCHAIN) {
+        if (off + 8 > n)
+            return FP_ERR_SHORT_BODY;
+        uint64_t nr = ld64(b + (uint64_t)off);
+        off += 8;
+        if (off + 8 * (u128)nr > n)
+            return FP_ERR_BAD_CALLCHAIN_NR;
+        v->cc_off = (uint64_t)off;
+        v->cc_nr = nr;
+        off += 8 * (u128)nr;
+    }
+    if (st & S_RAW) {
+        if (off + 4 > n)
+            return FP_ERR_SHORT_BODY;
+        off += 4 + (u128)ld32(b + (uint64_t)off);
+        if (off > n)
+            return FP_ERR_BAD_RAW_SIZE;
+    }
+    if (st & S_BRANCH_STACK) {
+        if (off + 8 > n)
+            return FP_ERR_SHORT_BODY;
+        uint64_t nr = ld64(b + (uint64_t)off);
+        off += 8 + 8 * (u128)L->branch_hw_index + (24 + 8 * (u128)L->branch_counters) * nr;
+        if (off > n)
+            return FP_ERR_BAD_BRANCH_NR;
+    }
+    if (st & S_REGS_USER) {
+        if (off + 8 > n)
+            return FP_ERR_SHORT_BODY;
+        v->regs_abi = ld64(b + (uint64_t)off);
+        off += 8;
+        if (v->regs_abi) {
+            if (off + 8 * (u128)L->nregs > n)
+                return FP_ERR_SHORT_REGS;
+            v->regs_off = (uint64_t)off;
+            off += 8 * (u128)L->nregs;
+        }
+    }
+    if (st & S_STACK_USER) {
+        if (off + 8 > n)
+            return FP_ERR_SHORT_BODY;
+        uint64_t size = ld64(b + (uint64_t)off);
+        off += 8;
+        if (size) {
+            if (off + size + 8 > n)
+                return FP_ERR_BAD_STACK_SIZE;
+            uint64_t dyn = ld64(b + (uint64_t)(off + size));
+            if (dyn > size)
+                return FP_ERR_BAD_DYN_SIZE;
+            v->stack_off = (uint64_t)off;
+            v->dyn = dyn;
+        }
+    }
+    return 0;
+}
+
+int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
+             struct fp_rec **recs, uint64_t *nrec, uint64_t *other, int *end,
+             uint64_t *stopped_at)
+{
+    uint64_t cap = 1024, n = 0, pos = 0;
+    struct fp_rec *r = malloc(cap * sizeof *r);
+    *recs = NULL;
+    *nrec = *other = 0;
+    *end = FP_END_OK;
+    *stopped_at = UINT64_MAX;
+    if (!r)
+        return -1;
+    while (pos < len) {
+        if (len - pos < 8) {
+            *end = FP_END_TRUNCATED;
+            break;
+        }
+        uint32_t type = ld32(data + pos);
+        uint16_t misc, size;
+        memcpy(&misc, data + pos + 4, 2);
+        memcpy(&size, data + pos + 6, 2);
+        if (size < 8) {
+            *end = FP_END_BAD_SIZE;
+            break;
+        }
+        if (size > len - pos) {
+            *end = FP_END_TRUNCATED;
+            break;
+        }
+        if (type > 255) {
+            *stopped_at = pos;
+            break;
+        }
+        if (n == cap) {
+            struct fp_rec *q = realloc(r, 2 * cap * sizeof *r);
+            if (!q) {
+                free(r);
+                return -1;
+            }
+            r = q;
+            cap *= 2;
+        }
+        struct fp_rec *e = &r[n++];
+        memset(e, 0, sizeof *e);
+        e->off = pos;
+        e->size = size;
+        e->misc = misc;
+        e->type = (uint8_t)type;
+        const uint8_t *body = data + pos + 8;
+        uint64_t blen = size - 8u;
+        if (type == T_SAMPLE) {
+            struct sample_view v;
+            int err = parse_sample(lay, body, blen, &v);
+            e->err = (uint8_t)err;
+            if (!err) {
+                e->flags = FP_SAMPLE;
+                if (lay->i_time >= 0) {
+                    e->time = ld64(body + 8 * (uint64_t)lay->i_time);
+                    e->flags |= FP_TIMED;
+                }
+                if (lay->i_tid >= 0) {
+                    uint64_t t = ld64(body + 8 * (uint64_t)lay->i_tid);
+                    e->pid = (uint32_t)t;
+                    e->tid = (uint32_t)(t >> 32);
+                }
+                if (lay->i_cpu >= 0) {
+                    e->cpu = (uint32_t)ld64(body + 8 * (uint64_t)lay->i_cpu);
+                    e->flags |= FP_HAS_CPU;
+                }
+                if (lay->i_period >= 0)
+                    e->period = ld64(body + 8 * (uint64_t)lay->i_period);
+            }
+        } else if (type == T_FINISHED_ROUND) {
+            e->flags = FP_MARKER;
+        }
+        if (!(e->flags & FP_SAMPLE))
+            (*other)++;
+        pos += size;
+        /* payloads outside header.size (perfdata._payload_after) */
+        u128 extra = 0;
+        if (type == T_AUXTRACE && blen >= 8)
+            extra = ld64(body);
+        else if (type == T_HEADER_TRACING_DATA && blen >= 4)
+            extra = ((u128)ld32(body) + 7) & ~(u128)7;
+        if (extra) {
+            if (extra > len - pos) {
+                *end = FP_END_PAYLOAD_TRUNCATED;
+                break;
+            }
+            pos += (uint64_t)extra;
+        }
+    }
+    *recs = r;
+    *nrec = n;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ ordering */
+
+struct hent {
+    uint64_t t, seq;
+    uint32_t idx;
+};
+
+static inline int hless(const struct hent *a, const struct hent *b)
+{
+    return a->t < b->t || (a->t == b->t && a->seq < b->seq);
+}
+
+static void hpush(struct hent *h, uint64_t *n, struct hent e)
+{
+    uint64_t i = (*n)++;
+    while (i) {
+        uint64_t p = (i - 1) / 2;
+        if (!hless(&e, &h[p]))
+            break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = e;
+}
+
+static struct hent hpop(struct hent *h, uint64_t *n)
+{
+    struct hent top = h[0], last = h[--(*n)];
+    uint64_t i = 0, m = *n;
+    for (;;) {
+        uint64_t l = 2 * i + 1, s = i;
+        const struct hent *best = &last;
+        if (l < m && hless(&h[l], best)) {
+            s = l;
+            best = &h[l];
+        }
+        if (l + 1 < m && hless(&h[l + 1], best))
+            s = l + 1;
+        if (s == i)
+            break;
+        h[i] = h[s];
+        i = s;
+    }
+    if (m)
+        h[i] = last;
+    return top;
+}
+
+/* Per-CPU last time for untimed records: open addressing, cpu + 1 as key (0 = empty). */
+struct cpumap {
+    uint64_t *keys, *vals;
+    uint64_t cap, n;
+};
+
+static int cpumap_put(struct cpumap *m, uint64_t cpu, uint64_t t)
+{
+    if (2 * (m->n + 1) > m->cap) {
+        uint64_t ncap = m->cap ? 2 * m->cap : 64;
+        uint64_t *nk = calloc(ncap, 8), *nv = calloc(ncap, 8);
+        if (!nk || !nv) {
+            free(nk);
+            free(nv);
+            return -1;
+        }
+        for (uint64_t i = 0; i < m->cap; i++) {
+            if (!m->keys[i])
+                continue;
+            uint64_t j = (m->keys[i] * 0x9E3779B97F4A7C15ull) & (ncap - 1);
+            while (nk[j])
+                j = (j + 1) & (ncap - 1);
+            nk[j] = m->keys[i];
+            nv[j] = m->vals[i];
+        }
+        free(m->keys);
+        free(m->vals);
+        m->keys = nk;
+        m->vals = nv;
+        m->cap = ncap;
+    }
+    uint64_t k = cpu + 1, j = (k * 0x9E3779B97F4A7C15ull) & (m->cap - 1);
+    while (m->keys[j] && m->keys[j] != k)
+        j = (j + 1) & (m->cap - 1);
+    if (!m->keys[j]) {
+        m->keys[j] = k;
+        m->n++;
+    }
+    m->vals[j] = t;
+    return 0;
+}
+
+static int cpumap_get(const struct cpumap *m, uint64_t cpu, uint64_t *t)
+{
+    if (!m->cap)
+        return 0;
+    uint64_t k = cpu + 1, j = (k * 0x9E3779B97F4A7C15ull) & (m->cap - 1);
+    while (m->keys[j]) {
+        if (m->keys[j] == k) {
+            *t = m->vals[j];
+            return 1;
+        }
+        j = (j + 1) & (m->cap - 1);
+    }
+    return 0;
+}
+
+int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_t *perm,
+             uint64_t *nout, uint64_t *late_ns, uint64_t *nlate, struct fp_order_stats *st)
+{
+    memset(st, 0, sizeof *st);
+    *nout = *nlate = 0;
+    if (!max_queued || n > UINT32_MAX)
+        return -1;
+    struct hent *h = malloc((n ? n : 1) * sizeof *h);
+    if (!h)
+        return -1;
+    struct cpumap cm = {0, 0, 0, 0};
+    uint64_t hn = 0, seq = 0, next_flush = 0, last_flush = 0, max_time = 0, last_time = 0;
+    int have_last = 0, rc = 0;
+    uint64_t out = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        const struct fp_rec *r = &recs[i];
+        if (r->flags & FP_MARKER) { /* end_round */
+            st->rounds++;
+            uint64_t lim = next_flush > last_flush ? next_flush : last_flush;
+            while (hn && h[0].t <= lim) {
+                struct hent e = hpop(h, &hn);
+                perm[out++] = e.idx;
+                if (e.t > last_flush)
+                    last_flush = e.t;
+            }
+            next_flush = max_time;
+            continue;
+        }
+        uint64_t t;
+        if (!(r->flags & FP_TIMED)) {
+            st->untimed++;
+            if ((r->flags & FP_HAS_CPU) && cpumap_get(&cm, r->cpu, &t))
+                ;
+            else if (have_last)
+                t = last_time;
+            else
+                t = last_flush;
+        } else {
+            t = r->time;
+            if (t < last_flush) {
+                uint64_t late = last_flush - t;
+                st->late++;
+                late_ns[(*nlate)++] = late;
+                if (late > st->max_lateness_ns)
+                    st->max_lateness_ns = late;
+            }
+            if (t > max_time)
+                max_time = t;
+            last_time = t;
+            have_last = 1;
+            if ((r->flags & FP_HAS_CPU) && cpumap_put(&cm, r->cpu, t)) {
+                rc = -1;
+                break;
+            }
+        }
+        hpush(h, &hn, (struct hent){t, seq++, (uint32_t)i});
+        st->pushed++;
+        if (hn > max_queued) { /* _force_half: the oldest half goes out now */
+            uint64_t k = hn / 2 ? hn / 2 : 1;
+            for (uint64_t j = 0; j < k; j++) {
+                struct hent e = hpop(h, &hn);
+                perm[out++] = e.idx;
+                if (e.t > last_flush)
+                    last_flush = e.t;
+            }
+            st->forced_flushes++;
+        }
+    }
+    while (!rc && hn) { /* flush_all */
+        struct hent e = hpop(h, &hn);
+        perm[out++] = e.idx;
+        if (e.t > last_flush)
+            last_flush = e.t;
+    }
+    free(h);
+    free(cm.keys);
+    free(cm.vals);
+    st->delivered = out;
+    st->queued = st->pushed - out;
+    *nout = out;
+    return rc;
+}
+
+/* ------------------------------------------------------------------ unwind + aggregate */
+
+/* pid -> address space. Keys are never removed (a pid that comes back reuses its slot), so
+ * "forget" only clears valid and probing needs no tombstones. */
+struct space_ent {
+    uint32_t pid, space_id;
+    const struct unw_module *mods;
+    uint32_t nmods;
+    uint8_t used, valid;
+};
+
+/* (pid, tid) -> comm id; cleared whole by fp_forget_comms. */
+struct comm_ent {
+    uint32_t pid, tid, comm_id;
+    uint32_t used;
+};
+
+struct stack_ent {
+    uint64_t woff;      /* its key: words[woff, woff + nwords) */
+    uint64_t hash, count;
+    uint32_t nwords;
+    uint32_t pad;
+};
+
+struct fp_ctx {
+    const struct unw_arch_desc *arch;
+    uint32_t max_depth;
+    uint64_t *pcs;
+    uint8_t *kinds;
+    uint64_t *key;          /* scratch for one key */
+    uint64_t keycap;
+    struct space_ent *spaces;
+    uint64_t scap, sn;
+    struct comm_ent *comms;
+    uint64_t ccap, cn;
+    struct stack_ent *stacks;
+    uint64_t nstk, capstk;
+    uint32_t *stab;         /* open addressing: stack id + 1, 0 empty */
+    uint64_t stabcap;
+    uint64_t *words;
+    uint64_t nwords, capwords;
+};
+
+struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
+{
+    const struct unw_arch_desc *a = unw_arch(arch);
+    if (!a || !max_depth || max_depth > (1u << 16))
+        return NULL;
+    struct fp_ctx *c = calloc(1, sizeof *c);
+    if (!c)
+        return NULL;
+    c->arch = a;
+    c->max_depth = max_depth;
+    c->pcs = malloc(max_depth * sizeof *c->pcs);
+    c->kinds = malloc(max_depth);
+    if (!c->pcs || !c->kinds) {
+        fp_ctx_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+void fp_ctx_free(struct fp_ctx *c)
+{
+    if (!c)
+        return;
+    free(c->pcs);
+    free(c->kinds);
+    free(c->key);
+    free(c->spaces);
+    free(c->comms);
+    free(c->stacks);
+    free(c->stab);
+    free(c->words);
+    free(c);
+}
+
+static inline uint64_t mix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    return h * 0xBF58476D1CE4E5B9ull;
+}
+
+#define SLOT(h, cap) ((h) & ((cap) - 1))
+
+static struct space_ent *space_slot(const struct fp_ctx *c, uint32_t pid)
+{
+    uint64_t j = SLOT(mix(0, pid), c->scap);
+    while (c->spaces[j].used && c->spaces[j].pid != pid)
+        j = SLOT(j + 1, c->scap);
+    return &c->spaces[j];
+}
+
+int fp_set_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods, uint32_t nmods,
+                 uint32_t space_id)
+{
+    if (2 * (c->sn + 1) > c->scap) {
+        struct space_ent *old = c->spaces;
+        uint64_t ocap = c->scap, ncap = ocap ? 2 * ocap : 256;
+        struct space_ent *ns = calloc(ncap, sizeof *ns);
+        if (!ns)
+            return -1;
+        c->spaces = ns;
+        c->scap = ncap;
+        for (uint64_t i = 0; i < ocap; i++)
+            if (old[i].used)
+                *space_slot(c, old[i].pid) = old[i];
+        free(old);
+    }
+    struct space_ent *e = space_slot(c, pid);
+    if (!e->used)
+        c->sn++;
+    *e = (struct space_ent){pid, space_id, mods, nmods, 1, 1};
+    return 0;
+}
+
+void fp_forget_space(struct fp_ctx *c, uint32_t pid)
+{
+    if (c->scap) {
+        struct space_ent *e = space_slot(c, pid);
+        if (e->used)
+            e->valid = 0;
+    }
+}
+
+static struct comm_ent *comm_slot(const struct fp_ctx *c, uint32_t pid, uint32_t tid)
+{
+    uint64_t j = SLOT(mix(mix(0, pid), tid), c->ccap);
+    while (c->comms[j].used && (c->comms[j].pid != pid || c->comms[j].tid != tid))
+        j = SLOT(j + 1, c->ccap);
+    return &c->comms[j];
+}
+
+int fp_set_comm(struct fp_ctx *c, uint32_t pid, uint32_t tid, uint32_t comm_id)
+{
+    if (2 * (c->cn + 1) > c->ccap) {
+        struct comm_ent *old = c->comms;
+        uint64_t ocap = c->ccap, ncap = ocap ? 2 * ocap : 256;
+        struct comm_ent *ns = calloc(ncap, sizeof *ns);
+        if (!ns)
+            return -1;
+        c->comms = ns;
+        c->ccap = ncap;
+        for (uint64_t i = 0; i < ocap; i++)
+            if (old[i].used)
+                *comm_slot(c, old[i].pid, old[i].tid) = old[i];
+        free(old);
+    }
+    struct comm_ent *e = comm_slot(c, pid, tid);
+    if (!e->used)
+        c->cn++;
+    *e = (struct comm_ent){pid, tid, comm_id, 1};
+    return 0;
+}
+
+void fp_forget_comms(struct fp_ctx *c)
+{
+    if (c->ccap)
+        memset(c->comms, 0, c->ccap * sizeof *c->comms);
+    c->cn = 0;
+}
+
+static int grow_words(struct fp_ctx *c, uint64_t need)
+{
+    if (c->nwords + need <= c->capwords)
+        return 0;
+    uint64_t ncap = c->capwords ? c->capwords : 4096;
+    while (ncap < c->nwords + need)
+        ncap *= 2;
+    uint64_t *q = realloc(c->words, ncap * 8);
+    if (!q)
+        return -1;
+    c->words = q;
+    c->capwords = ncap;
+    return 0;
+}
+
+/* The id of key[0, nw): found, or added with count 0. UINT32_MAX on allocation failure. */
+static uint32_t intern_stack(struct fp_ctx *c, const uint64_t *key, uint32_t nw)
+{
+    uint64_t h = 0;
+    for (uint32_t i = 0; i < nw; i++)
+        h = mix(h, key[i]);
+    if (2 * (c->nstk + 1) > c->stabcap) {
+        uint64_t ncap = c->stabcap ? 2 * c->stabcap : 4096;
+        uint32_t *nt = calloc(ncap, sizeof *nt);
+        if (!nt)
+            return UINT32_MAX;
+        for (uint64_t i = 0; i < c->nstk; i++) {
+            uint64_t j = SLOT(c->stacks[i].hash, ncap);
+            while (nt[j])
+                j = SLOT(j + 1, ncap);
+            nt[j] = (uint32_t)i + 1;
+        }
+        free(c->stab);
+        c->stab = nt;
+        c->stabcap = ncap;
+    }
+    uint64_t j = SLOT(h, c->stabcap);
+    while (c->stab[j]) {
+        const struct stack_ent *s = &c->stacks[c->stab[j] - 1];
+        if (s->hash == h && s->nwords == nw && !memcmp(c->words + s->woff, key, 8 * (size_t)nw))
+            return c->stab[j] - 1;
+        j = SLOT(j + 1, c->stabcap);
+    }
+    if (c->nstk >= UINT32_MAX - 1 || grow_words(c, nw))
+        return UINT32_MAX;
+    if (c->nstk == c->capstk) {
+        uint64_t ncap = c->capstk ? 2 * c->capstk : 1024;
+        struct stack_ent *q = realloc(c->stacks, ncap * sizeof *q);
+        if (!q)
+            return UINT32_MAX;
+        c->stacks = q;
+        c->capstk = ncap;
+    }
+    memcpy(c->words + c->nwords, key, 8 * (size_t)nw);
+    c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, nw, 0};
+    c->nwords += nw;
+    c->stab[j] = (uint32_t)c->nstk + 1;
+    return (uint32_t)c->nstk++;
+}
+
+/* Key layout (u64 words):
+ *   [0] space_id | comm_id << 32
+ *   [1] status | regs_none << 8 | npcs << 32        (npcs <= 65536; nkc follows from the size)
+ *   [2 ..] npcs pcs, then ceil(npcs / 8) words of kinds bytes, then nkc callchain words */
+static inline uint32_t key_words(uint32_t npcs, uint64_t nkc)
+{
+    return 2 + npcs + (npcs + 7) / 8 + (uint32_t)nkc;
+}
+
+int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                  uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
+                  uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
+                  uint32_t *need_tid)
+{
+    uint64_t regs[64];
+    uint32_t nregs_lay = lay->nregs > 64 ? 64 : lay->nregs;
+    for (uint64_t k = from; k < to; k++) {
+        const struct fp_rec *r = &recs[perm[k]];
+        *stopped = k;
+        if (!(r->flags & FP_SAMPLE) || r->off > len || r->size > len - r->off)
+            return FP_RUN_ERROR; /* the caller passes only indexed samples of this buffer */
+        const struct space_ent *sp = c->scap ? space_slot(c, r->pid) : NULL;
+        if (!sp || !sp->used || !sp->valid) {
+            *need_pid = r->pid;
+            return FP_RUN_NEED_SPACE;
+        }
+        const struct comm_ent *ce = c->ccap ? comm_slot(c, r->pid, r->tid) : NULL;
+        if (!ce || !ce->used) {
+            *need_pid = r->pid;
+            *need_tid = r->tid;
+            return FP_RUN_NEED_COMM;
+        }
+        const uint8_t *body = data + r->off + 8;
+        struct sample_view v;
+        if (parse_sample(lay, body, r->size - 8u, &v))
+            return FP_RUN_ERROR;
+        /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
+        uint32_t nregs = (v.regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
+        if (nregs)
+            memcpy(regs, body + v.regs_off, 8 * (size_t)nregs);
+        struct unw_item it = {sp->mods, sp->nmods, nregs, lay->regs_mask, regs,
+                              v.dyn ? body + v.stack_off : NULL, v.dyn};
+        uint32_t npcs = 0;
+        uint16_t fpf, sigf;
+        uint8_t status = unw_unwind_one(c->arch, &it, c->max_depth, c->pcs, c->kinds, &npcs,
+                                        &fpf, &sigf);
+        uint64_t nkc = v.cc_nr;
+        if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
+            return FP_RUN_ERROR; /* cannot happen: records are < 64 KiB */
+        uint32_t nw = key_words(npcs, nkc);
+        if (nw > c->keycap) {
+            uint64_t *q = realloc(c->key, 8 * (size_t)nw);
+            if (!q)
+                return FP_RUN_ERROR;
+            c->key = q;
+            c->keycap = nw;
+        }
+        uint64_t *key = c->key;
+        key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
+        key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
+        memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
+        uint64_t *kw = key + 2 + npcs;
+        memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
+        memcpy(kw, c->kinds, npcs);
+        if (nkc)
+            memcpy(kw + (npcs + 7) / 8, body + v.cc_off, 8 * (size_t)nkc);
+        uint32_t id = intern_stack(c, key, nw);
+        if (id == UINT32_MAX)
+            return FP_RUN_ERROR;
+        c->stacks[id].count++;
+        stack_ids[k] = id;
+    }
+    *stopped = to;
+    return FP_RUN_DONE;
+}
+
+uint32_t fp_nstacks(const struct fp_ctx *c) { return (uint32_t)c->nstk; }
+
+int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out)
+{
+    if (id >= c->nstk)
+        return -1;
+    const struct stack_ent *s = &c->stacks[id];
+    const uint64_t *w = c->words + s->woff;
+    out->space_id = (uint32_t)w[0];
+    out->comm_id = (uint32_t)(w[0] >> 32);
+    out->status = (uint8_t)w[1];
+    out->regs_none = (uint8_t)(w[1] >> 8);
+    out->pad = 0;
+    out->npcs = (uint32_t)(w[1] >> 32);
+    out->pcs = w + 2;
+    out->kinds = (const uint8_t *)(w + 2 + out->npcs);
+    out->nkc = s->nwords - 2 - out->npcs - (out->npcs + 7) / 8;
+    out->kc = w + 2 + out->npcs + (out->npcs + 7) / 8;
+    out->count = s->count;
+    return 0;
+}
+
+uint64_t fp_select_other(const struct fp_rec *recs, uint64_t n, uint32_t *out)
+{
+    uint64_t k = 0;
+    for (uint64_t i = 0; i < n && i <= UINT32_MAX; i++)
+        if (!(recs[i].flags & FP_SAMPLE))
+            out[k++] = (uint32_t)i;
+    return k;
+}
+
+void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
+                uint8_t *is_sample, uint64_t *time, uint64_t *period, uint32_t *pid,
+                uint32_t *tid, uint32_t *cpu)
+{
+    for (uint64_t k = 0; k < nout; k++) {
+        const struct fp_rec *r = &recs[perm[k]];
+        is_sample[k] = (r->flags & FP_SAMPLE) ? 1 : 0;
+        time[k] = r->time;
+        period[k] = r->period;
+        pid[k] = r->pid;
+        tid[k] = r->tid;
+        cpu[k] = r->cpu;
+    }
+}

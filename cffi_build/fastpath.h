@@ -1,0 +1,135 @@
+/* fastpath.h: the native replay path (fastpath.c) of unwindd._unwcore: index a perf.data data
+ * section, order it by perf's round rule, unwind runs of SAMPLE records straight from the raw
+ * bytes and aggregate identical stacks. Python (daemon/unwindd/fastreplay.py) decodes only the
+ * rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
+ * once.
+ *
+ * Like unwcore.h this is a cffi cdef as well as a C header: no includes, fixed-width types only.
+ *
+ * Invariants:
+ * - Every read of the data buffer is bounds-checked against [data, data + len): garbage, cut
+ *   and hostile input end the index with a counted error, never a read outside.
+ * - fp_index validates every SAMPLE exactly as records.RecordDecoder._sample does, with the same
+ *   error names (FP_ERR_*, in fastreplay.SAMPLE_ERRORS), so the decode counts are the same.
+ * - fp_order reproduces ordering.RoundOrderer.feed_file_order (same delivery order, same stats).
+ * - A struct fp_ctx owns all its memory (fp_ctx_new / fp_ctx_free); the index arrays returned by
+ *   fp_index are malloc'd and released with unw_free. Nothing else allocates across calls.
+ * Cost: fp_index O(records); fp_order O(records log queued); fp_unwind_run O(samples * depth *
+ * (log modules + log rows)) plus O(stack words) to hash each stack.
+ */
+
+#define FP_TIMED 1      /* fp_rec.flags: time is valid */
+#define FP_HAS_CPU 2    /* cpu is valid */
+#define FP_MARKER 4     /* FINISHED_ROUND: ends a round, is not delivered */
+#define FP_SAMPLE 8     /* a SAMPLE that decoded (err == 0): the native path owns it */
+
+/* SAMPLE decode errors, records.py's reasons in this order (fastreplay.SAMPLE_ERRORS) */
+#define FP_ERR_NONE 0
+#define FP_ERR_SHORT_BODY 1
+#define FP_ERR_BAD_CALLCHAIN_NR 2
+#define FP_ERR_BAD_RAW_SIZE 3
+#define FP_ERR_BAD_BRANCH_NR 4
+#define FP_ERR_SHORT_REGS 5
+#define FP_ERR_BAD_STACK_SIZE 6
+#define FP_ERR_BAD_DYN_SIZE 7
+
+/* How the index ended (perfdata._Framer): FP_END_OK, or the error it counts. */
+#define FP_END_OK 0
+#define FP_END_TRUNCATED 1          /* decoder.stats.errors["truncated"] */
+#define FP_END_BAD_SIZE 2           /* decoder.stats.errors["bad_size"] */
+#define FP_END_PAYLOAD_TRUNCATED 3  /* PerfData.errors["payload_truncated"] */
+
+/* A format's SAMPLE layout: the same numbers records._SampleLayout computes. */
+struct fp_layout {
+    uint64_t sample_type;
+    uint64_t regs_mask;     /* sample_regs_user */
+    uint32_t nprefix;       /* u64 slots IDENTIFIER..PERIOD present */
+    int32_t i_ip, i_tid, i_time, i_cpu, i_period;   /* slot index or -1 */
+    uint32_t read_group, read_times, read_per_value;
+    uint32_t branch_hw_index, branch_counters;
+    uint32_t nregs;         /* popcount(regs_mask) */
+};
+
+/* One record of the data section, in file order (48 bytes). */
+struct fp_rec {
+    uint64_t off;       /* offset of its header in data */
+    uint64_t time;
+    uint64_t period;    /* SAMPLE: PERF_SAMPLE_PERIOD if present */
+    uint32_t pid, tid, cpu;
+    uint16_t size, misc;
+    uint8_t type;       /* header type (types > 255 never index: see fp_index) */
+    uint8_t flags;      /* FP_* */
+    uint8_t err;        /* FP_ERR_* for a SAMPLE */
+    uint8_t pad;
+};
+
+/* Frame data[0, len) into records (perfdata._Framer rules: AUXTRACE and TRACING_DATA payloads
+ * skipped) and decode the SAMPLE fields the replay needs. *recs is malloc'd (unw_free), *nrec
+ * records; *end is FP_END_*; *other counts records that are not FP_SAMPLE. A record type > 255
+ * stops the index with *end = FP_END_OK and *stopped_at = its offset (the caller falls back).
+ * Returns 0, or -1 on allocation failure. */
+int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
+             struct fp_rec **recs, uint64_t *nrec, uint64_t *other, int *end,
+             uint64_t *stopped_at);
+
+struct fp_order_stats {
+    uint64_t pushed, delivered, queued, late, max_lateness_ns, rounds, forced_flushes, untimed;
+};
+
+/* Order recs[0, n) by ordering.RoundOrderer.feed_file_order: perm[0, *nout) receives the
+ * delivered record indices (markers are consumed); late_ns[0, *nlate) the lateness of each late
+ * record, in push order. perm and late_ns hold n entries. Returns 0, or -1 on allocation failure
+ * or max_queued == 0. */
+int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_t *perm,
+             uint64_t *nout, uint64_t *late_ns, uint64_t *nlate, struct fp_order_stats *st);
+
+struct fp_ctx;
+
+struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth);
+void fp_ctx_free(struct fp_ctx *c);
+
+/* The unwinder's view of pid: its modules (kept alive by the caller until replaced or the
+ * context is freed) and the caller's id for that address-space snapshot. Returns 0 or -1 (OOM). */
+int fp_set_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods, uint32_t nmods,
+                 uint32_t space_id);
+void fp_forget_space(struct fp_ctx *c, uint32_t pid);
+/* The comm id of thread tid of pid (the caller's interned comm_of(pid, tid)). */
+int fp_set_comm(struct fp_ctx *c, uint32_t pid, uint32_t tid, uint32_t comm_id);
+void fp_forget_comms(struct fp_ctx *c);
+
+#define FP_RUN_DONE 0
+#define FP_RUN_NEED_SPACE 1   /* no space for *need_pid: fp_set_space, then resume at *stopped */
+#define FP_RUN_NEED_COMM 2    /* no comm for (*need_pid, *need_tid): fp_set_comm, resume */
+#define FP_RUN_ERROR -1       /* allocation failure */
+
+/* Unwind the SAMPLE records recs[perm[k]] for k in [from, to) (all FP_SAMPLE) from the raw
+ * bytes and write each one's stack id to stack_ids[k]. Identical (space, comm, unwind status,
+ * regs-abi-none, user pcs and their kinds, raw callchain) keys share an id. */
+int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                  uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
+                  uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
+                  uint32_t *need_tid);
+
+/* One unique stack (pointers valid until the next fp_unwind_run or fp_ctx_free). */
+struct fp_stack {
+    uint32_t space_id, comm_id;
+    uint8_t status;         /* UNW_* */
+    uint8_t regs_none;      /* the sample's regs_abi was PERF_SAMPLE_REGS_ABI_NONE */
+    uint16_t pad;
+    uint32_t npcs, nkc;
+    const uint64_t *pcs;    /* user pcs, leaf first (unwinder output) */
+    const uint8_t *kinds;   /* UNW_FRAME_* per pc */
+    const uint64_t *kc;     /* the raw PERF_SAMPLE_CALLCHAIN */
+    uint64_t count;         /* samples so far */
+};
+
+uint32_t fp_nstacks(const struct fp_ctx *c);
+int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out);
+
+/* Indices of the records that are not FP_SAMPLE (out holds n entries); returns their count. */
+uint64_t fp_select_other(const struct fp_rec *recs, uint64_t n, uint32_t *out);
+
+/* Columns of the delivered records perm[0, nout), in delivered order. */
+void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
+                uint8_t *is_sample, uint64_t *time, uint64_t *period, uint32_t *pid,
+                uint32_t *tid, uint32_t *cpu);

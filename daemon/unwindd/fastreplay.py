@@ -1,0 +1,470 @@
+"""The native fast path of ``unwindd replay --format folded|jsonl|perf-script``.
+
+The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed -> stackfmt) builds
+a Python object per record and per sample; this module crosses into C once per data section
+(index), once per file (ordering) and once per run of samples between two side-band records
+(unwind + aggregate, ``cffi_build/fastpath.c``), and symbolizes each unique stack once.
+
+Invariants:
+- Same answer as the slow path, which stays the reference (tests/test_fastreplay.py compares
+  them byte for byte): the same records decoded (non-SAMPLE records and SAMPLEs that fail to
+  decode go through ``RecordDecoder.decode_one`` itself), the same delivery order (fp_order is
+  ``RoundOrderer.feed_file_order``), side-band records applied to the process table in that
+  order between runs, each sample unwound against its pid's snapshot of that moment (a pid's
+  native space is dropped on the C side whenever a record of that pid is applied, and re-taken
+  from ``StackEngine.snapshot`` at its next sample), the comm of that moment (all comm ids are
+  dropped at each COMM), and the engine's own ``user_frames``/``kernel_frames`` for names.
+- Same counts: ``DecodeStats`` (records by type, errors), ``PerfData.errors``, ``StreamStats``,
+  ``OrderStats`` and the engine's per-status sample and frame counts. (``EngineStats.batches``
+  counts native runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique
+  stacks exist, as the slow path re-symbolizes after clearing its cache.)
+- ``Unsupported`` is raised before any state changes, for inputs the native path does not take
+  (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized HEADER_ATTR
+  records,
+  record types > 255): the caller then runs the slow path.
+- Memory: the file is mmap'd read-only; stacks are read in place. Per record 48 bytes of index
+  plus 4 of order; per unique stack its key words and its rendered frames.
+
+Cost: O(records) native work plus O(side-band records + unique stacks) Python work for folded
+output; jsonl/perf-script add one string format per sample (~2-4 us).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from . import stackfmt
+from ._unwcore import ffi, lib
+from .abi import RecordType
+from .cfi import ARCH_X86_64
+from .engine import Snapshot, StackEngine
+from .ordering import OrderStats, lateness_bucket
+from .perfdata import PerfData
+from .records import Comm, FinishedRound, Record, _SampleLayout
+from .stackfmt import Frame, UnwoundSample
+from .streamstats import StreamStats
+from .unwinder import UnwindStatus, signal_mask
+
+__all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]
+
+# Index = FP_ERR_* (fastpath.h); names = records.RecordDecoder._sample's reasons.
+SAMPLE_ERRORS = ("", "short_body", "bad_callchain_nr", "bad_raw_size", "bad_branch_nr",
+                 "short_regs", "bad_stack_size", "bad_dyn_size")  # fmt: skip
+_END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE): "bad_size"}
+_STATUS = tuple(sorted(UnwindStatus))
+_NO_STOP = (1 << 64) - 1
+_REC_SIZE = ffi.sizeof("struct fp_rec")
+
+
+class Unsupported(Exception):
+    """The native path does not take this input; use the slow path."""
+
+
+@dataclass
+class FastResult:
+    samples: int
+    unique_stacks: int
+    runs: int
+    side_band: int
+
+
+def layout_of(fmt: Any) -> Any:
+    """The ``struct fp_layout`` of an ``EventFormat``: records._SampleLayout's numbers."""
+    lay = _SampleLayout.of(fmt)
+    c = ffi.new("struct fp_layout *")
+    c.sample_type = lay.sample_type
+    c.regs_mask = lay.regs_mask % (1 << 64)
+    c.nprefix = lay.prefix.size // 8
+    c.i_ip, c.i_tid, c.i_time, c.i_cpu, c.i_period = (
+        lay.i_ip, lay.i_tid, lay.i_time, lay.i_cpu, lay.i_period,
+    )  # fmt: skip
+    c.read_group = int(lay.read_group)
+    c.read_times = lay.read_times
+    c.read_per_value = lay.read_per_value
+    c.branch_hw_index = lay.branch_hw_index
+    c.branch_counters = lay.branch_counters
+    c.nregs = lay.regs.size // 8
+    return c
+
+
+def _u(buf: Any, fmt: str) -> memoryview:
+    mv: Any = memoryview(ffi.buffer(buf)).cast("B")
+    out: memoryview = mv.cast(fmt)
+    return out
+
+
+class _Index:
+    """fp_index of a buffer: the records array (freed with the object) and how it ended."""
+
+    def __init__(self, lay: Any, buf: Any, length: int) -> None:
+        pp = ffi.new("struct fp_rec **")
+        n, other, stop = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        end = ffi.new("int *")
+        if lib.fp_index(lay, buf, length, pp, n, other, end, stop) != 0:
+            raise MemoryError("fp_index")
+        self.recs = ffi.gc(pp[0], lib.unw_free)
+        self.n = int(n[0])
+        self.other = int(other[0])
+        self.end = int(end[0])
+        self.stopped_at = int(stop[0])
+
+
+def replay(
+    data: PerfData,
+    path: str | os.PathLike[str],
+    fmt: str,
+    out: TextIO,
+    *,
+    engine: StackEngine | None = None,
+    stream_stats: StreamStats | None = None,
+    order_stats: OrderStats | None = None,
+    max_queued: int = 1_000_000,
+) -> FastResult:
+    """Replay ``data`` (opened from ``path``) to ``out`` in ``fmt`` (folded, jsonl or
+    perf-script); counts go to ``data``'s decoder and errors, ``stream_stats``, ``order_stats``
+    and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the slow path must."""
+    if fmt not in ("folded", "jsonl", "perf-script"):
+        raise Unsupported(f"format {fmt}")
+    if data.pipe_mode:
+        raise Unsupported("pipe mode")
+    dec = data.decoder
+    # Several attrs (perf -a adds a dummy event) are fine when they lay SAMPLEs out alike: then
+    # the event id that picks a format (records.RecordDecoder._format_for_sample) cannot matter.
+    shapes = {(f.sample_type, f.sample_regs_user, f.read_format, f.branch_sample_type)
+              for f in dec.formats}  # fmt: skip
+    if len(shapes) != 1:
+        raise Unsupported("event formats with different SAMPLE layouts")
+    lay = layout_of(dec.formats[0])
+    if lay.i_tid < 0 or lay.i_time < 0:
+        raise Unsupported("samples without TID/TIME")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise Unsupported("empty file")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _Replay(data, mm, lay, fmt, out, engine, stream_stats, order_stats,
+                       max_queued).run()  # fmt: skip
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a cdata view still alive (an exception unwinding): GC closes it
+            pass
+
+
+class _Replay:
+    def __init__(
+        self,
+        data: PerfData,
+        mm: mmap.mmap,
+        lay: Any,
+        fmt: str,
+        out: TextIO,
+        engine: StackEngine | None,
+        stream_stats: StreamStats | None,
+        order_stats: OrderStats | None,
+        max_queued: int,
+    ) -> None:
+        self.data = data
+        self.lay = lay
+        self.fmt = fmt
+        self.out = out
+        self.engine = engine or StackEngine.create()
+        self.sstats = stream_stats if stream_stats is not None else StreamStats()
+        self.ostats = order_stats if order_stats is not None else OrderStats()
+        self.max_queued = max_queued
+        start = min(data.data_offset, len(mm))
+        self.length = min(data.data_size, len(mm) - start)
+        self._whole = ffi.from_buffer(mm)
+        self.buf = self._whole + start
+        self.mm = mm
+        self.start = start
+        self.ctx = ffi.gc(lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth),
+                          lib.fp_ctx_free)  # fmt: skip
+        if self.ctx == ffi.NULL:
+            raise MemoryError("fp_ctx_new")
+        self._snaps: list[Snapshot] = []
+        self._space_ids: dict[tuple[int, int], int] = {}
+        self._comms: list[str] = []
+        self._comm_ids: dict[str, int] = {}
+        # per unique stack: (comm, status, frames, kernel frame count)
+        self._stacks: list[tuple[str, str, tuple[Frame, ...], int]] = []
+        self._rendered: list[str] = []
+        self.runs = 0
+
+    # -- the whole file
+
+    def run(self) -> FastResult:
+        idx = _Index(self.lay, self.buf, self.length)
+        if idx.stopped_at != _NO_STOP:
+            raise Unsupported(f"record type > 255 at data offset {idx.stopped_at}")
+        n = idx.n
+        recs = idx.recs
+        others = ffi.new("uint32_t[]", max(1, idx.other))
+        nother = int(lib.fp_select_other(recs, n, others))
+        for i in others[0:nother]:
+            if recs[i].type == RecordType.HEADER_ATTR:
+                raise Unsupported("HEADER_ATTR in the data section")
+
+        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does
+        data, dec = self.data, self.data.decoder
+        mv = memoryview(self.mm)
+        objs: dict[int, Record] = {}
+        for i in others[0:nother]:
+            r = recs[i]
+            off = self.start + r.off
+            rtype, misc, body = r.type, r.misc, mv[off + 8 : off + r.size]
+            if rtype >= RecordType.HEADER_ATTR:
+                data._user_record(rtype, misc, body)
+            rec = dec.decode_one(rtype, misc, body)
+            objs[i] = rec
+            flags = 0
+            if isinstance(rec, FinishedRound):
+                flags = int(lib.FP_MARKER)
+            else:
+                t, cpu = rec.time, rec.cpu
+                if t is not None:
+                    r.time = t
+                    flags |= int(lib.FP_TIMED)
+                if cpu is not None:
+                    r.cpu = cpu
+                    flags |= int(lib.FP_HAS_CPU)
+            r.flags = flags
+        nsamples = n - nother
+        if nsamples:
+            dec.stats.records["SAMPLE"] += nsamples
+        if idx.end == lib.FP_END_PAYLOAD_TRUNCATED:
+            data.errors["payload_truncated"] += 1
+        elif idx.end in _END_ERRORS:
+            dec.stats.errors[_END_ERRORS[idx.end]] += 1
+
+        # -- order (RoundOrderer.feed_file_order)
+        perm = ffi.new("uint32_t[]", max(1, n))
+        late = ffi.new("uint64_t[]", max(1, n))
+        nout, nlate = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        ost = ffi.new("struct fp_order_stats *")
+        if lib.fp_order(recs, n, self.max_queued, perm, nout, late, nlate, ost) != 0:
+            raise MemoryError("fp_order")
+        self._order_stats(ost, late, int(nlate[0]))
+        m = int(nout[0])
+
+        # -- columns of the delivered stream, stream counts
+        ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
+        cols = [ffi.new(f"{t}[]", max(1, m)) for t in ctypes]
+        lib.fp_columns(recs, perm, m, *cols)
+        is_sample = bytes(ffi.buffer(cols[0], m))
+        times, periods = _u(cols[1], "Q")[:m], _u(cols[2], "Q")[:m]
+        pids, tids, cpus = _u(cols[3], "I")[:m], _u(cols[4], "I")[:m], _u(cols[5], "I")[:m]
+        has_cpu = self.lay.i_cpu >= 0
+        self._stream_stats(objs, is_sample, pids, cpus if has_cpu else None, nsamples)
+
+        # -- runs of samples between side-band records, in delivered order
+        stack_ids = ffi.new("uint32_t[]", max(1, m))
+        ids = _u(stack_ids, "I")
+        engine = self.engine
+        emit = self._emitter(is_sample, times, periods, pids, tids, cpus if has_cpu else None,
+                             ids)  # fmt: skip
+        pos = 0
+        side = 0
+        while pos < m:
+            p = is_sample.find(b"\0", pos)
+            end = m if p < 0 else p
+            if end > pos:
+                self._run(recs, perm, pos, end, stack_ids)
+                emit(pos, end)
+            if p < 0:
+                break
+            rec = objs[perm[p]]
+            side += 1
+            if isinstance(rec, Comm):
+                engine.set_comm(rec.tid, rec.comm)
+                lib.fp_forget_comms(self.ctx)
+            engine.table.apply(rec)
+            rpid = getattr(rec, "pid", None)
+            if isinstance(rpid, int) and 0 <= rpid < 1 << 32:
+                lib.fp_forget_space(self.ctx, rpid)
+            pos = p + 1
+        self._finish()
+        return FastResult(nsamples, len(self._stacks), self.runs, side)
+
+    # -- stats
+
+    def _order_stats(self, st: Any, late: Any, nlate: int) -> None:
+        o = self.ostats
+        o.pushed += st.pushed
+        o.delivered += st.delivered
+        o.queued += st.queued
+        o.late += st.late
+        o.max_lateness_ns = max(o.max_lateness_ns, st.max_lateness_ns)
+        o.rounds += st.rounds
+        o.forced_flushes += st.forced_flushes
+        o.untimed += st.untimed
+        if nlate:
+            o.late_buckets.update(lateness_bucket(x) for x in late[0:nlate])
+
+    def _stream_stats(
+        self,
+        objs: dict[int, Record],
+        is_sample: bytes,
+        pids: memoryview,
+        cpus: memoryview | None,
+        nsamples: int,
+    ) -> None:
+        s = self.sstats
+        for rec in objs.values():
+            s.observe(rec)
+        if not nsamples:
+            return
+        s.by_type["SAMPLE"] += nsamples
+        flags = memoryview(is_sample)
+        by_pid = Counter(zip(flags, pids, strict=True))
+        for (f, pid), c in by_pid.items():
+            if f:
+                s.samples_by_pid[pid] += c
+        if cpus is None:
+            per = s.by_cpu_type.setdefault(None, Counter())
+            per["SAMPLE"] += nsamples
+            return
+        for (f, cpu), c in Counter(zip(flags, cpus, strict=True)).items():
+            if f:
+                s.by_cpu_type.setdefault(cpu, Counter())["SAMPLE"] += c
+
+    # -- native runs
+
+    def _run(self, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
+        stopped = ffi.new("uint64_t *")
+        need_pid, need_tid = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+        k = a
+        while True:
+            self.runs += 1
+            rc = lib.fp_unwind_run(self.ctx, self.lay, self.buf, self.length, recs, perm, k, b,
+                                   stack_ids, stopped, need_pid, need_tid)  # fmt: skip
+            if rc == lib.FP_RUN_DONE:
+                break
+            k = int(stopped[0])
+            if rc == lib.FP_RUN_NEED_SPACE:
+                self._set_space(int(need_pid[0]))
+            elif rc == lib.FP_RUN_NEED_COMM:
+                pid, tid = int(need_pid[0]), int(need_tid[0])
+                comm = self.engine.comm_of(pid, tid)
+                cid = self._comm_ids.get(comm)
+                if cid is None:
+                    cid = self._comm_ids[comm] = len(self._comms)
+                    self._comms.append(comm)
+                if lib.fp_set_comm(self.ctx, pid, tid, cid) != 0:
+                    raise MemoryError("fp_set_comm")
+            else:
+                raise RuntimeError(f"fp_unwind_run failed at {k} ({rc})")
+        self._symbolize_new()
+
+    def _set_space(self, pid: int) -> None:
+        snap = self.engine.snapshot(pid)
+        sid = self._space_ids.get(snap.key)
+        if sid is None:
+            sid = self._space_ids[snap.key] = len(self._snaps)
+            self._snaps.append(snap)  # keeps snap.native (the modules C points at) alive
+        native = snap.native
+        if lib.fp_set_space(self.ctx, pid, native._c, len(native.modules), sid) != 0:
+            raise MemoryError("fp_set_space")
+
+    def _symbolize_new(self) -> None:
+        """Name the stacks the last run added, now: the ELF cache and process table are in the
+        state the slow path would symbolize them in (before the next side-band record)."""
+        engine = self.engine
+        st = ffi.new("struct fp_stack *")
+        for sid in range(len(self._stacks), int(lib.fp_nstacks(self.ctx))):
+            lib.fp_stack(self.ctx, sid, st)
+            snap = self._snaps[st.space_id]
+            callchain = tuple(ffi.unpack(st.kc, st.nkc)) if st.nkc else ()
+            kframes = engine.kernel_frames(callchain) if callchain else ()
+            if st.regs_none and kframes:
+                status, frames = "kernel_only", kframes
+            else:
+                status = _STATUS[st.status].name.lower()
+                pcs = tuple(ffi.unpack(st.pcs, st.npcs))
+                sig = signal_mask(st.kinds, st.npcs)
+                frames = kframes + engine.user_frames(snap.key[0], snap, pcs, sig)
+            self._stacks.append((self._comms[st.comm_id], status, frames, len(kframes)))
+            if self.fmt != "folded":
+                self._rendered.append(self._render(frames))
+
+    def _render(self, frames: tuple[Frame, ...]) -> str:
+        if self.fmt == "jsonl":
+            u = UnwoundSample(None, None, None, None, "", None, "", frames)
+            return json.dumps(stackfmt.to_json(u)["frames"], separators=(",", ":"))
+        lines = [f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
+                 f"({f.dso or '[unknown]'})\n" for f in frames]  # fmt: skip
+        return "".join(lines) + "\n"
+
+    # -- output
+
+    def _emitter(
+        self,
+        is_sample: bytes,
+        times: memoryview,
+        periods: memoryview,
+        pids: memoryview,
+        tids: memoryview,
+        cpus: memoryview | None,
+        ids: memoryview,
+    ) -> Callable[[int, int], None]:
+        fmt, w = self.fmt, self.out.write
+        stacks, rendered = self._stacks, self._rendered
+        has_period = self.lay.i_period >= 0
+        if fmt == "folded":
+            return lambda a, b: None
+        if fmt == "jsonl":
+            dumps = json.dumps
+
+            def emit(a: int, b: int) -> None:
+                parts = []
+                for k in range(a, b):
+                    sid = ids[k]
+                    comm, status = stacks[sid][0], stacks[sid][1]
+                    head = dumps({
+                        "time_ns": times[k], "pid": pids[k], "tid": tids[k],
+                        "cpu": cpus[k] if cpus is not None else None, "comm": comm,
+                        "period": periods[k] if has_period else None, "unwind_status": status,
+                    }, separators=(",", ":"))  # fmt: skip
+                    parts.append(f'{head[:-1]},"frames":{rendered[sid]}}}\n')
+                w("".join(parts))
+
+            return emit
+
+        def emit_script(a: int, b: int) -> None:
+            parts = []
+            for k in range(a, b):
+                sid = ids[k]
+                t = times[k]
+                parts.append(f"{stacks[sid][0]} {pids[k]:5d}/{tids[k]:<5d} "
+                             f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n")  # fmt: skip
+                parts.append(rendered[sid])
+            w("".join(parts))
+
+        return emit_script
+
+    def _finish(self) -> None:
+        """Final per-stack counts: engine stats, and the folded output."""
+        es = self.engine.stats
+        st = ffi.new("struct fp_stack *")
+        folded: Counter[tuple[str, ...]] = Counter()
+        for sid, (comm, status, frames, nk) in enumerate(self._stacks):
+            lib.fp_stack(self.ctx, sid, st)
+            count = int(st.count)
+            es.samples += count
+            es.by_status[status] += count
+            es.kernel_frames += nk * count
+            es.user_frames += (len(frames) - nk) * count
+            if self.fmt == "folded":
+                u = UnwoundSample(None, None, None, None, comm, None, status, frames)
+                folded[stackfmt.folded_key(u)] += count
+        es.frames = es.kernel_frames + es.user_frames
+        es.batches += self.runs
+        if self.fmt == "folded":
+            self.out.write(stackfmt.render_folded(folded))

@@ -1,0 +1,147 @@
+/* fp_fuzz.c: cffi_build/fastpath.c under ASan/UBSan (tests/test_fastreplay.py).
+ *
+ * usage: fp_fuzz DATA sample_type regs_mask nprefix i_tid i_time i_cpu i_period nregs ITERS
+ *
+ * DATA is a real perf.data data section. Each iteration copies a truncated and byte-mutated
+ * version into a buffer malloc'd at its exact size (so any over-read is reported), then runs
+ * the whole native replay on it: fp_index, fp_order (with a small queue cap, so forced flushes
+ * happen), fp_unwind_run over every run of samples (answering NEED_SPACE with a frame-pointer
+ * only module and NEED_COMM with an id), and reads back every unique stack. Prints "ok N".
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "unwcore_int.h"
+#include "fastpath.h"
+
+#define CHECK(c)                                                                  \
+    do {                                                                          \
+        if (!(c)) {                                                               \
+            fprintf(stderr, "CHECK failed %s:%d: %s\n", __FILE__, __LINE__, #c); \
+            exit(3);                                                              \
+        }                                                                         \
+        checks++;                                                                 \
+    } while (0)
+
+static unsigned long long checks;
+static uint64_t rs = 88172645463325252ull;
+
+static uint64_t rnd(void)
+{
+    rs ^= rs << 13;
+    rs ^= rs >> 7;
+    rs ^= rs << 17;
+    return rs;
+}
+
+static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len)
+{
+    struct fp_rec *recs;
+    uint64_t n, other, stop;
+    int end;
+    CHECK(fp_index(lay, buf, len, &recs, &n, &other, &end, &stop) == 0);
+    CHECK(other <= n && end >= FP_END_OK && end <= FP_END_PAYLOAD_TRUNCATED);
+    for (uint64_t i = 0; i < n; i++) {
+        CHECK(recs[i].off < len && recs[i].size >= 8 && recs[i].size <= len - recs[i].off);
+        if (!(recs[i].flags & FP_SAMPLE) && !(recs[i].flags & FP_MARKER))
+            recs[i].flags = (uint8_t)(rnd() % 4); /* what Python sets for side-band records */
+    }
+    uint32_t *perm = malloc((n ? n : 1) * sizeof *perm);
+    uint64_t *late = malloc((n ? n : 1) * sizeof *late);
+    uint64_t nout, nlate;
+    struct fp_order_stats st;
+    CHECK(perm && late);
+    CHECK(fp_order(recs, n, 1 + rnd() % 64, perm, &nout, late, &nlate, &st) == 0);
+    CHECK(nout <= n && st.delivered == nout && st.queued == 0 && nlate == st.late);
+    struct fp_ctx *c = fp_ctx_new(UNW_ARCH_X86_64, 1 + (uint32_t)(rnd() % 64));
+    CHECK(c);
+    struct unw_module mod = {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1};
+    uint32_t *ids = malloc((nout ? nout : 1) * sizeof *ids);
+    CHECK(ids);
+    uint64_t k = 0;
+    while (k < nout) {
+        uint64_t b = k;
+        while (b < nout && (recs[perm[b]].flags & FP_SAMPLE))
+            b++;
+        uint64_t at = k;
+        while (at < b) {
+            uint64_t stopped;
+            uint32_t pid, tid;
+            int rc = fp_unwind_run(c, lay, buf, len, recs, perm, at, b, ids, &stopped, &pid, &tid);
+            CHECK(rc != FP_RUN_ERROR && stopped >= at && stopped <= b);
+            if (rc == FP_RUN_DONE)
+                break;
+            if (rc == FP_RUN_NEED_SPACE)
+                CHECK(fp_set_space(c, pid, &mod, rnd() % 2, (uint32_t)(rnd() % 5)) == 0);
+            else
+                CHECK(fp_set_comm(c, pid, tid, (uint32_t)(rnd() % 3)) == 0);
+            at = stopped;
+        }
+        if (b < nout && rnd() % 2)
+            fp_forget_space(c, recs[perm[b]].pid);
+        if (rnd() % 5 == 0)
+            fp_forget_comms(c);
+        k = b + 1;
+    }
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < fp_nstacks(c); i++) {
+        struct fp_stack s;
+        CHECK(fp_stack(c, i, &s) == 0);
+        CHECK(s.count >= 1 && s.status <= UNW_NO_REGS);
+        for (uint32_t j = 0; j < s.npcs; j++)
+            total += s.pcs[j] + s.kinds[j];
+        for (uint32_t j = 0; j < s.nkc; j++)
+            total += s.kc[j];
+    }
+    CHECK(fp_stack(c, fp_nstacks(c), &(struct fp_stack){0}) == -1);
+    (void)total;
+    fp_ctx_free(c);
+    free(ids);
+    free(perm);
+    free(late);
+    unw_free(recs);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 11)
+        return 2;
+    FILE *f = fopen(argv[1], "rb");
+    if (!f)
+        return 2;
+    fseek(f, 0, SEEK_END);
+    long sz = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *data = malloc(sz ? (size_t)sz : 1);
+    if (!data || fread(data, 1, (size_t)sz, f) != (size_t)sz)
+        return 2;
+    fclose(f);
+    struct fp_layout lay;
+    memset(&lay, 0, sizeof lay);
+    lay.sample_type = strtoull(argv[2], NULL, 0);
+    lay.regs_mask = strtoull(argv[3], NULL, 0);
+    lay.nprefix = (uint32_t)strtoul(argv[4], NULL, 0);
+    lay.i_ip = -1;
+    lay.i_tid = (int32_t)strtol(argv[5], NULL, 0);
+    lay.i_time = (int32_t)strtol(argv[6], NULL, 0);
+    lay.i_cpu = (int32_t)strtol(argv[7], NULL, 0);
+    lay.i_period = (int32_t)strtol(argv[8], NULL, 0);
+    lay.nregs = (uint32_t)strtoul(argv[9], NULL, 0);
+    lay.read_per_value = 1;
+    int iters = atoi(argv[10]);
+    replay(&lay, data, (uint64_t)sz); /* the real section, whole */
+    for (int it = 0; it < iters; it++) {
+        uint64_t len = sz ? rnd() % ((uint64_t)sz + 1) : 0;
+        uint8_t *b = malloc(len ? len : 1);
+        memcpy(b, data, len);
+        int muts = (int)(rnd() % 16);
+        for (int m = 0; m < muts && len; m++)
+            b[rnd() % len] = (uint8_t)rnd();
+        replay(&lay, b, len);
+        free(b);
+    }
+    free(data);
+    printf("ok %llu\n", checks);
+    return 0;
+}
