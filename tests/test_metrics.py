@@ -11,6 +11,7 @@ from daemonutil import metric_values
 from prometheus_client import CollectorRegistry, generate_latest
 from unwindd.elfcache import CacheStats
 from unwindd.engine import EngineStats
+from unwindd.livetable import LiveTableStats
 from unwindd.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
 from unwindd.ordering import OrderStats
 from unwindd.records import DecodeStats
@@ -31,16 +32,16 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
     eng = EngineStats(samples=10, user_frames=40, kernel_frames=5)
     eng.by_status.update({"ok": 8, "unmapped_pc": 2})
     cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1)
-    table_stats = SimpleNamespace(records=Counter()) if rescans is None else \
-        SimpleNamespace(records=Counter(), rescans=rescans)  # fmt: skip
     table = SimpleNamespace(binaries=SimpleNamespace(stats=cache), spaces={1: 0, 2: 0},
-                            stats=table_stats)  # fmt: skip
+                            stats=SimpleNamespace(records=Counter()))  # fmt: skip
     prof = SimpleNamespace(
         pipeline=SimpleNamespace(stats=ps, decoder=SimpleNamespace(stats=dec),
                                  orderer=SimpleNamespace(stats=order)),
         engine=SimpleNamespace(stats=eng, table=table),
         store=StackStore(),
     )  # fmt: skip
+    if rescans is not None:  # a LiveProfiler with issue 4's live table
+        prof.live = SimpleNamespace(stats=LiveTableStats(rescans=rescans))
     return SimpleNamespace(profiler=prof, api=SimpleNamespace(requests=Counter({"/v1/status": 4})),
                            rejected=Counter({"timeout": 1}), stream_dropped=0, reloads=1,
                            connections=3, uptime=lambda: 12.5)  # fmt: skip
@@ -75,6 +76,8 @@ def test_new_stage_counters_appear_when_they_exist() -> None:
     text = scrape(fake_daemon(Counter({"unmapped_pc": 4, "exec": 1})))
     assert metric_values(text, "unwindd_proc_rescans_total") == {
         '{reason="exec"}': 1.0, '{reason="unmapped_pc"}': 4.0}
+    assert metric_values(text, "unwindd_proc_held_samples") == {"": 0.0}
+    assert metric_values(text, "unwindd_bootstrap_processes") == {"": 0.0}
 
 
 def test_histograms() -> None:
