@@ -1,0 +1,142 @@
+"""Daemon CPU per sample vs ``perf record --call-graph dwarf`` with the same settings, in the
+same run, plus lost samples and /v1/stacks query latency while sampling.
+
+    python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
+
+For each frequency, with a steady load (one C workload looping per CPU):
+- unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
+  what we measure), then its CPU time (utime+stime from /proc/<pid>/stat) over the window,
+  samples and lost from /v1/status, and p50/p99 latency of ``/v1/stacks?since=10`` and
+  ``/v1/top?since=10`` queries issued every 200 ms during the window;
+- perf record -a -F F --call-graph dwarf,STACK for the same window, CPU from wait4's rusage,
+  samples and lost from ``perf report --stats`` (it only writes; it does not unwind).
+Root is needed (system-wide sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from workloads.build import build_workloads  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def http(sock: str, target: str) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(sock)
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        buf = b""
+        while chunk := s.recv(1 << 16):
+            buf += chunk
+    return buf.partition(b"\r\n\r\n")[2]
+
+
+def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, float]:
+    sock = str(tmp / f"d{freq}.sock")
+    cfg = tmp / f"d{freq}.toml"
+    cfg.write_text(f'[sampling]\nfrequency = {freq}\nstack_size = {stack}\nring_pages = 256\n'
+                   f'[api]\nsocket = "{sock}"\n[metrics]\nenabled = false\n')  # fmt: skip
+    d = subprocess.Popen([sys.executable, "-m", "unwindd.cli", "run", "--config", str(cfg)],
+                         stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        while not os.path.exists(sock):
+            time.sleep(0.05)
+        time.sleep(3.0)  # warm-up: cold binaries parsed
+        s0 = json.loads(http(sock, "/v1/status"))
+        c0, t0 = cpu_seconds(d.pid), time.monotonic()
+        lat: dict[str, list[float]] = {"stacks": [], "top": []}
+        while time.monotonic() - t0 < seconds:
+            for name in lat:
+                q0 = time.perf_counter()
+                http(sock, f"/v1/{name}?since=10&limit=1000")
+                lat[name].append(time.perf_counter() - q0)
+            time.sleep(0.2)
+        c1, t1 = cpu_seconds(d.pid), time.monotonic()
+        s1 = json.loads(http(sock, "/v1/status"))
+    finally:
+        d.terminate()
+        d.wait(30)
+    samples = s1["samples"] - s0["samples"]
+    out = {
+        "cpu_s": c1 - c0, "wall_s": t1 - t0, "samples": samples,
+        "lost": s1["lost"] - s0["lost"] + s1["lost_samples"] - s0["lost_samples"],
+        "us_per_sample": (c1 - c0) / max(samples, 1) * 1e6,
+    }  # fmt: skip
+    for name, xs in lat.items():
+        xs.sort()
+        out[f"{name}_p50_ms"] = statistics.median(xs) * 1e3
+        out[f"{name}_p99_ms"] = xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e3
+    return out
+
+
+def bench_perf(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, float]:
+    data = tmp / f"perf{freq}.data"
+    argv = ["perf", "record", "-q", "-a", "-F", str(freq), "-e", "cpu-clock", "--call-graph",
+            f"dwarf,{stack}", "-o", str(data), "--", "sleep", str(seconds)]
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    res = subprocess.run(["perf", "report", "--stats", "-i", str(data)], capture_output=True,
+                         text=True)  # fmt: skip
+    stats = res.stdout
+    if "SAMPLE events" not in stats:
+        print(f"perf report --stats failed: {res.stderr[-500:]}", file=sys.stderr)
+    samples = int(m[1]) if (m := re.search(r"SAMPLE events:\s+(\d+)", stats)) else 0
+    lost = int(m[1]) if (m := re.search(r"LOST events:\s+(\d+)", stats)) else 0
+    cpu = ru.ru_utime + ru.ru_stime
+    size = data.stat().st_size
+    data.unlink()
+    return {"cpu_s": cpu, "samples": samples, "lost": lost,
+            "us_per_sample": cpu / max(samples, 1) * 1e6, "file_mb": size / 1e6}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--freqs", default="99,1000")
+    ap.add_argument("--stack-size", type=int, default=8192)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        os.chmod(tmp, 0o755)
+        wl = build_workloads(tmp / "wl")["c_o2"]
+        # One looping workload per CPU: steady, known stacks for the whole run.
+        loop = f'while :; do "{wl.argv[0]}" 100 >/dev/null; done'
+        load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
+                for _ in range(os.cpu_count() or 1)]
+        try:
+            for f in (int(x) for x in args.freqs.split(",")):
+                d = bench_daemon(f, args.seconds, args.stack_size, tmp)
+                p = bench_perf(f, args.seconds, args.stack_size, tmp)
+                print(f"F={f} unwindd: {json.dumps({k: round(v, 2) for k, v in d.items()})}")
+                print(f"F={f} perf:    {json.dumps({k: round(v, 2) for k, v in p.items()})}")
+                sys.stdout.flush()
+        finally:
+            for pr in load:  # each loop is its own process group: the shell and its child
+                os.killpg(pr.pid, signal.SIGKILL)
+                pr.wait()
+
+
+if __name__ == "__main__":
+    main()
