@@ -43,7 +43,7 @@ WORKLOAD = (
     "    return 0 if n == 0 else (f(n - 1) + n * 7) % 1000003\n"
     "i = 0\n"
     "while True:\n"
-    "    f(50 + i % 150)\n"
+    "    f(10 + i % 50)  # < 1 frame chunk deep: deeper recursion mmaps chunks (MMAP2 storm)\n"
     "    i += 1\n"
 )
 
@@ -109,7 +109,7 @@ def main() -> int:
         times[name], outs[name] = timed(argv, args.repeat)
     summary = subprocess.run([*unwindd, "--format", "summary"], check=True, capture_output=True,
                              text=True).stdout  # fmt: skip
-    m = re.search(r"SAMPLE\s+(\d+)", summary)
+    m = re.search(r"SAMPLE events:\s+(\d+)", summary)
     samples = int(m.group(1)) if m else -1
     size_mb = path.stat().st_size / 1e6
     perf_t = times[rows[2][0]]

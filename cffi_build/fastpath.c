@@ -445,8 +445,18 @@ struct comm_ent {
 struct stack_ent {
     uint64_t woff;      /* its key: words[woff, woff + nwords) */
     uint64_t hash, count;
+    uint64_t foff;      /* frame ids of its pcs: fids[foff, foff + npcs) */
     uint32_t nwords;
     uint32_t pad;
+};
+
+/* A distinct (space, pc, exact) user frame: what symbolization depends on. Stacks of one
+ * profile share most frames, so Python names each frame once, not once per stack. */
+struct frame_ent {
+    uint64_t pc;
+    uint32_t space_id;
+    uint8_t exact;      /* pc is exact (leaf, or after a signal trampoline), else pc - 1 is named */
+    uint8_t pad[3];
 };
 
 struct fp_ctx {
@@ -466,6 +476,12 @@ struct fp_ctx {
     uint64_t stabcap;
     uint64_t *words;
     uint64_t nwords, capwords;
+    struct frame_ent *frames;
+    uint64_t nfr, capfr;
+    uint32_t *ftab;         /* open addressing: frame id + 1 */
+    uint64_t ftabcap;
+    uint32_t *fids;
+    uint64_t nfids, capfids;
 };
 
 struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
@@ -499,6 +515,9 @@ void fp_ctx_free(struct fp_ctx *c)
     free(c->stacks);
     free(c->stab);
     free(c->words);
+    free(c->frames);
+    free(c->ftab);
+    free(c->fids);
     free(c);
 }
 
@@ -602,6 +621,77 @@ static int grow_words(struct fp_ctx *c, uint64_t need)
     return 0;
 }
 
+static inline uint64_t frame_hash(uint32_t space_id, uint64_t pc, uint8_t exact)
+{
+    return mix(mix(space_id, pc), exact);
+}
+
+/* The id of frame (space_id, pc, exact), added if new; UINT32_MAX on allocation failure. */
+static uint32_t intern_frame(struct fp_ctx *c, uint32_t space_id, uint64_t pc, uint8_t exact)
+{
+    if (2 * (c->nfr + 1) > c->ftabcap) {
+        uint64_t ncap = c->ftabcap ? 2 * c->ftabcap : 4096;
+        uint32_t *nt = calloc(ncap, sizeof *nt);
+        if (!nt)
+            return UINT32_MAX;
+        for (uint64_t i = 0; i < c->nfr; i++) {
+            const struct frame_ent *f = &c->frames[i];
+            uint64_t j = SLOT(frame_hash(f->space_id, f->pc, f->exact), ncap);
+            while (nt[j])
+                j = SLOT(j + 1, ncap);
+            nt[j] = (uint32_t)i + 1;
+        }
+        free(c->ftab);
+        c->ftab = nt;
+        c->ftabcap = ncap;
+    }
+    uint64_t j = SLOT(frame_hash(space_id, pc, exact), c->ftabcap);
+    while (c->ftab[j]) {
+        const struct frame_ent *f = &c->frames[c->ftab[j] - 1];
+        if (f->pc == pc && f->space_id == space_id && f->exact == exact)
+            return c->ftab[j] - 1;
+        j = SLOT(j + 1, c->ftabcap);
+    }
+    if (c->nfr >= UINT32_MAX - 1)
+        return UINT32_MAX;
+    if (c->nfr == c->capfr) {
+        uint64_t ncap = c->capfr ? 2 * c->capfr : 1024;
+        struct frame_ent *q = realloc(c->frames, ncap * sizeof *q);
+        if (!q)
+            return UINT32_MAX;
+        c->frames = q;
+        c->capfr = ncap;
+    }
+    c->frames[c->nfr] = (struct frame_ent){pc, space_id, exact, {0, 0, 0}};
+    c->ftab[j] = (uint32_t)c->nfr + 1;
+    return (uint32_t)c->nfr++;
+}
+
+/* Frame ids of a new stack's pcs: the leaf and a frame after a signal trampoline are exact. */
+static int stack_fids(struct fp_ctx *c, uint32_t space_id, const uint64_t *pcs,
+                      const uint8_t *kinds, uint32_t npcs, uint64_t *foff)
+{
+    if (c->nfids + npcs > c->capfids) {
+        uint64_t ncap = c->capfids ? c->capfids : 4096;
+        while (ncap < c->nfids + npcs)
+            ncap *= 2;
+        uint32_t *q = realloc(c->fids, ncap * sizeof *q);
+        if (!q)
+            return -1;
+        c->fids = q;
+        c->capfids = ncap;
+    }
+    *foff = c->nfids;
+    for (uint32_t i = 0; i < npcs; i++) {
+        uint8_t exact = i == 0 || (kinds[i - 1] & UNW_FRAME_SIGNAL);
+        uint32_t id = intern_frame(c, space_id, pcs[i], exact);
+        if (id == UINT32_MAX)
+            return -1;
+        c->fids[c->nfids++] = id;
+    }
+    return 0;
+}
+
 /* The id of key[0, nw): found, or added with count 0. UINT32_MAX on allocation failure. */
 static uint32_t intern_stack(struct fp_ctx *c, const uint64_t *key, uint32_t nw)
 {
@@ -640,8 +730,13 @@ static uint32_t intern_stack(struct fp_ctx *c, const uint64_t *key, uint32_t nw)
         c->stacks = q;
         c->capstk = ncap;
     }
+    uint64_t foff;
+    uint32_t npcs = (uint32_t)(key[1] >> 32);
+    const uint64_t *pcs = key + 2;
+    if (stack_fids(c, (uint32_t)key[0], pcs, (const uint8_t *)(pcs + npcs), npcs, &foff))
+        return UINT32_MAX;
     memcpy(c->words + c->nwords, key, 8 * (size_t)nw);
-    c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, nw, 0};
+    c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, foff, nw, 0};
     c->nwords += nw;
     c->stab[j] = (uint32_t)c->nstk + 1;
     return (uint32_t)c->nstk++;
@@ -742,6 +837,20 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out)
     out->nkc = s->nwords - 2 - out->npcs - (out->npcs + 7) / 8;
     out->kc = w + 2 + out->npcs + (out->npcs + 7) / 8;
     out->count = s->count;
+    out->fids = c->fids + s->foff;
+    return 0;
+}
+
+uint32_t fp_nframes(const struct fp_ctx *c) { return (uint32_t)c->nfr; }
+
+int fp_frame(const struct fp_ctx *c, uint32_t id, uint32_t *space_id, uint64_t *pc,
+             uint8_t *exact)
+{
+    if (id >= c->nfr)
+        return -1;
+    *space_id = c->frames[id].space_id;
+    *pc = c->frames[id].pc;
+    *exact = c->frames[id].exact;
     return 0;
 }
 

@@ -121,10 +121,17 @@ struct fp_stack {
     const uint8_t *kinds;   /* UNW_FRAME_* per pc */
     const uint64_t *kc;     /* the raw PERF_SAMPLE_CALLCHAIN */
     uint64_t count;         /* samples so far */
+    const uint32_t *fids;   /* frame id of each pc (fp_frame) */
 };
 
 uint32_t fp_nstacks(const struct fp_ctx *c);
 int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out);
+
+/* Distinct user frames (space, pc, exact) of all stacks, ids dense from 0: a frame is named
+ * from pc if exact (leaf, or right after a signal trampoline), else from pc - 1. */
+uint32_t fp_nframes(const struct fp_ctx *c);
+int fp_frame(const struct fp_ctx *c, uint32_t id, uint32_t *space_id, uint64_t *pc,
+             uint8_t *exact);
 
 /* Indices of the records that are not FP_SAMPLE (out holds n entries); returns their count. */
 uint64_t fp_select_other(const struct fp_rec *recs, uint64_t n, uint32_t *out);

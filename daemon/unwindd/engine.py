@@ -282,6 +282,11 @@ class StackEngine:
             self._kstacks.clear()
         return out
 
+    def frame_at(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
+        """One symbolized user frame for ``ip`` as named (already adjusted: a caller frame's
+        return address - 1); counts ``unsymbolized`` like ``user_frames`` does per frame."""
+        return self._user_frame(pid, snap, ip)
+
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)
         if m is None:

@@ -49,7 +49,7 @@ from .perfdata import PerfData
 from .records import Comm, FinishedRound, Record, _SampleLayout
 from .stackfmt import Frame, UnwoundSample
 from .streamstats import StreamStats
-from .unwinder import UnwindStatus, signal_mask
+from .unwinder import UnwindStatus
 
 __all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]
 
@@ -196,6 +196,11 @@ class _Replay:
         # per unique stack: (comm, status, frames, kernel frame count)
         self._stacks: list[tuple[str, str, tuple[Frame, ...], int]] = []
         self._rendered: list[str] = []
+        self._folded: list[tuple[str, ...]] = []  # per unique stack, folded key
+        # per distinct user frame (fp_frame id): the Frame, its rendering in self.fmt
+        self._frames: list[Frame] = []
+        self._frame_text: list[str] = []
+        self._seen: set[tuple[int, ...]] = set()  # (snapshot, pcs) already counted
         self.runs = 0
 
     # -- the whole file
@@ -375,32 +380,60 @@ class _Replay:
 
     def _symbolize_new(self) -> None:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
-        state the slow path would symbolize them in (before the next side-band record)."""
-        engine = self.engine
+        state the slow path would symbolize them in (before the next side-band record). Each
+        distinct user frame (fp_frame) is named once, with the engine's own ``frame_at`` (what
+        ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
+        engine, ctx = self.engine, self.ctx
+        ffr, text = self._frames, self._frame_text
+        sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
+        first = len(ffr)
+        for fid in range(first, int(lib.fp_nframes(ctx))):
+            lib.fp_frame(ctx, fid, sp, pc, ex)
+            snap = self._snaps[sp[0]]
+            f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
+            ffr.append(f)
+            text.append(self._render((f,)))
+        # frame_at counted every new frame; the slow path counts per new (snapshot, pcs): redo
+        engine.stats.unsymbolized -= sum(1 for f in ffr[first:] if f.sym is None)
         st = ffi.new("struct fp_stack *")
-        for sid in range(len(self._stacks), int(lib.fp_nstacks(self.ctx))):
-            lib.fp_stack(self.ctx, sid, st)
-            snap = self._snaps[st.space_id]
+        for sid in range(len(self._stacks), int(lib.fp_nstacks(ctx))):
+            lib.fp_stack(ctx, sid, st)
             callchain = tuple(ffi.unpack(st.kc, st.nkc)) if st.nkc else ()
             kframes = engine.kernel_frames(callchain) if callchain else ()
+            comm = self._comms[st.comm_id]
             if st.regs_none and kframes:
-                status, frames = "kernel_only", kframes
+                status, ids = "kernel_only", []
             else:
                 status = _STATUS[st.status].name.lower()
-                pcs = tuple(ffi.unpack(st.pcs, st.npcs))
-                sig = signal_mask(st.kinds, st.npcs)
-                frames = kframes + engine.user_frames(snap.key[0], snap, pcs, sig)
-            self._stacks.append((self._comms[st.comm_id], status, frames, len(kframes)))
-            if self.fmt != "folded":
-                self._rendered.append(self._render(frames))
+                ids = ffi.unpack(st.fids, st.npcs)
+                key = (st.space_id, *ids)
+                if key not in self._seen:  # user_frames' cache miss: it counts these
+                    self._seen.add(key)
+                    engine.stats.unsymbolized += sum(1 for i in ids if ffr[i].sym is None)
+            frames = kframes + tuple([ffr[i] for i in ids])
+            self._stacks.append((comm, status, frames, len(kframes)))
+            if self.fmt == "folded":
+                names = [text[i] for i in reversed(ids)]
+                knames = [self._render((f,)) for f in reversed(kframes)]
+                self._folded.append((comm or "[unknown]", *names, *knames))
+            elif self.fmt == "jsonl":
+                body = ",".join([*(self._render((f,)) for f in kframes), *(text[i] for i in ids)])
+                self._rendered.append(f"[{body}]")
+            else:
+                body = "".join([*(self._render((f,)) for f in kframes), *(text[i] for i in ids)])
+                self._rendered.append(body + "\n")
 
     def _render(self, frames: tuple[Frame, ...]) -> str:
+        """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""
+        (f,) = frames
+        if self.fmt == "folded":
+            u = UnwoundSample(None, None, None, None, "", None, "", frames)
+            return stackfmt.folded_key(u)[1]
         if self.fmt == "jsonl":
             u = UnwoundSample(None, None, None, None, "", None, "", frames)
-            return json.dumps(stackfmt.to_json(u)["frames"], separators=(",", ":"))
-        lines = [f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
-                 f"({f.dso or '[unknown]'})\n" for f in frames]  # fmt: skip
-        return "".join(lines) + "\n"
+            return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
+        return (f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
+                f"({f.dso or '[unknown]'})\n")  # fmt: skip
 
     # -- output
 
@@ -454,7 +487,7 @@ class _Replay:
         es = self.engine.stats
         st = ffi.new("struct fp_stack *")
         folded: Counter[tuple[str, ...]] = Counter()
-        for sid, (comm, status, frames, nk) in enumerate(self._stacks):
+        for sid, (_comm, status, frames, nk) in enumerate(self._stacks):
             lib.fp_stack(self.ctx, sid, st)
             count = int(st.count)
             es.samples += count
@@ -462,8 +495,7 @@ class _Replay:
             es.kernel_frames += nk * count
             es.user_frames += (len(frames) - nk) * count
             if self.fmt == "folded":
-                u = UnwoundSample(None, None, None, None, comm, None, status, frames)
-                folded[stackfmt.folded_key(u)] += count
+                folded[self._folded[sid]] += count
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
         if self.fmt == "folded":
