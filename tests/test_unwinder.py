@@ -536,3 +536,19 @@ def test_vdso_cfi_compiled_and_used() -> None:
     start = next(a for a, n in zip(syms.starts, syms.names, strict=True) if "clock_gettime" in n)
     row = t.lookup(start)
     assert row is not None and (row.cfa_reg, row.cfa_off) == (7, 8)  # function entry: rsp+8
+
+
+def test_engine_persists_cfi_by_build_id(tmp_path: pathlib.Path) -> None:
+    """StackEngine.create(cfi_cache_dir=...) compiles through a CfiStore keyed by the ELF
+    cache entry's build-id: a second engine loads the table from disk."""
+    from unwindd.engine import StackEngine
+
+    stamps = []
+    for _ in range(2):
+        engine = StackEngine.create(cfi_cache_dir=str(tmp_path))
+        e = engine.table.binaries.acquire(None, LIBC)
+        t = e.cfi()
+        assert isinstance(t, CfiTable) and t.nrows > 1000 and e.build_id
+        stamps.append((tmp_path / f"{e.build_id.hex()}.cfi").stat().st_mtime_ns)
+        engine.table.binaries.release(e)
+    assert stamps[0] == stamps[1]  # the second engine read the file, did not rewrite it
