@@ -513,6 +513,7 @@ class RecordDecoder:
         self.stats = DecodeStats()
         self._default = self.formats[0]
         self._layouts = [_SampleLayout.of(f) for f in self.formats]
+        self._sid_layouts = [_SampleIdLayout.of(f) for f in self.formats]
         # perf refuses mixed id positions (evlist__valid_sample_type); we do the same by
         # falling back to the first format when they disagree.
         self._id_pos = self._default.id_pos
@@ -583,11 +584,11 @@ class RecordDecoder:
             return Unknown(rtype, misc, bytes(body))
         fmt_idx = self._format_for_other(body)
         fmt = self.formats[fmt_idx]
-        sid_size = fmt.sample_id_size
+        sid_size = self._sid_layouts[fmt_idx].struct.size
         if sid_size > len(body):
             raise DecodeError("short_sample_id")
         end = len(body) - sid_size
-        sid = self._sample_id(fmt, body, end) if sid_size else NO_SAMPLE_ID
+        sid = self._sample_id(fmt_idx, body, end) if sid_size else NO_SAMPLE_ID
         if rtype == RecordType.MMAP2:
             if misc & MISC_MMAP_BUILD_ID and not self._mmap2_build_id_form(fmt, body, end):
                 self.stats.repairs["mmap2_leaked_build_id_flag"] += 1
@@ -626,28 +627,17 @@ class RecordDecoder:
             return Throttle(misc, rtype == RecordType.UNTHROTTLE, time, eid, stream, sid)
         return Unknown(rtype, misc, bytes(body[:end]), sid)
 
-    @staticmethod
-    def _sample_id(fmt: EventFormat, body: memoryview, off: int) -> SampleId:
-        st = fmt.sample_type
-        pid = tid = time = eid = stream = cpu = None
-        if st & SampleType.TID:
-            pid, tid = _2U32.unpack_from(body, off)
-            off += 8
-        if st & SampleType.TIME:
-            (time,) = _U64.unpack_from(body, off)
-            off += 8
-        if st & SampleType.ID:
-            (eid,) = _U64.unpack_from(body, off)
-            off += 8
-        if st & SampleType.STREAM_ID:
-            (stream,) = _U64.unpack_from(body, off)
-            off += 8
-        if st & SampleType.CPU:
-            (cpu,) = _U32.unpack_from(body, off)
-            off += 8
-        if st & SampleType.IDENTIFIER:
-            (eid,) = _U64.unpack_from(body, off)
-        return SampleId(pid, tid, time, eid, stream, cpu)
+    def _sample_id(self, fmt_idx: int, body: memoryview, off: int) -> SampleId:
+        lay = self._sid_layouts[fmt_idx]
+        v = lay.struct.unpack_from(body, off)
+        return SampleId(
+            v[lay.i_pid] if lay.i_pid >= 0 else None,
+            v[lay.i_pid + 1] if lay.i_pid >= 0 else None,
+            v[lay.i_time] if lay.i_time >= 0 else None,
+            v[lay.i_id] if lay.i_id >= 0 else None,
+            v[lay.i_stream] if lay.i_stream >= 0 else None,
+            v[lay.i_cpu] if lay.i_cpu >= 0 else None,
+        )
 
     @staticmethod
     def _mmap2_build_id_form(fmt: EventFormat, body: memoryview, end: int) -> bool:
@@ -846,3 +836,37 @@ class _SampleLayout:
             regs=struct.Struct(f"<{bin(fmt.sample_regs_user).count('1')}Q"),
             regs_mask=fmt.sample_regs_user,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _SampleIdLayout:
+    """A format's ``sample_id`` trailer compiled once into one struct (see the module doc for
+    the layout): side-band-heavy streams (mmap churn) decode millions of trailers."""
+
+    struct: struct.Struct
+    i_pid: int  # tid follows at i_pid + 1
+    i_time: int
+    i_id: int
+    i_stream: int
+    i_cpu: int
+
+    @classmethod
+    def of(cls, fmt: EventFormat) -> _SampleIdLayout:
+        st = int(fmt.sample_type) if fmt.sample_id_all else 0
+        codes = ""
+        idx = {"pid": -1, "time": -1, "id": -1, "stream": -1, "cpu": -1}
+        n = 0
+        for bit, name, code in (
+            (SampleType.TID, "pid", "II"),
+            (SampleType.TIME, "time", "Q"),
+            (SampleType.ID, "id", "Q"),
+            (SampleType.STREAM_ID, "stream", "Q"),
+            (SampleType.CPU, "cpu", "II"),  # u32 cpu, res
+            (SampleType.IDENTIFIER, "id", "Q"),  # same id as PERF_SAMPLE_ID; last one wins
+        ):
+            if st & bit:
+                idx[name] = n
+                codes += code
+                n += len(code)
+        return cls(struct.Struct("<" + codes), idx["pid"], idx["time"], idx["id"],
+                   idx["stream"], idx["cpu"])  # fmt: skip
