@@ -184,3 +184,42 @@ struct unw_item {
 int unw_unwind_batch(int arch, const struct unw_item *items, uint32_t n, uint32_t max_depth,
                      uint64_t *pcs, uint8_t *kinds, uint32_t *counts, uint8_t *status,
                      uint16_t *fp_frames, uint16_t *sig_frames);
+
+/* ------------------------------------------------------------------ symbols (symtab.c) */
+
+/* secflags[] bits per section index */
+#define UNW_SEC_ALLOC 1       /* SHF_ALLOC */
+#define UNW_SEC_TEXT 2        /* the section name contains "text" */
+#define UNW_SYM_UNDECIDED 2   /* unw_sym.keep: a duplicate group only demangled names decide */
+
+/* One kept ELF symbol; name = st_name offset into the string table. 32 bytes. */
+struct unw_sym {
+    uint64_t start, end;
+    uint32_t name, index;   /* index: position in the symbol table (perf's tie order) */
+    uint8_t bind, keep;     /* keep: 1 survivor, 0 duplicate dropped, UNW_SYM_UNDECIDED */
+    uint16_t pad;
+    uint32_t pad2;
+};
+
+/* Kept function symbols of an Elf64_Sym array (nsyms entries at syms, bounded by the caller)
+ * per perf's rules, sorted by (start, index), ends fixed, duplicates marked in keep; out has
+ * room for nsyms. arm: drop ARM mapping symbols. Returns the count written. O(n log n). */
+int64_t unw_symtab_scan(const uint8_t *syms, uint64_t nsyms, const uint8_t *strtab,
+                        uint64_t strsz, const uint8_t *secflags, uint32_t nsec, int arm,
+                        struct unw_sym *out, uint64_t *nundecided);
+
+/* Drop every symbol whose keep != 1, in place, order kept; returns the new count. O(n). */
+uint64_t unw_symtab_compact(struct unw_sym *syms, uint64_t n);
+
+/* One /proc/kallsyms text symbol: name/module = byte ranges of the text (mod_len 0: kernel). */
+struct unw_ksym {
+    uint64_t addr, end;
+    uint32_t name_off, mod_off;
+    uint16_t name_len, mod_len;
+    uint32_t line;
+};
+
+/* Text symbols (types t T w W) of kallsyms text, sorted by (addr, line), ends fixed as perf's
+ * symbols__fixup_end(is_kallsyms=true); at most cap. Returns the count. O(len + n log n). */
+int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *out,
+                           uint64_t cap);

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +18,15 @@ from unwindd.elfcache import ElfCache
 from unwindd.perfdata import PerfData
 from unwindd.proctable import ProcessTable
 from unwindd.records import Sample
-from unwindd.symbolize import Kallsyms, PerfMap, Symbolizer, parse_perf_map
+from unwindd.symbolize import (
+    Kallsyms,
+    PerfMap,
+    Symbolizer,
+    load_symbol_table,
+    load_symbol_table_reference,
+    parse_kallsyms,
+    parse_perf_map,
+)
 
 FAKEPROC = Path(__file__).parent / "fakeproc"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
@@ -141,6 +150,46 @@ def test_libc_local_symbols_from_build_id_debug_file() -> None:
     assert table.lookup(start_main) == ("__libc_start_main@@GLIBC_2.34", 0)
     free_addr = next(a for a, ns in _nm_funcs(dbg).items() if "free" in ns)
     assert table.lookup(free_addr) == ("cfree@GLIBC_2.2.5", 0)
+
+
+def _system_binaries() -> list[str]:
+    """Real binaries of every symbol source: libc (build-id debug file), libstdc++ (C++ alias
+    groups decided on demangled names), libz (.dynsym only), perf (.plt.sec), python."""
+    lib = "/usr/lib/x86_64-linux-gnu"
+    cands = [LIBC, f"{lib}/libstdc++.so.6", f"{lib}/libz.so.1", f"{lib}/libm.so.6",
+             "/usr/bin/perf", "/usr/bin/bash", os.path.realpath(sys.executable)]  # fmt: skip
+    return [os.path.realpath(p) for p in cands if os.path.exists(p)]
+
+
+@pytest.mark.parametrize("path", _system_binaries())
+def test_native_table_equals_python_reference(path: str) -> None:
+    """symtab.c's scan + lazy names == the pure-Python statement of perf's rules, symbol for
+    symbol (start, end, demangled name), on real binaries."""
+    e = ElfCache().acquire(None, path)
+    assert e.usable
+    got, want = load_symbol_table(e), load_symbol_table_reference(e)
+    assert len(got) > 0
+    assert got.symbols() == want.symbols()
+    for s in want.symbols()[::97]:
+        assert got.lookup(s.start) == want.lookup(s.start) == (s.name, 0)
+
+
+def test_native_kallsyms_equals_regex_parser() -> None:
+    lines = [
+        "ffffffff81000000 T _stext", "ffffffff81000000 t dup_first", "0000000000000000 T zero",
+        "ffffffff81000010 D not_text", "ffffffff81000020 W weak  ", "ffffffff81000030 T bad tail",
+        "ffffffff81000040 t modsym\t[mod_a]", "ffffffff81000040 t modsym2 [mod_b]  ",
+        "ffffffff81000050 t broken\t[mod", "12345678901234567 T too_long", "xyz T nothex",
+        "ffffffff81000060 T\tnospace", "ffffffff81000070 T name\r", "ffffffff81000080 T last",
+    ]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    for t in (text, text.rstrip("\n"), Path("/proc/kallsyms").read_text()):
+        ref = parse_kallsyms(t)
+        ref = [r for r in ref if r[0] < 1 << 64]
+        k = Kallsyms(t)
+        assert len(k) == len(ref)
+        got = [(k.starts[i], k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+        assert got == ref
 
 
 # --------------------------------------------------------------------------- demangling
