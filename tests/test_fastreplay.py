@@ -307,3 +307,20 @@ def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().startswith("ok "), proc.stdout
     assert "runtime error" not in proc.stderr
+
+
+def test_cli_default_config_path_matches_config() -> None:
+    """cli spells config.DEFAULT_PATH itself so `unwindd replay` never imports config."""
+    from unwindd import cli, config
+
+    assert cli._DEFAULT_CONFIG == config.DEFAULT_PATH
+
+
+def test_replay_does_not_import_live_or_service_stacks() -> None:
+    code = ("import sys; from unwindd import cli; cli.build_parser(); "
+            "bad = [m for m in ('unwindd.config', 'unwindd.capture', 'unwindd.output', "
+            "'unwindd.service', 'unwindd.live', 'unwindd.engine', 'tomllib') "
+            "if m in sys.modules]; print(bad)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert out.strip() == "[]"

@@ -24,14 +24,19 @@ from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from . import __version__, stackfmt
-from .capture import StreamPipeline, run_live
-from .engine import StackEngine
-from .output import record_to_json, render_summary
-from .records import Record
 
+# Imports are per command: `unwindd replay` (the fast path) must not pay for the capture,
+# output, config or service stacks it does not run (~40 ms of a ~0.4 s cold replay start).
 if TYPE_CHECKING:
+    from .capture import StreamPipeline
+    from .engine import StackEngine
     from .live import LiveProfiler
     from .perfcore import Target
+    from .records import Record
+
+# config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
+# (tests/test_fastreplay.py checks they agree).
+_DEFAULT_CONFIG = "/etc/unwindd/config.toml"
 
 
 def _positive_float(s: str) -> float:
@@ -94,13 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
-    from .config import DEFAULT_PATH
-
     p.add_argument(
         "--config",
         metavar="FILE",
         default=None,
-        help=f"TOML config (default {DEFAULT_PATH}; if that file is absent, built-in defaults)",
+        help=f"TOML config (default {_DEFAULT_CONFIG}; if that file is absent, built-in defaults)",
     )
 
 
@@ -160,11 +163,15 @@ class _Output:
         self.engine: StackEngine | None = None
         self.folded: Counter[tuple[str, ...]] = Counter()
         if unwind and fmt in ("jsonl", "folded", "perf-script"):
+            from .engine import StackEngine
+
             self.engine = StackEngine.create()
 
     def __call__(self, recs: list[Record]) -> None:
         w = self.out.write
         if self.fmt == "records":
+            from .output import record_to_json
+
             for rec in recs:
                 w(json.dumps(record_to_json(rec), separators=(",", ":")))
                 w("\n")
@@ -202,6 +209,8 @@ def _fail(msg: str) -> int:
 
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
+    from .capture import StreamPipeline, run_live
+    from .output import render_summary
     from .perfcore import PerfOpenError, PerfSession, SamplingConfig, Target
 
     if args.format != "records":
@@ -271,6 +280,7 @@ def _target(args: argparse.Namespace) -> Target:
 def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     """Live capture through LiveProfiler: every sample unwound and symbolized as it arrives."""
     from .live import LiveProfiler
+    from .output import render_summary
     from .perfcore import PerfOpenError, SamplingConfig
 
     target = _target(args)
@@ -411,6 +421,9 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     if args.format in ("folded", "jsonl", "perf-script") and args.file != "-":
         if not args.slow_path and _fast_replay(data, args.file, args.format, out):
             return 0
+    from .capture import StreamPipeline
+    from .output import render_summary
+
     sink = _Output(args.format, out)
     with data:
         pipeline = StreamPipeline(data.decoder)
