@@ -24,9 +24,15 @@ Invariants:
   rest. After each batch is unwound ``live.end_batch()`` drops retired/over-cap pids, and a
   dropped pid's comms are forgotten here.
 - Cost: a stack already seen in the same address-space generation costs one dict lookup; a new
-  one costs, per frame, one bisect for the mapping and one dict hit per (binary, address)
-  already symbolized, else one bisect in the binary's symbol table. Every cache is bounded
-  (cleared when it outgrows ``sym_cache_size`` entries).
+  one costs one dict hit per frame already named in that generation (profiles repeat callers:
+  only leaves vary), else one bisect for the mapping and one dict hit per (binary, address)
+  already symbolized, else one bisect in the binary's symbol table.
+- Memory: every per-process cache (snapshots, stacks, frames) is keyed by pid and dropped with
+  the pid when the process table drops it (``on_drop``: exit grace, cap, reuse), so under
+  process churn it is bounded by the live pids, not by how many pids ever existed; each pid
+  keeps only its newest snapshot, at most ``_PID_STACKS`` stacks and ``_PID_FRAMES`` frames,
+  and all pids together at most ``sym_cache_size`` stacks (cleared whole past it: a cold cache
+  only costs re-naming). Frames are at most ``max_depth`` long, so these are byte bounds too.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ if TYPE_CHECKING:
     from .livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
+_PID_STACKS = 4096  # stacks cached per pid (one pid's JIT or deep recursion cannot hog the rest)
+_PID_FRAMES = 16384  # named frames cached per pid
+_MAX_SNAPS = 4096  # snapshots held outside live mode, where nothing tells us a pid is gone
 
 
 @dataclass
@@ -95,10 +104,14 @@ class StackEngine:
         self.batch_size = batch_size
         self.stats = EngineStats()
         self._comms: dict[int, str] = {}  # tid -> comm
-        self._snaps: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()
+        self._snaps: dict[int, Snapshot] = {}  # pid -> its newest snapshot (insertion = age)
         self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
         self._sym_cache_size = sym_cache_size
-        self._stacks: dict[tuple[tuple[int, int], tuple[int, ...]], tuple[Frame, ...]] = {}
+        # pid -> {(generation, pcs): frames}; pid -> {(generation, named ip): frame}
+        self._stacks: dict[int, dict[tuple[int, tuple[int, ...]], tuple[Frame, ...]]] = {}
+        self._nstacks = 0
+        self._frames: dict[int, dict[tuple[int, int], Frame]] = {}
+        self._joined: dict[tuple[int, int], tuple[tuple[Frame, ...], ...]] = {}
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
         self.live: LiveTable | None = None
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
@@ -184,12 +197,25 @@ class StackEngine:
         self._comms[tid] = comm
 
     def _dropped(self, pid: int) -> None:
+        self.forget_pid(pid)
         self._comms.pop(pid, None)
         for tid in self._tids.pop(pid, ()):
             self._comms.pop(tid, None)
         self.symbolizer.forget_pid(pid)
         if self.live is not None:
             self.live.forget(pid)
+
+    def forget_pid(self, pid: int) -> None:
+        """Drop ``pid``'s snapshot, stacks and frames (the table dropped its space)."""
+        self._snaps.pop(pid, None)
+        self._nstacks -= len(self._stacks.pop(pid, ()))
+        self._frames.pop(pid, None)
+
+    def cache_sizes(self) -> dict[str, int]:
+        """Entries per cache, for metrics and the churn benchmark."""
+        return {"snapshots": len(self._snaps), "stacks": self._nstacks,
+                "frames": sum(len(f) for f in self._frames.values()), "syms": len(self._syms),
+                "kstacks": len(self._kstacks), "comms": len(self._comms)}  # fmt: skip
 
     def comm_of(self, pid: int | None, tid: int | None) -> str:
         if tid is not None and tid in self._comms:
@@ -205,13 +231,16 @@ class StackEngine:
         it); its ``native`` form is what the unwinder takes."""
         sp = self.table.space_for(pid if pid is not None else -1)
         key = (sp.pid, sp.generation)
-        snap = self._snaps.get(key)
-        if snap is None:
+        snap = self._snaps.get(sp.pid)
+        if snap is None or snap.key != key:
+            # Generations only grow (proctable: one global counter), so an older snapshot of
+            # this pid is never wanted again; samples queued against it hold their own.
             mappings = sp.mappings
             snap = Snapshot(key, sp.native_space(), mappings, tuple(m.start for m in mappings))
-            self._snaps[key] = snap
-            if len(self._snaps) > 4096:
-                self._snaps.popitem(last=False)
+            self._snaps.pop(sp.pid, None)
+            self._snaps[sp.pid] = snap
+            if len(self._snaps) > _MAX_SNAPS and self.live is None:
+                del self._snaps[next(iter(self._snaps))]
         return snap
 
     def _unwind(self, pending: list[tuple[Snapshot, Sample]]) -> list[UnwoundSample]:
@@ -226,7 +255,8 @@ class StackEngine:
                 frames = kframes
             else:
                 status = res.status.name.lower()
-                frames = kframes + self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
+                uframes = self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
+                frames = self._join(kframes, uframes) if kframes else uframes
             stats.samples += 1
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)
@@ -236,6 +266,19 @@ class StackEngine:
         stats.frames = stats.kernel_frames + stats.user_frames
         return out
 
+    def _join(self, kframes: tuple[Frame, ...], uframes: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        """``kframes + uframes``, the same tuple object each time for the same two cached
+        tuples: the store interns stacks by identity first (no per-frame hashing)."""
+        key = (id(kframes), id(uframes))
+        hit = self._joined.get(key)
+        if hit is not None and hit[0] is kframes and hit[1] is uframes:
+            return hit[2]
+        out = kframes + uframes
+        if len(self._joined) >= self._sym_cache_size:
+            self._joined.clear()
+        self._joined[key] = (kframes, uframes, out)  # holds both: their ids stay theirs
+        return out
+
     def user_frames(
         self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...], signal_frames: int = 0
     ) -> tuple[Frame, ...]:
@@ -243,19 +286,45 @@ class StackEngine:
         unwinder found them; ``signal_frames``: the unwinder's mask of signal-trampoline
         frames, ``UnwindResult.signal_frames``). Profiles repeat the same stacks: each
         (address space, stack) is symbolized once (the mask is a function of both)."""
-        key = (snap.key, pcs)
-        hit = self._stacks.get(key)
+        spid, gen = snap.key
+        per = self._stacks.get(spid)
+        if per is None:
+            per = self._stacks[spid] = {}
+        key = (gen, pcs)
+        hit = per.get(key)
         if hit is not None:
             return hit
+        fcache = self._frames.get(spid)
+        if fcache is None:
+            fcache = self._frames[spid] = {}
         frames = []
         # The leaf's pc is exact; so is the pc of a frame right after a signal trampoline (it
         # was interrupted, not called); every other pc is a return address, reported - 1.
         exact = signal_frames << 1 | 1
+        unsym = 0
         for i, pc in enumerate(pcs):
-            frames.append(self._user_frame(pid, snap, pc if exact >> i & 1 else pc - 1))
-        out = self._stacks[key] = tuple(frames)
-        if len(self._stacks) > self._sym_cache_size:
+            ip = pc if exact >> i & 1 else pc - 1
+            f = fcache.get((gen, ip))
+            if f is None:
+                f = self._user_frame(pid, snap, ip)
+                self.stats.unsymbolized -= f.sym is None  # counted below, once per stack
+                if len(fcache) >= _PID_FRAMES:
+                    fcache.clear()
+                fcache[(gen, ip)] = f
+            unsym += f.sym is None
+            frames.append(f)
+        self.stats.unsymbolized += unsym
+        out = tuple(frames)
+        if len(per) >= _PID_STACKS:
+            self._nstacks -= len(per)
+            per.clear()
+        per[key] = out
+        self._nstacks += 1
+        if self._nstacks > self._sym_cache_size or len(self._frames) > _MAX_SNAPS:
+            # Outside live mode nothing drops pids: this bounds the pid count too.
             self._stacks.clear()
+            self._frames.clear()
+            self._nstacks = 0
         return out
 
     def kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
