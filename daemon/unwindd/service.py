@@ -2,11 +2,15 @@
 metrics listener and systemd's notify protocol.
 
 Invariants:
-- Everything runs on one event-loop thread: ``step()``, queries, metric scrapes and reloads
-  never run concurrently, so the sans-IO stages need no locks.
+- Everything that changes state runs on one event-loop thread: ``step()``, metric scrapes,
+  reloads and the answer cache never run concurrently, so the sans-IO stages need no locks.
+  The one exception is read-only: store queries (stacks, top, processes) run on one worker
+  thread against an immutable ``StackStore.snapshot()`` taken on the loop (O(buckets)), so a
+  query over a big window (tens to hundreds of ms of Python) no longer holds the rings
+  undrained; the loop gets the GIL back at least every ``sys.getswitchinterval()`` (5 ms).
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
-  sizes, see capture.drain_round), a query is O(store entries in its window) with the store
-  bounded by ``[store] max_entries``, and every socket wait has a timeout.
+  sizes, see capture.drain_round) and unwinds at most ``LiveProfiler.max_step_samples`` fast-path
+  samples, and every socket wait has a timeout.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
   ``[daemon] tick_ms`` by a timer. A ring fd that stays readable without yielding records (a
   sampled pid exited: POLLHUP) is dropped from the reader set until the next tick, so it cannot
@@ -33,9 +37,11 @@ import signal
 import socket
 import stat
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import __version__
@@ -182,12 +188,15 @@ class Daemon:
         self._readers_on = False
         self._timer: asyncio.TimerHandle | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self._query_pool: ThreadPoolExecutor | None = None
+        self._tls = threading.local()  # .store: the snapshot a worker-thread query reads
 
     # -- Source protocol (api.Api reads these)
 
     @property
     def store(self) -> Any:
-        return self.profiler.store
+        snap = getattr(self._tls, "store", None)
+        return snap if snap is not None else self.profiler.store
 
     @property
     def period_ns(self) -> int:
@@ -357,6 +366,8 @@ class Daemon:
             _, pending = await asyncio.wait(self._tasks, timeout=1.0)
             for t in pending:
                 t.cancel()
+        if self._query_pool is not None:
+            self._query_pool.shutdown(wait=False, cancel_futures=True)
         if hasattr(self, "profiler"):
             self.profiler.close()
         if self.socket_path:
@@ -504,7 +515,10 @@ class Daemon:
                     return
                 assert isinstance(item, Request)
                 try:
-                    result = handle(item, peer)
+                    if handle == self._api_request and self._offloaded(item):
+                        result = await self._api_request_off_loop(item, peer)
+                    else:
+                        result = handle(item, peer)
                 except Exception:
                     log.exception("handling %s", item.target)
                     result = error_response(500, "internal error")
@@ -549,6 +563,40 @@ class Daemon:
         if isinstance(res, StreamStart) and full:
             self.rejected["too_many_streams"] += 1
             return error_response(429, "too many stream clients")
+        return res
+
+    def _offloaded(self, req: Request) -> bool:
+        return (req.method == "GET" and req.path in _CACHED_PATHS
+                and hasattr(self.profiler.store, "snapshot"))  # fmt: skip
+
+    async def _api_request_off_loop(self, req: Request, peer: Peer) -> Response | StreamStart:
+        """``_api_request`` for a store query: the cache on the loop, the query itself on the
+        worker thread against a snapshot (see the module doc)."""
+        key = (req.target, peer.uid)
+        now = time.monotonic()
+        hit = self._answers.get(key)
+        if hit is not None and hit[0] > now:
+            self.api.requests[req.path] += 1
+            return hit[1]
+        if self._query_pool is None:
+            self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-query")
+        snap = self.profiler.store.snapshot()
+
+        def run() -> Response | StreamStart:
+            self._tls.store = snap
+            try:
+                return self.api.handle(req, peer)
+            finally:
+                self._tls.store = None
+                snap.close()
+
+        res = await asyncio.get_running_loop().run_in_executor(self._query_pool, run)
+        now = time.monotonic()
+        if isinstance(res, Response) and res.status == 200:
+            if len(self._answers) >= 64:
+                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
+            if len(self._answers) < 64:
+                self._answers[key] = (now + _ANSWER_TTL, res)
         return res
 
     def _metrics_request(self, req: Request, peer: Peer) -> Response | StreamStart:
