@@ -223,3 +223,24 @@ struct unw_ksym {
  * symbols__fixup_end(is_kallsyms=true); at most cap. Returns the count. O(len + n log n). */
 int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *out,
                            uint64_t cap);
+
+/* ------------------------------------------------------------------ side-band (sideband.c) */
+
+/* Mark the MMAP2 records among recs[idx[0..n)] (struct fp_rec, fastpath.h; data = the data
+ * section of len bytes) that cannot change a replay's process table (non-executable, overlapping
+ * no executable MMAP/MMAP2 range of the file, decodable without error): cand[r] = 1, pids[r] =
+ * its pid, and its index entry gets time/cpu/flags from its sample_id trailer (sid_size bytes;
+ * time at t_off and cpu at c_off inside it, -1 if absent). cand/pids are indexed by record
+ * (zeroed by the caller). idx[0..*nrest) keeps the other records, in order.
+ * Returns the number of candidates, -1 on allocation failure. O(n log n). */
+int64_t unw_sb_scan(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx,
+                    uint64_t n, uint32_t sid_size, int32_t t_off, int32_t c_off,
+                    uint8_t *cand, uint32_t *pids, uint64_t *nrest);
+
+/* Remove from perm[0..m) (delivered order) every candidate but the first of each pid, which
+ * gets cand = 2 and is listed in kept[0..*nkept); the cpu field of each removed one goes to
+ * skipped_cpus (room for ncand). Returns the new length, or UINT64_MAX on allocation failure.
+ * O(m). */
+uint64_t unw_sb_compact(uint32_t *perm, uint64_t m, uint8_t *cand, const uint32_t *pids,
+                        uint64_t ncand, const void *recs, uint32_t *kept, uint64_t *nkept,
+                        uint32_t *skipped_cpus);

@@ -69,6 +69,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[name] = _record(w[name].argv, tmp, name)
     busy = [sys.executable, "-c", "import os\nos.fork()\nx=0\nfor i in range(3_000_000): x+=i"]
     out["system"] = _record(busy, tmp, "system", extra=("-a",))
+    # Deep recursion: CPython mmaps/munmaps frame chunks, so most records are data MMAP2s (the
+    # ones sideband.c lets the fast path skip), interleaved with samples.
+    deep = [sys.executable, "-c", "import sys\nsys.setrecursionlimit(10000)\n"
+            "def f(n): return 0 if n == 0 else (f(n - 1) + n) % 7\n"
+            "for i in range(1500): f(100 + i % 200)"]  # fmt: skip
+    out["mmapstorm"] = _record(deep, tmp, "mmapstorm")
     return out
 
 
@@ -111,6 +117,7 @@ def _counts(
         "file_errors": dict(data.errors),
         "stream": ss,
         "order": os_,
+        "table": dict(engine.table.stats.records),
         "engine": (
             e.samples,
             dict(e.by_status),
@@ -123,11 +130,15 @@ def _counts(
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", ["forkexec", "dlopen", "threads", "signal", "python", "system"])
+@pytest.mark.parametrize(
+    "name", ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm"]
+)
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
     fast_out, fast_counts = _fast(files[name], fmt)
     assert slow_out, "empty output"
+    if name == "mmapstorm":
+        assert slow_counts["decode_records"]["MMAP2"] > 1000, slow_counts["decode_records"]
     assert fast_out == slow_out
     assert fast_counts == slow_counts
 

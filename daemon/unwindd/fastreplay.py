@@ -14,6 +14,11 @@ Invariants:
   native space is dropped on the C side whenever a record of that pid is applied, and re-taken
   from ``StackEngine.snapshot`` at its next sample), the comm of that moment (all comm ids are
   dropped at each COMM), and the engine's own ``user_frames``/``kernel_frames`` for names.
+- Side-band records that cannot change the process table are not decoded or applied, only
+  counted where the slow path counts them: data (non-exec) MMAP2s overlapping no executable
+  range of the file, after their pid's first (``cffi_build/sideband.c`` states the proof), and
+  data MMAP2s over nothing the pid's space maps (``_data_mmap_is_noop``). Deep CPython
+  recursion makes ~50k of them per second of profile.
 - Same counts: ``DecodeStats`` (records by type, errors), ``PerfData.errors``, ``StreamStats``,
   ``OrderStats`` and the engine's per-status sample and frame counts. (``EngineStats.batches``
   counts native runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique
@@ -25,8 +30,8 @@ Invariants:
 - Memory: the file is mmap'd read-only; stacks are read in place. Per record 48 bytes of index
   plus 4 of order; per unique stack its key words and its rendered frames.
 
-Cost: O(records) native work plus O(side-band records + unique stacks) Python work for folded
-output; jsonl/perf-script add one string format per sample (~2-4 us).
+Cost: O(records) native work plus O(table-changing side-band records + unique stacks) Python
+work for folded output; jsonl/perf-script add one string format per sample (~2-4 us).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +52,8 @@ from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
 from .ordering import OrderStats, lateness_bucket
 from .perfdata import PerfData
-from .records import Comm, FinishedRound, Record, _SampleLayout
+from .proctable import PROT_EXEC, Mapping
+from .records import Comm, FinishedRound, Mmap2, Record, _SampleLayout
 from .stackfmt import Frame, UnwoundSample
 from .streamstats import StreamStats
 from .unwinder import UnwindStatus
@@ -60,6 +67,10 @@ _END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE):
 _STATUS = tuple(sorted(UnwindStatus))
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
+
+
+def _start(m: Mapping) -> int:
+    return m.start
 
 
 class Unsupported(Exception):
@@ -217,11 +228,25 @@ class _Replay:
             if recs[i].type == RecordType.HEADER_ATTR:
                 raise Unsupported("HEADER_ATTR in the data section")
 
-        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does
+        # -- data MMAP2 records that cannot change the process table (sideband.c): their index
+        # entries get time/cpu natively and they are never decoded into objects
         data, dec = self.data, self.data.decoder
+        cand = ffi.new("uint8_t[]", max(1, n))
+        cand_pids = ffi.new("uint32_t[]", max(1, n))
+        ncand, nrest = 0, nother
+        trailer = dec.sample_id_trailer()
+        if trailer is not None and nother:
+            p_rest = ffi.new("uint64_t *")
+            ncand = int(lib.unw_sb_scan(self.buf, self.length, recs, others, nother, *trailer,
+                                        cand, cand_pids, p_rest))  # fmt: skip
+            if ncand < 0:
+                raise MemoryError("unw_sb_scan")
+            nrest = int(p_rest[0])
+
+        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does
         mv = memoryview(self.mm)
         objs: dict[int, Record] = {}
-        for i in others[0:nother]:
+        for i in others[0:nrest]:
             r = recs[i]
             off = self.start + r.off
             rtype, misc, body = r.type, r.misc, mv[off + 8 : off + r.size]
@@ -258,6 +283,9 @@ class _Replay:
             raise MemoryError("fp_order")
         self._order_stats(ost, late, int(nlate[0]))
         m = int(nout[0])
+        skipped = 0
+        if ncand:
+            m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand, objs)
 
         # -- columns of the delivered stream, stream counts
         ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
@@ -287,6 +315,10 @@ class _Replay:
                 break
             rec = objs[perm[p]]
             side += 1
+            pos = p + 1
+            if type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
+                engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
+                continue
             if isinstance(rec, Comm):
                 engine.set_comm(rec.tid, rec.comm)
                 lib.fp_forget_comms(self.ctx)
@@ -294,9 +326,57 @@ class _Replay:
             rpid = getattr(rec, "pid", None)
             if isinstance(rpid, int) and 0 <= rpid < 1 << 32:
                 lib.fp_forget_space(self.ctx, rpid)
-            pos = p + 1
         self._finish()
-        return FastResult(nsamples, len(self._stacks), self.runs, side)
+        return FastResult(nsamples, len(self._stacks), self.runs, side + skipped)
+
+    def _skip_data_mmaps(
+        self, recs: Any, perm: Any, m: int, cand: Any, pids: Any, ncand: int,
+        objs: dict[int, Record],
+    ) -> tuple[int, int]:  # fmt: skip
+        """Drop the scan's candidates from the delivered order, except each pid's first (it
+        may create the pid's space: decoded and applied like any record). Counts the dropped
+        ones where decode_one, StreamStats.observe and ProcessTable.apply would have.
+        Returns (new length of perm, records dropped)."""
+        kept = ffi.new("uint32_t[]", ncand)
+        nkept = ffi.new("uint64_t *")
+        cpus = ffi.new("uint32_t[]", ncand)
+        new_m = int(lib.unw_sb_compact(perm, m, cand, pids, ncand, recs, kept, nkept, cpus))
+        if new_m == (1 << 64) - 1:
+            raise MemoryError("unw_sb_compact")
+        dec, mv = self.data.decoder, memoryview(self.mm)
+        for i in kept[0 : int(nkept[0])]:
+            r = recs[i]
+            off = self.start + r.off
+            objs[i] = dec.decode_one(r.type, r.misc, mv[off + 8 : off + r.size])
+        skipped = m - new_m
+        if skipped:
+            dec.stats.records["MMAP2"] += skipped
+            self.engine.table.stats.records["MMAP2"] += skipped
+            s = self.sstats
+            s.by_type["MMAP2"] += skipped
+            trailer = dec.sample_id_trailer()
+            if trailer is not None and trailer[2] >= 0:  # the trailer carries the cpu
+                for cpu, c in Counter(_u(cpus, "I")[:skipped]).items():
+                    s.by_cpu_type.setdefault(cpu, Counter())["MMAP2"] += c
+            else:
+                s.by_cpu_type.setdefault(None, Counter())["MMAP2"] += skipped
+        return new_m, skipped
+
+    def _data_mmap_is_noop(self, rec: Mmap2) -> bool:
+        """True if applying ``rec`` cannot change the process table: a non-executable
+        mapping (never inserted, proctable.add_mapping) of a pid that already has a space,
+        overlapping none of its mappings (so it cuts nothing). CPython's frame-chunk mmaps
+        are such records, by the hundred thousand in deep-recursion profiles; the table's own
+        path costs O(mappings) Python per record, this O(log mappings)."""
+        if rec.prot & PROT_EXEC or rec.length <= 0:
+            return False
+        sp = self.engine.table.get(rec.pid)
+        if sp is None:
+            return False  # apply() would create the space
+        maps = sp.mappings
+        end = rec.start + rec.length
+        i = bisect_left(maps, end, key=_start) - 1  # the last mapping starting below end
+        return i < 0 or maps[i].end <= rec.start
 
     # -- stats
 

@@ -543,6 +543,20 @@ class RecordDecoder:
         (eid,) = _U64.unpack_from(body, off)
         return self.ids.get(eid, 0)
 
+    def sample_id_trailer(self) -> tuple[int, int, int] | None:
+        """(size, byte offset of time, byte offset of cpu; -1 if absent) of the sample_id
+        trailer every non-SAMPLE record carries, when all formats lay it out alike (so the
+        event id that picks a format cannot matter); else None. For native side-band scans."""
+        lays = {(lay.struct.format, lay.i_time, lay.i_cpu) for lay in self._sid_layouts}
+        if len(lays) != 1:
+            return None
+        fmt, i_time, i_cpu = lays.pop()
+
+        def off(i: int) -> int:
+            return struct.calcsize(fmt[: 1 + i]) if i >= 0 else -1
+
+        return struct.calcsize(fmt), off(i_time), off(i_cpu)
+
     # -- entry points
 
     def decode(self, buf: bytes | bytearray | memoryview) -> Iterator[Record]:
