@@ -204,13 +204,16 @@ class _Replay:
         self._space_ids: dict[tuple[int, int], int] = {}
         self._comms: list[str] = []
         self._comm_ids: dict[str, int] = {}
-        # per unique stack: (comm, status, frames, kernel frame count)
-        self._stacks: list[tuple[str, str, tuple[Frame, ...], int]] = []
+        # per unique stack: (comm, status, user frame count, kernel frame count)
+        self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
         self._folded: list[tuple[str, ...]] = []  # per unique stack, folded key
         # per distinct user frame (fp_frame id): the Frame, its rendering in self.fmt
         self._frames: list[Frame] = []
         self._frame_text: list[str] = []
+        self._unsym: list[bool] = []  # per distinct user frame: no symbol
+        # kernel callchain -> its frames and their renderings in self.fmt, leaf first
+        self._ktext: dict[tuple[int, ...], tuple[tuple[Frame, ...], list[str]]] = {}
         self._seen: set[tuple[int, ...]] = set()  # (snapshot, pcs) already counted
         self.runs = 0
 
@@ -464,7 +467,7 @@ class _Replay:
         distinct user frame (fp_frame) is named once, with the engine's own ``frame_at`` (what
         ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
-        ffr, text = self._frames, self._frame_text
+        ffr, text, unsym = self._frames, self._frame_text, self._unsym
         sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
         first = len(ffr)
         for fid in range(first, int(lib.fp_nframes(ctx))):
@@ -473,13 +476,20 @@ class _Replay:
             f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
             ffr.append(f)
             text.append(self._render((f,)))
+            unsym.append(f.sym is None)
         # frame_at counted every new frame; the slow path counts per new (snapshot, pcs): redo
-        engine.stats.unsymbolized -= sum(1 for f in ffr[first:] if f.sym is None)
+        engine.stats.unsymbolized -= sum(unsym[first:])
         st = ffi.new("struct fp_stack *")
+        folded = self.fmt == "folded"
+        text_of, unsym_of = text.__getitem__, unsym.__getitem__
         for sid in range(len(self._stacks), int(lib.fp_nstacks(ctx))):
             lib.fp_stack(ctx, sid, st)
             callchain = tuple(ffi.unpack(st.kc, st.nkc)) if st.nkc else ()
-            kframes = engine.kernel_frames(callchain) if callchain else ()
+            ktext = self._ktext.get(callchain)
+            if ktext is None:  # kernel frames and their renderings, once per callchain
+                kframes = engine.kernel_frames(callchain) if callchain else ()
+                ktext = self._ktext[callchain] = (kframes, [self._render((f,)) for f in kframes])
+            kframes, krendered = ktext
             comm = self._comms[st.comm_id]
             if st.regs_none and kframes:
                 status, ids = "kernel_only", []
@@ -489,19 +499,16 @@ class _Replay:
                 key = (st.space_id, *ids)
                 if key not in self._seen:  # user_frames' cache miss: it counts these
                     self._seen.add(key)
-                    engine.stats.unsymbolized += sum(1 for i in ids if ffr[i].sym is None)
-            frames = kframes + tuple([ffr[i] for i in ids])
-            self._stacks.append((comm, status, frames, len(kframes)))
-            if self.fmt == "folded":
-                names = [text[i] for i in reversed(ids)]
-                knames = [self._render((f,)) for f in reversed(kframes)]
-                self._folded.append((comm or "[unknown]", *names, *knames))
+                    engine.stats.unsymbolized += sum(map(unsym_of, ids))
+            self._stacks.append((comm, status, len(ids), len(kframes)))
+            if folded:
+                self._folded.append((comm or "[unknown]", *map(text_of, reversed(ids)),
+                                     *reversed(krendered)))  # fmt: skip
             elif self.fmt == "jsonl":
-                body = ",".join([*(self._render((f,)) for f in kframes), *(text[i] for i in ids)])
+                body = ",".join([*krendered, *map(text_of, ids)])
                 self._rendered.append(f"[{body}]")
             else:
-                body = "".join([*(self._render((f,)) for f in kframes), *(text[i] for i in ids)])
-                self._rendered.append(body + "\n")
+                self._rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 
     def _render(self, frames: tuple[Frame, ...]) -> str:
         """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""
@@ -567,13 +574,13 @@ class _Replay:
         es = self.engine.stats
         st = ffi.new("struct fp_stack *")
         folded: Counter[tuple[str, ...]] = Counter()
-        for sid, (_comm, status, frames, nk) in enumerate(self._stacks):
+        for sid, (_comm, status, nu, nk) in enumerate(self._stacks):
             lib.fp_stack(self.ctx, sid, st)
             count = int(st.count)
             es.samples += count
             es.by_status[status] += count
             es.kernel_frames += nk * count
-            es.user_frames += (len(frames) - nk) * count
+            es.user_frames += nu * count
             if self.fmt == "folded":
                 folded[self._folded[sid]] += count
         es.frames = es.kernel_frames + es.user_frames
