@@ -208,13 +208,18 @@ class _Replay:
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
         self._folded: list[tuple[str, ...]] = []  # per unique stack, folded key
-        # per distinct user frame (fp_frame id): the Frame, its rendering in self.fmt
-        self._frames: list[Frame] = []
+        # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
+        # 200 processes is 200 ids): its rendering in self.fmt, interned, so that memory grows
+        # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
+        self._texts: dict[str, str] = {}
         self._unsym: list[bool] = []  # per distinct user frame: no symbol
         # kernel callchain -> its frames and their renderings in self.fmt, leaf first
         self._ktext: dict[tuple[int, ...], tuple[tuple[Frame, ...], list[str]]] = {}
-        self._seen: set[tuple[int, ...]] = set()  # (snapshot, pcs) already counted
+        # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
+        # of ~36 (ids past 256 are separate int objects)
+        self._seen: set[bytes] = set()
+        self._folds: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned folded keys
         self.runs = 0
 
     # -- the whole file
@@ -467,15 +472,15 @@ class _Replay:
         distinct user frame (fp_frame) is named once, with the engine's own ``frame_at`` (what
         ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
-        ffr, text, unsym = self._frames, self._frame_text, self._unsym
+        text, unsym, texts = self._frame_text, self._unsym, self._texts
         sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
-        first = len(ffr)
+        first = len(text)
         for fid in range(first, int(lib.fp_nframes(ctx))):
             lib.fp_frame(ctx, fid, sp, pc, ex)
             snap = self._snaps[sp[0]]
             f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
-            ffr.append(f)
-            text.append(self._render((f,)))
+            t = self._render((f,))
+            text.append(texts.setdefault(t, t))
             unsym.append(f.sym is None)
         # frame_at counted every new frame; the slow path counts per new (snapshot, pcs): redo
         engine.stats.unsymbolized -= sum(unsym[first:])
@@ -496,14 +501,14 @@ class _Replay:
             else:
                 status = _STATUS[st.status].name.lower()
                 ids = ffi.unpack(st.fids, st.npcs)
-                key = (st.space_id, *ids)
+                key = st.space_id.to_bytes(4, "little") + bytes(ffi.buffer(st.fids, 4 * st.npcs))
                 if key not in self._seen:  # user_frames' cache miss: it counts these
                     self._seen.add(key)
                     engine.stats.unsymbolized += sum(map(unsym_of, ids))
             self._stacks.append((comm, status, len(ids), len(kframes)))
             if folded:
-                self._folded.append((comm or "[unknown]", *map(text_of, reversed(ids)),
-                                     *reversed(krendered)))  # fmt: skip
+                fk = (comm or "[unknown]", *map(text_of, reversed(ids)), *reversed(krendered))
+                self._folded.append(self._folds.setdefault(fk, fk))
             elif self.fmt == "jsonl":
                 body = ",".join([*krendered, *map(text_of, ids)])
                 self._rendered.append(f"[{body}]")
