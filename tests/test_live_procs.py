@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from unwindd.elfcache import CacheConfig
@@ -288,12 +289,12 @@ def _rss_kib() -> int:
 
 
 def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processes: int = 64,
-              cache_bytes: int = 64 << 20, frequency: int = 99) -> dict[str, float]:  # fmt: skip
+              cache_bytes: int = 64 << 20, frequency: int = 99) -> dict[str, Any]:  # fmt: skip
     """Short-lived processes at ``per_second`` for ``seconds`` under caps; returns numbers
     (bench/bench_churn.py runs the long version)."""
     cfg = LiveTableConfig(max_processes=cap_processes, exit_grace_ns=200_000_000)
     n = int(per_second * seconds)
-    peak_spaces = peak_comms = peak_bytes = 0
+    peak_spaces = peak_comms = peak_bytes = peak_engine = 0
     rss0 = _rss_kib()
     caches = CacheConfig(max_bytes=cache_bytes)
     with profiling(live_config=cfg, cache_config=caches, frequency=frequency) as cap:
@@ -303,12 +304,19 @@ def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processe
         storm = subprocess.Popen([str(wl["storm"]), str(n), "16", str(interval_us),
                                   str(wl["c_o2"]), "1"])  # fmt: skip
         t0 = time.monotonic()
+        rss_trace: list[str] = []  # RSS every 5 s: a plateau is a bound, a slope is a leak
+        next_rss = t0
         while storm.poll() is None:
+            if time.monotonic() >= next_rss:
+                rss_trace.append(f"{time.monotonic() - t0:.0f}s:{(_rss_kib() - rss0) >> 10}MB")
+                next_rss += 5.0
             cap.step()
             cap.samples.clear()  # the store keeps its own bounded copy
             peak_spaces = max(peak_spaces, len(engine.table.spaces))
             peak_comms = max(peak_comms, len(engine._comms))
             peak_bytes = max(peak_bytes, cache.stats.bytes if cache is not None else 0)  # type: ignore[attr-defined]
+            sizes = engine.cache_sizes() if hasattr(engine, "cache_sizes") else {}
+            peak_engine = max(peak_engine, sizes.get("snapshots", 0) + sizes.get("stacks", 0))
             time.sleep(0.05)
         elapsed = time.monotonic() - t0
         cap.step()
@@ -322,7 +330,8 @@ def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processe
         "drops": sum(engine.table.stats.drops.values()), "rss_growth_kib": rss1 - rss0,
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "give_ups": sum(live.give_ups.values()), "samples": engine.stats.samples,
-        "lost_epochs": live.lost_epochs,
+        "lost_epochs": live.lost_epochs, "peak_engine_entries": peak_engine,
+        "rss_growth_trace": " ".join(rss_trace),
     }  # fmt: skip
 
 
