@@ -153,6 +153,19 @@ def test_cli_uses_fast_path_and_matches(files: dict[str, Path], tmp_path: Path) 
     assert outs[0] == outs[1] and outs[0].count(b"\n") > 3
 
 
+def test_cli_cfi_cache_dir(files: dict[str, Path], tmp_path: Path) -> None:
+    """The second replay loads compiled CFI from --cache-dir (same output); --no-cache and an
+    unusable cache dir still replay."""
+    path = str(files["python"])
+    cache = tmp_path / "cache"
+    base = [sys.executable, "-m", "unwindd.cli", "replay", path, "--format", "folded"]
+    outs = [subprocess.run([*base, *extra], capture_output=True, check=True).stdout
+            for extra in (["--cache-dir", str(cache)], ["--cache-dir", str(cache)],
+                          ["--no-cache"], ["--cache-dir", "/proc/nope"])]  # fmt: skip
+    assert len(list((cache / "cfi").glob("*.cfi"))) >= 3  # python, libc, ld.so at least
+    assert outs[0] == outs[1] == outs[2] == outs[3] and outs[0].count(b"\n") > 3
+
+
 def test_unsupported_falls_back(files: dict[str, Path]) -> None:
     data = PerfData.open(files["threads"])
     with pytest.raises(fastreplay.Unsupported):

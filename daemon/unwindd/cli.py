@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import signal
 import sys
@@ -95,7 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="folded/jsonl/perf-script through the Python reference path instead of the native "
         "one (fastreplay.py); same output, for comparison",
     )
+    rep.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        default=None,
+        help="compiled unwind tables persist here by build-id, so a second replay does not "
+        "recompile them (default $UNWINDD_CACHE_DIR, else $XDG_CACHE_HOME/unwindd or "
+        "~/.cache/unwindd)",
+    )
+    rep.add_argument("--no-cache", action="store_true", help="do not read or write --cache-dir")
     return p
+
+
+def _replay_cache_dir(args: argparse.Namespace) -> str | None:
+    """Where the fast replay keeps compiled CFI tables (cfi.CfiStore), or None. A table is
+    keyed by the binary's build-id and checksummed, so a stale or damaged file is recompiled,
+    never trusted; ~1 MB per distinct binary (libc's table is ~0.8x its .eh_frame)."""
+    if args.no_cache:
+        return None
+    d = args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR")
+    if not d:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        d = os.path.join(xdg, "unwindd")
+    return os.path.join(d, "cfi")
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -419,7 +442,8 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     except (PerfDataError, OSError) as e:
         return _fail(f"{args.file}: {e}")
     if args.format in ("folded", "jsonl", "perf-script") and args.file != "-":
-        if not args.slow_path and _fast_replay(data, args.file, args.format, out):
+        cache = _replay_cache_dir(args)
+        if not args.slow_path and _fast_replay(data, args.file, args.format, out, cache):
             return 0
     from .capture import StreamPipeline
     from .output import render_summary
@@ -459,14 +483,21 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _fast_replay(data: object, path: str, fmt: str, out: TextIO) -> bool:
+def _fast_replay(
+    data: object, path: str, fmt: str, out: TextIO, cache_dir: str | None = None
+) -> bool:
     """The native replay path; False (nothing done) when the file needs the slow path."""
+    from .engine import StackEngine
     from .fastreplay import Unsupported, replay
     from .perfdata import PerfData
 
     assert isinstance(data, PerfData)
     try:
-        replay(data, path, fmt, out)
+        engine = StackEngine.create(cfi_cache_dir=cache_dir)
+    except OSError:  # the cache dir cannot be made: replay without it
+        engine = StackEngine.create()
+    try:
+        replay(data, path, fmt, out, engine=engine)
     except Unsupported:
         return False
     data.close()

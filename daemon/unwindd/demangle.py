@@ -20,21 +20,33 @@ store demangled names once per binary).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import re
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ctypes
 
 __all__ = ["demangle", "demangle_full", "demangle_rust_legacy", "strip_function_type"]
 
 
 class _Cxx:
+    """libstdc++'s demangler, loaded on the first mangled name (loading costs ~8 ms of a
+    replay's start-up, and C-only profiles never need it)."""
+
     def __init__(self) -> None:
         self.fn: ctypes._NamedFuncPointer | None = None
         self.free: ctypes._NamedFuncPointer | None = None
+        self.loaded = False
+
+    def load(self) -> None:
+        import ctypes  # ~5 ms of imports: only when a mangled name shows up
+
+        self.loaded = True
         try:
-            lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            # the soname first: find_library runs ldconfig/gcc, slower than the load itself
+            lib = _cdll("libstdc++.so.6", "stdc++")
+            libc = _cdll("libc.so.6", "c")
         except OSError:
             return
         fn = getattr(lib, "__cxa_demangle")  # a dunder name: attribute syntax would be mangled
@@ -47,14 +59,33 @@ class _Cxx:
         self.fn, self.free = fn, free
 
 
+def _cdll(soname: str, name: str) -> ctypes.CDLL:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(soname)
+    except OSError:
+        found = ctypes.util.find_library(name)
+        if found is None:
+            raise
+        return ctypes.CDLL(found)
+
+
 _cxx = _Cxx()
 
 
 @lru_cache(maxsize=4096)
 def demangle_full(name: str) -> str | None:
     """The c++filt form of an Itanium-mangled name, or None if it does not demangle."""
-    if _cxx.fn is None or _cxx.free is None or not name.startswith("_Z"):
+    if not name.startswith("_Z"):
         return None
+    if not _cxx.loaded:
+        _cxx.load()
+    if _cxx.fn is None or _cxx.free is None:
+        return None
+    import ctypes  # loaded by _cxx.load: a dict lookup now
+
     status = ctypes.c_int(0)
     try:
         raw = name.encode("utf-8", "surrogateescape")

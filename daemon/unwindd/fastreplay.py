@@ -64,7 +64,7 @@ __all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]
 SAMPLE_ERRORS = ("", "short_body", "bad_callchain_nr", "bad_raw_size", "bad_branch_nr",
                  "short_regs", "bad_stack_size", "bad_dyn_size")  # fmt: skip
 _END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE): "bad_size"}
-_STATUS = tuple(sorted(UnwindStatus))
+_STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))  # by UNW_* value
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
 
@@ -499,7 +499,7 @@ class _Replay:
             if st.regs_none and kframes:
                 status, ids = "kernel_only", []
             else:
-                status = _STATUS[st.status].name.lower()
+                status = _STATUS_NAMES[st.status]
                 ids = ffi.unpack(st.fids, st.npcs)
                 key = st.space_id.to_bytes(4, "little") + bytes(ffi.buffer(st.fids, 4 * st.npcs))
                 if key not in self._seen:  # user_frames' cache miss: it counts these
