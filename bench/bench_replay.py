@@ -14,7 +14,10 @@ same file:
 - ``unwindd replay FILE --format folded`` and ``--format perf-script`` (native path);
 - ``perf script -F comm,pid,tid,time,ip,sym,dso --ns --no-inline`` (perf's own DWARF unwind and
   symbolization through libunwind/libdw, the oracle's command);
-- with ``--slow``: ``unwindd replay FILE --format folded --slow-path`` (the Python reference).
+- with ``--slow``: ``unwindd replay FILE --format folded --slow-path`` (the Python reference);
+- ``--format folded --no-cache``: compiled CFI not loaded from the cache dir (a first replay);
+- with ``--before DIR``: ``--format folded`` with ``PYTHONPATH=DIR`` (an older checkout's
+  ``daemon/``, e.g. from ``git archive``), for a before/after measured in the same run.
 
 and prints a Markdown table for BENCHMARKS.md. Every command's stdout goes to /dev/null-like
 capture, so terminal speed is not measured. Times are the median of ``--repeat`` runs (the
@@ -71,13 +74,15 @@ def record(path: Path, seconds: float, freq: int) -> None:
         work.wait()
 
 
-def timed(argv: list[str], repeat: int) -> tuple[float, float, bytes]:
+def timed(argv: list[str], repeat: int, env: dict[str, str] | None = None
+          ) -> tuple[float, float, bytes]:  # fmt: skip
     """(median, best) wall seconds of ``repeat`` runs, and the last run's stdout."""
     times = []
     out = b""
     for _ in range(repeat):
         t0 = time.perf_counter()
-        proc = subprocess.run(argv, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc = subprocess.run(argv, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=env)  # fmt: skip
         times.append(time.perf_counter() - t0)
         out = proc.stdout
     return statistics.median(times), min(times), out
@@ -155,6 +160,7 @@ def main() -> int:
     ap.add_argument("--rss", action="store_true",
                     help="the 1 vs 200 processes replay RSS check instead")
     ap.add_argument("--rss-dir", type=Path, help="where --rss keeps its recordings")
+    ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
     args = ap.parse_args()
     if not shutil.which("perf"):
         print("perf is not installed", file=sys.stderr)
@@ -180,15 +186,27 @@ def main() -> int:
         ("unwindd replay --format folded", [*unwindd, "--format", "folded"]),
         ("unwindd replay --format perf-script", [*unwindd, "--format", "perf-script"]),
         ("perf script -F comm,pid,tid,time,ip,sym,dso --ns --no-inline", perf),
-    ]
+        ("unwindd replay --format folded --no-cache", [*unwindd, "--format", "folded",
+                                                       "--no-cache"]),
+    ]  # fmt: skip
+    envs: dict[str, dict[str, str]] = {}
+    if args.before is not None:
+        name = f"unwindd replay --format folded (before: PYTHONPATH={args.before})"
+        rows.append((name, [*unwindd, "--format", "folded"]))
+        envs[name] = {**os.environ, "PYTHONPATH": str(args.before)}
     if args.slow:
         rows.append(("unwindd replay --format folded --slow-path",
                      [*unwindd, "--format", "folded", "--slow-path"]))  # fmt: skip
-    times: dict[str, float] = {}
-    bests: dict[str, float] = {}
+    # Round-robin (every command once per round), so load changes on the shared machine hit
+    # all commands alike.
+    runs: dict[str, list[float]] = {name: [] for name, _ in rows}
     outs: dict[str, bytes] = {}
-    for name, argv in rows:
-        times[name], bests[name], outs[name] = timed(argv, args.repeat)
+    for _ in range(args.repeat):
+        for name, argv in rows:
+            _med, t, outs[name] = timed(argv, 1, envs.get(name))
+            runs[name].append(t)
+    times = {name: statistics.median(ts) for name, ts in runs.items()}
+    bests = {name: min(ts) for name, ts in runs.items()}
     summary = subprocess.run([*unwindd, "--format", "summary"], check=True, capture_output=True,
                              text=True).stdout  # fmt: skip
     m = re.search(r"SAMPLE events:\s+(\d+)", summary)

@@ -214,8 +214,10 @@ class _Replay:
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
         self._unsym: list[bool] = []  # per distinct user frame: no symbol
-        # kernel callchain -> its frames and their renderings in self.fmt, leaf first
-        self._ktext: dict[tuple[int, ...], tuple[tuple[Frame, ...], list[str]]] = {}
+        self._unsym_ids: set[int] = set()  # the frame ids with no symbol
+        # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
+        # bounded by the distinct callchains of the file
+        self._ktext: dict[bytes, tuple[tuple[Frame, ...], list[str]]] = {}
         # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
         # of ~36 (ids past 256 are separate int objects)
         self._seen: set[bytes] = set()
@@ -482,18 +484,22 @@ class _Replay:
             t = self._render((f,))
             text.append(texts.setdefault(t, t))
             unsym.append(f.sym is None)
+            if f.sym is None:
+                self._unsym_ids.add(fid)
         # frame_at counted every new frame; the slow path counts per new (snapshot, pcs): redo
         engine.stats.unsymbolized -= sum(unsym[first:])
         st = ffi.new("struct fp_stack *")
         folded = self.fmt == "folded"
         text_of, unsym_of = text.__getitem__, unsym.__getitem__
+        unsym_ids, ktexts, buf = self._unsym_ids, self._ktext, ffi.buffer
         for sid in range(len(self._stacks), int(lib.fp_nstacks(ctx))):
             lib.fp_stack(ctx, sid, st)
-            callchain = tuple(ffi.unpack(st.kc, st.nkc)) if st.nkc else ()
-            ktext = self._ktext.get(callchain)
+            nkc = st.nkc
+            kkey = buf(st.kc, 8 * nkc)[:] if nkc else b""
+            ktext = ktexts.get(kkey)
             if ktext is None:  # kernel frames and their renderings, once per callchain
-                kframes = engine.kernel_frames(callchain) if callchain else ()
-                ktext = self._ktext[callchain] = (kframes, [self._render((f,)) for f in kframes])
+                kframes = engine.kernel_frames(tuple(ffi.unpack(st.kc, nkc))) if nkc else ()
+                ktext = ktexts[kkey] = (kframes, [self._render((f,)) for f in kframes])
             kframes, krendered = ktext
             comm = self._comms[st.comm_id]
             if st.regs_none and kframes:
@@ -501,10 +507,13 @@ class _Replay:
             else:
                 status = _STATUS_NAMES[st.status]
                 ids = ffi.unpack(st.fids, st.npcs)
-                key = st.space_id.to_bytes(4, "little") + bytes(ffi.buffer(st.fids, 4 * st.npcs))
-                if key not in self._seen:  # user_frames' cache miss: it counts these
-                    self._seen.add(key)
-                    engine.stats.unsymbolized += sum(map(unsym_of, ids))
+                # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
+                # one need remembering
+                if unsym_ids and not unsym_ids.isdisjoint(ids):
+                    key = st.space_id.to_bytes(4, "little") + buf(st.fids, 4 * st.npcs)[:]
+                    if key not in self._seen:
+                        self._seen.add(key)
+                        engine.stats.unsymbolized += sum(map(unsym_of, ids))
             self._stacks.append((comm, status, len(ids), len(kframes)))
             if folded:
                 fk = (comm or "[unknown]", *map(text_of, reversed(ids)), *reversed(krendered))
