@@ -432,7 +432,10 @@ int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_
 struct space_ent {
     uint32_t pid, space_id;
     const struct unw_module *mods;
-    uint32_t nmods;
+    const uint64_t *ranges;     /* live: sorted [start, end) pairs of the table's mappings */
+    uint64_t last_used;         /* live: record time at its last placed sample */
+    uint32_t nmods, nranges;
+    uint32_t touch;             /* live: fp_live_run call that last touched it */
     uint8_t used, valid;
 };
 
@@ -482,6 +485,7 @@ struct fp_ctx {
     uint64_t ftabcap;
     uint32_t *fids;
     uint64_t nfids, capfids;
+    uint32_t touch_gen;     /* fp_live_run calls so far (space_ent.touch) */
 };
 
 struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
@@ -556,7 +560,7 @@ int fp_set_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods, 
     struct space_ent *e = space_slot(c, pid);
     if (!e->used)
         c->sn++;
-    *e = (struct space_ent){pid, space_id, mods, nmods, 1, 1};
+    *e = (struct space_ent){pid, space_id, mods, NULL, 0, nmods, 0, 0, 1, 1};
     return 0;
 }
 
@@ -751,13 +755,58 @@ static inline uint32_t key_words(uint32_t npcs, uint64_t nkc)
     return 2 + npcs + (npcs + 7) / 8 + (uint32_t)nkc;
 }
 
+/* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
+static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                           const struct fp_rec *r, const struct space_ent *sp,
+                           const struct comm_ent *ce)
+{
+    uint64_t regs[64];
+    uint32_t nregs_lay = lay->nregs > 64 ? 64 : lay->nregs;
+    const uint8_t *body = data + r->off + 8;
+    struct sample_view v;
+    if (parse_sample(lay, body, r->size - 8u, &v))
+        return UINT32_MAX;
+    /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
+    uint32_t nregs = (v.regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
+    if (nregs)
+        memcpy(regs, body + v.regs_off, 8 * (size_t)nregs);
+    struct unw_item it = {sp->mods, sp->nmods, nregs, lay->regs_mask, regs,
+                          v.dyn ? body + v.stack_off : NULL, v.dyn};
+    uint32_t npcs = 0;
+    uint16_t fpf, sigf;
+    uint8_t status = unw_unwind_one(c->arch, &it, c->max_depth, c->pcs, c->kinds, &npcs,
+                                    &fpf, &sigf);
+    uint64_t nkc = v.cc_nr;
+    if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
+        return UINT32_MAX; /* cannot happen: records are < 64 KiB */
+    uint32_t nw = key_words(npcs, nkc);
+    if (nw > c->keycap) {
+        uint64_t *q = realloc(c->key, 8 * (size_t)nw);
+        if (!q)
+            return UINT32_MAX;
+        c->key = q;
+        c->keycap = nw;
+    }
+    uint64_t *key = c->key;
+    key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
+    key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
+    memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
+    uint64_t *kw = key + 2 + npcs;
+    memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
+    memcpy(kw, c->kinds, npcs);
+    if (nkc)
+        memcpy(kw + (npcs + 7) / 8, body + v.cc_off, 8 * (size_t)nkc);
+    uint32_t id = intern_stack(c, key, nw);
+    if (id != UINT32_MAX)
+        c->stacks[id].count++;
+    return id;
+}
+
 int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
                   uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
                   uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
                   uint32_t *need_tid)
 {
-    uint64_t regs[64];
-    uint32_t nregs_lay = lay->nregs > 64 ? 64 : lay->nregs;
     for (uint64_t k = from; k < to; k++) {
         const struct fp_rec *r = &recs[perm[k]];
         *stopped = k;
@@ -774,44 +823,9 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
             *need_tid = r->tid;
             return FP_RUN_NEED_COMM;
         }
-        const uint8_t *body = data + r->off + 8;
-        struct sample_view v;
-        if (parse_sample(lay, body, r->size - 8u, &v))
-            return FP_RUN_ERROR;
-        /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
-        uint32_t nregs = (v.regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
-        if (nregs)
-            memcpy(regs, body + v.regs_off, 8 * (size_t)nregs);
-        struct unw_item it = {sp->mods, sp->nmods, nregs, lay->regs_mask, regs,
-                              v.dyn ? body + v.stack_off : NULL, v.dyn};
-        uint32_t npcs = 0;
-        uint16_t fpf, sigf;
-        uint8_t status = unw_unwind_one(c->arch, &it, c->max_depth, c->pcs, c->kinds, &npcs,
-                                        &fpf, &sigf);
-        uint64_t nkc = v.cc_nr;
-        if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
-            return FP_RUN_ERROR; /* cannot happen: records are < 64 KiB */
-        uint32_t nw = key_words(npcs, nkc);
-        if (nw > c->keycap) {
-            uint64_t *q = realloc(c->key, 8 * (size_t)nw);
-            if (!q)
-                return FP_RUN_ERROR;
-            c->key = q;
-            c->keycap = nw;
-        }
-        uint64_t *key = c->key;
-        key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
-        key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
-        memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
-        uint64_t *kw = key + 2 + npcs;
-        memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
-        memcpy(kw, c->kinds, npcs);
-        if (nkc)
-            memcpy(kw + (npcs + 7) / 8, body + v.cc_off, 8 * (size_t)nkc);
-        uint32_t id = intern_stack(c, key, nw);
+        uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
         if (id == UINT32_MAX)
             return FP_RUN_ERROR;
-        c->stacks[id].count++;
         stack_ids[k] = id;
     }
     *stopped = to;
@@ -876,4 +890,334 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
         tid[k] = r->tid;
         cpu[k] = r->cpu;
     }
+}
+
+/* ------------------------------------------------------------------ the live step */
+
+struct fp_live_order {
+    struct hent *h;
+    uint64_t hn, hcap, seq, next_flush, last_flush, max_time, last_time, max_queued;
+    int have_last;
+    struct cpumap cm;
+};
+
+struct fp_live_order *fp_live_order_new(uint64_t max_queued)
+{
+    if (!max_queued)
+        return NULL;
+    struct fp_live_order *o = calloc(1, sizeof *o);
+    if (o)
+        o->max_queued = max_queued;
+    return o;
+}
+
+void fp_live_order_free(struct fp_live_order *o)
+{
+    if (!o)
+        return;
+    free(o->h);
+    free(o->cm.keys);
+    free(o->cm.vals);
+    free(o);
+}
+
+uint64_t fp_live_order_queued(const struct fp_live_order *o) { return o->hn; }
+
+int fp_live_index(const struct fp_layout *lay, const uint8_t *data, const uint64_t *bounds,
+                  uint32_t nchunks, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
+                  int *ends, uint64_t *stopped_at)
+{
+    struct fp_rec *all = NULL;
+    uint64_t n = 0, cap = 0;
+    *recs = NULL;
+    *nrec = *other = 0;
+    *stopped_at = UINT64_MAX;
+    for (uint32_t i = 0; i < nchunks; i++) {
+        uint64_t base = bounds[i], len = bounds[i + 1] - bounds[i];
+        struct fp_rec *r;
+        uint64_t m, oth, stop;
+        if (fp_index(lay, data + base, len, &r, &m, &oth, &ends[i], &stop)) {
+            free(all);
+            return -1;
+        }
+        if (stop != UINT64_MAX && *stopped_at == UINT64_MAX)
+            *stopped_at = base + stop;
+        if (n + m > cap) {
+            uint64_t ncap = cap ? cap : 1024;
+            while (ncap < n + m)
+                ncap *= 2;
+            struct fp_rec *q = realloc(all, ncap * sizeof *q);
+            if (!q) {
+                free(r);
+                free(all);
+                return -1;
+            }
+            all = q;
+            cap = ncap;
+        }
+        for (uint64_t j = 0; j < m; j++) {
+            all[n + j] = r[j];
+            all[n + j].off += base;
+        }
+        n += m;
+        *other += oth;
+        free(r);
+    }
+    if (!all && !(all = malloc(sizeof *all)))
+        return -1;
+    *recs = all;
+    *nrec = n;
+    return 0;
+}
+
+static void live_pop(struct fp_live_order *o, uint32_t *perm, uint64_t *out)
+{
+    struct hent e = hpop(o->h, &o->hn);
+    perm[(*out)++] = e.idx;
+    if (e.t > o->last_flush)
+        o->last_flush = e.t;
+}
+
+int fp_live_order_round(struct fp_live_order *o, const struct fp_rec *recs, uint64_t ncarry,
+                        uint64_t n, int final, uint32_t *perm, uint64_t *nout, uint64_t *late_ns,
+                        uint64_t *nlate, struct fp_order_stats *st, uint32_t *keep,
+                        uint64_t *nkeep)
+{
+    memset(st, 0, sizeof *st);
+    *nout = *nlate = *nkeep = 0;
+    if (ncarry != o->hn || n < ncarry || n > UINT32_MAX)
+        return -1;
+    if (n > o->hcap) {
+        struct hent *q = realloc(o->h, n * sizeof *q);
+        if (!q)
+            return -1;
+        o->h = q;
+        o->hcap = n;
+    }
+    uint64_t out = 0;
+    for (uint64_t i = ncarry; i < n; i++) { /* RoundOrderer.push */
+        const struct fp_rec *r = &recs[i];
+        if (r->flags & FP_MARKER)
+            continue; /* rings never carry FINISHED_ROUND; counted by the caller */
+        uint64_t t;
+        if (!(r->flags & FP_TIMED)) {
+            st->untimed++;
+            if ((r->flags & FP_HAS_CPU) && cpumap_get(&o->cm, r->cpu, &t))
+                ;
+            else if (o->have_last)
+                t = o->last_time;
+            else
+                t = o->last_flush;
+        } else {
+            t = r->time;
+            if (t < o->last_flush) {
+                uint64_t late = o->last_flush - t;
+                st->late++;
+                late_ns[(*nlate)++] = late;
+                if (late > st->max_lateness_ns)
+                    st->max_lateness_ns = late;
+            }
+            if (t > o->max_time)
+                o->max_time = t;
+            o->last_time = t;
+            o->have_last = 1;
+            if ((r->flags & FP_HAS_CPU) && cpumap_put(&o->cm, r->cpu, t))
+                return -1;
+        }
+        hpush(o->h, &o->hn, (struct hent){t, o->seq++, (uint32_t)i});
+        st->pushed++;
+        if (o->hn > o->max_queued) { /* _force_half: out first, as end_round returns _ready */
+            uint64_t k = o->hn / 2 ? o->hn / 2 : 1;
+            for (uint64_t j = 0; j < k; j++)
+                live_pop(o, perm, &out);
+            st->forced_flushes++;
+        }
+    }
+    if (final) { /* flush_all */
+        while (o->hn)
+            live_pop(o, perm, &out);
+    } else { /* end_round */
+        st->rounds++;
+        uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;
+        while (o->hn && o->h[0].t <= lim)
+            live_pop(o, perm, &out);
+    }
+    o->next_flush = o->max_time;
+    /* What stays queued is re-indexed 0.. in heap-array order (the heap property depends on
+     * (t, seq) only): the caller copies recs[keep[j]] to slot j of the next round's buffer. */
+    for (uint64_t j = 0; j < o->hn; j++) {
+        keep[j] = o->h[j].idx;
+        o->h[j].idx = (uint32_t)j;
+    }
+    *nkeep = o->hn;
+    st->delivered = out;
+    st->queued = o->hn;
+    *nout = out;
+    return 0;
+}
+
+uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const uint32_t *keep,
+                        uint64_t n, uint8_t *out)
+{
+    uint64_t w = 0;
+    for (uint64_t j = 0; j < n; j++) {
+        const struct fp_rec *r = &recs[keep[j]];
+        memcpy(out + w, data + r->off, r->size);
+        w += r->size;
+    }
+    return w;
+}
+
+int fp_set_live_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods,
+                      uint32_t nmods, uint32_t space_id, const uint64_t *ranges,
+                      uint32_t nranges)
+{
+    if (fp_set_space(c, pid, mods, nmods, space_id))
+        return -1;
+    struct space_ent *e = space_slot(c, pid);
+    e->ranges = ranges;
+    e->nranges = nranges;
+    return 0;
+}
+
+void fp_forget_all_spaces(struct fp_ctx *c)
+{
+    for (uint64_t i = 0; i < c->scap; i++)
+        c->spaces[i].valid = 0;
+}
+
+/* livetable.LiveTable.place's fast answer: pc inside one of the space's mappings. */
+static int in_ranges(const struct space_ent *sp, uint64_t pc)
+{
+    uint32_t lo = 0, hi = sp->nranges; /* first start > pc */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (sp->ranges[2 * mid] <= pc)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo > 0 && pc < sp->ranges[2 * (lo - 1) + 1];
+}
+
+int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
+                uint64_t to, int force_first, uint32_t ip_bit, uint64_t *record_time,
+                uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid, uint32_t *need_tid,
+                uint32_t *touched, uint64_t *touched_t, uint64_t *ntouched)
+{
+    uint32_t gen = ++c->touch_gen;
+    uint64_t nt = 0;
+    int rc = FP_RUN_DONE;
+    *stopped = to;
+    for (uint64_t k = from; k < to; k++) {
+        const struct fp_rec *r = &recs[perm[k]];
+        *stopped = k;
+        if (!(r->flags & FP_SAMPLE) || r->off > len || r->size > len - r->off) {
+            rc = FP_RUN_ERROR;
+            break;
+        }
+        struct space_ent *sp = c->scap ? space_slot(c, r->pid) : NULL;
+        if (!sp || !sp->used || !sp->valid) {
+            *need_pid = r->pid;
+            rc = FP_RUN_NEED_PLACE;
+            break;
+        }
+        if (!(force_first && k == from)) {
+            const uint8_t *body = data + r->off + 8;
+            struct sample_view v;
+            if (parse_sample(lay, body, r->size - 8u, &v)) {
+                rc = FP_RUN_ERROR;
+                break;
+            }
+            /* place(): the idle task and samples without user registers pass unchecked */
+            int32_t spid = (int32_t)r->pid;
+            if (spid > 0 && v.regs_abi != 0 && lay->nregs) {
+                uint64_t pc = 0;
+                if (ip_bit < 64 && (lay->regs_mask >> ip_bit & 1)) {
+                    uint64_t idx = __builtin_popcountll(lay->regs_mask & ((1ull << ip_bit) - 1));
+                    pc = ld64(body + v.regs_off + 8 * idx);
+                } else if (lay->i_ip >= 0) {
+                    pc = ld64(body + 8 * (uint64_t)lay->i_ip);
+                }
+                if (!in_ranges(sp, pc)) {
+                    *need_pid = r->pid;
+                    rc = FP_RUN_NEED_PLACE;
+                    break;
+                }
+                if (r->time > *record_time)
+                    *record_time = r->time;
+                sp->last_used = *record_time;
+                if (sp->touch != gen) {
+                    sp->touch = gen;
+                    touched[nt++] = r->pid;
+                }
+            }
+        }
+        const struct comm_ent *ce = c->ccap ? comm_slot(c, r->pid, r->tid) : NULL;
+        if (!ce || !ce->used) {
+            *need_pid = r->pid;
+            *need_tid = r->tid;
+            rc = FP_RUN_NEED_COMM;
+            break;
+        }
+        uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
+        if (id == UINT32_MAX) {
+            rc = FP_RUN_ERROR;
+            break;
+        }
+        stack_ids[k] = id;
+        *stopped = k + 1;
+    }
+    for (uint64_t j = 0; j < nt; j++)
+        touched_t[j] = space_slot(c, touched[j])->last_used;
+    *ntouched = nt;
+    return rc;
+}
+
+/* (bucket, pid, tid, stack) groups of the placed samples: open addressing over group ids. */
+uint64_t fp_live_group(const uint8_t *is_sample, const uint32_t *stack_ids, const uint64_t *time,
+                       const uint32_t *pid, const uint32_t *tid, uint64_t n, uint64_t bucket_ns,
+                       uint64_t *g_time, uint32_t *g_pid, uint32_t *g_tid, uint32_t *g_sid,
+                       uint64_t *g_count)
+{
+    uint64_t cap = 64, ng = 0;
+    while (cap < 2 * n)
+        cap *= 2;
+    uint32_t *tab = calloc(cap, sizeof *tab);
+    if (!tab || !bucket_ns) {
+        free(tab);
+        return UINT64_MAX;
+    }
+    for (uint64_t k = 0; k < n; k++) {
+        if (!is_sample[k] || stack_ids[k] == UINT32_MAX)
+            continue;
+        uint64_t b = time[k] / bucket_ns;
+        uint64_t h = mix(mix(mix(mix(0, b), pid[k]), tid[k]), stack_ids[k]);
+        uint64_t j = SLOT(h, cap);
+        for (;;) {
+            uint32_t g = tab[j];
+            if (!g) {
+                tab[j] = (uint32_t)ng + 1;
+                g_time[ng] = time[k];
+                g_pid[ng] = pid[k];
+                g_tid[ng] = tid[k];
+                g_sid[ng] = stack_ids[k];
+                g_count[ng] = 1;
+                ng++;
+                break;
+            }
+            g--;
+            if (g_sid[g] == stack_ids[k] && g_pid[g] == pid[k] && g_tid[g] == tid[k] &&
+                g_time[g] / bucket_ns == b) {
+                g_count[g]++;
+                if (time[k] > g_time[g])
+                    g_time[g] = time[k]; /* the store's last_seen_ns is the newest */
+                break;
+            }
+            j = SLOT(j + 1, cap);
+        }
+    }
+    free(tab);
+    return ng;
 }

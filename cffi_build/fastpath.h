@@ -140,3 +140,64 @@ uint64_t fp_select_other(const struct fp_rec *recs, uint64_t n, uint32_t *out);
 void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
                 uint8_t *is_sample, uint64_t *time, uint64_t *period, uint32_t *pid,
                 uint32_t *tid, uint32_t *cpu);
+
+/* ---- the live step (daemon/unwindd/livefast.py): ring chunks instead of a file.
+ * Cost: fp_live_index O(records); fp_live_order_round O(new records log queued + queued);
+ * fp_live_run like fp_unwind_run plus O(log mappings) per sample to place it;
+ * fp_live_group O(samples) expected. */
+
+#define FP_RUN_NEED_PLACE 3   /* no space for *need_pid, or the sample's user pc is outside every
+                               * mapping of it: the caller places it (LiveTable.place), then
+                               * resumes at *stopped with force_first (or past it if held) */
+
+/* fp_index of each whole-record chunk data[bounds[i], bounds[i+1]) (one ring's drain each),
+ * merged; offsets are relative to data; ends[i] is chunk i's FP_END_*. */
+int fp_live_index(const struct fp_layout *lay, const uint8_t *data, const uint64_t *bounds,
+                  uint32_t nchunks, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
+                  int *ends, uint64_t *stopped_at);
+
+/* ordering.RoundOrderer kept across live rounds: its queue lives here as (time, seq, index). */
+struct fp_live_order;
+struct fp_live_order *fp_live_order_new(uint64_t max_queued);
+void fp_live_order_free(struct fp_live_order *o);
+uint64_t fp_live_order_queued(const struct fp_live_order *o);
+
+/* One round: recs[0, ncarry) are the records still queued (the previous call's keep order),
+ * recs[ncarry, n) the new ones in drain order (pushed); then end_round (final = 0) or
+ * flush_all (final = 1). perm[0, *nout) = delivered indices; st = this call's counts (queued:
+ * the gauge); keep[0, *nkeep) = indices still queued, to become the next call's carry. perm,
+ * late_ns and keep hold n entries. Returns 0, or -1 (allocation, carry mismatch). */
+int fp_live_order_round(struct fp_live_order *o, const struct fp_rec *recs, uint64_t ncarry,
+                        uint64_t n, int final, uint32_t *perm, uint64_t *nout, uint64_t *late_ns,
+                        uint64_t *nlate, struct fp_order_stats *st, uint32_t *keep,
+                        uint64_t *nkeep);
+
+/* Copy recs[keep[j]] back to back into out (room for all of them); returns the bytes. */
+uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const uint32_t *keep,
+                        uint64_t n, uint8_t *out);
+
+/* fp_set_space plus the table's mappings as sorted [start, end) pairs (kept alive by the
+ * caller), for the placement check. */
+int fp_set_live_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods,
+                      uint32_t nmods, uint32_t space_id, const uint64_t *ranges,
+                      uint32_t nranges);
+void fp_forget_all_spaces(struct fp_ctx *c);
+
+/* fp_unwind_run for the live table: each sample is first placed (LiveTable.place's fast
+ * answer: pid known and verified, user pc inside a mapping; or no user regs / pid <= 0); if
+ * it is not placeable here FP_RUN_NEED_PLACE. force_first skips the check for perm[from]
+ * (the caller placed it). *record_time advances like LiveTable.record_time; touched[0,
+ * *ntouched) are the pids placed here, touched_t their new last_used (room for to - from). */
+int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
+                uint64_t to, int force_first, uint32_t ip_bit, uint64_t *record_time,
+                uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid, uint32_t *need_tid,
+                uint32_t *touched, uint64_t *touched_t, uint64_t *ntouched);
+
+/* Group the samples k (is_sample[k], stack_ids[k] != UINT32_MAX) by (time / bucket_ns, pid,
+ * tid, stack id): g_* (room for n) get each group's newest time, key and count. Returns the
+ * number of groups, UINT64_MAX on allocation failure. */
+uint64_t fp_live_group(const uint8_t *is_sample, const uint32_t *stack_ids, const uint64_t *time,
+                       const uint32_t *pid, const uint32_t *tid, uint64_t n, uint64_t bucket_ns,
+                       uint64_t *g_time, uint32_t *g_pid, uint32_t *g_tid, uint32_t *g_sid,
+                       uint64_t *g_count);

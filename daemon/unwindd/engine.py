@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +115,8 @@ class StackEngine:
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
         self.live: LiveTable | None = None
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
+        # called with each pid the table drops, after the engine forgot it (livefast's C table)
+        self.drop_listeners: list[Callable[[int], None]] = []
 
     @classmethod
     def create(
@@ -160,21 +162,31 @@ class StackEngine:
                     out += self._unwind(pending)
                     pending = []
             else:
-                if isinstance(rec, Comm):
-                    if pending:  # queued samples keep the comm they were taken under
-                        out += self._unwind(pending)
-                        pending = []
-                    self._comms[rec.tid] = rec.comm
-                    if live is not None and rec.tid != rec.pid:
-                        self._tids.setdefault(rec.pid, set()).add(rec.tid)
-                self.table.apply(rec)
-                if live is not None:
-                    live.observe(rec)
+                if isinstance(rec, Comm) and pending:
+                    # queued samples keep the comm they were taken under
+                    out += self._unwind(pending)
+                    pending = []
+                self.apply_side_band(rec)
         if pending:
             out += self._unwind(pending)
         if live is not None:
             live.end_batch()
         return out
+
+    def apply_side_band(self, rec: Record) -> None:
+        """A non-SAMPLE record, in time order (``feed``; the native live step calls it
+        between its runs of samples)."""
+        if isinstance(rec, Comm):
+            self._comms[rec.tid] = rec.comm
+            if self.live is not None and rec.tid != rec.pid:
+                self._tids.setdefault(rec.pid, set()).add(rec.tid)
+        self.table.apply(rec)
+        if self.live is not None:
+            self.live.observe(rec)
+
+    def unwind_held(self, samples: list[Sample]) -> list[UnwoundSample]:
+        """Samples back from ``live.due()``, unwound now as ``feed`` does."""
+        return self._unwind([(self.snapshot(s.pid), s) for s in samples])
 
     # -- live mode
 
@@ -204,6 +216,8 @@ class StackEngine:
         self.symbolizer.forget_pid(pid)
         if self.live is not None:
             self.live.forget(pid)
+        for cb in self.drop_listeners:
+            cb(pid)
 
     def forget_pid(self, pid: int) -> None:
         """Drop ``pid``'s snapshot, stacks and frames (the table dropped its space)."""

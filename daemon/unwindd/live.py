@@ -28,6 +28,7 @@ from collections.abc import Callable
 from .capture import StreamPipeline
 from .elfcache import ElfCache, ElfEntry
 from .engine import StackEngine
+from .livefast import NativeStep, StepInfo, supported
 from .livetable import LiveTable, LiveTableConfig
 from .perfcore import PerfSession, SamplingConfig, Target
 from .procscan import ProcFS
@@ -37,6 +38,7 @@ from .stackfmt import UnwoundSample
 from .stackstore import StackStore
 
 _MAX_RECORD = 1 << 16
+_DRAIN_BYTES = 4 << 20  # drain_round's max_bytes
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
 
 
@@ -73,6 +75,7 @@ class LiveProfiler:
         on_records: Callable[[list[Record]], None] | None = None,
         live: LiveTable | None = None,
         bootstrap: bool = True,
+        native: bool = False,
     ) -> None:
         self.session = session
         self.engine = engine
@@ -89,6 +92,12 @@ class LiveProfiler:
         self.live: LiveTable = engine.live
         self._pinned: dict[int, tuple[Record, ElfEntry]] = {}  # id(MMAP2) -> (it, its entry)
         self.stats_pinned = 0  # MMAP2 binaries acquired at drain time
+        self.last_step = StepInfo()  # what the last step stored (samples, depths, pids)
+        # The native step (livefast.py) when asked for and the format allows it; records
+        # handed to on_records need objects, so that path stays on the slow step.
+        self.fast: NativeStep | None = None
+        if native and on_records is None and supported(session.event_format):
+            self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin)
 
     @classmethod
     def open(
@@ -101,6 +110,7 @@ class LiveProfiler:
         live_config: LiveTableConfig | None = None,
         proc_root: str = "/proc",
         bootstrap: bool = True,
+        native: bool = False,
     ) -> LiveProfiler:
         session = PerfSession.open(target, config or SamplingConfig())
         try:
@@ -108,7 +118,8 @@ class LiveProfiler:
             live = None
             if engine.live is None:
                 live = LiveTable(engine.table, ProcFS(proc_root), live_config)
-            return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap)
+            return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap,
+                       native=native)  # fmt: skip
         except BaseException:
             session.close()
             raise
@@ -129,12 +140,21 @@ class LiveProfiler:
                 pids = pids[:cap]
             for i in range(0, len(pids), BOOTSTRAP_SLICE):
                 self.live.bootstrap(pids[i : i + BOOTSTRAP_SLICE])
+                if self.fast is not None:
+                    self.fast.forget_all()  # the scan replaced spaces and comms
                 out += self.step()
         return out
 
     def step(self) -> list[UnwoundSample]:
-        """Drain one round and process it; returns the samples it stored."""
+        """Drain one round and process it; returns the samples it stored (the native step
+        builds them only for the store's subscribers; ``last_step`` always counts them)."""
+        if self.fast is not None:
+            out, self.last_step = self.fast.step(self._drain, 8, _DRAIN_BYTES)
+            return out
         return self._process(drain_round(self.session, self.pipeline, self._pin))
+
+    def _drain(self) -> list[tuple[int, bytes]]:
+        return self.session.drain(_DRAIN_BYTES)
 
     def _pin(self, rec: Record) -> None:
         if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:
@@ -170,6 +190,10 @@ class LiveProfiler:
         self._unpin(recs)
         if samples:
             self.store.add(samples)
+        info = self.last_step = StepInfo()
+        info.samples = len(samples)
+        info.depths.update(len(s.frames) for s in samples)
+        info.pids.update(s.pid for s in samples if s.pid is not None)
         return samples
 
     def close(self) -> list[UnwoundSample]:
@@ -177,6 +201,18 @@ class LiveProfiler:
         if self.closed:
             return []
         self.session.disable()
+        if self.fast is not None:
+            out, self.last_step = self.fast.step(self._drain, 8, _DRAIN_BYTES, final=True)
+            held = self.engine.unwind_held(self.live.flush_held())
+            if held:
+                self.store.add(held)
+                self.last_step.samples += len(held)
+                self.last_step.depths.update(len(s.frames) for s in held)
+            out += held
+            self._unpin([r for r, _ in list(self._pinned.values())])
+            self.session.close()
+            self.closed = True
+            return out
         recs = drain_round(self.session, self.pipeline, self._pin) + self.pipeline.finish()
         out = self._process(recs, final=True)
         self._unpin([r for r, _ in list(self._pinned.values())])

@@ -1,0 +1,519 @@
+"""The native live step: ring chunks -> C index -> C round ordering -> C placement, unwinding
+and per-(bucket, pid, tid, stack) counts -> ``StackStore.add_counts``. The slow step
+(``live.drain_round`` + ``StackEngine.feed`` + ``StackStore.add``) stays the reference;
+tests/test_livefast.py replays the same recorded chunks through both.
+
+Invariants:
+- Same records, same order, same counts as the slow step: chunks are indexed per ring
+  (``fp_live_index``: fp_index, i.e. records.py's SAMPLE checks); every record that is not a
+  good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
+  ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it leaves
+  the ring; samples are counted in the decoder, stream and ordering stats natively. Ordering is
+  ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records still
+  queued after a round are copied into the next round's buffer (each sample's bytes are copied
+  once more, ~1 memcpy per sample), decoded side-band objects ride along by index.
+- Side-band records are applied in delivered order between runs of samples, exactly as
+  ``StackEngine.feed`` does (COMM -> ``set_comm``; ``table.apply``; ``live.observe``).
+- Placement: the C pid table holds, per pid, the engine's current snapshot (modules + mapping
+  ranges). It is valid only while the process table has not changed that pid's space since
+  Python set it: a side-band record of the pid, any ``LiveTable.place`` call for it (rescan,
+  verify), a drop (``StackEngine.drop_listeners``) forget it; LOST (epoch bump: every space
+  must be re-verified), ``live.due()`` retries and bootstrap forget all. A sample whose pid is
+  not in the C table or whose user pc is outside every mapping (``FP_RUN_NEED_PLACE``) is
+  decoded and given to ``LiveTable.place`` (rescan / hold / give-up, unchanged); placed samples
+  then unwind natively against the snapshot ``place`` left. Held samples come back from
+  ``live.due()`` and are unwound by the engine's Python path, as in the slow step.
+- Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all forgotten on
+  COMM, on a drop and whenever a rescan may have set a comm (``LiveTable.on_comm``).
+- Names: each distinct (snapshot, pc) frame is named once by ``engine.frame_at`` and each
+  unique stack's frames tuple built once (the same tuple object each time: the store interns
+  by identity first). Engine stats are counted per group (``unsymbolized`` per new (snapshot,
+  frames), as ``user_frames`` does; ``batches`` counts native runs).
+- ``UnwoundSample`` objects are built only when the store has subscribers (the live stream).
+- Memory: the C context (stacks, frames, spaces) and the Python caches that mirror it are
+  dropped whole when they pass ``max_stacks`` stacks or ``max_spaces`` snapshots (a cold
+  context only costs re-naming), so they are bounded under process churn.
+
+Cost per step: O(records) native; Python O(side-band records + unplaceable samples + groups +
+new frames), plus O(samples) only with stream subscribers.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import abi
+from ._unwcore import ffi, lib
+from .cfi import ARCH_X86_64
+from .engine import Snapshot, StackEngine
+from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
+from .livetable import LiveTable
+from .ordering import lateness_bucket
+from .records import Comm, Lost, Record
+from .stackfmt import Frame, UnwoundSample
+from .stackstore import CountGroup, StackStore
+
+if TYPE_CHECKING:
+    from .capture import StreamPipeline
+
+__all__ = ["NativeStep", "StepInfo", "supported"]
+
+_HELD = 0xFFFFFFFF
+_IP_BIT = abi.X86_REG_NAMES.index("ip")
+_NO_STOP = (1 << 64) - 1
+_COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
+
+
+@dataclass
+class StepInfo:
+    """What one step stored, for metrics: samples, their depths, the pids seen."""
+
+    samples: int = 0
+    depths: Counter[int] = field(default_factory=Counter)
+    pids: set[int] = field(default_factory=set)
+
+
+def supported(fmt: Any) -> bool:
+    """The native step needs TID, TIME and CPU in every SAMPLE (the daemon's default)."""
+    lay = layout_of(fmt)
+    return bool(lay.i_tid >= 0 and lay.i_time >= 0 and lay.i_cpu >= 0)
+
+
+def _u(buf: Any, fmt: str, n: int) -> memoryview:
+    mv: Any = memoryview(ffi.buffer(buf)).cast("B")
+    out: memoryview = mv.cast(fmt)[:n]
+    return out
+
+
+class NativeStep:
+    def __init__(
+        self,
+        pipeline: StreamPipeline,
+        engine: StackEngine,
+        store: StackStore,
+        pin: Callable[[Record], None],
+        unpin: Callable[[list[Record]], None],
+        *,
+        max_stacks: int = 1 << 16,
+        max_spaces: int = 4096,
+    ) -> None:
+        self.pipeline = pipeline
+        self.engine = engine
+        self.store = store
+        self.pin = pin
+        self.unpin = unpin
+        assert engine.live is not None
+        self.live: LiveTable = engine.live
+        fmt = pipeline.decoder.formats[0]
+        self.lay = layout_of(fmt)
+        self.max_stacks = max_stacks
+        self.max_spaces = max_spaces
+        orderer = ffi.gc(lib.fp_live_order_new(pipeline.orderer.max_queued),
+                         lib.fp_live_order_free)  # fmt: skip
+        if orderer == ffi.NULL:
+            raise MemoryError("fp_live_order_new")
+        self.orderer = orderer
+        self._carry = b""
+        self._carry_objs: dict[int, Record] = {}
+        self._ncarry = 0
+        self.runs = 0
+        self.contexts = 0  # C contexts created (1 + resets)
+        self._new_ctx()
+        engine.drop_listeners.append(self._dropped)
+
+    # -- context and the caches mirroring it
+
+    def _new_ctx(self) -> None:
+        ctx = lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth)
+        if ctx == ffi.NULL:
+            raise MemoryError("fp_ctx_new")
+        self.ctx = ffi.gc(ctx, lib.fp_ctx_free)
+        self.contexts += 1
+        self._snaps: list[tuple[Snapshot, Any]] = []  # per space id: snapshot, its ranges
+        self._space_ids: dict[tuple[int, int], int] = {}
+        self._comms: list[str] = []
+        self._comm_ids: dict[str, int] = {}
+        self._frames: list[Frame] = []  # per fp frame id
+        self._unsym: list[bool] = []
+        self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        # per stack id: (frames, comm, status, user frame count, kernel frame count)
+        self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+        self._seen: set[bytes] = set()
+
+    def forget_all(self) -> None:
+        lib.fp_forget_all_spaces(self.ctx)
+        lib.fp_forget_comms(self.ctx)
+
+    def _dropped(self, pid: int) -> None:
+        if 0 <= pid < 1 << 32:
+            lib.fp_forget_space(self.ctx, pid)
+        lib.fp_forget_comms(self.ctx)
+
+    # -- one step
+
+    def step(
+        self,
+        chunks_of: Callable[[], list[tuple[int, bytes]]],
+        max_passes: int,
+        max_bytes: int,
+        final: bool = False,
+    ) -> tuple[list[UnwoundSample], StepInfo]:
+        """Drain (``chunks_of`` = one ``session.drain``), order, place, unwind, store."""
+        chunks: list[tuple[int, bytes]] = []
+        for _ in range(max_passes):
+            got = chunks_of()
+            chunks += got
+            # capture.drain_round: a pass that left a record's room emptied every ring
+            if sum(len(b) for _, b in got) <= max_bytes - (1 << 16):
+                break
+        if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
+            self._new_ctx()
+        out, info = self._round(chunks, False)
+        if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
+            more, info2 = self._round([], True)
+            out += more
+            info.samples += info2.samples
+            info.depths.update(info2.depths)
+            info.pids |= info2.pids
+        return out, info
+
+    def _round(self, chunks: list[tuple[int, bytes]], flush: bool
+               ) -> tuple[list[UnwoundSample], StepInfo]:  # fmt: skip
+        """One live round (``flush``: the orderer's flush_all instead of end_round)."""
+        engine, live = self.engine, self.live
+        info = StepInfo()
+        due_out: list[UnwoundSample] = []
+        due = live.due()
+        if due:  # held samples first, unwound by the engine's own path (StackEngine.feed)
+            self.forget_all()  # due() rescanned pids and may have set comms
+            due_out = engine.unwind_held(due)
+        parts = [self._carry, *(b for _, b in chunks)]
+        buf = b"".join(parts)
+        bounds = [0]
+        for part in parts:
+            bounds.append(bounds[-1] + len(part))
+        cbuf = ffi.from_buffer(buf)
+        pp = ffi.new("struct fp_rec **")
+        n_, other_, stop = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        ends = ffi.new("int[]", len(parts))
+        if lib.fp_live_index(self.lay, cbuf, ffi.new("uint64_t[]", bounds), len(parts), pp, n_,
+                             other_, ends, stop) != 0:  # fmt: skip
+            raise MemoryError("fp_live_index")
+        recs = ffi.gc(pp[0], lib.unw_free)
+        n = int(n_[0])
+        if int(stop[0]) != _NO_STOP:  # a record type > 255: the kernel never writes one
+            raise RuntimeError(f"unexpected record type at ring offset {int(stop[0])}")
+        ncarry = self._ncarry
+        # -- records that are not good SAMPLEs: new ones decoded, counted, pinned (drain order)
+        dec, sstats = self.pipeline.decoder, self.pipeline.stats
+        objs = self._carry_objs
+        new_other = 0
+        if int(other_[0]):
+            idx = ffi.new("uint32_t[]", n)
+            mv = memoryview(buf)
+            for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
+                r = recs[i]
+                if i < ncarry:
+                    rec = objs[i]
+                else:
+                    new_other += 1
+                    rec = dec.decode_one(r.type, r.misc, mv[r.off + 8 : r.off + r.size])
+                    sstats.observe(rec, chunks[bisect_right(bounds, r.off) - 2][0])
+                    self.pin(rec)
+                    objs[i] = rec
+                flags = 0
+                t, cpu = rec.time, rec.cpu
+                if t is not None:
+                    r.time = t
+                    flags |= int(lib.FP_TIMED)
+                if cpu is not None:
+                    r.cpu = cpu
+                    flags |= int(lib.FP_HAS_CPU)
+                r.flags = flags
+        for end in ends[1 : len(parts)]:
+            if end in _END_ERRORS:
+                dec.stats.errors[_END_ERRORS[end]] += 1
+        nsamples = n - ncarry - new_other
+        if nsamples:
+            self._count_new_samples(recs, ncarry, n, nsamples)
+        # -- order
+        m = max(1, n)
+        perm, late = ffi.new("uint32_t[]", m), ffi.new("uint64_t[]", m)
+        keep = ffi.new("uint32_t[]", m)
+        nout, nlate, nkeep = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        ost = ffi.new("struct fp_order_stats *")
+        if lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, nout, late,
+                                   nlate, ost, keep, nkeep) != 0:  # fmt: skip
+            raise MemoryError("fp_live_order_round")
+        self._order_stats(ost, late, int(nlate[0]))
+        d = int(nout[0])
+        cols = [ffi.new(f"{t}[]", max(1, d)) for t in _COLS]
+        lib.fp_columns(recs, perm, d, *cols)
+        is_sample = bytes(ffi.buffer(cols[0], d))
+        stack_ids = ffi.new("uint32_t[]", max(1, d))
+        # -- runs of samples between side-band records, in delivered order
+        applied: list[Record] = []
+        pos = 0
+        while pos < d:
+            p = is_sample.find(b"\0", pos)
+            end = d if p < 0 else p
+            if end > pos:
+                self._run(buf, cbuf, recs, perm, pos, end, stack_ids)
+            if p < 0:
+                break
+            rec = objs.pop(perm[p])
+            self._apply(rec)
+            applied.append(rec)
+            pos = p + 1
+        live.end_batch()
+        self.unpin(applied)
+        self._carry_round(cbuf, len(buf), recs, keep, int(nkeep[0]), objs)
+        # -- aggregate and store
+        groups = self._groups(is_sample, stack_ids, cols, d, info)
+        for s in due_out:
+            info.samples += 1
+            info.depths[len(s.frames)] += 1
+            if s.pid is not None:
+                info.pids.add(s.pid)
+        subs = self.store.subscribers
+        out: list[UnwoundSample] = []
+        if subs:
+            times, pids, tids = _u(cols[1], "Q", d), _u(cols[3], "I", d), _u(cols[4], "I", d)
+            ids, cpus = _u(stack_ids, "I", d), _u(cols[5], "I", d)
+            periods = _u(cols[2], "Q", d)
+            has_period = self.lay.i_period >= 0
+            stacks = self._stacks
+            for k in range(d):
+                if is_sample[k] and ids[k] != _HELD:
+                    fr, comm, status, _, _ = stacks[ids[k]]
+                    out.append(
+                        UnwoundSample(
+                            times[k],
+                            pids[k],
+                            tids[k],
+                            cpus[k],
+                            comm,
+                            periods[k] if has_period else None,
+                            status,
+                            fr,
+                        )
+                    )
+        if due_out:
+            self.store.add(due_out)  # calls the subscribers with them
+        self.store.add_counts(groups)
+        if out:
+            for cb in list(subs):
+                cb(out)
+        return due_out + out, info
+
+    def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int) -> None:
+        """decode/StreamStats.observe's counts for the good SAMPLEs among recs[a, b)."""
+        dec, s = self.pipeline.decoder, self.pipeline.stats
+        dec.stats.records["SAMPLE"] += nsamples
+        s.by_type["SAMPLE"] += nsamples
+        k = b - a
+        ident = ffi.new("uint32_t[]", list(range(a, b)))
+        cols = [ffi.new(f"{t}[]", k) for t in _COLS]
+        lib.fp_columns(recs, ident, k, *cols)
+        flags = memoryview(bytes(ffi.buffer(cols[0], k)))
+        for (f, pid), c in Counter(zip(flags, _u(cols[3], "I", k), strict=True)).items():
+            if f:
+                s.samples_by_pid[pid] += c
+        for (f, cpu), c in Counter(zip(flags, _u(cols[5], "I", k), strict=True)).items():
+            if f:
+                per = s.by_cpu_type.get(cpu)
+                if per is None:
+                    per = s.by_cpu_type[cpu] = Counter()
+                per["SAMPLE"] += c
+
+    def _order_stats(self, st: Any, late: Any, nlate: int) -> None:
+        o = self.pipeline.orderer.stats
+        o.pushed += st.pushed
+        o.delivered += st.delivered
+        o.queued = st.queued
+        o.late += st.late
+        o.max_lateness_ns = max(o.max_lateness_ns, st.max_lateness_ns)
+        o.rounds += st.rounds
+        o.forced_flushes += st.forced_flushes
+        o.untimed += st.untimed
+        if nlate:
+            o.late_buckets.update(lateness_bucket(x) for x in late[0:nlate])
+
+    def _carry_round(self, cbuf: Any, size: int, recs: Any, keep: Any, nkeep: int,
+                     objs: dict[int, Record]) -> None:  # fmt: skip
+        """What stays queued becomes the head of the next round's buffer, in keep order."""
+        self._ncarry = nkeep
+        if not nkeep:
+            self._carry, self._carry_objs = b"", {}
+            return
+        out = bytearray(size)
+        w = int(lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(out)))
+        del out[w:]
+        self._carry = bytes(out)
+        if objs:
+            where = {v: j for j, v in enumerate(keep[0:nkeep])}
+            self._carry_objs = {where[i]: rec for i, rec in objs.items()}
+        else:
+            self._carry_objs = {}
+
+    # -- side-band and samples
+
+    def _apply(self, rec: Record) -> None:
+        """StackEngine.feed's handling of a side-band record, then the C tables follow."""
+        self.engine.apply_side_band(rec)
+        if isinstance(rec, Comm):
+            lib.fp_forget_comms(self.ctx)
+        if isinstance(rec, Lost):
+            lib.fp_forget_all_spaces(self.ctx)  # epoch bump: every space is re-verified
+            return
+        pid = getattr(rec, "pid", None)
+        if isinstance(pid, int) and 0 <= pid < 1 << 32:
+            lib.fp_forget_space(self.ctx, pid)
+
+    def _run(self, buf: bytes, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
+             stack_ids: Any) -> None:  # fmt: skip
+        live, engine, ctx = self.live, self.engine, self.ctx
+        stopped, rt = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        need_pid, need_tid = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+        touched, touched_t = ffi.new("uint32_t[]", b - a), ffi.new("uint64_t[]", b - a)
+        ntouched = ffi.new("uint64_t *")
+        k, force = a, 0
+        mv = memoryview(buf)
+        while True:
+            self.runs += 1
+            rt[0] = live.record_time
+            rc = lib.fp_live_run(ctx, self.lay, cbuf, len(buf), recs, perm, k, b, force,
+                                 _IP_BIT, rt, stack_ids, stopped, need_pid, need_tid, touched,
+                                 touched_t, ntouched)  # fmt: skip
+            live.record_time = int(rt[0])
+            for j in range(int(ntouched[0])):
+                sp = engine.table.get(touched[j])
+                if sp is not None:
+                    sp.last_used = int(touched_t[j])
+            k = int(stopped[0])
+            if rc == lib.FP_RUN_DONE:
+                break
+            if rc == lib.FP_RUN_NEED_PLACE:
+                r = recs[perm[k]]
+                s = self.pipeline.decoder._sample(r.misc, mv[r.off + 8 : r.off + r.size])
+                rescans = live.stats.rescans.total()
+                placed = live.place(s)
+                lib.fp_forget_space(ctx, r.pid)
+                if live.stats.rescans.total() != rescans:
+                    lib.fp_forget_comms(ctx)  # a rescan may have set a comm
+                if placed:
+                    self._set_space(r.pid, s.pid)
+                    force = 1
+                else:
+                    stack_ids[k] = _HELD
+                    k += 1
+                    force = 0
+                    if k >= b:
+                        break
+                continue
+            if rc == lib.FP_RUN_NEED_COMM:
+                pid, tid = int(need_pid[0]), int(need_tid[0])
+                comm = engine.comm_of(pid, tid)
+                cid = self._comm_ids.get(comm)
+                if cid is None:
+                    cid = self._comm_ids[comm] = len(self._comms)
+                    self._comms.append(comm)
+                if lib.fp_set_comm(ctx, pid, tid, cid) != 0:
+                    raise MemoryError("fp_set_comm")
+                continue  # force stays: k is still the sample the caller placed
+            raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
+        self._name_new()
+
+    def _set_space(self, cpid: int, pid: int | None) -> None:
+        snap = self.engine.snapshot(pid)
+        sid = self._space_ids.get(snap.key)
+        if sid is None:
+            sid = self._space_ids[snap.key] = len(self._snaps)
+            flat = [x for mp in snap.mappings for x in (mp.start, mp.end)]
+            self._snaps.append((snap, ffi.new("uint64_t[]", flat or [0])))
+        native = snap.native
+        ranges = self._snaps[sid][1]
+        if lib.fp_set_live_space(self.ctx, cpid, native._c, len(native.modules), sid, ranges,
+                                 len(snap.mappings)) != 0:  # fmt: skip
+            raise MemoryError("fp_set_live_space")
+
+    def _name_new(self) -> None:
+        """Frames and stacks the last run added, named now (the table is in the state the
+        slow path names them in): each fp frame once with ``engine.frame_at``."""
+        engine, ctx = self.engine, self.ctx
+        frames, unsym = self._frames, self._unsym
+        first = len(frames)
+        nfr = int(lib.fp_nframes(ctx))
+        if nfr > first:
+            sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
+            for fid in range(first, nfr):
+                lib.fp_frame(ctx, fid, sp, pc, ex)
+                snap = self._snaps[sp[0]][0]
+                f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
+                frames.append(f)
+                unsym.append(f.sym is None)
+            # frame_at counted each new frame; user_frames counts per new stack: redo below
+            engine.stats.unsymbolized -= sum(unsym[first:])
+        nst = int(lib.fp_nstacks(ctx))
+        if nst <= len(self._stacks):
+            return
+        st = ffi.new("struct fp_stack *")
+        for sid in range(len(self._stacks), nst):
+            lib.fp_stack(ctx, sid, st)
+            callchain = tuple(ffi.unpack(st.kc, st.nkc)) if st.nkc else ()
+            kframes = self._kstacks.get(callchain)
+            if kframes is None:
+                kframes = self._kstacks[callchain] = (
+                    engine.kernel_frames(callchain) if callchain else ()
+                )
+            comm = self._comms[st.comm_id]
+            if st.regs_none and kframes:
+                self._stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
+                continue
+            ids = ffi.unpack(st.fids, st.npcs)
+            key = st.space_id.to_bytes(4, "little") + bytes(ffi.buffer(st.fids, 4 * st.npcs))
+            if key not in self._seen:  # user_frames' cache miss: it counts these
+                self._seen.add(key)
+                engine.stats.unsymbolized += sum(unsym[i] for i in ids)
+            uframes = tuple(frames[i] for i in ids)
+            self._stacks.append(
+                (
+                    kframes + uframes if kframes else uframes,
+                    comm,
+                    _STATUS_NAMES[st.status],
+                    len(ids),
+                    len(kframes),
+                )
+            )
+
+    def _groups(self, is_sample: bytes, stack_ids: Any, cols: list[Any], d: int,
+                info: StepInfo) -> list[CountGroup]:  # fmt: skip
+        if not d:
+            return []
+        gt, gc = ffi.new("uint64_t[]", d), ffi.new("uint64_t[]", d)
+        gp, gtid, gs = (ffi.new("uint32_t[]", d) for _ in range(3))
+        ng = int(lib.fp_live_group(cols[0], stack_ids, cols[1], cols[3], cols[4], d,
+                                   self.store.bucket_ns, gt, gp, gtid, gs, gc))  # fmt: skip
+        if ng == _NO_STOP:
+            raise MemoryError("fp_live_group")
+        es = self.engine.stats
+        stacks = self._stacks
+        out: list[CountGroup] = []
+        for g in range(ng):
+            fr, comm, status, nu, nk = stacks[gs[g]]
+            c = int(gc[g])
+            pid = int(gp[g])
+            out.append((int(gt[g]), pid, int(gtid[g]), comm, fr, c))
+            es.samples += c
+            es.by_status[status] += c
+            es.kernel_frames += nk * c
+            es.user_frames += nu * c
+            info.samples += c
+            info.depths[len(fr)] += c
+            info.pids.add(pid)
+        es.frames = es.kernel_frames + es.user_frames
+        return out

@@ -1,0 +1,144 @@
+"""The native live step (livefast.py) against the slow step (live.drain_round + engine.feed +
+store.add): real ring chunks, captured once from a real session to a file, replayed through
+both; the store contents and every count must be the same.
+
+Determinism: both replays see the same chunks in the same drain calls, an empty /proc (every
+rescan finds the process gone, so placement is a pure function of the record stream) and a
+clock that advances 1 s per read (no rate-limited holds depend on wall time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from unwindd.engine import StackEngine
+from unwindd.live import LiveProfiler
+from unwindd.livetable import LiveTable
+from unwindd.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.procscan import ProcFS
+from unwindd.records import EventFormat
+from unwindd.stackstore import StackStore
+from workloads.build import Workload, build_workloads
+
+
+@pytest.fixture(scope="module")
+def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
+    return build_workloads(tmp_path_factory.mktemp("livefast-wl"))
+
+
+class Replayed:
+    """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
+
+    def __init__(self, fmt: EventFormat, drains: list[list[tuple[int, bytes]]]) -> None:
+        self.event_format = fmt
+        self._drains = list(drains)
+        self.fds: list[int] = []
+
+    def enable(self) -> None:
+        pass
+
+    def disable(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
+        return self._drains.pop(0) if self._drains else []
+
+
+def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:
+    """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``."""
+    drains: list[list[tuple[int, bytes]]] = []
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
+        s.enable()
+        children = [subprocess.Popen(a, stdout=subprocess.DEVNULL) for a in argvs]
+        deadline = time.monotonic() + 60
+        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+            drains.append(s.drain(1 << 20))  # small: several passes per round sometimes
+            time.sleep(0.03)
+        s.disable()
+        drains.append(s.drain(1 << 20))
+        fmt = s.event_format
+    path.write_bytes(pickle.dumps((fmt, drains)))
+
+
+def replay(path: Path, native: bool, tmp: Path) -> LiveProfiler:
+    fmt, drains = pickle.loads(path.read_bytes())
+    engine = StackEngine.create()
+    ticks = iter(range(1, 1 << 40))
+    procfs = ProcFS(str(tmp / "empty-proc"))
+    live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
+    store = StackStore(bucket_ns=100_000_000)
+    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
+                        native=native)  # fmt: skip
+    assert (prof.fast is not None) == native
+    prof.start()
+    for _ in range(len(drains)):
+        prof.step()
+    prof.close()
+    return prof
+
+
+def contents(prof: LiveProfiler) -> Counter[tuple[Any, ...]]:
+    return Counter({(s.pid, s.tid, s.comm, s.frames): s.count for s in prof.store.query()})
+
+
+def counts(prof: LiveProfiler) -> dict[str, Any]:
+    es = dataclasses.asdict(prof.engine.stats)
+    es.pop("batches")  # native runs vs Python batches: an implementation count
+    return {
+        "stream": dataclasses.asdict(prof.pipeline.stats),
+        "decode": (dict(prof.pipeline.decoder.stats.records),
+                   dict(prof.pipeline.decoder.stats.errors)),
+        "order": dataclasses.asdict(prof.pipeline.orderer.stats),
+        "engine": es,
+        "live": dataclasses.asdict(prof.live.stats),
+        "table": (dict(prof.engine.table.stats.records), dict(prof.engine.table.stats.drops)),
+        "store": (prof.store.stats.samples, sorted(prof.store.processes(), key=repr)),
+        "pinned": prof.stats_pinned,
+    }  # fmt: skip
+
+
+def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path: Path) -> None:
+    cap = tmp_path / "chunks.pickle"
+    c2 = workloads["c_o2"].argv[0]
+    capture(cap, [(c2, "200"), (workloads["c_o3"].argv[0],), (c2, "150")])
+    (tmp_path / "empty-proc").mkdir()
+    slow = replay(cap, False, tmp_path)
+    fast = replay(cap, True, tmp_path)
+    assert slow.store.stats.samples > 100
+    assert contents(fast) == contents(slow)
+    cs, cf = counts(slow), counts(fast)
+    for k in cs:
+        assert cf[k] == cs[k], k
+    assert fast.pipeline.orderer.stats.queued == 0
+
+
+def test_native_step_feeds_stream_subscribers(
+    workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    cap = tmp_path / "chunks.pickle"
+    capture(cap, [(workloads["c_o2"].argv[0], "150")])
+    (tmp_path / "empty-proc").mkdir()
+    fmt, drains = pickle.loads(cap.read_bytes())
+    engine = StackEngine.create()
+    live = LiveTable(engine.table, ProcFS(str(tmp_path / "empty-proc")))
+    store = StackStore()
+    got: list[Any] = []
+    store.subscribers.append(got.extend)
+    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
+                        native=True)  # fmt: skip
+    prof.start()
+    for _ in range(len(drains)):
+        prof.step()
+    prof.close()
+    assert len(got) == store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"] > 0
+    assert all(s.frames for s in got)
