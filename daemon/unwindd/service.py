@@ -9,8 +9,9 @@ Invariants:
   query over a big window (tens to hundreds of ms of Python) no longer holds the rings
   undrained; the loop gets the GIL back at least every ``sys.getswitchinterval()`` (5 ms).
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
-  sizes, see capture.drain_round) and unwinds at most ``LiveProfiler.max_step_samples`` fast-path
-  samples, and every socket wait has a timeout.
+  sizes, see capture.drain_round) and unwinds it in the native live step (livefast.py: Python
+  only for side-band records, unplaceable samples and new frames), and every socket wait has a
+  timeout.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
   ``[daemon] tick_ms`` by a timer. A ring fd that stays readable without yielding records (a
   sampled pid exited: POLLHUP) is dropped from the reader set until the next tick, so it cannot
@@ -449,22 +450,23 @@ class Daemon:
     def _step(self) -> bool:
         t0 = time.perf_counter()
         before = self.profiler.pipeline.stats.by_type.total()
-        samples = self.profiler.step()
+        self.profiler.step()
+        info = self.profiler.last_step  # counts even when no sample objects were built
         dt = time.perf_counter() - t0
         self.last_step_mono = time.monotonic()
         m = self.m
         m.step_seconds.observe(dt)
         if dt > 0.25:
-            log.debug("slow step: %.3f s for %d samples (cold binaries?)", dt, len(samples))
-        if samples:
-            m.sample_seconds.observe(dt / len(samples), len(samples))
+            log.debug("slow step: %.3f s for %d samples (cold binaries?)", dt, info.samples)
+        if info.samples:
+            m.sample_seconds.observe(dt / info.samples, info.samples)
             depth = m.depth
-            for s in samples:
-                depth.observe(len(s.frames))
+            for d, c in info.depths.items():
+                depth.observe(d, c)
             # Learn each new pid's uid while it is alive, so visibility still works after it
             # exits (one /proc read per pid per uid_cache_seconds).
-            for pid in {s.pid for s in samples}:
-                if pid is not None and pid > 0:
+            for pid in info.pids:
+                if pid > 0:
                     self._proc_facts(pid)
         return self.profiler.pipeline.stats.by_type.total() != before
 
@@ -714,7 +716,7 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
                        max_entries=st.max_entries)  # fmt: skip
-    return LiveProfiler.open(target, sampling, engine=engine, store=store)
+    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True)
 
 
 def setup_logging(level: str) -> None:
