@@ -321,6 +321,13 @@ def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processe
         elapsed = time.monotonic() - t0
         cap.step()
         forks = engine.table.stats.records["FORK"]
+        # Where the RSS went (2026-11-23 diagnosis): the ELF cache fills toward its cap with
+        # the machine's other binaries, and the store keeps every sample for its retention
+        # (1 h by default; under churn each pid's stacks are new: ASLR gives new addresses).
+        store = cap.prof.store
+        end_cache_bytes = cache.stats.bytes if cache is not None else 0  # type: ignore[attr-defined]
+        end_cache_entries = len(cache) if cache is not None else 0  # type: ignore[arg-type]
+        store_procs = len(store.processes()) if hasattr(store, "processes") else -1
     rss1 = _rss_kib()
     assert storm.returncode == 0
     live = cap.prof.live.stats
@@ -331,7 +338,9 @@ def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processe
         "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "give_ups": sum(live.give_ups.values()), "samples": engine.stats.samples,
         "lost_epochs": live.lost_epochs, "peak_engine_entries": peak_engine,
-        "rss_growth_trace": " ".join(rss_trace),
+        "rss_growth_trace": " ".join(rss_trace), "end_cache_bytes": end_cache_bytes,
+        "end_cache_entries": end_cache_entries, "store_entries": store.stats.entries,
+        "store_stacks": store.stats.stacks, "store_procs": store_procs,
     }  # fmt: skip
 
 

@@ -1,0 +1,75 @@
+"""Bounded per-pid state under process churn (issue 4, item 5): every table keyed by pid must
+be bounded by the pids that are live (or were read within a rate-limit window), never by how
+many pids ever existed. Sans-IO: a fake /proc tree and a fake clock, no sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from test_live_table import MS, Clock, FakeProc, line, sample
+from unwindd import unwinder
+from unwindd.engine import StackEngine
+from unwindd.livetable import LiveTable, LiveTableConfig
+from unwindd.procscan import ProcFS
+from unwindd.proctable import ProcessTable
+from unwindd.records import NO_SAMPLE_ID, Comm, Exit, Fork
+from unwindd.symbolize import Symbolizer
+
+CFG = LiveTableConfig(rescan_interval_ns=50 * MS, churn_window_ns=1000 * MS, max_hold_ns=500 * MS,
+                      exit_grace_ns=200 * MS, max_processes=64)  # fmt: skip
+
+
+def _live(tmp_path: Path) -> tuple[FakeProc, Clock, StackEngine, LiveTable]:
+    fake, clock = FakeProc(tmp_path), Clock()
+    table = ProcessTable(None, unwinder=unwinder)
+    engine = StackEngine(table, unwinder.Unwinder(16), Symbolizer(proc_root=str(tmp_path)))
+    live = LiveTable(table, ProcFS(str(tmp_path)), CFG, clock=clock)
+    engine.attach(live)
+    return fake, clock, engine, live
+
+
+def per_pid_state(engine: StackEngine, live: LiveTable) -> dict[str, set[int]]:
+    """Every pid-keyed table of the engine, the live table, the process table and the
+    symbolizer (the state a dropped pid must not leave behind)."""
+    t = engine.table
+    return {
+        "spaces": set(t.spaces), "retired": set(t.retired), "comms": set(engine._comms),
+        "tids": set(engine._tids), "snaps": set(engine._snaps), "stacks": set(engine._stacks),
+        "frames": set(engine._frames), "perf_maps": set(engine.symbolizer._perf_maps),
+        "last_read": set(live._last_read), "recent": set(live._recent), "held": set(live._held),
+    }  # fmt: skip
+
+
+def test_pids_gone_before_their_rescan_leave_no_rate_limit_state(tmp_path: Path) -> None:
+    """Samples of pids that exited before we could read /proc (FORK lost with a ring overflow):
+    the engine's snapshot gives each an (empty) space, so the cap drops it and on_drop clears
+    its rate-limit entries; nothing grows with the number of pids ever seen (20,000 here)."""
+    _, clock, engine, live = _live(tmp_path)
+    n = 20_000
+    for pid in range(1000, 1000 + n):
+        engine.feed([sample(pid, 0x1000, clock.now)])
+        clock.now += MS // 2
+    assert live.stats.give_ups["process_gone"] == n
+    state = per_pid_state(engine, live)
+    assert all(len(v) <= CFG.max_processes for v in state.values()), {
+        k: len(v) for k, v in state.items()}  # fmt: skip
+
+
+def test_a_dropped_pid_leaves_nothing_in_any_per_pid_table(tmp_path: Path) -> None:
+    fake, clock, engine, live = _live(tmp_path)
+    for pid in range(100, 400):
+        fake.put(pid, f"p{pid}", 1, line(0x1000, 0x2000, "/bin/none"))
+        fork = Fork(0, pid, 1, pid, 1, clock.now, NO_SAMPLE_ID)
+        comm = Comm(0, pid, pid, f"p{pid}", NO_SAMPLE_ID)
+        thread_comm = Comm(0, pid, pid + 100_000, "worker", NO_SAMPLE_ID)
+        s = sample(pid, 0x1800, clock.now)
+        engine.feed([fork, comm, thread_comm, s, sample(pid, 0x9000, clock.now)])
+        assert pid in engine._comms and pid in engine._snaps
+        engine.feed([Exit(0, pid, 1, pid, pid, clock.now, NO_SAMPLE_ID)])
+        fake.remove(pid)
+        clock.now += 10 * MS
+    clock.now += CFG.exit_grace_ns + CFG.churn_window_ns
+    engine.feed([sample(99, 0x1000, clock.now)])  # moves record time past every grace period
+    left = {k: v - {99} for k, v in per_pid_state(engine, live).items()}
+    assert all(not v for v in left.values()), {k: sorted(v)[:5] for k, v in left.items() if v}
+    assert engine.table.stats.drops["exit_grace"] + engine.table.stats.drops["cap_retired"] == 300
