@@ -213,6 +213,11 @@ class _Replay:
         # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
+        # Folded only: (binary's cache entry uid, ELF vaddr, mapped file name) -> (text, no
+        # symbol). A folded name depends on nothing else for a frame in a usable binary (see
+        # StackEngine.frame_at), and with ASLR each process's pcs differ: with this, a binary's
+        # code address is named once however many processes and mapping generations run it.
+        self._by_code: dict[tuple[int, int, str], tuple[str, bool]] = {}
         self._unsym: list[bool] = []  # per distinct user frame: no symbol
         self._unsym_ids: set[int] = set()  # the frame ids with no symbol
         # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
@@ -475,19 +480,38 @@ class _Replay:
         ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
         text, unsym, texts = self._frame_text, self._unsym, self._texts
+        by_code = self._by_code if self.fmt == "folded" else None
         sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
-        first = len(text)
-        for fid in range(first, int(lib.fp_nframes(ctx))):
+        counted = 0
+        for fid in range(len(text), int(lib.fp_nframes(ctx))):
             lib.fp_frame(ctx, fid, sp, pc, ex)
             snap = self._snaps[sp[0]]
-            f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
+            ip = pc[0] if ex[0] else pc[0] - 1
+            code = None
+            if by_code is not None:
+                m = snap.find(ip)
+                e = m.entry if m is not None else None
+                if m is not None and e is not None and e.usable:
+                    code = (e.uid, m.vaddr(ip), m.filename)
+                    hit = by_code.get(code)
+                    if hit is not None:
+                        text.append(hit[0])
+                        unsym.append(hit[1])
+                        if hit[1]:
+                            self._unsym_ids.add(fid)
+                        continue
+            f = engine.frame_at(snap.key[0], snap, ip)
             t = self._render((f,))
-            text.append(texts.setdefault(t, t))
+            t = texts.setdefault(t, t)
+            text.append(t)
             unsym.append(f.sym is None)
             if f.sym is None:
                 self._unsym_ids.add(fid)
-        # frame_at counted every new frame; the slow path counts per new (snapshot, pcs): redo
-        engine.stats.unsymbolized -= sum(unsym[first:])
+                counted += 1
+            if code is not None and by_code is not None:
+                by_code[code] = (t, f.sym is None)
+        # frame_at counted its unnamed frames; the slow path counts per new (snapshot, pcs): redo
+        engine.stats.unsymbolized -= counted
         st = ffi.new("struct fp_stack *")
         folded = self.fmt == "folded"
         text_of, unsym_of = text.__getitem__, unsym.__getitem__
