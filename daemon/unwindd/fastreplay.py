@@ -477,7 +477,8 @@ class _Replay:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
         state the slow path would symbolize them in (before the next side-band record). Each
         distinct user frame (fp_frame) is named once, with the engine's own ``frame_at`` (what
-        ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
+        ``user_frames`` calls per frame; for folded output only once per binary code address,
+        ``_by_code``), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
         text, unsym, texts = self._frame_text, self._unsym, self._texts
         by_code = self._by_code if self.fmt == "folded" else None
