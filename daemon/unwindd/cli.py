@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .capture import StreamPipeline
     from .engine import StackEngine
     from .live import LiveProfiler
-    from .perfcore import Target
+    from .perfcore import SamplingConfig, Target
     from .records import Record
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
@@ -233,61 +233,39 @@ def _fail(msg: str) -> int:
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     from .capture import StreamPipeline, run_live
-    from .output import render_summary
-    from .perfcore import PerfOpenError, PerfSession, SamplingConfig, Target
+    from .perfcore import PerfOpenError, PerfSession
 
     if args.format != "records":
         return _record_live(args, out)
-
-    if args.pid:
-        target = Target(pids=tuple(args.pid))
-    elif args.cgroup:
-        target = Target(cgroup=args.cgroup)
-    else:
-        target = Target(all_cpus=True)
+    # Raw records need no unwinding: the plain stream pipeline, no process table.
+    target = _target(args)
     try:
-        config = SamplingConfig(
-            event=args.event,
-            frequency=args.frequency,
-            stack_size=args.stack_size,
-            ring_pages=args.ring_pages,
-        )
-        session = PerfSession.open(target, config)
+        session = PerfSession.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
     sink = _Output(args.format, out)
-    started = time.monotonic()
     on_tick = None
     if args.status_interval:
-        on_tick = _status_printer(pipeline, started, args.status_interval)
+        on_tick = _status_printer(pipeline, time.monotonic(), args.status_interval)
     with session:
         session.enable()
         run_live(session, pipeline, sink, duration=args.duration, should_stop=stop, on_tick=on_tick)
         sink.finish()
         session.disable()
-        skipped = session.skipped_cpus
-        ring_errors = session.ring_errors
-    if args.format == "summary":
-        extra: dict[str, object] = {
-            "target": _describe(target),
-            "duration_s": round(time.monotonic() - started, 3),
-            "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
-            "ring_errors": ring_errors,
-        }
-        if skipped:
-            extra["skipped_cpus"] = ",".join(map(str, skipped))
-        out.write(
-            render_summary(
-                pipeline.stats,
-                pipeline.decoder.stats,
-                pipeline.orderer.stats,
-                extra,
-                args.top or 1 << 30,
-            )
-        )
     return 0
+
+
+def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    from .perfcore import SamplingConfig
+
+    return SamplingConfig(
+        event=args.event,
+        frequency=args.frequency,
+        stack_size=args.stack_size,
+        ring_pages=args.ring_pages,
+    )
 
 
 def _target(args: argparse.Namespace) -> Target:
@@ -304,17 +282,11 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     """Live capture through LiveProfiler: every sample unwound and symbolized as it arrives."""
     from .live import LiveProfiler
     from .output import render_summary
-    from .perfcore import PerfOpenError, SamplingConfig
+    from .perfcore import PerfOpenError
 
     target = _target(args)
     try:
-        config = SamplingConfig(
-            event=args.event,
-            frequency=args.frequency,
-            stack_size=args.stack_size,
-            ring_pages=args.ring_pages,
-        )
-        prof = LiveProfiler.open(target, config)
+        prof = LiveProfiler.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
     stop = _install_stop_handlers()
