@@ -70,9 +70,9 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:
     path.write_bytes(pickle.dumps((fmt, drains)))
 
 
-def replay(path: Path, native: bool, tmp: Path) -> LiveProfiler:
+def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False) -> LiveProfiler:
     fmt, drains = pickle.loads(path.read_bytes())
-    engine = StackEngine.create()
+    engine = StackEngine.create(prefetch_cfi=prefetch)
     ticks = iter(range(1, 1 << 40))
     procfs = ProcFS(str(tmp / "empty-proc"))
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
@@ -142,3 +142,21 @@ def test_native_step_feeds_stream_subscribers(
     prof.close()
     assert len(got) == store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"] > 0
     assert all(s.frames for s in got)
+
+
+def test_first_cfi_compiles_run_off_the_step(
+    workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    """With the prefetcher, a sample whose binaries have no CFI yet waits (deferred) while the
+    worker compiles; every sample still ends up stored exactly once, unwound as well."""
+    cap = tmp_path / "chunks.pickle"
+    capture(cap, [(workloads["c_o2"].argv[0], "200")])
+    (tmp_path / "empty-proc").mkdir()
+    slow = replay(cap, False, tmp_path)
+    fast = replay(cap, True, tmp_path, prefetch=True)
+    assert fast.fast is not None and fast.fast.stats_deferred > 0
+    pre = fast.engine.cfi_prefetch
+    assert pre is not None and pre.started > 0 and pre.used > 0
+    assert fast.store.stats.samples == slow.store.stats.samples
+    assert fast.engine.stats.by_status == slow.engine.stats.by_status
+    assert not fast.live.pinned and not fast.fast._deferred

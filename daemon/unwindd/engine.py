@@ -37,14 +37,16 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import abi
-from .elfcache import CacheConfig, ElfCache
+from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
 from .proctable import Mapping, ProcessTable
 from .records import Comm, Record, Sample
 from .stackfmt import Frame, UnwoundSample
@@ -88,6 +90,77 @@ class Snapshot:
         return None
 
 
+class CfiPrefetcher:
+    """The ELF cache's CFI factory, able to compile ahead in one worker thread, so that the
+    first sample of a binary nobody has unwound yet does not stall the event loop for the
+    compile (0.1-1 s for a big binary: the rings overflow meanwhile).
+
+    Rules: the worker runs only the pure ``compile(path, debug, build_id)`` (it reads the file
+    and compiles; cffi releases the GIL inside the C compiler); the ElfCache and its entries
+    are touched only on the owner's thread, as elfcache.py requires. ``ready(entry)`` (owner)
+    starts a compile and says whether the entry's table is loaded or done; the factory call
+    that ``ElfEntry.cfi()`` makes then picks the result up. Results are keyed by the arguments
+    *and* the opened file's identity (dev, inode, size, mtime): ``fd_path`` names an fd, and an
+    fd number is reused once its entry is gone. At most ``max_pending`` results wait (oldest
+    dropped: they only cost a recompile).
+    """
+
+    def __init__(self, compile: Callable[[str, str | None, bytes | None], object],
+                 max_pending: int = 256) -> None:  # fmt: skip
+        self._compile = compile
+        self._futures: OrderedDict[tuple[object, ...], Future[object]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self.max_pending = max_pending
+        self.started = 0  # compiles run in the worker
+        self.used = 0  # of which picked up by the factory
+
+    def __call__(self, path: str, debug: str | None, build_id: bytes | None) -> object:
+        key = _file_key(path, debug, build_id)
+        f = self._futures.pop(key, None) if key is not None else None
+        if f is not None:
+            self.used += 1
+            return f.result()  # done when ready() said so; else waits for the worker
+        return self._compile(path, debug, build_id)
+
+    def ready(self, entry: Any) -> bool:
+        """True if ``entry``'s CFI is loaded or compiled (or cannot be); else start it."""
+        if not entry.usable or _cfi_loaded(entry):
+            return True
+        path, debug, bid = entry.fd_path, entry.debug_path(), entry.build_id
+        key = _file_key(path, debug, bid)
+        if key is None:
+            return True  # cannot stat it: cfi() will fail fast on the loop too
+        f = self._futures.get(key)
+        if f is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-cfi")
+            f = self._futures[key] = self._pool.submit(self._compile, path, debug, bid)
+            self.started += 1
+            while len(self._futures) > self.max_pending:
+                self._futures.popitem(last=False)
+        return f.done()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._futures.clear()
+
+
+def _cfi_loaded(entry: Any) -> bool:
+    # A read-only peek at ElfEntry's lazy slot (elfcache.py has no public "loaded?" query and
+    # is another change's file); calling cfi() would compile on this thread, which is the
+    # point of asking.
+    return getattr(entry, "_cfi", _NOT_LOADED) is not _NOT_LOADED
+
+
+def _file_key(path: str, debug: str | None, build_id: bytes | None) -> tuple[object, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (path, debug, build_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class StackEngine:
     def __init__(
         self,
@@ -117,6 +190,7 @@ class StackEngine:
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
         # called with each pid the table drops, after the engine forgot it (livefast's C table)
         self.drop_listeners: list[Callable[[int], None]] = []
+        self.cfi_prefetch: CfiPrefetcher | None = None  # set by create(prefetch_cfi=True)
 
     @classmethod
     def create(
@@ -127,6 +201,7 @@ class StackEngine:
         max_depth: int = 128,
         batch_size: int = 512,
         cfi_cache_dir: str | None = None,
+        prefetch_cfi: bool = False,
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. With
         ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``)."""
@@ -140,10 +215,13 @@ class StackEngine:
                 return store.get_or_compile(build_id, path, debug)
             return CfiTable.from_elf(path, debug)
 
-        cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=factory)
+        pre = CfiPrefetcher(factory) if prefetch_cfi else None
+        cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory)
         table = ProcessTable(cache, unwinder=unw)
-        return cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
-                   batch_size=batch_size)  # fmt: skip
+        engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
+                     batch_size=batch_size)  # fmt: skip
+        engine.cfi_prefetch = pre
+        return engine
 
     # -- records in, samples out
 

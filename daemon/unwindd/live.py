@@ -209,6 +209,8 @@ class LiveProfiler:
                 self.last_step.samples += len(held)
                 self.last_step.depths.update(len(s.frames) for s in held)
             out += held
+            if self.engine.cfi_prefetch is not None:
+                self.engine.cfi_prefetch.close()
             self._unpin([r for r, _ in list(self._pinned.values())])
             self.session.close()
             self.closed = True

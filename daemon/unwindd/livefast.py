@@ -53,7 +53,7 @@ from .engine import Snapshot, StackEngine
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
 from .ordering import lateness_bucket
-from .records import Comm, Lost, Record
+from .records import Comm, Lost, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .stackstore import CountGroup, StackStore
 
@@ -100,6 +100,7 @@ class NativeStep:
         *,
         max_stacks: int = 1 << 16,
         max_spaces: int = 4096,
+        max_deferred: int = 4096,
     ) -> None:
         self.pipeline = pipeline
         self.engine = engine
@@ -122,6 +123,11 @@ class NativeStep:
         self._ncarry = 0
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
+        # Samples waiting for a CFI compile in the worker (engine.cfi_prefetch), each with the
+        # entries it waits for; at most max_deferred, then the loop compiles (the old way).
+        self._deferred: list[tuple[Sample, list[Any]]] = []
+        self.max_deferred = max_deferred
+        self.stats_deferred = 0  # samples ever deferred
         self._new_ctx()
         engine.drop_listeners.append(self._dropped)
 
@@ -175,6 +181,12 @@ class NativeStep:
         out, info = self._round(chunks, False)
         if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
             more, info2 = self._round([], True)
+            late = self._undefer(True)  # deferred during that last round
+            if late:
+                self.store.add(late)
+                more += late
+                info2.samples += len(late)
+                info2.depths.update(len(s.frames) for s in late)
             out += more
             info.samples += info2.samples
             info.depths.update(info2.depths)
@@ -191,6 +203,8 @@ class NativeStep:
         if due:  # held samples first, unwound by the engine's own path (StackEngine.feed)
             self.forget_all()  # due() rescanned pids and may have set comms
             due_out = engine.unwind_held(due)
+        if self._deferred:
+            due_out += self._undefer(flush)
         parts = [self._carry, *(b for _, b in chunks)]
         buf = b"".join(parts)
         bounds = [0]
@@ -405,7 +419,7 @@ class NativeStep:
                 lib.fp_forget_space(ctx, r.pid)
                 if live.stats.rescans.total() != rescans:
                     lib.fp_forget_comms(ctx)  # a rescan may have set a comm
-                if placed:
+                if placed and not self._defer(s):
                     self._set_space(r.pid, s.pid)
                     force = 1
                 else:
@@ -427,6 +441,43 @@ class NativeStep:
                 continue  # force stays: k is still the sample the caller placed
             raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
         self._name_new()
+
+    def _defer(self, s: Sample) -> bool:
+        """Hold a placed sample while a binary of its space compiles in the worker (see
+        engine.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile."""
+        pre = self.engine.cfi_prefetch
+        if pre is None or s.pid is None or len(self._deferred) >= self.max_deferred:
+            return False
+        sp = self.engine.table.get(s.pid)
+        if sp is None:
+            return False
+        waiting = [e for e in sp.entries() if not pre.ready(e)]
+        if not waiting:
+            return False
+        self._deferred.append((s, waiting))
+        self.live.pinned[s.pid] += 1
+        self.stats_deferred += 1
+        return True
+
+    def _undefer(self, everything: bool) -> list[UnwoundSample]:
+        """Unwind the deferred samples whose binaries are ready (all of them at close: the
+        factory then waits for the worker), in their order, by the engine's Python path."""
+        pre = self.engine.cfi_prefetch
+        go: list[Sample] = []
+        keep: list[tuple[Sample, list[Any]]] = []
+        for s, waiting in self._deferred:
+            if everything or pre is None or all(pre.ready(e) for e in waiting):
+                go.append(s)
+            else:
+                keep.append((s, waiting))
+        self._deferred = keep
+        pins = self.live.pinned
+        for s in go:
+            assert s.pid is not None
+            pins[s.pid] -= 1
+            if pins[s.pid] <= 0:
+                del pins[s.pid]
+        return self.engine.unwind_held(go) if go else []
 
     def _set_space(self, cpid: int, pid: int | None) -> None:
         snap = self.engine.snapshot(pid)

@@ -119,6 +119,8 @@ class LiveTable:
         self._last_read: dict[int, int] = {}  # pid -> clock() of its last /proc read
         self._recent: dict[int, deque[int]] = {}  # pid -> clock() of its recent rescans
         self._held: dict[int, list[tuple[int, Sample]]] = {}  # pid -> (deadline, sample)
+        # pids with samples held elsewhere (livefast: waiting for a CFI compile): not reaped
+        self.pinned: Counter[int] = Counter()
 
     # -- bootstrap
 
@@ -250,7 +252,7 @@ class LiveTable:
 
     def end_batch(self) -> None:
         """After a batch is unwound: drop what retired long enough ago, then enforce the cap."""
-        pinned = self._held.keys()
+        pinned = self._held.keys() | self.pinned.keys() if self.pinned else self._held.keys()
         self.table.reap(self.record_time, self.config.exit_grace_ns, pinned)
         self.table.evict_to(self.config.max_processes, pinned)
 

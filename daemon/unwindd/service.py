@@ -711,7 +711,7 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     sampling = SamplingConfig(event=s.event, frequency=s.frequency, stack_size=s.stack_size,
                               ring_pages=s.ring_pages)  # fmt: skip
     engine = StackEngine.create(cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
-                                max_depth=cfg.unwind.max_depth)  # fmt: skip
+                                max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
     st = cfg.store
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
