@@ -1062,7 +1062,8 @@ uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const ui
     uint64_t w = 0;
     for (uint64_t j = 0; j < n; j++) {
         const struct fp_rec *r = &recs[keep[j]];
-        memcpy(out + w, data + r->off, r->size);
+        if (out)
+            memcpy(out + w, data + r->off, r->size);
         w += r->size;
     }
     return w;

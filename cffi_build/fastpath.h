@@ -172,7 +172,7 @@ int fp_live_order_round(struct fp_live_order *o, const struct fp_rec *recs, uint
                         uint64_t *nlate, struct fp_order_stats *st, uint32_t *keep,
                         uint64_t *nkeep);
 
-/* Copy recs[keep[j]] back to back into out (room for all of them); returns the bytes. */
+/* Copy recs[keep[j]] back to back into out; returns the bytes (out NULL: only counts). */
 uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const uint32_t *keep,
                         uint64_t n, uint8_t *out);
 

@@ -19,6 +19,14 @@ Invariants:
   record has been applied (the table then holds its own reference). A process that lives
   10 ms in another mount namespace, or runs a binary deleted right after exec, is still
   unwound and symbolized, the CFI compiled later from the held fd.
+- ``native=True`` (the daemon's default) runs each step through livefast.NativeStep: the same
+  records, order, placement and counts as the Python step (tests/test_livefast.py replays
+  captured ring chunks through both), with sample objects built only for store subscribers;
+  ``last_step`` describes what any step stored. A step still drains one whole round (the round
+  rule needs every ring emptied, capture.py), so its work is bounded by the ring sizes, not
+  by a record count: per sample that is ~1 us of C, and what can take long is per new binary
+  (its CFI compile now runs in a worker, engine.CfiPrefetcher; symbol tables still load on the
+  step that first names one of its frames).
 """
 
 from __future__ import annotations

@@ -364,13 +364,13 @@ class NativeStep:
         if not nkeep:
             self._carry, self._carry_objs = b"", {}
             return
-        out = bytearray(size)
-        w = int(lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(out)))
-        del out[w:]
+        size = int(lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.NULL))
+        out = bytearray(size)  # exact: the carry is about one round of records
+        lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(out))
         self._carry = bytes(out)
-        if objs:
-            where = {v: j for j, v in enumerate(keep[0:nkeep])}
-            self._carry_objs = {where[i]: rec for i, rec in objs.items()}
+        if objs:  # few side-band records ride along: find each one's new slot
+            kl = _u(keep, "I", nkeep).tolist()
+            self._carry_objs = {kl.index(i): rec for i, rec in objs.items()}
         else:
             self._carry_objs = {}
 
