@@ -63,6 +63,7 @@ def test_keys_scripts_rely_on() -> None:
         (b'[metrics]\nenabled = "yes"\n', "[metrics] enabled: must be true or false"),
         (b'[daemon]\nlog_level = "loud"\n', "[daemon] log_level: must be one of"),
         (b"[store]\nretention_seconds = 5\n", "[store] retention_seconds: must be >="),
+        (b"[store]\nmax_bytes = 0\n", "[store] max_bytes: must be > 0"),
         (b"sampling = 3\n", "[sampling]: must be a table"),
         (b"[sampling\n", "TOML syntax error"),
         (b"\xff\xfe", "not UTF-8"),
@@ -120,3 +121,13 @@ def test_check_config_command(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "unwindd.cli", "run", "--config",
                           str(tmp_path / "nope.toml")], capture_output=True, text=True, timeout=30)
     assert res.returncode == 2 and "nope.toml: no such file" in res.stderr
+
+
+def test_store_max_bytes_reaches_the_store_on_restart_only() -> None:
+    assert Config().store.max_bytes == 256 << 20
+    new = parse_config(b"[store]\nmax_bytes = 1048576\n")
+    assert new.store.max_bytes == 1 << 20
+    # The reload path resizes entries and retention only; the byte cap is set when the store is
+    # built (service.open_profiler_for), so a change waits for a restart.
+    assert restart_keys(Config(), new) == ["[store] max_bytes"]
+    assert merge_live(Config(), new).store.max_bytes == 256 << 20

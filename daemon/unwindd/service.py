@@ -715,7 +715,7 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     st = cfg.store
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
-                       max_entries=st.max_entries)  # fmt: skip
+                       max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
     return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True)
 
 
