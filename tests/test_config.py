@@ -123,11 +123,10 @@ def test_check_config_command(tmp_path: Path) -> None:
     assert res.returncode == 2 and "nope.toml: no such file" in res.stderr
 
 
-def test_store_max_bytes_reaches_the_store_on_restart_only() -> None:
+def test_store_max_bytes_changes_live() -> None:
     assert Config().store.max_bytes == 256 << 20
     new = parse_config(b"[store]\nmax_bytes = 1048576\n")
     assert new.store.max_bytes == 1 << 20
-    # The reload path resizes entries and retention only; the byte cap is set when the store is
-    # built (service.open_profiler_for), so a change waits for a restart.
-    assert restart_keys(Config(), new) == ["[store] max_bytes"]
-    assert merge_live(Config(), new).store.max_bytes == 256 << 20
+    # The reload path sets the running store's cap (service.Daemon reload), no restart needed.
+    assert restart_keys(Config(), new) == []
+    assert merge_live(Config(), new).store.max_bytes == 1 << 20

@@ -407,6 +407,7 @@ class Daemon:
         store = self.profiler.store
         s = self.config.store
         store.max_entries = s.max_entries
+        store.max_bytes = s.max_bytes  # a smaller cap evicts oldest buckets at the next add
         store.max_buckets = max(1, s.retention_seconds // s.bucket_seconds)
         logging.getLogger().setLevel(self.config.daemon.log_level.upper())
         try:
