@@ -140,9 +140,11 @@ static int parse_sample(const struct fp_layout *L, const uint8_t *b, uint64_t n,
     return 0;
 }
 
-int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
-             struct fp_rec **recs, uint64_t *nrec, uint64_t *other, int *end,
-             uint64_t *stopped_at)
+/* fp_index; payloads: skip AUXTRACE/TRACING_DATA payloads (perf.data framing). Ring chunks
+ * have none (records.RecordDecoder.decode frames them by header.size only). */
+static int index_records(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
+                         int payloads, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
+                         int *end, uint64_t *stopped_at)
 {
     uint64_t cap = 1024, n = 0, pos = 0;
     struct fp_rec *r = malloc(cap * sizeof *r);
@@ -220,7 +222,9 @@ int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
         pos += size;
         /* payloads outside header.size (perfdata._payload_after) */
         u128 extra = 0;
-        if (type == T_AUXTRACE && blen >= 8)
+        if (!payloads)
+            ;
+        else if (type == T_AUXTRACE && blen >= 8)
             extra = ld64(body);
         else if (type == T_HEADER_TRACING_DATA && blen >= 4)
             extra = ((u128)ld32(body) + 7) & ~(u128)7;
@@ -235,6 +239,13 @@ int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
     *recs = r;
     *nrec = n;
     return 0;
+}
+
+int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
+             struct fp_rec **recs, uint64_t *nrec, uint64_t *other, int *end,
+             uint64_t *stopped_at)
+{
+    return index_records(lay, data, len, 1, recs, nrec, other, end, stopped_at);
 }
 
 /* ------------------------------------------------------------------ ordering */
@@ -936,7 +947,7 @@ int fp_live_index(const struct fp_layout *lay, const uint8_t *data, const uint64
         uint64_t base = bounds[i], len = bounds[i + 1] - bounds[i];
         struct fp_rec *r;
         uint64_t m, oth, stop;
-        if (fp_index(lay, data + base, len, &r, &m, &oth, &ends[i], &stop)) {
+        if (index_records(lay, data + base, len, 0, &r, &m, &oth, &ends[i], &stop)) {
             free(all);
             return -1;
         }

@@ -1,0 +1,127 @@
+"""The live step's native API (cffi_build/fastpath.c fp_live_*) under AddressSanitizer + UBSan
+and valgrind.
+
+Real ring drains are captured once (tests/test_livefast.py's ``capture``: a real PerfSession
+while a workload runs) and written as u32 nchunks, then per chunk u32 cpu, u32 len, bytes.
+tests/native/live_fuzz.c replays them through livefast.NativeStep's call sequence (index with
+the carry, side-band flags, order with carried queue, runs with NEED_PLACE/NEED_COMM answers,
+forgets, read-back, grouping, context rebuilds, the final flush round), first whole, then as
+truncated / mutated / re-cut windows (bytes, and record headers and sample fields: other
+types incl. AUXTRACE / TRACING_DATA, sizes, absurd pids, times, counts) with absurd pids and
+tables. It prints ``ok <checks>``; a
+sanitizer report, a leak or a failed CHECK fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_livefast import capture
+from unwindd._unwcore import ffi, lib
+from unwindd.fastreplay import layout_of
+from unwindd.records import EventFormat, RecordDecoder
+from workloads.build import build_workloads
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "cffi_build"
+HARNESS = ROOT / "tests" / "native" / "live_fuzz.c"
+SOURCES = [str(HARNESS), str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c")]
+CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
+
+
+@pytest.fixture(scope="module")
+def drains(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The capture in the harness's format, and the layout arguments."""
+    tmp = tmp_path_factory.mktemp("livefuzz")
+    wl = build_workloads(tmp / "wl")
+    cap = tmp / "chunks.pickle"
+    capture(cap, [(wl["c_o2"].argv[0], "150"), (wl["c_o3"].argv[0],)])
+    fmt, got = pickle.loads(cap.read_bytes())
+    out = bytearray()
+    for chunks in got:
+        out += struct.pack("<I", len(chunks))
+        for cpu, b in chunks:
+            out += struct.pack("<II", cpu, len(b)) + b
+    path = tmp / "drains.bin"
+    path.write_bytes(bytes(out))
+    lay = layout_of(fmt)
+    args = [lay.sample_type, lay.regs_mask, lay.nprefix, lay.i_ip, lay.i_tid, lay.i_time,
+            lay.i_cpu, lay.i_period, lay.read_group, lay.read_times, lay.read_per_value,
+            lay.branch_hw_index, lay.branch_counters, lay.nregs]  # fmt: skip
+    assert sum(len(b) for chunks in got for _, b in chunks) > 10_000
+    return path, [str(int(a)) for a in args]
+
+
+def _build(out: Path, extra: list[str]) -> str:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed for the native tests"
+    subprocess.run([cc, *CFLAGS, *extra, *SOURCES, "-o", str(out)], check=True,
+                   capture_output=True, text=True)  # fmt: skip
+    return str(out)
+
+
+def _check(proc: subprocess.CompletedProcess[str], min_checks: int) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ok "), proc.stdout
+    assert int(last.split()[1]) > min_checks
+    assert "real: " in proc.stdout
+
+
+def test_live_fastpath_asan_ubsan(tmp_path: Path, drains: tuple[Path, list[str]]) -> None:
+    exe = _build(
+        tmp_path / "live_fuzz_asan",
+        ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
+    )
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=97")
+    path, args = drains
+    proc = subprocess.run([exe, str(path), *args, "1500"], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    _check(proc, 1_000_000)
+    assert "runtime error" not in proc.stderr
+
+
+def test_live_fastpath_valgrind(tmp_path: Path, drains: tuple[Path, list[str]]) -> None:
+    valgrind = shutil.which("valgrind")
+    assert valgrind, "valgrind is installed on the dev machine; install it to run this test"
+    exe = _build(tmp_path / "live_fuzz", [])
+    path, args = drains
+    proc = subprocess.run(
+        [valgrind, "-q", "--error-exitcode=1", "--leak-check=full", "--errors-for-leak-kinds=all",
+         exe, str(path), *args, "400"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    _check(proc, 200_000)
+
+
+def test_live_index_frames_ring_chunks_like_the_decoder() -> None:
+    """Ring chunks carry no out-of-record payloads: an AUXTRACE or TRACING_DATA header in one
+    (a corrupt ring) is one record, as RecordDecoder.decode frames it. fp_live_index used the
+    perf.data framing and skipped "payload" bytes, so it saw other records than the slow step
+    and a carried record re-indexed to a different carry (fp_live_order_round then failed)."""
+    recs = [
+        struct.pack("<IHHQ", 71, 0, 16, 16),  # AUXTRACE, "payload" 16: the next record
+        struct.pack("<IHHI4x", 66, 0, 16, 8),  # TRACING_DATA, "payload" 8
+        struct.pack("<IHHQ", 71, 0, 16, 1 << 40),
+        struct.pack("<IHHQ", 68, 0, 16, 0),
+    ]
+    data = b"".join(recs)
+    dec = RecordDecoder([EventFormat(sample_type=0)])
+    assert len(list(dec.decode(data))) == len(recs)
+    lay = ffi.new("struct fp_layout *")
+    pp, n, other = ffi.new("struct fp_rec **"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    ends, stop = ffi.new("int[]", 2), ffi.new("uint64_t *")
+    bounds = ffi.new("uint64_t[]", [0, 0, len(data)])
+    assert lib.fp_live_index(lay, ffi.from_buffer(data), bounds, 2, pp, n, other, ends, stop) == 0
+    try:
+        got = [(pp[0][i].off, pp[0][i].type, pp[0][i].size) for i in range(n[0])]
+    finally:
+        lib.unw_free(pp[0])
+    assert got == [(16 * i, t, 16) for i, t in enumerate((71, 66, 71, 68))]
+    assert list(ends) == [lib.FP_END_OK, lib.FP_END_OK] and other[0] == 4
