@@ -150,8 +150,10 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
                                * mapping of it: the caller places it (LiveTable.place), then
                                * resumes at *stopped with force_first (or past it if held) */
 
-/* fp_index of each whole-record chunk data[bounds[i], bounds[i+1]) (one ring's drain each),
- * merged; offsets are relative to data; ends[i] is chunk i's FP_END_*. */
+/* Like fp_index on each whole-record chunk data[bounds[i], bounds[i+1]) (one ring's drain
+ * each), merged, except that records are framed by header.size alone, as RecordDecoder.decode
+ * frames ring chunks (no AUXTRACE/TRACING_DATA payloads: those exist only in perf.data files);
+ * offsets are relative to data; ends[i] is chunk i's FP_END_*. */
 int fp_live_index(const struct fp_layout *lay, const uint8_t *data, const uint64_t *bounds,
                   uint32_t nchunks, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
                   int *ends, uint64_t *stopped_at);
