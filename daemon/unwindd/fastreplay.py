@@ -85,6 +85,21 @@ class FastResult:
     side_band: int
 
 
+def mark_record(r: Any, rec: Record) -> None:
+    """Give a decoded non-SAMPLE record's C index entry (``struct fp_rec``) the time and CPU
+    the Python decoder found, flagged FP_TIMED / FP_HAS_CPU, so the C orderer places it exactly
+    where ordering.RoundOrderer would."""
+    flags = 0
+    t, cpu = rec.time, rec.cpu
+    if t is not None:
+        r.time = t
+        flags |= int(lib.FP_TIMED)
+    if cpu is not None:
+        r.cpu = cpu
+        flags |= int(lib.FP_HAS_CPU)
+    r.flags = flags
+
+
 def layout_of(fmt: Any) -> Any:
     """The ``struct fp_layout`` of an ``EventFormat``: records._SampleLayout's numbers."""
     lay = _SampleLayout.of(fmt)
@@ -269,18 +284,10 @@ class _Replay:
                 data._user_record(rtype, misc, body)
             rec = dec.decode_one(rtype, misc, body)
             objs[i] = rec
-            flags = 0
             if isinstance(rec, FinishedRound):
-                flags = int(lib.FP_MARKER)
+                r.flags = int(lib.FP_MARKER)
             else:
-                t, cpu = rec.time, rec.cpu
-                if t is not None:
-                    r.time = t
-                    flags |= int(lib.FP_TIMED)
-                if cpu is not None:
-                    r.cpu = cpu
-                    flags |= int(lib.FP_HAS_CPU)
-            r.flags = flags
+                mark_record(r, rec)
         nsamples = n - nother
         if nsamples:
             dec.stats.records["SAMPLE"] += nsamples

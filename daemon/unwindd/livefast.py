@@ -50,7 +50,7 @@ from . import abi
 from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
-from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
+from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of, mark_record
 from .livetable import LiveTable
 from .ordering import lateness_bucket
 from .records import Comm, Lost, Record, Sample
@@ -239,15 +239,7 @@ class NativeStep:
                     sstats.observe(rec, chunks[bisect_right(bounds, r.off) - 2][0])
                     self.pin(rec)
                     objs[i] = rec
-                flags = 0
-                t, cpu = rec.time, rec.cpu
-                if t is not None:
-                    r.time = t
-                    flags |= int(lib.FP_TIMED)
-                if cpu is not None:
-                    r.cpu = cpu
-                    flags |= int(lib.FP_HAS_CPU)
-                r.flags = flags
+                mark_record(r, rec)
         for end in ends[1 : len(parts)]:
             if end in _END_ERRORS:
                 dec.stats.errors[_END_ERRORS[end]] += 1
