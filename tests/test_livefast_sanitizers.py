@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from nativebuild import CORE, build, check_ok
 from test_livefast import capture
 from unwindd._unwcore import ffi, lib
 from unwindd.fastreplay import layout_of
@@ -29,10 +30,8 @@ from unwindd.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ROOT / "cffi_build"
 HARNESS = ROOT / "tests" / "native" / "live_fuzz.c"
 SOURCES = [str(HARNESS), str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c")]
-CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
 
 
 @pytest.fixture(scope="module")
@@ -58,46 +57,31 @@ def drains(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     return path, [str(int(a)) for a in args]
 
 
-def _build(out: Path, extra: list[str]) -> str:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed for the native tests"
-    subprocess.run([cc, *CFLAGS, *extra, *SOURCES, "-o", str(out)], check=True,
-                   capture_output=True, text=True)  # fmt: skip
-    return str(out)
-
-
-def _check(proc: subprocess.CompletedProcess[str], min_checks: int) -> None:
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("ok "), proc.stdout
-    assert int(last.split()[1]) > min_checks
-    assert "real: " in proc.stdout
-
-
 def test_live_fastpath_asan_ubsan(tmp_path: Path, drains: tuple[Path, list[str]]) -> None:
-    exe = _build(
+    exe = build(
         tmp_path / "live_fuzz_asan",
+        SOURCES,
         ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
     )
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=97")
     path, args = drains
     proc = subprocess.run([exe, str(path), *args, "1500"], capture_output=True, text=True,
                           timeout=120, env=env)  # fmt: skip
-    _check(proc, 1_000_000)
+    check_ok(proc, 1_000_000)
     assert "runtime error" not in proc.stderr
 
 
 def test_live_fastpath_valgrind(tmp_path: Path, drains: tuple[Path, list[str]]) -> None:
     valgrind = shutil.which("valgrind")
     assert valgrind, "valgrind is installed on the dev machine; install it to run this test"
-    exe = _build(tmp_path / "live_fuzz", [])
+    exe = build(tmp_path / "live_fuzz", SOURCES, [])
     path, args = drains
     proc = subprocess.run(
         [valgrind, "-q", "--error-exitcode=1", "--leak-check=full", "--errors-for-leak-kinds=all",
          exe, str(path), *args, "400"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    _check(proc, 200_000)
+    check_ok(proc, 200_000)
 
 
 def test_live_index_frames_ring_chunks_like_the_decoder() -> None:

@@ -15,12 +15,11 @@ import subprocess
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from nativebuild import CORE, build, check_ok
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CORE = ROOT / "cffi_build"
 HARNESS = ROOT / "tests" / "native" / "unw_fuzz.c"
 SOURCES = [str(HARNESS), str(CORE / "cfi.c"), str(CORE / "unwind.c")]
-CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
 
@@ -35,44 +34,29 @@ def sections(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         return [str(tmp / "eh"), hex(eh["sh_addr"]), str(tmp / "hdr"), hex(hdr["sh_addr"])]
 
 
-def _build(out: pathlib.Path, extra: list[str]) -> str:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed for the native tests"
-    subprocess.run([cc, *CFLAGS, *extra, *SOURCES, "-o", str(out)], check=True,
-                   capture_output=True, text=True)  # fmt: skip
-    return str(out)
-
-
-def _check(proc: subprocess.CompletedProcess[str], min_checks: int) -> None:
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("ok "), proc.stdout
-    assert int(last.split()[1]) > min_checks
-    assert "real: " in proc.stdout
-
-
 def test_unwcore_asan_ubsan(tmp_path: pathlib.Path, sections: list[str]) -> None:
-    exe = _build(
+    exe = build(
         tmp_path / "unw_fuzz_asan",
+        SOURCES,
         ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
     )
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=97")
     proc = subprocess.run([exe, *sections, "2000"], capture_output=True, text=True, timeout=120,
                           env=env)  # fmt: skip
-    _check(proc, 100_000)
+    check_ok(proc, 100_000)
     assert "runtime error" not in proc.stderr
 
 
 def test_unwcore_valgrind(tmp_path: pathlib.Path, sections: list[str]) -> None:
     valgrind = shutil.which("valgrind")
     assert valgrind, "valgrind is installed on the dev machine; install it to run this test"
-    exe = _build(tmp_path / "unw_fuzz", [])
+    exe = build(tmp_path / "unw_fuzz", SOURCES, [])
     proc = subprocess.run(
         [valgrind, "-q", "--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=all",
          exe, *sections, "150"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    _check(proc, 50_000)
+    check_ok(proc, 50_000)
 
 
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])

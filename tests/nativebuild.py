@@ -1,0 +1,31 @@
+"""Building and judging the C harnesses in tests/native/ that the sanitizer tests run.
+
+A harness is compiled together with the project's own C sources (no cffi), prints a final
+``ok <checks>`` line when every CHECK held, and exits non-zero on a failed CHECK or a sanitizer
+report (built with -fno-sanitize-recover) or a valgrind error (--error-exitcode)."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORE = ROOT / "cffi_build"
+CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
+
+
+def build(out: pathlib.Path, sources: list[str], extra: list[str]) -> str:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed for the native tests"
+    subprocess.run([cc, *CFLAGS, *extra, *sources, "-o", str(out)], check=True,
+                   capture_output=True, text=True)  # fmt: skip
+    return str(out)
+
+
+def check_ok(proc: subprocess.CompletedProcess[str], min_checks: int) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ok "), proc.stdout
+    assert int(last.split()[1]) > min_checks
+    assert "real: " in proc.stdout
