@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from . import abi
 from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
 from .proctable import Mapping, ProcessTable
-from .records import Comm, Record, Sample
+from .records import Comm, Fork, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
 
@@ -254,13 +254,28 @@ class StackEngine:
     def apply_side_band(self, rec: Record) -> None:
         """A non-SAMPLE record, in time order (``feed``; the native live step calls it
         between its runs of samples)."""
-        if isinstance(rec, Comm):
-            self._comms[rec.tid] = rec.comm
-            if self.live is not None and rec.tid != rec.pid:
-                self._tids.setdefault(rec.pid, set()).add(rec.tid)
+        self.note_comm(rec)
         self.table.apply(rec)
         if self.live is not None:
             self.live.observe(rec)
+
+    def note_comm(self, rec: Record) -> bool:
+        """Track task names: a COMM names its tid; a FORK's new task starts with its parent's
+        name until its own COMM (exec or prctl), as perf's thread__fork copies the parent's
+        comm (tools/perf/util/thread.c) — without it a child sampled before it execs had no
+        name. True when a name changed (callers caching (pid, tid) -> comm must forget)."""
+        if isinstance(rec, Comm):
+            comm: str | None = rec.comm
+        elif isinstance(rec, Fork):
+            comm = self._comms.get(rec.ptid) or self._comms.get(rec.ppid)
+        else:
+            return False
+        if comm is None:
+            return self._comms.pop(rec.tid, None) is not None  # a reused tid's old name
+        self._comms[rec.tid] = comm
+        if self.live is not None and rec.tid != rec.pid:
+            self._tids.setdefault(rec.pid, set()).add(rec.tid)
+        return True
 
     def unwind_held(self, samples: list[Sample]) -> list[UnwoundSample]:
         """Samples back from ``live.due()``, unwound now as ``feed`` does."""

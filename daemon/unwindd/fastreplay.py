@@ -53,7 +53,7 @@ from .engine import Snapshot, StackEngine
 from .ordering import OrderStats, lateness_bucket
 from .perfdata import PerfData
 from .proctable import PROT_EXEC, Mapping
-from .records import Comm, FinishedRound, Mmap2, Record, _SampleLayout
+from .records import FinishedRound, Mmap2, Record, _SampleLayout
 from .stackfmt import Frame, UnwoundSample
 from .streamstats import StreamStats
 from .unwinder import UnwindStatus
@@ -341,8 +341,7 @@ class _Replay:
             if type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
                 engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
                 continue
-            if isinstance(rec, Comm):
-                engine.set_comm(rec.tid, rec.comm)
+            if engine.note_comm(rec):
                 lib.fp_forget_comms(self.ctx)
             engine.table.apply(rec)
             rpid = getattr(rec, "pid", None)

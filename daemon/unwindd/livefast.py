@@ -53,7 +53,7 @@ from .engine import Snapshot, StackEngine
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of, mark_record
 from .livetable import LiveTable
 from .ordering import lateness_bucket
-from .records import Comm, Lost, Record, Sample
+from .records import Comm, Fork, Lost, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .stackstore import CountGroup, StackStore
 
@@ -371,8 +371,8 @@ class NativeStep:
     def _apply(self, rec: Record) -> None:
         """StackEngine.feed's handling of a side-band record, then the C tables follow."""
         self.engine.apply_side_band(rec)
-        if isinstance(rec, Comm):
-            lib.fp_forget_comms(self.ctx)
+        if isinstance(rec, (Comm, Fork)):
+            lib.fp_forget_comms(self.ctx)  # COMM renames; FORK names a new task after its parent
         if isinstance(rec, Lost):
             lib.fp_forget_all_spaces(self.ctx)  # epoch bump: every space is re-verified
             return
