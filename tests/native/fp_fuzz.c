@@ -15,25 +15,8 @@
 #include "unwcore_int.h"
 #include "fastpath.h"
 
-#define CHECK(c)                                                                  \
-    do {                                                                          \
-        if (!(c)) {                                                               \
-            fprintf(stderr, "CHECK failed %s:%d: %s\n", __FILE__, __LINE__, #c); \
-            exit(3);                                                              \
-        }                                                                         \
-        checks++;                                                                 \
-    } while (0)
-
-static unsigned long long checks;
-static uint64_t rs = 88172645463325252ull;
-
-static uint64_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return rs;
-}
+#define HARNESS_SEED 88172645463325252ull
+#include "harness.h"
 
 static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len)
 {

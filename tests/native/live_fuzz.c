@@ -27,31 +27,15 @@
 #include "unwcore_int.h"
 #include "fastpath.h"
 
-#define CHECK(c)                                                                  \
-    do {                                                                          \
-        if (!(c)) {                                                               \
-            fprintf(stderr, "CHECK failed %s:%d: %s\n", __FILE__, __LINE__, #c); \
-            exit(3);                                                              \
-        }                                                                         \
-        checks++;                                                                 \
-    } while (0)
+#define HARNESS_SEED 0x2545F4914F6CDD1Dull
+#include "harness.h"
 
 #define HELD UINT32_MAX
 #define IP_BIT 8 /* abi.X86_REG_NAMES.index("ip") */
 
-static unsigned long long checks;
 /* coverage counts, printed at the end */
 static unsigned long long n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx,
     n_raised;
-static uint64_t rs = 0x2545F4914F6CDD1Dull;
-
-static uint64_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return rs;
-}
 
 static void *xmalloc(size_t n)
 {

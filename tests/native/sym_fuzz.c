@@ -17,38 +17,8 @@
 #include "unwcore_int.h"
 #include "fastpath.h"
 
-#define CHECK(c)                                                                  \
-    do {                                                                          \
-        if (!(c)) {                                                               \
-            fprintf(stderr, "CHECK failed %s:%d: %s\n", __FILE__, __LINE__, #c); \
-            exit(3);                                                              \
-        }                                                                         \
-        checks++;                                                                 \
-    } while (0)
-
-static unsigned long long checks;
-static uint64_t rs = 0x9E3779B97F4A7C15ull;
-
-static uint64_t rnd(void)
-{
-    rs ^= rs << 13;
-    rs ^= rs >> 7;
-    rs ^= rs << 17;
-    return rs;
-}
-
-static uint8_t *slurp(const char *path, uint64_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK(f);
-    fseek(f, 0, SEEK_END);
-    *len = (uint64_t)ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *b = malloc(*len ? *len : 1);
-    CHECK(b && fread(b, 1, *len, f) == *len);
-    fclose(f);
-    return b;
-}
+#define HARNESS_SEED 0x9E3779B97F4A7C15ull
+#include "harness.h"
 
 /* An exact-size copy of src[0, n) with a few random bytes changed (none on even iterations). */
 static uint8_t *mutated(const uint8_t *src, uint64_t n, int it)
