@@ -38,7 +38,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import abi
 from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
-from .proctable import Mapping, ProcessTable
+from .proctable import Mapping, ProcessTable, find_mapping
 from .records import Comm, Fork, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
@@ -82,12 +81,7 @@ class Snapshot:
     starts: tuple[int, ...]
 
     def find(self, addr: int) -> Mapping | None:
-        i = bisect_right(self.starts, addr) - 1
-        if i >= 0:
-            m = self.mappings[i]
-            if addr < m.end:
-                return m
-        return None
+        return find_mapping(self.starts, self.mappings, addr)
 
 
 class CfiPrefetcher:

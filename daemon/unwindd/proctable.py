@@ -140,6 +140,17 @@ class BinaryResolver(Protocol):
     def release(self, entry: ElfEntry) -> None: ...
 
 
+def find_mapping(starts: Sequence[int], mappings: Sequence[Mapping], addr: int) -> Mapping | None:
+    """The mapping of sorted, disjoint ``mappings`` (``starts`` their start addresses) that
+    contains ``addr``, or None. One bisect: O(log n)."""
+    i = bisect_right(starts, addr) - 1
+    if i >= 0:
+        m = mappings[i]
+        if addr < m.end:
+            return m
+    return None
+
+
 class _State:
     """Immutable once built: the mapping list of one or more spaces (shared after FORK),
     plus the lazily built modules / native space of exactly this list."""
@@ -193,12 +204,7 @@ class AddressSpace:
 
     def find(self, addr: int) -> Mapping | None:
         st = self._state
-        i = bisect_right(st.starts, addr) - 1
-        if i >= 0:
-            m = st.mappings[i]
-            if addr < m.end:
-                return m
-        return None
+        return find_mapping(st.starts, st.mappings, addr)
 
     def entries(self) -> list[ElfEntry]:
         """Distinct binaries this space holds a reference to."""
