@@ -459,18 +459,31 @@ struct comm_ent {
 struct stack_ent {
     uint64_t woff;      /* its key: words[woff, woff + nwords) */
     uint64_t hash, count;
-    uint64_t foff;      /* frame ids of its pcs: fids[foff, foff + npcs) */
+    uint64_t foff;      /* frame ids of its pcs: fids[foff, foff + npcs); by code: unused */
     uint32_t nwords;
-    uint32_t pad;
+    uint32_t space0;    /* by code: the space of its first sample (fp_stack.space_id) */
 };
 
-/* A distinct (space, pc, exact) user frame: what symbolization depends on. Stacks of one
- * profile share most frames, so Python names each frame once, not once per stack. */
+/* A distinct user frame: what symbolization depends on. Stacks of one profile share most
+ * frames, so Python names each frame once, not once per stack. Its identity is (tag, addr,
+ * exact): tag = space id and addr = pc, or, by code (fp_ctx_by_code) for a named address
+ * inside a module, tag = FRAME_CODE | module key and addr = its ELF vaddr (named address -
+ * bias), so the same code in every process that maps the binary is one frame. (space_id,
+ * pc) is where it was first seen: Python names it from that space's snapshot. */
+#define FRAME_CODE (1ull << 63)
 struct frame_ent {
+    uint64_t tag, addr;
     uint64_t pc;
     uint32_t space_id;
     uint8_t exact;      /* pc is exact (leaf, or after a signal trampoline), else pc - 1 is named */
     uint8_t pad[3];
+};
+
+/* by code: the (space, stack) pairs seen, in first-seen order (fp_pairs), and their set. The
+ * slow path counts unsymbolized frames per new (snapshot, pcs) key; within one space a code
+ * stack is such a key, so the pairs let Python count exactly that. */
+struct pair_ent {
+    uint32_t space_id, stack_id;
 };
 
 struct fp_ctx {
@@ -497,6 +510,11 @@ struct fp_ctx {
     uint32_t *fids;
     uint64_t nfids, capfids;
     uint32_t touch_gen;     /* fp_live_run calls so far (space_ent.touch) */
+    int by_code;            /* fp_ctx_by_code */
+    struct pair_ent *pairs; /* by code: pairs in first-seen order */
+    uint64_t npairs, cappairs;
+    uint64_t *ptab;         /* open addressing: pair index + 1 */
+    uint64_t ptabcap;
 };
 
 struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
@@ -533,6 +551,8 @@ void fp_ctx_free(struct fp_ctx *c)
     free(c->frames);
     free(c->ftab);
     free(c->fids);
+    free(c->pairs);
+    free(c->ptab);
     free(c);
 }
 
@@ -636,14 +656,41 @@ static int grow_words(struct fp_ctx *c, uint64_t need)
     return 0;
 }
 
-static inline uint64_t frame_hash(uint32_t space_id, uint64_t pc, uint8_t exact)
+static inline uint64_t frame_hash(uint64_t tag, uint64_t addr, uint8_t exact)
 {
-    return mix(mix(space_id, pc), exact);
+    return mix(mix(tag, addr), exact);
 }
 
-/* The id of frame (space_id, pc, exact), added if new; UINT32_MAX on allocation failure. */
-static uint32_t intern_frame(struct fp_ctx *c, uint32_t space_id, uint64_t pc, uint8_t exact)
+/* The module of sp containing addr (mods sorted by start, disjoint), or NULL: O(log nmods). */
+static const struct unw_module *module_of(const struct space_ent *sp, uint64_t addr)
 {
+    uint32_t lo = 0, hi = sp->nmods;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (sp->mods[mid].start <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (!lo || addr >= sp->mods[lo - 1].end)
+        return NULL;
+    return &sp->mods[lo - 1];
+}
+
+/* The id of the frame at pc (seen in space sp), added if new; UINT32_MAX on allocation
+ * failure. Identity: see struct frame_ent. */
+static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint64_t pc,
+                             uint8_t exact)
+{
+    uint64_t tag = sp->space_id, addr = pc;
+    if (c->by_code) {
+        uint64_t named = exact ? pc : pc - 1;
+        const struct unw_module *m = module_of(sp, named);
+        if (m) {
+            tag = FRAME_CODE | m->key;
+            addr = named - m->bias;
+        }
+    }
     if (2 * (c->nfr + 1) > c->ftabcap) {
         uint64_t ncap = c->ftabcap ? 2 * c->ftabcap : 4096;
         uint32_t *nt = calloc(ncap, sizeof *nt);
@@ -651,7 +698,7 @@ static uint32_t intern_frame(struct fp_ctx *c, uint32_t space_id, uint64_t pc, u
             return UINT32_MAX;
         for (uint64_t i = 0; i < c->nfr; i++) {
             const struct frame_ent *f = &c->frames[i];
-            uint64_t j = SLOT(frame_hash(f->space_id, f->pc, f->exact), ncap);
+            uint64_t j = SLOT(frame_hash(f->tag, f->addr, f->exact), ncap);
             while (nt[j])
                 j = SLOT(j + 1, ncap);
             nt[j] = (uint32_t)i + 1;
@@ -660,10 +707,10 @@ static uint32_t intern_frame(struct fp_ctx *c, uint32_t space_id, uint64_t pc, u
         c->ftab = nt;
         c->ftabcap = ncap;
     }
-    uint64_t j = SLOT(frame_hash(space_id, pc, exact), c->ftabcap);
+    uint64_t j = SLOT(frame_hash(tag, addr, exact), c->ftabcap);
     while (c->ftab[j]) {
         const struct frame_ent *f = &c->frames[c->ftab[j] - 1];
-        if (f->pc == pc && f->space_id == space_id && f->exact == exact)
+        if (f->addr == addr && f->tag == tag && f->exact == exact)
             return c->ftab[j] - 1;
         j = SLOT(j + 1, c->ftabcap);
     }
@@ -677,13 +724,13 @@ static uint32_t intern_frame(struct fp_ctx *c, uint32_t space_id, uint64_t pc, u
         c->frames = q;
         c->capfr = ncap;
     }
-    c->frames[c->nfr] = (struct frame_ent){pc, space_id, exact, {0, 0, 0}};
+    c->frames[c->nfr] = (struct frame_ent){tag, addr, pc, sp->space_id, exact, {0, 0, 0}};
     c->ftab[j] = (uint32_t)c->nfr + 1;
     return (uint32_t)c->nfr++;
 }
 
 /* Frame ids of a new stack's pcs: the leaf and a frame after a signal trampoline are exact. */
-static int stack_fids(struct fp_ctx *c, uint32_t space_id, const uint64_t *pcs,
+static int stack_fids(struct fp_ctx *c, const struct space_ent *sp, const uint64_t *pcs,
                       const uint8_t *kinds, uint32_t npcs, uint64_t *foff)
 {
     if (c->nfids + npcs > c->capfids) {
@@ -699,7 +746,7 @@ static int stack_fids(struct fp_ctx *c, uint32_t space_id, const uint64_t *pcs,
     *foff = c->nfids;
     for (uint32_t i = 0; i < npcs; i++) {
         uint8_t exact = i == 0 || (kinds[i - 1] & UNW_FRAME_SIGNAL);
-        uint32_t id = intern_frame(c, space_id, pcs[i], exact);
+        uint32_t id = intern_frame(c, sp, pcs[i], exact);
         if (id == UINT32_MAX)
             return -1;
         c->fids[c->nfids++] = id;
@@ -708,7 +755,8 @@ static int stack_fids(struct fp_ctx *c, uint32_t space_id, const uint64_t *pcs,
 }
 
 /* The id of key[0, nw): found, or added with count 0. UINT32_MAX on allocation failure. */
-static uint32_t intern_stack(struct fp_ctx *c, const uint64_t *key, uint32_t nw)
+static uint32_t intern_stack(struct fp_ctx *c, const struct space_ent *sp, const uint64_t *key,
+                             uint32_t nw)
 {
     uint64_t h = 0;
     for (uint32_t i = 0; i < nw; i++)
@@ -745,25 +793,70 @@ static uint32_t intern_stack(struct fp_ctx *c, const uint64_t *key, uint32_t nw)
         c->stacks = q;
         c->capstk = ncap;
     }
-    uint64_t foff;
+    uint64_t foff = UINT64_MAX;
     uint32_t npcs = (uint32_t)(key[1] >> 32);
     const uint64_t *pcs = key + 2;
-    if (stack_fids(c, (uint32_t)key[0], pcs, (const uint8_t *)(pcs + npcs), npcs, &foff))
+    if (!c->by_code &&
+        stack_fids(c, sp, pcs, (const uint8_t *)(pcs + npcs), npcs, &foff))
         return UINT32_MAX;
     memcpy(c->words + c->nwords, key, 8 * (size_t)nw);
-    c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, foff, nw, 0};
+    c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, foff, nw, sp->space_id};
     c->nwords += nw;
     c->stab[j] = (uint32_t)c->nstk + 1;
     return (uint32_t)c->nstk++;
 }
 
 /* Key layout (u64 words):
- *   [0] space_id | comm_id << 32
+ *   [0] space_id | comm_id << 32                    (by code: comm_id << 32 only)
  *   [1] status | regs_none << 8 | npcs << 32        (npcs <= 65536; nkc follows from the size)
- *   [2 ..] npcs pcs, then ceil(npcs / 8) words of kinds bytes, then nkc callchain words */
-static inline uint32_t key_words(uint32_t npcs, uint64_t nkc)
+ *   [2 ..] npcs pcs (by code: ceil(npcs / 2) words of u32 frame ids), then ceil(npcs / 8)
+ *          words of kinds bytes, then nkc callchain words */
+static inline uint32_t pc_words(const struct fp_ctx *c, uint32_t npcs)
 {
-    return 2 + npcs + (npcs + 7) / 8 + (uint32_t)nkc;
+    return c->by_code ? (npcs + 1) / 2 : npcs;
+}
+
+static inline uint32_t key_words(const struct fp_ctx *c, uint32_t npcs, uint64_t nkc)
+{
+    return 2 + pc_words(c, npcs) + (npcs + 7) / 8 + (uint32_t)nkc;
+}
+
+/* by code: note (space, stack) in the pair set; -1 on allocation failure. O(1) expected. */
+static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id)
+{
+    if (2 * (c->npairs + 1) > c->ptabcap) {
+        uint64_t ncap = c->ptabcap ? 2 * c->ptabcap : 4096;
+        uint64_t *nt = calloc(ncap, sizeof *nt);
+        if (!nt)
+            return -1;
+        for (uint64_t i = 0; i < c->npairs; i++) {
+            uint64_t j = SLOT(mix(c->pairs[i].space_id, c->pairs[i].stack_id), ncap);
+            while (nt[j])
+                j = SLOT(j + 1, ncap);
+            nt[j] = i + 1;
+        }
+        free(c->ptab);
+        c->ptab = nt;
+        c->ptabcap = ncap;
+    }
+    uint64_t j = SLOT(mix(space_id, stack_id), c->ptabcap);
+    while (c->ptab[j]) {
+        const struct pair_ent *q = &c->pairs[c->ptab[j] - 1];
+        if (q->space_id == space_id && q->stack_id == stack_id)
+            return 0;
+        j = SLOT(j + 1, c->ptabcap);
+    }
+    if (c->npairs == c->cappairs) {
+        uint64_t ncap = c->cappairs ? 2 * c->cappairs : 1024;
+        struct pair_ent *q = realloc(c->pairs, ncap * sizeof *q);
+        if (!q)
+            return -1;
+        c->pairs = q;
+        c->cappairs = ncap;
+    }
+    c->pairs[c->npairs] = (struct pair_ent){space_id, stack_id};
+    c->ptab[j] = ++c->npairs;
+    return 0;
 }
 
 /* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
@@ -790,7 +883,7 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     uint64_t nkc = v.cc_nr;
     if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
         return UINT32_MAX; /* cannot happen: records are < 64 KiB */
-    uint32_t nw = key_words(npcs, nkc);
+    uint32_t nw = key_words(c, npcs, nkc);
     if (nw > c->keycap) {
         uint64_t *q = realloc(c->key, 8 * (size_t)nw);
         if (!q)
@@ -799,17 +892,36 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
         c->keycap = nw;
     }
     uint64_t *key = c->key;
-    key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
     key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
-    memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
-    uint64_t *kw = key + 2 + npcs;
+    uint32_t npw = pc_words(c, npcs);
+    if (c->by_code) {
+        /* every pc to its frame id first: O(npcs * (log modules + 1)) expected per sample */
+        key[0] = (uint64_t)ce->comm_id << 32;
+        if (npcs & 1)
+            key[2 + npw - 1] = 0; /* the pad half of an odd count */
+        uint32_t *f = (uint32_t *)(key + 2);
+        for (uint32_t i = 0; i < npcs; i++) {
+            uint8_t exact = i == 0 || (c->kinds[i - 1] & UNW_FRAME_SIGNAL);
+            uint32_t fid = intern_frame(c, sp, c->pcs[i], exact);
+            if (fid == UINT32_MAX)
+                return UINT32_MAX;
+            f[i] = fid;
+        }
+    } else {
+        key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
+        memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
+    }
+    uint64_t *kw = key + 2 + npw;
     memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
     memcpy(kw, c->kinds, npcs);
     if (nkc)
         memcpy(kw + (npcs + 7) / 8, body + v.cc_off, 8 * (size_t)nkc);
-    uint32_t id = intern_stack(c, key, nw);
-    if (id != UINT32_MAX)
-        c->stacks[id].count++;
+    uint32_t id = intern_stack(c, sp, key, nw);
+    if (id == UINT32_MAX)
+        return id;
+    c->stacks[id].count++;
+    if (c->by_code && note_pair(c, sp->space_id, id))
+        return UINT32_MAX;
     return id;
 }
 
@@ -851,19 +963,39 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out)
         return -1;
     const struct stack_ent *s = &c->stacks[id];
     const uint64_t *w = c->words + s->woff;
-    out->space_id = (uint32_t)w[0];
+    uint32_t npcs = (uint32_t)(w[1] >> 32), npw = pc_words(c, npcs);
+    out->space_id = c->by_code ? s->space0 : (uint32_t)w[0];
     out->comm_id = (uint32_t)(w[0] >> 32);
     out->status = (uint8_t)w[1];
     out->regs_none = (uint8_t)(w[1] >> 8);
     out->pad = 0;
-    out->npcs = (uint32_t)(w[1] >> 32);
-    out->pcs = w + 2;
-    out->kinds = (const uint8_t *)(w + 2 + out->npcs);
-    out->nkc = s->nwords - 2 - out->npcs - (out->npcs + 7) / 8;
-    out->kc = w + 2 + out->npcs + (out->npcs + 7) / 8;
+    out->npcs = npcs;
+    out->pcs = c->by_code ? NULL : w + 2;
+    out->kinds = (const uint8_t *)(w + 2 + npw);
+    out->nkc = s->nwords - 2 - npw - (npcs + 7) / 8;
+    out->kc = w + 2 + npw + (npcs + 7) / 8;
     out->count = s->count;
-    out->fids = c->fids + s->foff;
+    out->fids = c->by_code ? (const uint32_t *)(w + 2) : c->fids + s->foff;
     return 0;
+}
+
+int fp_ctx_by_code(struct fp_ctx *c, int on)
+{
+    if (c->nstk || c->nfr)
+        return -1;
+    c->by_code = !!on;
+    return 0;
+}
+
+uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
+                  uint32_t *stack_ids, uint64_t max)
+{
+    uint64_t k = 0;
+    for (uint64_t i = from; i < c->npairs && k < max; i++, k++) {
+        space_ids[k] = c->pairs[i].space_id;
+        stack_ids[k] = c->pairs[i].stack_id;
+    }
+    return k;
 }
 
 uint32_t fp_nframes(const struct fp_ctx *c) { return (uint32_t)c->nfr; }

@@ -110,6 +110,20 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
                   uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
                   uint32_t *need_tid);
 
+/* Aggregate by code (before any run; -1 after): a user frame whose named address lies in a
+ * module is identified by (module key, ELF vaddr, exact) instead of (space, pc, exact), and a
+ * stack by (comm, status, regs-abi-none, frame ids and kinds, raw callchain) without its
+ * space, so the same code run by many processes (ASLR gives each its own pcs) is one frame and
+ * one stack. fp_stack then gives no pcs (NULL) and space_id is its first sample's space;
+ * fp_frame gives where a frame was first seen. For output that does not print addresses
+ * (folded). The caller's module keys must identify everything a name depends on. */
+int fp_ctx_by_code(struct fp_ctx *c, int on);
+
+/* by code: the distinct (space, stack) pairs of the samples so far, in first-seen order: copies
+ * pairs [from, from + max) and returns how many it copied. */
+uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
+                  uint32_t *stack_ids, uint64_t max);
+
 /* One unique stack (pointers valid until the next fp_unwind_run or fp_ctx_free). */
 struct fp_stack {
     uint32_t space_id, comm_id;
@@ -117,7 +131,7 @@ struct fp_stack {
     uint8_t regs_none;      /* the sample's regs_abi was PERF_SAMPLE_REGS_ABI_NONE */
     uint16_t pad;
     uint32_t npcs, nkc;
-    const uint64_t *pcs;    /* user pcs, leaf first (unwinder output) */
+    const uint64_t *pcs;    /* user pcs, leaf first (unwinder output); by code NULL */
     const uint8_t *kinds;   /* UNW_FRAME_* per pc */
     const uint64_t *kc;     /* the raw PERF_SAMPLE_CALLCHAIN */
     uint64_t count;         /* samples so far */
@@ -127,8 +141,9 @@ struct fp_stack {
 uint32_t fp_nstacks(const struct fp_ctx *c);
 int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out);
 
-/* Distinct user frames (space, pc, exact) of all stacks, ids dense from 0: a frame is named
- * from pc if exact (leaf, or right after a signal trampoline), else from pc - 1. */
+/* Distinct user frames (space, pc, exact) of all stacks (by code: see fp_ctx_by_code), ids
+ * dense from 0: a frame is named from pc if exact (leaf, or right after a signal trampoline),
+ * else from pc - 1. */
 uint32_t fp_nframes(const struct fp_ctx *c);
 int fp_frame(const struct fp_ctx *c, uint32_t id, uint32_t *space_id, uint64_t *pc,
              uint8_t *exact);

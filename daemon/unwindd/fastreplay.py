@@ -215,8 +215,19 @@ class _Replay:
                           lib.fp_ctx_free)  # fmt: skip
         if self.ctx == ffi.NULL:
             raise MemoryError("fp_ctx_new")
-        self._snaps: list[Snapshot] = []
+        # Folded output prints no addresses: aggregate frames and stacks by code (binary, ELF
+        # vaddr), so the same code run by many processes is named and stored once.
+        self.by_code = fmt == "folded"
+        if self.by_code and lib.fp_ctx_by_code(self.ctx, 1) != 0:
+            raise RuntimeError("fp_ctx_by_code")
+        # Snapshots by space id, while the C side may still name a frame from them: the pid
+        # holding each in C (refs) or the current run's new frames (released after naming).
+        self._snaps: dict[int, Snapshot] = {}
         self._space_ids: dict[tuple[int, int], int] = {}
+        self._next_sid = 0
+        self._pid_sid: dict[int, int] = {}
+        self._sid_refs: Counter[int] = Counter()
+        self._unheld: set[int] = set()  # sids whose last pid let go since the last naming
         self._comms: list[str] = []
         self._comm_ids: dict[str, int] = {}
         # per unique stack: (comm, status, user frame count, kernel frame count)
@@ -228,19 +239,16 @@ class _Replay:
         # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
-        # Folded only: (binary's cache entry uid, ELF vaddr, mapped file name) -> (text, no
-        # symbol). A folded name depends on nothing else for a frame in a usable binary (see
-        # StackEngine.frame_at), and with ASLR each process's pcs differ: with this, a binary's
-        # code address is named once however many processes and mapping generations run it.
-        self._by_code: dict[tuple[int, int, str], tuple[str, bool]] = {}
         self._unsym: list[bool] = []  # per distinct user frame: no symbol
         self._unsym_ids: set[int] = set()  # the frame ids with no symbol
         # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
         # bounded by the distinct callchains of the file
         self._ktext: dict[bytes, tuple[tuple[Frame, ...], list[str]]] = {}
         # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
-        # of ~36 (ids past 256 are separate int objects)
+        # of ~36 (ids past 256 are separate int objects); by code, C keeps the pairs instead
         self._seen: set[bytes] = set()
+        self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
+        self._npairs = 0  # by code: fp_pairs consumed
         self._folds: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned folded keys
         self.runs = 0
 
@@ -347,6 +355,7 @@ class _Replay:
             rpid = getattr(rec, "pid", None)
             if isinstance(rpid, int) and 0 <= rpid < 1 << 32:
                 lib.fp_forget_space(self.ctx, rpid)
+                self._unhold(rpid)
         self._finish()
         return FastResult(nsamples, len(self._stacks), self.runs, side + skipped)
 
@@ -471,13 +480,36 @@ class _Replay:
 
     def _set_space(self, pid: int) -> None:
         snap = self.engine.snapshot(pid)
+        # a snapshot key keeps its id after its snapshot is released: the unsymbolized count
+        # is per (snapshot key, stack), as the slow path's
         sid = self._space_ids.get(snap.key)
         if sid is None:
-            sid = self._space_ids[snap.key] = len(self._snaps)
-            self._snaps.append(snap)  # keeps snap.native (the modules C points at) alive
+            sid = self._space_ids[snap.key] = self._next_sid
+            self._next_sid += 1
+        self._snaps[sid] = snap  # keeps snap.native (the modules C points at) alive
         native = snap.native
         if lib.fp_set_space(self.ctx, pid, native._c, len(native.modules), sid) != 0:
             raise MemoryError("fp_set_space")
+        self._unhold(pid)
+        self._pid_sid[pid] = sid
+        self._sid_refs[sid] += 1
+
+    def _unhold(self, pid: int) -> None:
+        """pid no longer holds its space id in C (forgotten or replaced)."""
+        old = self._pid_sid.pop(pid, None)
+        if old is not None:
+            self._sid_refs[old] -= 1
+            if self._sid_refs[old] <= 0:
+                del self._sid_refs[old]
+                self._unheld.add(old)
+
+    def _release_snapshots(self) -> None:
+        """Drop the snapshots no pid holds in C, once the frames seen in them are named:
+        without this a replay keeps every mapping generation of every process it saw."""
+        for sid in self._unheld:
+            if sid not in self._sid_refs:
+                del self._snaps[sid]
+        self._unheld.clear()
 
     def _symbolize_new(self) -> None:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
@@ -487,26 +519,12 @@ class _Replay:
         ``_by_code``), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
         text, unsym, texts = self._frame_text, self._unsym, self._texts
-        by_code = self._by_code if self.fmt == "folded" else None
         sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
         counted = 0
         for fid in range(len(text), int(lib.fp_nframes(ctx))):
             lib.fp_frame(ctx, fid, sp, pc, ex)
             snap = self._snaps[sp[0]]
             ip = pc[0] if ex[0] else pc[0] - 1
-            code = None
-            if by_code is not None:
-                m = snap.find(ip)
-                e = m.entry if m is not None else None
-                if m is not None and e is not None and e.usable:
-                    code = (e.uid, m.vaddr(ip), m.filename)
-                    hit = by_code.get(code)
-                    if hit is not None:
-                        text.append(hit[0])
-                        unsym.append(hit[1])
-                        if hit[1]:
-                            self._unsym_ids.add(fid)
-                        continue
             f = engine.frame_at(snap.key[0], snap, ip)
             t = self._render((f,))
             t = texts.setdefault(t, t)
@@ -515,16 +533,16 @@ class _Replay:
             if f.sym is None:
                 self._unsym_ids.add(fid)
                 counted += 1
-            if code is not None and by_code is not None:
-                by_code[code] = (t, f.sym is None)
         # frame_at counted its unnamed frames; the slow path counts per new (snapshot, pcs): redo
         engine.stats.unsymbolized -= counted
         st = ffi.new("struct fp_stack *")
         folded = self.fmt == "folded"
         text_of, unsym_of = text.__getitem__, unsym.__getitem__
         unsym_ids, ktexts, buf = self._unsym_ids, self._ktext, ffi.buffer
+        nunsym = self._nunsym
         for sid in range(len(self._stacks), int(lib.fp_nstacks(ctx))):
             lib.fp_stack(ctx, sid, st)
+            nunsym.append(0)
             nkc = st.nkc
             kkey = buf(st.kc, 8 * nkc)[:] if nkc else b""
             ktext = ktexts.get(kkey)
@@ -541,10 +559,13 @@ class _Replay:
                 # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
                 # one need remembering
                 if unsym_ids and not unsym_ids.isdisjoint(ids):
-                    key = st.space_id.to_bytes(4, "little") + buf(st.fids, 4 * st.npcs)[:]
-                    if key not in self._seen:
-                        self._seen.add(key)
-                        engine.stats.unsymbolized += sum(map(unsym_of, ids))
+                    if self.by_code:
+                        nunsym[-1] = sum(map(unsym_of, ids))  # counted per pair, below
+                    else:
+                        key = st.space_id.to_bytes(4, "little") + buf(st.fids, 4 * st.npcs)[:]
+                        if key not in self._seen:
+                            self._seen.add(key)
+                            engine.stats.unsymbolized += sum(map(unsym_of, ids))
             self._stacks.append((comm, status, len(ids), len(kframes)))
             if folded:
                 fk = (comm or "[unknown]", *map(text_of, reversed(ids)), *reversed(krendered))
@@ -554,6 +575,33 @@ class _Replay:
                 self._rendered.append(f"[{body}]")
             else:
                 self._rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
+        if self.by_code:
+            self._count_pairs()
+        self._release_snapshots()
+
+    def _count_pairs(self) -> None:
+        """By code: the slow path counts a stack's unnamed frames once per new (snapshot,
+        pcs) key (StackEngine.user_frames), and within one space a code stack's frame ids
+        stand for its pcs: count each new (space, frame ids) of the new (space, stack) pairs
+        whose stack has an unnamed frame."""
+        n = self._npairs
+        chunk = 4096
+        spaces, stacks = ffi.new("uint32_t[]", chunk), ffi.new("uint32_t[]", chunk)
+        nunsym, seen, es = self._nunsym, self._seen, self.engine.stats
+        st = ffi.new("struct fp_stack *")
+        while True:
+            got = int(lib.fp_pairs(self.ctx, n, spaces, stacks, chunk))
+            if not got:
+                break
+            n += got
+            for space, sid in zip(spaces[0:got], stacks[0:got], strict=True):
+                if nunsym[sid]:
+                    lib.fp_stack(self.ctx, sid, st)
+                    key = space.to_bytes(4, "little") + ffi.buffer(st.fids, 4 * st.npcs)[:]
+                    if key not in seen:
+                        seen.add(key)
+                        es.unsymbolized += nunsym[sid]
+        self._npairs = n
 
     def _render(self, frames: tuple[Frame, ...]) -> str:
         """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""

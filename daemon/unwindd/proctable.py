@@ -221,7 +221,7 @@ class AddressSpace:
                 e = m.entry
                 if e is None or not e.usable:
                     continue
-                mods.append(make(m.start, m.end, m.bias, e.cfi(), e.uid))
+                mods.append(make(m.start, m.end, m.bias, e.cfi(), self._table.code_key(e, m)))
             st.modules = mods
         return st.modules
 
@@ -257,6 +257,10 @@ class AddressSpace:
             del self._refs[entry.uid]
             return self._entries.pop(entry.uid)
         return None
+
+
+# Module keys past every ElfEntry uid (a process-wide counter): aliased mapping names.
+_ALIAS_KEYS = 1 << 48
 
 
 def _cut(
@@ -318,6 +322,26 @@ class ProcessTable:
         self.retired: dict[int, int] = {}  # pid -> retire time; insertion order = retire order
         self.epoch = 0  # bumped when records were lost: every space must be re-verified
         self.stats = TableStats()
+        # (entry uid, mapped name) -> module key, for mappings named unlike their entry
+        self._code_keys: dict[tuple[int, str], int] = {}
+        self._next_code_key = _ALIAS_KEYS
+
+    def code_key(self, entry: ElfEntry, m: Mapping) -> int:
+        """The unwinder module key of ``m`` (a mapping of ``entry``): everything a frame's
+        name depends on besides its ELF vaddr (StackEngine.frame_at: the binary and the mapped
+        file name), so frames aggregated by code (fastpath.h fp_ctx_by_code) are named right.
+        The entry's uid when the mapping carries the entry's own name, else a key of its own,
+        never reused (the map is cleared at a bound, keys keep counting)."""
+        if m.filename == entry.filename:
+            return entry.uid
+        k = (entry.uid, m.filename)
+        key = self._code_keys.get(k)
+        if key is None:
+            if len(self._code_keys) >= 65536:
+                self._code_keys.clear()  # costs only sharing: a fresh key is still distinct
+            key = self._code_keys[k] = self._next_code_key
+            self._next_code_key += 1
+        return key
 
     def module_factory(self) -> Callable[..., Any]:
         return self._unwinder_module().Module  # type: ignore[no-any-return]
