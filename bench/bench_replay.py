@@ -24,7 +24,8 @@ capture, so terminal speed is not measured. Times are the median of ``--repeat``
 machines are shared: a best-of hides load, a median shows what a user waits), best also shown.
 
 With ``--rss`` it instead checks issue 3's memory target: it records (``perf record -F 999
---call-graph dwarf,8192`` of a launcher) the same total CPU work done by ONE python3 process and
+--call-graph dwarf,8192`` of a launcher, sampling enabled through ``--control`` only while the
+workers run their steady-state loop) the same total CPU work done by ONE python3 process and
 by 200 python3 processes running at once, replays each file to folded stacks in a fresh child
 and reports each replay's max RSS (``resource.getrusage(RUSAGE_CHILDREN)`` of a wrapper that
 runs only that replay). The replay mmaps the file, so file pages it touches count in RSS too:
@@ -88,25 +89,50 @@ def timed(argv: list[str], repeat: int, env: dict[str, str] | None = None
     return statistics.median(times), min(times), out
 
 
-# NPROC python3 processes started together (each a fresh exec: its own MMAP2s, COMM, FORK,
-# EXIT), each burning PER_PROC s of CPU; then ONE process burning as much CPU as gave the first
-# file its samples, so both files hold about the same number of samples (whose stack copies the
-# replay maps) and differ in the process count.
+# NPROC python3 processes (each a fresh exec: its own ASLR layout, MMAP2s, COMM, FORK, EXIT)
+# run the same steady-state code, PER_PROC s of CPU each; then ONE process burns as much CPU as
+# gave the first file its samples, so both files hold about the same number of samples and
+# differ only in how many processes ran that code. Sampling is enabled only while they burn
+# (`perf record -D -1 --control fifo:...`; side-band records are tracked throughout): 200
+# interpreter start-ups and tear-downs are 200x the start-up code, a different workload, not
+# the same work spread over more processes.
 NPROC = 200
 PER_PROC = 0.05
 WORK = (
-    "import sys, time\n"
+    "import os, sys, time\n"
     "def f(n):\n"
     "    return 0 if n == 0 else (f(n - 1) + n) % 1000003\n"
-    "i, until = 0, float(sys.argv[1])\n"
+    "ready, go, done, quit_ = (int(x) for x in sys.argv[2:6])\n"
+    "os.write(ready, b'r')\n"
+    "os.read(go, 1)\n"
+    "i, until = 0, time.process_time() + float(sys.argv[1])\n"
     "while time.process_time() < until:\n"
     "    f(10 + i % 40)\n"
     "    i += 1\n"
+    "os.write(done, b'd')\n"
+    "os.read(quit_, 1)\n"
 )
 LAUNCH = (
-    "import subprocess, sys\n"
-    "n, work, secs = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
-    "ps = [subprocess.Popen([sys.executable, '-c', work, secs]) for _ in range(n)]\n"
+    "import os, subprocess, sys\n"
+    "n, work, secs, ctl, ack = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], "
+    "sys.argv[5]\n"
+    "pipes = [os.pipe() for _ in range(4)]\n"
+    "fds = [pipes[0][1], pipes[1][0], pipes[2][1], pipes[3][0]]\n"
+    "ps = [subprocess.Popen([sys.executable, '-c', work, secs, *map(str, fds)], pass_fds=fds)\n"
+    "      for _ in range(n)]\n"
+    "cf, af = open(ctl, 'w'), open(ack)\n"
+    "def perf(cmd):\n"
+    "    cf.write(cmd + '\\n'); cf.flush(); af.readline()\n"
+    "def gather(fd):\n"
+    "    got = 0\n"
+    "    while got < n:\n"
+    "        got += len(os.read(fd, n - got))\n"
+    "gather(pipes[0][0])\n"
+    "perf('enable')\n"
+    "os.write(pipes[1][1], b'g' * n)\n"
+    "gather(pipes[2][0])\n"
+    "perf('disable')\n"
+    "os.close(pipes[3][1])\n"
     "for p in ps:\n"
     "    p.wait()\n"
 )
@@ -123,10 +149,15 @@ def rss_bench(tmpdir: Path, repeat: int) -> int:
     for nproc in (NPROC, 1):
         path = tmpdir / f"rss{nproc}.data"
         if not path.exists():
+            ctl, ack = tmpdir / "perf.ctl", tmpdir / "perf.ack"
+            for fifo in (ctl, ack):
+                fifo.unlink(missing_ok=True)
+                os.mkfifo(fifo)
             subprocess.run(
                 ["perf", "record", "-e", "cpu-clock", "-F", "999", "--call-graph", "dwarf,8192",
-                 "-o", str(path), "--", sys.executable, "-c", LAUNCH, str(nproc), WORK,
-                 str(secs)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                 "-D", "-1", "--control", f"fifo:{ctl},{ack}", "-o", str(path), "--",
+                 sys.executable, "-c", LAUNCH, str(nproc), WORK, str(secs), str(ctl), str(ack)],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
         argv = [sys.executable, "-m", "unwindd.cli", "replay", str(path), "--format", "folded"]
         rss = [int(subprocess.run([sys.executable, "-c", MAXRSS, *argv], check=True,

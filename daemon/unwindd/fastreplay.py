@@ -281,9 +281,12 @@ class _Replay:
                 raise MemoryError("unw_sb_scan")
             nrest = int(p_rest[0])
 
-        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does
+        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does. MMAP2
+        # objects (thousands per hundred processes, ~0.5 KB each) are counted and dropped,
+        # and decoded again when applied (_record): a replay holds their bytes, not objects.
         mv = memoryview(self.mm)
         objs: dict[int, Record] = {}
+        sstats = self.sstats
         for i in others[0:nrest]:
             r = recs[i]
             off = self.start + r.off
@@ -291,7 +294,10 @@ class _Replay:
             if rtype >= RecordType.HEADER_ATTR:
                 data._user_record(rtype, misc, body)
             rec = dec.decode_one(rtype, misc, body)
-            objs[i] = rec
+            if type(rec) is Mmap2:
+                sstats.observe(rec)
+            else:
+                objs[i] = rec
             if isinstance(rec, FinishedRound):
                 r.flags = int(lib.FP_MARKER)
             else:
@@ -315,7 +321,7 @@ class _Replay:
         m = int(nout[0])
         skipped = 0
         if ncand:
-            m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand, objs)
+            m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand)
 
         # -- columns of the delivered stream, stream counts
         ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
@@ -343,7 +349,7 @@ class _Replay:
                 emit(pos, end)
             if p < 0:
                 break
-            rec = objs[perm[p]]
+            rec = objs.pop(perm[p], None) or self._record(recs, perm[p])
             side += 1
             pos = p + 1
             if type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
@@ -360,11 +366,10 @@ class _Replay:
         return FastResult(nsamples, len(self._stacks), self.runs, side + skipped)
 
     def _skip_data_mmaps(
-        self, recs: Any, perm: Any, m: int, cand: Any, pids: Any, ncand: int,
-        objs: dict[int, Record],
+        self, recs: Any, perm: Any, m: int, cand: Any, pids: Any, ncand: int
     ) -> tuple[int, int]:  # fmt: skip
         """Drop the scan's candidates from the delivered order, except each pid's first (it
-        may create the pid's space: decoded and applied like any record). Counts the dropped
+        may create the pid's space: decoded again and applied like any record). Counts the dropped
         ones where decode_one, StreamStats.observe and ProcessTable.apply would have.
         Returns (new length of perm, records dropped)."""
         kept = ffi.new("uint32_t[]", ncand)
@@ -377,7 +382,7 @@ class _Replay:
         for i in kept[0 : int(nkept[0])]:
             r = recs[i]
             off = self.start + r.off
-            objs[i] = dec.decode_one(r.type, r.misc, mv[off + 8 : off + r.size])
+            self.sstats.observe(dec.decode_one(r.type, r.misc, mv[off + 8 : off + r.size]))
         skipped = m - new_m
         if skipped:
             dec.stats.records["MMAP2"] += skipped
@@ -391,6 +396,13 @@ class _Replay:
             else:
                 s.by_cpu_type.setdefault(None, Counter())["MMAP2"] += skipped
         return new_m, skipped
+
+    def _record(self, recs: Any, i: int) -> Record:
+        """Record i (a MMAP2 decoded and counted before ordering) decoded again."""
+        r = recs[i]
+        off = self.start + r.off
+        body = memoryview(self.mm)[off + 8 : off + r.size]
+        return self.data.decoder.redecode(r.type, r.misc, body)
 
     def _data_mmap_is_noop(self, rec: Mmap2) -> bool:
         """True if applying ``rec`` cannot change the process table: a non-executable

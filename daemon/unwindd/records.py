@@ -586,6 +586,17 @@ class RecordDecoder:
         self.stats.records[record_type_name(rec)] += 1
         return rec
 
+    def redecode(self, rtype: int, misc: int, body: memoryview) -> Record:
+        """``decode_one`` again for a record already decoded (and counted) once: the same
+        value, nothing counted. Lets a caller drop decoded records it will need later
+        (fastreplay holds raw bytes, not thousands of objects)."""
+        stats = self.stats
+        self.stats = DecodeStats()
+        try:
+            return self.decode_one(rtype, misc, body)
+        finally:
+            self.stats = stats
+
     # -- per type
 
     def _decode(self, rtype: int, misc: int, body: memoryview) -> Record:
