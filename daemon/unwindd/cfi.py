@@ -248,7 +248,7 @@ class _Mapped:
 class CfiTable:
     """A compiled unwind table for one binary (immutable; share it)."""
 
-    __slots__ = ("_blob", "errors", "nbytes", "nfdes", "nrows")
+    __slots__ = ("_blob", "_cbuf", "errors", "nbytes", "nfdes", "nrows")
 
     _blob: bytes
     nbytes: int
@@ -267,10 +267,20 @@ class CfiTable:
         self.nrows = h[4]
         self.nfdes = h[7]
         self.errors = {n: c for n, c in zip(ERROR_NAMES, h[9:], strict=False) if c}
+        self._cbuf: Any = None
 
     @property
     def blob(self) -> bytes:
         return self._blob
+
+    @property
+    def cbuf(self) -> Any:
+        """The blob as one ``uint8_t[]`` cdata, made once and shared by every native address
+        space that maps this binary (each used to hold its own: ~80 B per module per
+        mapping generation)."""
+        if self._cbuf is None:
+            self._cbuf = ffi.from_buffer("uint8_t[]", self._blob)
+        return self._cbuf
 
     # -- construction
 

@@ -84,13 +84,13 @@ class AddressSpace:
         self.modules = mods
         self._starts = [m.start for m in mods]
         self._c: Any = ffi.new("struct unw_module[]", max(1, len(mods)))
-        self._blobs: list[Any] = []  # keeps every table's bytes alive while _c points at them
+        self._blobs: list[Any] = []  # keeps every table (its cbuf) alive while _c points at it
         for i, m in enumerate(mods):
             c = self._c[i]
             c.start, c.end, c.bias, c.key = m.start, m.end, m.bias % U64, m.key % U64
             if m.table is not None:
-                buf = ffi.from_buffer("uint8_t[]", m.table.blob)
-                self._blobs.append(buf)
+                buf = m.table.cbuf
+                self._blobs.append(m.table)
                 c.table = buf
             else:
                 c.table = ffi.NULL
