@@ -12,6 +12,7 @@ no_regs: an exec or exit in progress) have nothing to unwind and are counted apa
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -23,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from unwindd.elfcache import CacheConfig
+from unwindd.elfcache import CacheConfig, ElfCache
 from unwindd.engine import StackEngine
-from unwindd.live import LiveProfiler
+from unwindd.live import LiveProfiler, native_max_spaces
 from unwindd.livetable import LiveTableConfig
 from unwindd.perfcore import SamplingConfig, Target
 from unwindd.stackfmt import UnwoundSample
+from unwindd.stackstore import StackStore
 from workloads.build import SRC, Workload, _cc, build_workloads
 
 CHAINS = {
@@ -288,70 +290,249 @@ def _rss_kib() -> int:
     return 0
 
 
-def run_churn(wl: dict[str, Path], per_second: int, seconds: float, cap_processes: int = 64,
-              cache_bytes: int = 64 << 20, frequency: int = 99) -> dict[str, Any]:  # fmt: skip
-    """Short-lived processes at ``per_second`` for ``seconds`` under caps; returns numbers
-    (bench/bench_churn.py runs the long version)."""
+def build_churn(dest: Path, variants: int = 0) -> dict[str, Path]:
+    """The churn workload: tests/workloads/churn.c posix_spawning blip.c (~1 ms processes).
+    With ``variants``, also ``blip.0`` .. ``blip.<variants-1>``: copies without a build-id,
+    so each is its own ELF cache entry (keyed by file identity)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {
+        "churn": _cc("gcc", dest / "churn", ("churn.c",), ("-O2", "-Wno-format-nonliteral")),
+        "blip": _cc("gcc", dest / "blip", ("blip.c",), ("-O2", "-Wl,--build-id=none")),
+    }
+    for i in range(variants):
+        shutil.copy(out["blip"], dest / f"blip.{i}")
+    return out
+
+
+def _mallinfo() -> tuple[int, int]:
+    """(bytes malloc has handed out, bytes free in its arenas): glibc mallinfo2(3). Free
+    bytes include pages already given back by malloc_trim (madvise), so RSS is the truth."""
+    import ctypes
+
+    names = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+             "uordblks", "fordblks", "keepcost")  # fmt: skip
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in names]
+
+    f = ctypes.CDLL(None).mallinfo2
+    f.restype = MallInfo2
+    m = f()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
+def _live_pids() -> int:
+    return sum(1 for d in os.listdir("/proc") if d.isdigit())
+
+
+# The RSS budget under churn (issue 4), from the configured caps:
+#   W + cache max_bytes + store max_bytes + PER_SNAPSHOT x (max_processes + native_max_spaces)
+#     + SLACK
+# W: RSS once warm (kernel symbols, lazily imported modules, touched rings, native contexts:
+# one-time costs no cap governs) minus the cache's and the store's bytes at that moment.
+# Both estimates follow real memory (elfcache.py / stackstore.py docs: symbol columns + CFI
+# blobs; the store's per-unit costs measured with tracemalloc, -1.3%).
+# PER_SNAPSHOT: a tracked space or a dead snapshot in the native step's context, with its
+# mappings and named frames: ~8 KB measured (bench_churn 2026-11-22: 2,360 dead snapshots
+# took ~19 MB with their frames and stacks), doubled.
+# SLACK: allocator overhead the estimates do not see (pymalloc arenas and heap pages kept
+# partly used by survivors of evicted buckets/entries; up to ~12 MB measured over 60 s).
+PER_SNAPSHOT = 16 << 10
+SLACK = 16 << 20
+
+
+def rss_budget(r: dict[str, Any], warm_s: float) -> tuple[int, dict[str, Any]]:
+    """(budget bytes, the first trace point at or after ``warm_s``) for a run_churn result."""
+    warm = next(t for t in r["trace"] if t["t"] >= warm_s)
+    w = warm["rss"] - warm["cache"] - warm["store"]
+    caps = r["caps"]
+    snaps = caps["spaces"] + caps["native_spaces"]
+    return w + caps["cache_bytes"] + caps["store_bytes"] + PER_SNAPSHOT * snaps + SLACK, warm
+
+
+def run_churn(
+    churn: dict[str, Path],
+    per_second: int,
+    seconds: float,
+    *,
+    cap_processes: int = 256,
+    cache_bytes: int = 32 << 20,
+    store_bytes: int = 8 << 20,
+    store_entries: int = 100_000,
+    store_bucket_s: int = 10,
+    frequency: int = 99,
+    ring_pages: int = 256,
+    work: int = 200_000,
+    variants: int = 0,
+    period_ns: int | None = None,
+    follow_spawner: bool = False,
+    trace_every: float = 5.0,
+    probe: Callable[[LiveProfiler], dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """``per_second`` short-lived processes (churn.c spawning blip.c, ~1 ms each) for
+    ``seconds`` while a LiveProfiler set up like the daemon's (service.open_profiler_for:
+    native step, CFI compiled off the loop) samples every CPU (``follow_spawner``: only the
+    spawner and its children, so no other binary on the machine is loaded) under explicit
+    caps. Checks every cap after every step and returns: the spawner's numbers, each cap's
+    peak and violations, the grading of the blips' samples and an RSS trace (bytes).
+    bench/bench_churn.py runs the long version, the test a short one."""
     cfg = LiveTableConfig(max_processes=cap_processes, exit_grace_ns=200_000_000)
-    n = int(per_second * seconds)
-    peak_spaces = peak_comms = peak_bytes = peak_engine = 0
-    rss0 = _rss_kib()
-    caches = CacheConfig(max_bytes=cache_bytes)
-    with profiling(live_config=cfg, cache_config=caches, frequency=frequency) as cap:
-        engine = cap.prof.engine
-        cache = engine.table.binaries
-        interval_us = 1_000_000 // per_second
-        storm = subprocess.Popen([str(wl["storm"]), str(n), "16", str(interval_us),
-                                  str(wl["c_o2"]), "1"])  # fmt: skip
+    rss0 = _rss_kib() << 10
+    engine = StackEngine.create(cache_config=CacheConfig(max_bytes=cache_bytes),
+                                prefetch_cfi=True)  # fmt: skip
+    store = StackStore(bucket_ns=store_bucket_s * 1_000_000_000, max_bytes=store_bytes,
+                       max_entries=store_entries)  # fmt: skip
+    # blip.0 .. blip.<variants-1> in turn (see build_churn), or blip
+    opts, prog = [], str(churn["blip"])
+    if variants:
+        opts, prog = ["-n", str(variants)], prog + ".%ld"
+    argv = [str(churn["churn"]), "-w", *opts, str(per_second), str(seconds), "32", prog, str(work)]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    target = Target(pids=(child.pid,)) if follow_spawner else Target(all_cpus=True)
+    sampling = SamplingConfig(frequency=frequency, period=period_ns, ring_pages=ring_pages)
+    try:
+        prof = LiveProfiler.open(target, sampling, engine=engine, store=store, live_config=cfg,
+                                 native=True)  # fmt: skip
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    assert prof.fast is not None  # the daemon's step
+    blips = {"samples": 0, "graded": 0, "good": 0, "hot": 0}
+    bad: list[Any] = []
+
+    def grade_blips(samples: Any) -> None:  # a store subscriber: nothing is kept
+        for s in samples:
+            if not s.comm.startswith("blip"):
+                continue
+            blips["samples"] += 1
+            if s.unwind_status in NO_USER_STACK:
+                continue
+            blips["graded"] += 1
+            blips["hot"] += any(f.sym == "spin" for f in s.frames)
+            if is_good(s):
+                blips["good"] += 1
+            elif len(bad) < 5:
+                bad.append((s.unwind_status, [(f.sym, f.dso) for f in s.frames if not f.kernel]))
+
+    store.subscribers.append(grade_blips)
+    cache = engine.table.binaries
+    assert isinstance(cache, ElfCache)
+    peak: dict[str, int] = {}
+    violations: dict[str, int] = {"spaces": 0, "cache": 0, "store": 0}
+
+    def note(name: str, v: int) -> None:
+        peak[name] = max(peak.get(name, 0), v)
+
+    def check() -> None:
+        # the caps' own rules, after every step: the table holds at most max_processes spaces
+        # plus the pids it may not drop yet (samples held for a rescan or deferred for a CFI
+        # compile: LiveTable.end_batch); the cache exceeds its cap only while every entry is
+        # referenced (elfcache.py); the store never exceeds its caps (stackstore.py)
+        live = prof.live
+        spaces = engine.table.spaces
+        pinned = (live._held.keys() | live.pinned.keys()) & spaces.keys()
+        if len(spaces) > cap_processes + len(pinned):
+            violations["spaces"] += 1
+        note("pinned_pids", len(pinned))
+        cs = cache.stats
+        if cs.bytes > cache_bytes and cache._lru:
+            violations["cache"] += 1
+        st = store.stats
+        if st.bytes_estimate > store_bytes or st.entries > store_entries:
+            violations["store"] += 1
+        note("spaces", len(engine.table.spaces))
+        note("retired", len(engine.table.retired))
+        note("comms", len(engine._comms))
+        note("cache_bytes", cs.bytes)
+        note("cache_entries", len(cache))
+        note("store_bytes", st.bytes_estimate)
+        note("store_entries", st.entries)
+        note("store_pids", st.pids)
+        note("held", prof.live.stats.held_now)
+        sizes = engine.cache_sizes()
+        note("engine_entries", sizes["snapshots"] + sizes["stacks"] + sizes["frames"])
+        assert prof.fast is not None
+        note("native_snaps", len(prof.fast._snaps))
+        note("native_stacks", len(prof.fast._stacks))
+        note("pinned", len(prof._pinned))
+
+    trace: list[dict[str, float]] = []
+    try:
+        prof.start()
+        rss_start = _rss_kib() << 10  # profiler open, rings mapped, existing processes loaded
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.close()
         t0 = time.monotonic()
-        rss_trace: list[str] = []  # RSS every 5 s: a plateau is a bound, a slope is a leak
-        next_rss = t0
-        while storm.poll() is None:
-            if time.monotonic() >= next_rss:
-                rss_trace.append(f"{time.monotonic() - t0:.0f}s:{(_rss_kib() - rss0) >> 10}MB")
-                next_rss += 5.0
-            cap.step()
-            cap.samples.clear()  # the store keeps its own bounded copy
-            peak_spaces = max(peak_spaces, len(engine.table.spaces))
-            peak_comms = max(peak_comms, len(engine._comms))
-            peak_bytes = max(peak_bytes, cache.stats.bytes if cache is not None else 0)  # type: ignore[attr-defined]
-            sizes = engine.cache_sizes() if hasattr(engine, "cache_sizes") else {}
-            peak_engine = max(peak_engine, sizes.get("snapshots", 0) + sizes.get("stacks", 0))
+        next_trace = t0
+        while child.poll() is None:
+            prof.step()
+            check()
+            now = time.monotonic()
+            if now >= next_trace:
+                used, free = _mallinfo()
+                trace.append({"t": now - t0, "rss": _rss_kib() << 10, "cache": cache.stats.bytes,
+                              "store": store.stats.bytes_estimate, "malloc_used": used,
+                              "malloc_free": free, "live_pids": _live_pids(),
+                              **(probe(prof) if probe is not None else {})})  # fmt: skip
+                next_trace += trace_every
             time.sleep(0.05)
         elapsed = time.monotonic() - t0
-        cap.step()
-        forks = engine.table.stats.records["FORK"]
-        # Where the RSS went (2026-11-23 diagnosis): the ELF cache fills toward its cap with
-        # the machine's other binaries, and the store keeps every sample for its retention
-        # (1 h by default; under churn each pid's stacks are new: ASLR gives new addresses).
-        store = cap.prof.store
-        end_cache_bytes = cache.stats.bytes if cache is not None else 0  # type: ignore[attr-defined]
-        end_cache_entries = len(cache) if cache is not None else 0  # type: ignore[arg-type]
-        store_procs = len(store.processes()) if hasattr(store, "processes") else -1
-    rss1 = _rss_kib()
-    assert storm.returncode == 0
-    live = cap.prof.live.stats
+        prof.step()
+        check()
+        rss_end = _rss_kib() << 10
+    finally:
+        prof.close()
+        if child.poll() is None:
+            child.kill()
+        out = child.stdout.read() if child.stdout else ""
+        child.wait()
+    live = prof.live.stats
+    caps = {"spaces": cap_processes, "native_spaces": native_max_spaces(cap_processes),
+            "cache_bytes": cache_bytes, "store_bytes": store_bytes,
+            "store_entries": store_entries}  # fmt: skip
     return {
-        "processes": n, "seconds": elapsed, "rate": n / elapsed, "forks_seen": forks,
-        "peak_spaces": peak_spaces, "peak_comms": peak_comms, "peak_cache_bytes": peak_bytes,
-        "drops": sum(engine.table.stats.drops.values()), "rss_growth_kib": rss1 - rss0,
-        "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "give_ups": sum(live.give_ups.values()), "samples": engine.stats.samples,
-        "lost_epochs": live.lost_epochs, "peak_engine_entries": peak_engine,
-        "rss_growth_trace": " ".join(rss_trace), "end_cache_bytes": end_cache_bytes,
-        "end_cache_entries": end_cache_entries, "store_entries": store.stats.entries,
-        "store_stacks": store.stats.stacks, "store_procs": store_procs,
+        "spawner": json.loads(out), "spawner_rc": child.returncode, "seconds": elapsed,
+        "forks_seen": engine.table.stats.records["FORK"],
+        "exits_seen": engine.table.stats.records["EXIT"],
+        "drops": sum(engine.table.stats.drops.values()), "caps": caps, "peak": peak,
+        "violations": violations, "store_evicted_buckets": store.stats.evicted_buckets,
+        "cache_evictions": cache.stats.evictions, "cache_trims": cache.stats.trims,
+        "rss_before": rss0, "rss_start": rss_start, "rss_end": rss_end,
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10,
+        "samples": engine.stats.samples, "lost_epochs": live.lost_epochs,
+        "give_ups": dict(live.give_ups), "blips": blips, "blip_bad": bad, "trace": trace,
     }  # fmt: skip
 
 
-def test_state_stays_within_caps_under_churn(wl: dict[str, Path]) -> None:
-    r = run_churn(wl, per_second=200, seconds=5.0, cap_processes=64, cache_bytes=64 << 20)
+def test_state_stays_within_caps_under_churn(tmp_path: Path) -> None:
+    """Issue 4's memory target, short: 3,000 processes of ~1 ms at 500/s (the rate is not
+    asserted: a busy machine may stretch the schedule, never the count), sampled at 499 Hz
+    (only the spawner's tree, so no other binary on the machine is loaded), with caps small
+    enough to be reached in seconds. Every cap holds after every step and RSS stays under the
+    budget derived from the caps (rss_budget) at every trace point once warm."""
+    r = run_churn(build_churn(tmp_path, variants=200), per_second=500, seconds=6.0,
+                  cap_processes=64, cache_bytes=1 << 20, store_bytes=256 << 10,
+                  store_entries=100, store_bucket_s=1, period_ns=1_000_000, variants=200,
+                  follow_spawner=True, trace_every=0.5)  # fmt: skip
+    trace = r.pop("trace")
     print(r)
-    assert r["forks_seen"] >= 500  # the rest: LOST when the machine is busy
-    # the cap holds after every batch; retired spaces are dropped after their grace
-    assert r["peak_spaces"] <= 64 + 16, r  # +16: processes alive at once are never evicted
-    assert r["peak_comms"] <= 4 * 64, r
-    assert r["peak_cache_bytes"] <= 64 << 20, r
-    assert r["drops"] >= 0.8 * r["forks_seen"], r
-    assert r["rss_growth_kib"] < 64 << 10, r
-    assert os.path.exists("/proc/self/maps")
+    sp = r["spawner"]
+    assert sp["started"] == 3000 and sp["failed"] == 0 and r["spawner_rc"] == 0, sp
+    assert sp["life_ms"]["p50"] < 50, sp  # short-lived (a blip lives ~1-2 ms)
+    assert r["forks_seen"] >= 1500, r  # the rest: LOST when the machine is busy
+    assert r["drops"] >= 0.8 * r["forks_seen"], r  # dead processes' state goes
+    peak, caps = r["peak"], r["caps"]
+    assert r["violations"] == {"spaces": 0, "cache": 0, "store": 0}, r
+    assert peak["store_entries"] > 0 and r["store_evicted_buckets"] >= 1, r  # cap reached
+    assert peak["cache_bytes"] > caps["cache_bytes"] // 2 and r["cache_evictions"] >= 1, r
+    assert peak["comms"] <= 4 * (caps["spaces"] + peak["pinned_pids"]), peak
+    # the native step's context is dropped whole past its bound (a step may add a round)
+    assert peak["native_snaps"] <= 2 * caps["native_spaces"], peak
+    # the blips unwind to their chain (the slow path's test grades the full chains)
+    b = r["blips"]
+    assert b["graded"] >= 50 and b["good"] >= 0.95 * b["graded"], (b, r["blip_bad"])
+    budget, warm = rss_budget({**r, "trace": trace}, warm_s=2.0)
+    rss = [(round(t["t"], 1), t["rss"] >> 20) for t in trace if t["t"] >= warm["t"]]
+    assert max(t["rss"] for t in trace if t["t"] >= warm["t"]) <= budget, (budget >> 20, rss)

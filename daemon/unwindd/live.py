@@ -27,6 +27,12 @@ Invariants:
   by a record count: per sample that is ~1 us of C, and what can take long is per new binary
   (its CFI compile now runs in a worker, engine.CfiPrefetcher; symbol tables still load on the
   step that first names one of its frames).
+- Memory under process churn follows the table's cap: the native step keeps one snapshot
+  (mappings, named frames, stacks) per (pid, generation) it placed a sample in, dead pids'
+  too, until its context is dropped whole past ``max_spaces``; that bound is twice
+  ``LiveTableConfig.max_processes`` (at most livefast's 4096), so a small cap bounds it too.
+  Measured under churn (bench/bench_churn.py, 2026-11-22): ~8 KB per dead snapshot; with the
+  fixed 4096, ~33 MB that no configured cap accounted for.
 """
 
 from __future__ import annotations
@@ -48,6 +54,13 @@ from .stackstore import StackStore
 _MAX_RECORD = 1 << 16
 _DRAIN_BYTES = 4 << 20  # drain_round's max_bytes
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
+_NATIVE_MAX_SPACES = 4096  # livefast.NativeStep's default
+
+
+def native_max_spaces(max_processes: int) -> int:
+    """Snapshots the native step's context may hold before it is dropped whole (see the
+    module doc): 2x the table's cap (live spaces plus as many dead ones), 64..4096."""
+    return max(64, min(_NATIVE_MAX_SPACES, 2 * max_processes))
 
 
 def drain_round(
@@ -105,7 +118,8 @@ class LiveProfiler:
         # handed to on_records need objects, so that path stays on the slow step.
         self.fast: NativeStep | None = None
         if native and on_records is None and supported(session.event_format):
-            self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin)
+            self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
+                                   max_spaces=native_max_spaces(self.live.config.max_processes))
 
     @classmethod
     def open(
