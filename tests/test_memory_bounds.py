@@ -73,3 +73,32 @@ def test_a_dropped_pid_leaves_nothing_in_any_per_pid_table(tmp_path: Path) -> No
     left = {k: v - {99} for k, v in per_pid_state(engine, live).items()}
     assert all(not v for v in left.values()), {k: sorted(v)[:5] for k, v in left.items() if v}
     assert engine.table.stats.drops["exit_grace"] + engine.table.stats.drops["cap_retired"] == 300
+
+
+def test_native_step_context_bound_follows_the_table_cap() -> None:
+    """The native step keeps dead pids' snapshots until its context is dropped whole: that
+    bound follows max_processes (live.py), so a small cap bounds it too."""
+    from unwindd.live import native_max_spaces
+
+    assert native_max_spaces(64) == 128
+    assert native_max_spaces(1) == 64
+    assert native_max_spaces(16384) == 4096  # the daemon's default keeps livefast's 4096
+
+
+def test_elf_cache_trims_the_heap_after_loading_and_dropping() -> None:
+    """A parse's temporaries stay in glibc's heap unless trimmed (elfcache.py): the cache
+    trims after trim_bytes of entries loaded or dropped, and never when told 0."""
+    import os
+    import sys
+
+    from unwindd.elfcache import CacheConfig, ElfCache
+
+    for trim_bytes, want in ((1, True), (0, False)):
+        cache = ElfCache(CacheConfig(max_bytes=1, trim_bytes=trim_bytes))
+        entry = cache.acquire(None, os.path.realpath(sys.executable))
+        assert entry.usable
+        entry.symbols()
+        cache.release(entry)  # over max_bytes: evicted at once
+        del entry
+        assert len(cache) == 0
+        assert (cache.stats.trims >= 2) is want, cache.stats
