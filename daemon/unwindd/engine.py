@@ -103,6 +103,10 @@ class CfiPrefetcher:
                  max_pending: int = 256) -> None:  # fmt: skip
         self._compile = compile
         self._futures: OrderedDict[tuple[object, ...], Future[object]] = OrderedDict()
+        # entry uid -> (its key, its future): ready() asked again for an entry still compiling
+        # (every sample of a process waiting for its binaries asks for each of them) costs a
+        # dict hit, not an os.stat and a debug-file lookup; at most max_pending, oldest dropped
+        self._asked: OrderedDict[int, tuple[tuple[object, ...], Future[object]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self.max_pending = max_pending
         self.started = 0  # compiles run in the worker
@@ -120,6 +124,9 @@ class CfiPrefetcher:
         """True if ``entry``'s CFI is loaded or compiled (or cannot be); else start it."""
         if not entry.usable or _cfi_loaded(entry):
             return True
+        asked = self._asked.get(entry.uid)
+        if asked is not None and self._futures.get(asked[0]) is asked[1]:
+            return asked[1].done()  # uids are never reused; the key is still the live one
         path, debug, bid = entry.fd_path, entry.debug_path(), entry.build_id
         key = _file_key(path, debug, bid)
         if key is None:
@@ -132,12 +139,16 @@ class CfiPrefetcher:
             self.started += 1
             while len(self._futures) > self.max_pending:
                 self._futures.popitem(last=False)
+        self._asked[entry.uid] = (key, f)
+        while len(self._asked) > self.max_pending:
+            self._asked.popitem(last=False)
         return f.done()
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self._futures.clear()
+        self._asked.clear()
 
 
 def _cfi_loaded(entry: Any) -> bool:

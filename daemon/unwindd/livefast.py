@@ -50,7 +50,7 @@ from . import abi
 from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
-from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of, mark_record
+from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
 from .ordering import lateness_bucket
 from .records import Comm, Fork, Lost, Record, Sample
@@ -63,6 +63,18 @@ if TYPE_CHECKING:
 __all__ = ["NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
+_TIMED, _HAS_CPU = int(lib.FP_TIMED), int(lib.FP_HAS_CPU)
+# A decoded non-SAMPLE record with what fastreplay.mark_record writes into its C index entry
+# (time, cpu, flags): computed once, rewritten when the record is carried to the next round.
+_Marked = tuple[Record, int, int, int]
+
+
+def _marks(rec: Record) -> _Marked:
+    t, cpu = rec.time, rec.cpu
+    flags = (0 if t is None else _TIMED) | (0 if cpu is None else _HAS_CPU)
+    return rec, t or 0, cpu or 0, flags
+
+
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
@@ -119,7 +131,7 @@ class NativeStep:
             raise MemoryError("fp_live_order_new")
         self.orderer = orderer
         self._carry = b""
-        self._carry_objs: dict[int, Record] = {}
+        self._carry_objs: dict[int, _Marked] = {}
         self._ncarry = 0
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
@@ -229,17 +241,25 @@ class NativeStep:
         if int(other_[0]):
             idx = ffi.new("uint32_t[]", n)
             mv = memoryview(buf)
+            decode, observe, pin = dec.decode_one, sstats.observe, self.pin
             for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
                 r = recs[i]
                 if i < ncarry:
-                    rec = objs[i]
+                    got = objs[i]  # carried: decoded and marked once already
                 else:
                     new_other += 1
-                    rec = dec.decode_one(r.type, r.misc, mv[r.off + 8 : r.off + r.size])
-                    sstats.observe(rec, chunks[bisect_right(bounds, r.off) - 2][0])
-                    self.pin(rec)
-                    objs[i] = rec
-                mark_record(r, rec)
+                    off = r.off
+                    rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
+                    observe(rec, chunks[bisect_right(bounds, off) - 2][0])
+                    pin(rec)
+                    got = objs[i] = _marks(rec)
+                # fastreplay.mark_record's fields, from the marks computed at decode time
+                _, t, cpu, flags = got
+                if flags & _TIMED:
+                    r.time = t
+                if flags & _HAS_CPU:
+                    r.cpu = cpu
+                r.flags = flags
         for end in ends[1 : len(parts)]:
             if end in _END_ERRORS:
                 dec.stats.errors[_END_ERRORS[end]] += 1
@@ -271,7 +291,7 @@ class NativeStep:
                 self._run(buf, cbuf, recs, perm, pos, end, stack_ids)
             if p < 0:
                 break
-            rec = objs.pop(perm[p])
+            rec = objs.pop(perm[p])[0]
             self._apply(rec)
             applied.append(rec)
             pos = p + 1
@@ -350,7 +370,7 @@ class NativeStep:
             o.late_buckets.update(lateness_bucket(x) for x in late[0:nlate])
 
     def _carry_round(self, cbuf: Any, size: int, recs: Any, keep: Any, nkeep: int,
-                     objs: dict[int, Record]) -> None:  # fmt: skip
+                     objs: dict[int, _Marked]) -> None:  # fmt: skip
         """What stays queued becomes the head of the next round's buffer, in keep order."""
         self._ncarry = nkeep
         if not nkeep:
@@ -360,9 +380,9 @@ class NativeStep:
         out = bytearray(size)  # exact: the carry is about one round of records
         lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(out))
         self._carry = bytes(out)
-        if objs:  # few side-band records ride along: find each one's new slot
-            kl = _u(keep, "I", nkeep).tolist()
-            self._carry_objs = {kl.index(i): rec for i, rec in objs.items()}
+        if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs)
+            slot = {i: j for j, i in enumerate(_u(keep, "I", nkeep).tolist())}
+            self._carry_objs = {slot[i]: got for i, got in objs.items()}
         else:
             self._carry_objs = {}
 
@@ -371,13 +391,14 @@ class NativeStep:
     def _apply(self, rec: Record) -> None:
         """StackEngine.feed's handling of a side-band record, then the C tables follow."""
         self.engine.apply_side_band(rec)
-        if isinstance(rec, (Comm, Fork)):
+        t = type(rec)  # record types are final classes: identity tests
+        if t is Comm or t is Fork:
             lib.fp_forget_comms(self.ctx)  # COMM renames; FORK names a new task after its parent
-        if isinstance(rec, Lost):
+        elif t is Lost:
             lib.fp_forget_all_spaces(self.ctx)  # epoch bump: every space is re-verified
             return
         pid = getattr(rec, "pid", None)
-        if isinstance(pid, int) and 0 <= pid < 1 << 32:
+        if type(pid) is int and 0 <= pid < 1 << 32:
             lib.fp_forget_space(self.ctx, pid)
 
     def _run(self, buf: bytes, cbuf: Any, recs: Any, perm: Any, a: int, b: int,

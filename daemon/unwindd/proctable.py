@@ -34,8 +34,11 @@ Invariants:
 - References: each space holds one reference per distinct binary (ELF cache entry) it maps,
   taken when the first mapping of it arrives and released when the last one goes.
 - Cost: ``find`` is one bisect, O(log n); a mapping change is O(n) in the space's mapping
-  count (tens to hundreds); ``modules()``/``native_space()`` are rebuilt only when the mapping
-  list changed since the last call (``generation``).
+  count (tens to hundreds) for the new immutable tuple, and finding what it overlaps is one
+  bisect on the cached starts (a MMAP2 over nothing, most of them, cuts nothing and copies the
+  tuple once); ``modules()``/``native_space()`` are rebuilt only when the mapping list changed
+  since the last call (``generation``). MMAP2 identities are interned (one ``Identity`` per
+  file, at most 4096 held).
 """
 
 from __future__ import annotations
@@ -157,9 +160,10 @@ class _State:
 
     __slots__ = ("generation", "mappings", "modules", "native", "starts")
 
-    def __init__(self, mappings: tuple[Mapping, ...], generation: int) -> None:
+    def __init__(self, mappings: tuple[Mapping, ...], generation: int,
+                 starts: list[int] | None = None) -> None:  # fmt: skip
         self.mappings = mappings
-        self.starts = [m.start for m in mappings]
+        self.starts = [m.start for m in mappings] if starts is None else starts
         self.generation = generation
         self.modules: list[Any] | None = None
         self.native: object | None = None
@@ -176,7 +180,7 @@ class AddressSpace:
         self.pid = pid
         self._table = table
         self._state = _EMPTY
-        self._refs: Counter[int] = Counter()  # entry uid -> mappings of it here
+        self._refs: dict[int, int] = {}  # entry uid -> mappings of it here (> 0)
         self._entries: dict[int, ElfEntry] = {}
         self.retired = False
         self.retired_at: int | None = None
@@ -235,27 +239,30 @@ class AddressSpace:
 
     # -- mutation (ProcessTable only)
 
-    def _set(self, mappings: tuple[Mapping, ...]) -> None:
-        self._state = _State(mappings, next(_generations))
+    def _set(self, mappings: tuple[Mapping, ...], starts: list[int] | None = None) -> None:
+        self._state = _State(mappings, next(_generations), starts)
 
     def _hold(self, entry: ElfEntry | None) -> bool:
         """Count one more mapping of ``entry``; True if it is the first one here."""
         if entry is None:
             return True
-        first = self._refs[entry.uid] == 0
-        if first:
-            self._entries[entry.uid] = entry
-        self._refs[entry.uid] += 1
-        return first
+        uid = entry.uid
+        n = self._refs.get(uid, 0)
+        if not n:
+            self._entries[uid] = entry
+        self._refs[uid] = n + 1
+        return not n
 
     def _unhold(self, entry: ElfEntry | None) -> ElfEntry | None:
         """Drop one mapping's hold; the entry if this space no longer maps it."""
         if entry is None:
             return None
-        self._refs[entry.uid] -= 1
-        if self._refs[entry.uid] <= 0:
-            del self._refs[entry.uid]
-            return self._entries.pop(entry.uid)
+        uid = entry.uid
+        n = self._refs.get(uid, 0) - 1
+        if n <= 0:
+            self._refs.pop(uid, None)
+            return self._entries.pop(uid)
+        self._refs[uid] = n
         return None
 
 
@@ -263,29 +270,39 @@ class AddressSpace:
 _ALIAS_KEYS = 1 << 48
 
 
+def _overlap(starts: Sequence[int], mappings: Sequence[Mapping], start: int, end: int
+             ) -> tuple[int, int]:  # fmt: skip
+    """[lo, hi): the indices of sorted, disjoint ``mappings`` (``starts`` their starts) that
+    overlap [start, end). lo == hi (the insertion point) when none does. O(log n + overlaps):
+    the common MMAP2 (a new mapping over nothing) costs one bisect, not a pass over the space."""
+    lo = bisect_right(starts, start)
+    if lo and mappings[lo - 1].end > start:
+        lo -= 1  # the one starting at or before start reaches into [start, end)
+    hi = lo
+    n = len(mappings)
+    while hi < n and mappings[hi].start < end:
+        hi += 1
+    return lo, hi
+
+
 def _cut(
-    mappings: Sequence[Mapping], start: int, end: int
+    mappings: Sequence[Mapping], start: int, end: int, starts: Sequence[int] | None = None
 ) -> tuple[list[Mapping], list[Mapping], list[Mapping]]:
     """maps__fixup_overlappings: (mappings with [start, end) removed, removed originals,
     new head/tail pieces). Pieces keep their binary and bias (start - pgoff is unchanged);
-    a tail piece's pgoff advances by what was cut."""
-    kept: list[Mapping] = []
-    removed: list[Mapping] = []
+    a tail piece's pgoff advances by what was cut. O(n) (the copy), O(log n) to find."""
+    if starts is None:
+        starts = [m.start for m in mappings]
+    lo, hi = _overlap(starts, mappings, start, end)
+    removed = list(mappings[lo:hi])
     pieces: list[Mapping] = []
-    lo = bisect_right([m.end for m in mappings], start)  # first that may overlap
-    kept.extend(mappings[:lo])
-    for m in mappings[lo:]:
-        if m.end <= start or m.start >= end:
-            kept.append(m)
-            continue
-        removed.append(m)
+    for m in removed:
         if m.start < start:
             pieces.append(replace(m, end=start))
         if m.end > end:
             pieces.append(replace(m, start=end, pgoff=m.pgoff + (end - m.start)))
-    if pieces:
-        kept.extend(pieces)
-        kept.sort(key=lambda m: m.start)
+    # what was removed was contiguous and the pieces lie inside its span: order is kept
+    kept = [*mappings[:lo], *pieces, *mappings[hi:]]
     return kept, removed, pieces
 
 
@@ -325,6 +342,9 @@ class ProcessTable:
         # (entry uid, mapped name) -> module key, for mappings named unlike their entry
         self._code_keys: dict[tuple[int, str], int] = {}
         self._next_code_key = _ALIAS_KEYS
+        # (build_id, maj, min, ino, gen) -> Identity: one immutable value per mapped file,
+        # shared by its mappings (MMAP2 churn re-maps the same few files)
+        self._idents: dict[tuple[Any, ...], Identity] = {}
 
     def code_key(self, entry: ElfEntry, m: Mapping) -> int:
         """The unwinder module key of ``m`` (a mapping of ``entry``): everything a frame's
@@ -376,7 +396,12 @@ class ProcessTable:
         """Apply one record; records other than MMAP/MMAP2/COMM/FORK/EXIT are ignored."""
         if isinstance(rec, Mmap2):
             self.stats.records["MMAP2"] += 1
-            ident = Identity(rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
+            k = (rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
+            ident = self._idents.get(k)
+            if ident is None:
+                if len(self._idents) >= 4096:
+                    self._idents.clear()  # costs only re-creating equal values
+                ident = self._idents[k] = Identity(*k)
             self.add_mapping(rec.pid, rec.start, rec.start + rec.length, rec.pgoff, rec.prot,
                              rec.flags, rec.filename, ident)  # fmt: skip
         elif isinstance(rec, Mmap):
@@ -416,19 +441,20 @@ class ProcessTable:
             self.stats.ignored["empty_mapping"] += 1
             return None
         sp = self.space_for(pid)
-        kept, removed, pieces = _cut(sp.mappings, start, end)
+        st = sp._state
+        lo, hi = _overlap(st.starts, st.mappings, start, end)
+        if lo == hi:  # overlaps nothing (most records): no cut, one insertion
+            if not prot & PROT_EXEC:
+                return None  # a data mapping over nothing we track: no change
+            m = self._new_mapping(sp, pid, start, end, pgoff, prot, flags, filename, identity)
+            maps = st.mappings
+            sp._set((*maps[:lo], m, *maps[lo:]), [*st.starts[:lo], start, *st.starts[lo:]])
+            return m
+        kept, removed, pieces = _cut(st.mappings, start, end, st.starts)
         new: Mapping | None = None
         if prot & PROT_EXEC:
-            entry = self._resolve(pid, start, end, filename, identity)
-            bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
-                start - pgoff
-            )  # fmt: skip
-            new = Mapping(start, end, pgoff, prot, flags, filename, identity, entry, bias)
-            if not sp._hold(entry):
-                self._release(entry)  # the space already had its one reference
+            new = self._new_mapping(sp, pid, start, end, pgoff, prot, flags, filename, identity)
             kept.insert(bisect_right([m.start for m in kept], start), new)
-        elif not removed:
-            return None  # a data mapping over nothing we track: no change
         # pieces keep their binary: hold once per piece, drop once per removed original
         for m in pieces:
             sp._hold(m.entry)
@@ -436,6 +462,17 @@ class ProcessTable:
             self._release(sp._unhold(m.entry))
         sp._set(tuple(kept))
         return new
+
+    def _new_mapping(self, sp: AddressSpace, pid: int, start: int, end: int, pgoff: int,
+                     prot: int, flags: int, name: str, identity: Identity) -> Mapping:  # fmt: skip
+        """The Mapping of an executable mapping, its binary resolved and held by ``sp``."""
+        entry = self._resolve(pid, start, end, name, identity)
+        bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
+            start - pgoff
+        )  # fmt: skip
+        if not sp._hold(entry):
+            self._release(entry)  # the space already had its one reference
+        return Mapping(start, end, pgoff, prot, flags, name, identity, entry, bias)
 
     def _resolve(
         self, pid: int, start: int, end: int, filename: str, ident: Identity
@@ -483,7 +520,7 @@ class ProcessTable:
             self.stats.ignored["fork_unknown_parent"] += 1
             return
         child._state = parent._state  # shared until either side changes (copy-on-write)
-        child._refs = Counter(parent._refs)
+        child._refs = dict(parent._refs)
         child._entries = dict(parent._entries)
         if self.binaries is not None:
             for e in child._entries.values():
@@ -525,15 +562,16 @@ class ProcessTable:
         pids (samples of them still wait somewhere). Returns how many were dropped. O(dropped +
         pinned) per call: ``retired`` is in retire order, so the scan stops at the first young
         one."""
-        n = 0
-        for pid, t in list(self.retired.items()):
-            if t > now - grace:
+        due = []
+        limit = now - grace
+        for pid, t in self.retired.items():  # collected first: _drop changes the dict
+            if t > limit:
                 break
-            if pid in pinned:
-                continue
+            if pid not in pinned:
+                due.append(pid)
+        for pid in due:
             self._drop(pid, "exit_grace")
-            n += 1
-        return n
+        return len(due)
 
     def evict_to(self, cap: int, pinned: Container[int] = ()) -> int:
         """Drop spaces until at most ``cap`` remain: retired ones first (oldest retirement),

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import struct
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
 
 from .abi import (
     BRANCH_COUNTERS,
@@ -57,6 +59,11 @@ _MMAP2_PROT = struct.Struct("<II")  # prot, flags
 _FORK = struct.Struct("<IIIIQ")  # pid, ppid, tid, ptid, time
 
 HEADER_SIZE = 8
+_T_SAMPLE = int(RecordType.SAMPLE)
+_T_FINISHED_ROUND = int(RecordType.FINISHED_ROUND)
+_T_HEADER_ATTR = int(RecordType.HEADER_ATTR)
+_T_MMAP, _T_MMAP2 = int(RecordType.MMAP), int(RecordType.MMAP2)
+_T_COMM, _T_FORK, _T_EXIT = int(RecordType.COMM), int(RecordType.FORK), int(RecordType.EXIT)
 
 
 class DecodeError(Exception):
@@ -444,6 +451,9 @@ Record = (
 
 def record_type_name(rec: Record) -> str:
     """Upper-case perf name of a record value (``SAMPLE``, ``MMAP2``, ``UNKNOWN`` ...)."""
+    name = _TYPE_NAMES.get(type(rec))  # one dict hit for every type but two
+    if name is not None:
+        return name
     if isinstance(rec, Throttle):
         return "UNTHROTTLE" if rec.unthrottle else "THROTTLE"
     if isinstance(rec, Unknown):
@@ -486,11 +496,7 @@ class DecodeStats:
 
 
 def _cstr(buf: bytes | memoryview, start: int, end: int) -> str:
-    raw = bytes(buf[start:end])
-    nul = raw.find(b"\0")
-    if nul >= 0:
-        raw = raw[:nul]
-    return raw.decode("utf-8", "surrogateescape")
+    return bytes(buf[start:end]).partition(b"\0")[0].decode("utf-8", "surrogateescape")
 
 
 class RecordDecoder:
@@ -522,6 +528,7 @@ class RecordDecoder:
             f.id_pos != self._id_pos or f.is_pos != self._is_pos for f in self.formats
         ):
             self._id_pos = self._is_pos = -1
+        self._multi = len(self.formats) > 1  # else every record has format 0
 
     # -- format selection
 
@@ -600,41 +607,47 @@ class RecordDecoder:
     # -- per type
 
     def _decode(self, rtype: int, misc: int, body: memoryview) -> Record:
-        if rtype == RecordType.SAMPLE:
+        # Plain-int type constants (_T_*): an IntEnum member lookup per comparison costs more
+        # than the comparison; side-band types are tested in order of frequency under churn.
+        if rtype == _T_SAMPLE:
             return self._sample(misc, body)
-        if rtype == RecordType.FINISHED_ROUND:
+        if rtype == _T_FINISHED_ROUND:
             return FinishedRound(misc)
-        if rtype >= RecordType.HEADER_ATTR:
+        if rtype >= _T_HEADER_ATTR:
             # perf's own synthesized records never carry a sample_id trailer.
             return Unknown(rtype, misc, bytes(body))
-        fmt_idx = self._format_for_other(body)
-        fmt = self.formats[fmt_idx]
-        sid_size = self._sid_layouts[fmt_idx].struct.size
-        if sid_size > len(body):
+        fmt_idx = self._format_for_other(body) if self._multi else 0
+        lay = self._sid_layouts[fmt_idx]
+        sid_size = lay.struct.size
+        n = len(body)
+        if sid_size > n:
             raise DecodeError("short_sample_id")
-        end = len(body) - sid_size
-        sid = self._sample_id(fmt_idx, body, end) if sid_size else NO_SAMPLE_ID
-        if rtype == RecordType.MMAP2:
-            if misc & MISC_MMAP_BUILD_ID and not self._mmap2_build_id_form(fmt, body, end):
+        end = n - sid_size
+        sid = (SampleId(*lay.pick(lay.struct.unpack_from(body, end) + _NONE1)) if sid_size
+               else NO_SAMPLE_ID)  # fmt: skip
+        if rtype == _T_MMAP2:
+            if misc & MISC_MMAP_BUILD_ID and not self._mmap2_build_id_form(
+                self.formats[fmt_idx], body, end
+            ):
                 self.stats.repairs["mmap2_leaked_build_id_flag"] += 1
                 misc &= ~MISC_MMAP_BUILD_ID
             return self._mmap2(misc, body, end, sid)
-        if rtype == RecordType.MMAP:
-            if end < _MMAP_FIXED.size:
+        if rtype == _T_FORK or rtype == _T_EXIT:
+            if end < _FORK.size:
                 raise DecodeError("short_body")
-            pid, tid, addr, length, pgoff = _MMAP_FIXED.unpack_from(body, 0)
-            return Mmap(misc, pid, tid, addr, length, pgoff, _cstr(body, 32, end), sid)
-        if rtype == RecordType.COMM:
+            pid, ppid, tid, ptid, time = _FORK.unpack_from(body, 0)
+            cls = Fork if rtype == _T_FORK else Exit
+            return cls(misc, pid, ppid, tid, ptid, time, sid)
+        if rtype == _T_COMM:
             if end < 8:
                 raise DecodeError("short_body")
             pid, tid = _2U32.unpack_from(body, 0)
             return Comm(misc, pid, tid, _cstr(body, 8, end), sid)
-        if rtype in (RecordType.FORK, RecordType.EXIT):
-            if end < _FORK.size:
+        if rtype == _T_MMAP:
+            if end < _MMAP_FIXED.size:
                 raise DecodeError("short_body")
-            pid, ppid, tid, ptid, time = _FORK.unpack_from(body, 0)
-            cls = Fork if rtype == RecordType.FORK else Exit
-            return cls(misc, pid, ppid, tid, ptid, time, sid)
+            pid, tid, addr, length, pgoff = _MMAP_FIXED.unpack_from(body, 0)
+            return Mmap(misc, pid, tid, addr, length, pgoff, _cstr(body, 32, end), sid)
         if rtype == RecordType.LOST:
             if end < 16:
                 raise DecodeError("short_body")
@@ -654,15 +667,7 @@ class RecordDecoder:
 
     def _sample_id(self, fmt_idx: int, body: memoryview, off: int) -> SampleId:
         lay = self._sid_layouts[fmt_idx]
-        v = lay.struct.unpack_from(body, off)
-        return SampleId(
-            v[lay.i_pid] if lay.i_pid >= 0 else None,
-            v[lay.i_pid + 1] if lay.i_pid >= 0 else None,
-            v[lay.i_time] if lay.i_time >= 0 else None,
-            v[lay.i_id] if lay.i_id >= 0 else None,
-            v[lay.i_stream] if lay.i_stream >= 0 else None,
-            v[lay.i_cpu] if lay.i_cpu >= 0 else None,
-        )
+        return SampleId(*lay.pick(lay.struct.unpack_from(body, off) + _NONE1))
 
     @staticmethod
     def _mmap2_build_id_form(fmt: EventFormat, body: memoryview, end: int) -> bool:
@@ -863,6 +868,9 @@ class _SampleLayout:
         )
 
 
+_NONE1 = (None,)  # appended to an unpacked trailer: index len(v) picks an absent field
+
+
 @dataclass(frozen=True, slots=True)
 class _SampleIdLayout:
     """A format's ``sample_id`` trailer compiled once into one struct (see the module doc for
@@ -874,6 +882,19 @@ class _SampleIdLayout:
     i_id: int
     i_stream: int
     i_cpu: int
+    # SampleId's six fields from the unpacked values + (None,), in one C call
+    pick: Callable[[tuple[Any, ...]], tuple[Any, ...]] = field(
+        default=lambda v: (None,) * 6, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        absent = len(self.struct.format.lstrip("<"))  # one value per code: the None's index
+        i_tid = self.i_pid + 1 if self.i_pid >= 0 else -1
+        idx = [
+            i if i >= 0 else absent
+            for i in (self.i_pid, i_tid, self.i_time, self.i_id, self.i_stream, self.i_cpu)
+        ]
+        object.__setattr__(self, "pick", itemgetter(*idx))
 
     @classmethod
     def of(cls, fmt: EventFormat) -> _SampleIdLayout:

@@ -17,13 +17,20 @@ from dataclasses import dataclass, field
 from .records import (
     BadRecord,
     Comm,
+    Exit,
+    Fork,
     Lost,
     LostSamples,
+    Mmap,
+    Mmap2,
     Record,
     Sample,
     Throttle,
     record_type_name,
 )
+
+_PLAIN: frozenset[type] = frozenset({Mmap2, Fork, Exit, Mmap})  # counted by type and CPU only
+# (record types are final classes: ``type(rec) in _PLAIN`` is exact)
 
 
 @dataclass
@@ -41,12 +48,17 @@ class StreamStats:
     def observe(self, rec: Record, cpu: int | None = None) -> None:
         """Count one record; ``cpu`` (the ring it came from) is used when the record has none."""
         name = record_type_name(rec)
-        self.by_type[name] += 1
-        rcpu = rec.cpu if rec.cpu is not None else cpu
+        by_type = self.by_type
+        by_type[name] = by_type.get(name, 0) + 1  # Counter's += goes through __missing__
+        rcpu = rec.cpu
+        if rcpu is None:
+            rcpu = cpu
         per = self.by_cpu_type.get(rcpu)
         if per is None:
             per = self.by_cpu_type[rcpu] = Counter()
-        per[name] += 1
+        per[name] = per.get(name, 0) + 1
+        if type(rec) in _PLAIN:  # most side-band records: nothing more to count
+            return
         if isinstance(rec, Sample):
             if rec.pid is not None:
                 self.samples_by_pid[rec.pid] += 1
