@@ -8,8 +8,10 @@ Invariants:
   (``fp_live_index``: fp_index, i.e. records.py's SAMPLE checks); every record that is not a
   good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
   ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it leaves
-  the ring; samples are counted in the decoder, stream and ordering stats natively. Ordering is
-  ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records still
+  the ring; samples are counted in the decoder, stream and ordering stats natively. Its C
+  index entry gets the time/cpu/flags ``fastreplay.mark_record`` would give it, computed once
+  at decode and rewritten from them whenever the record is carried into the next round
+  (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records still
   queued after a round are copied into the next round's buffer (each sample's bytes are copied
   once more, ~1 memcpy per sample), decoded side-band objects ride along by index.
 - Side-band records are applied in delivered order between runs of samples, exactly as
