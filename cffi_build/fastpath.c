@@ -979,6 +979,47 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out)
     return 0;
 }
 
+uint64_t fp_stacks_words(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *nkc)
+{
+    uint64_t n = 0, k = 0;
+    for (uint64_t id = from; id < to && id < c->nstk; id++) {
+        const uint64_t *w = c->words + c->stacks[id].woff;
+        uint32_t npcs = (uint32_t)(w[1] >> 32);
+        n += npcs;
+        k += c->stacks[id].nwords - 2 - pc_words(c, npcs) - (npcs + 7) / 8;
+    }
+    *nkc = k;
+    return n;
+}
+
+uint32_t fp_stacks_export(const struct fp_ctx *c, uint32_t from, uint32_t to, uint32_t *comm,
+                          uint32_t *space, uint8_t *status, uint8_t *regs_none, uint32_t *npcs, uint32_t *nkc,
+                          uint32_t *fids, uint64_t *kc)
+{
+    uint32_t k = 0;
+    for (uint64_t id = from; id < to && id < c->nstk; id++, k++) {
+        struct fp_stack st;
+        fp_stack(c, (uint32_t)id, &st);
+        comm[k] = st.comm_id;
+        space[k] = st.space_id;
+        status[k] = st.status;
+        regs_none[k] = st.regs_none;
+        npcs[k] = st.npcs;
+        nkc[k] = st.nkc;
+        memcpy(fids, st.fids, 4 * (size_t)st.npcs);
+        fids += st.npcs;
+        memcpy(kc, st.kc, 8 * (size_t)st.nkc);
+        kc += st.nkc;
+    }
+    return k;
+}
+
+void fp_stack_counts(const struct fp_ctx *c, uint64_t *out)
+{
+    for (uint64_t id = 0; id < c->nstk; id++)
+        out[id] = c->stacks[id].count;
+}
+
 int fp_ctx_by_code(struct fp_ctx *c, int on)
 {
     if (c->nstk || c->nfr)

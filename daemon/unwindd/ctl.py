@@ -55,16 +55,22 @@ def default_socket() -> str:
     return DEFAULT_SOCKET
 
 
+_DEFAULT = object()  # Client.open: the client's own timeout
+
+
 class Client:
     def __init__(self, path: str, timeout: float | None = 30.0) -> None:
         self.path = path
         self.timeout = timeout
 
     def open(self, endpoint: str, params: dict[str, Any] | None = None,
-             timeout: float | None = None) -> http.client.HTTPResponse:  # fmt: skip
+             timeout: float | object | None = _DEFAULT) -> http.client.HTTPResponse:  # fmt: skip
+        """GET ``endpoint``; ``timeout``: seconds per socket operation, None for none (a live
+        stream may stay idle as long as the daemon keeps it open), default the client's."""
         q = {k: v for k, v in (params or {}).items() if v is not None}
         url = endpoint + ("?" + urlencode(q, doseq=True) if q else "")
-        conn = UnixHTTPConnection(self.path, timeout if timeout is not None else self.timeout)
+        t = self.timeout if timeout is _DEFAULT else timeout
+        conn = UnixHTTPConnection(self.path, t if isinstance(t, (int, float)) else None)
         try:
             conn.request("GET", url)
             resp = conn.getresponse()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from array import array
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
@@ -71,6 +72,16 @@ _REC_SIZE = ffi.sizeof("struct fp_rec")
 
 def _start(m: Mapping) -> int:
     return m.start
+
+
+def _u_bytes(b: bytes) -> list[int]:
+    """Native-endian u64 words of ``b``."""
+    return memoryview(b).cast("Q").tolist()
+
+
+def _ids_bytes(ids: list[int]) -> bytes:
+    """Frame ids packed as fp_stack's u32 array."""
+    return array("I", ids).tobytes()
 
 
 class Unsupported(Exception):
@@ -547,49 +558,72 @@ class _Replay:
                 counted += 1
         # frame_at counted its unnamed frames; the slow path counts per new (snapshot, pcs): redo
         engine.stats.unsymbolized -= counted
-        st = ffi.new("struct fp_stack *")
-        folded = self.fmt == "folded"
-        text_of, unsym_of = text.__getitem__, unsym.__getitem__
-        unsym_ids, ktexts, buf = self._unsym_ids, self._ktext, ffi.buffer
-        nunsym = self._nunsym
-        for sid in range(len(self._stacks), int(lib.fp_nstacks(ctx))):
-            lib.fp_stack(ctx, sid, st)
+        first, nst = len(self._stacks), int(lib.fp_nstacks(ctx))
+        if nst > first:
+            self._add_stacks(first, nst)
+        if self.by_code:
+            self._count_pairs()
+        self._release_snapshots()
+
+    def _add_stacks(self, first: int, nst: int) -> None:
+        """Stacks [first, nst), exported from C in one call: their kernel frames (once per
+        callchain), counts of unnamed frames, and their rendering in self.fmt."""
+        engine, ctx = self.engine, self.ctx
+        cnt = nst - first
+        p_nkc = ffi.new("uint64_t *")
+        nf = int(lib.fp_stacks_words(ctx, first, nst, p_nkc))
+        nk = int(p_nkc[0])
+        a_comm, a_space, a_npcs, a_nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
+        a_status, a_rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
+        a_fids, a_kc = ffi.new("uint32_t[]", max(1, nf)), ffi.new("uint64_t[]", max(1, nk))
+        lib.fp_stacks_export(ctx, first, nst, a_comm, a_space, a_status, a_rn, a_npcs, a_nkc,
+                             a_fids, a_kc)  # fmt: skip
+        fids = _u(a_fids, "I")[:nf].tolist()
+        kcb = bytes(ffi.buffer(a_kc, 8 * nk))
+        comm_ids, spaces = _u(a_comm, "I")[:cnt], _u(a_space, "I")[:cnt]
+        npcs_l, nkc_l = _u(a_npcs, "I")[:cnt], _u(a_nkc, "I")[:cnt]
+        status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
+        fmt, folded = self.fmt, self.fmt == "folded"
+        text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
+        unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
+        nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
+        folded_out, rendered, folds = self._folded, self._rendered, self._folds
+        fo = ko = 0
+        for j in range(cnt):
+            n, k = npcs_l[j], nkc_l[j]
+            kkey = kcb[8 * ko : 8 * (ko + k)]
+            ko += k
+            ids = fids[fo : fo + n]
+            fo += n
             nunsym.append(0)
-            nkc = st.nkc
-            kkey = buf(st.kc, 8 * nkc)[:] if nkc else b""
             ktext = ktexts.get(kkey)
             if ktext is None:  # kernel frames and their renderings, once per callchain
-                kframes = engine.kernel_frames(tuple(ffi.unpack(st.kc, nkc))) if nkc else ()
+                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
                 ktext = ktexts[kkey] = (kframes, [self._render((f,)) for f in kframes])
             kframes, krendered = ktext
-            comm = self._comms[st.comm_id]
-            if st.regs_none and kframes:
+            comm = comms[comm_ids[j]]
+            if rn_l[j] and kframes:
                 status, ids = "kernel_only", []
             else:
-                status = _STATUS_NAMES[st.status]
-                ids = ffi.unpack(st.fids, st.npcs)
+                status = _STATUS_NAMES[status_l[j]]
                 # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
                 # one need remembering
                 if unsym_ids and not unsym_ids.isdisjoint(ids):
                     if self.by_code:
                         nunsym[-1] = sum(map(unsym_of, ids))  # counted per pair, below
                     else:
-                        key = st.space_id.to_bytes(4, "little") + buf(st.fids, 4 * st.npcs)[:]
-                        if key not in self._seen:
-                            self._seen.add(key)
+                        key = spaces[j].to_bytes(4, "little") + _ids_bytes(ids)
+                        if key not in seen:
+                            seen.add(key)
                             engine.stats.unsymbolized += sum(map(unsym_of, ids))
-            self._stacks.append((comm, status, len(ids), len(kframes)))
+            stacks.append((comm, status, len(ids), len(kframes)))
             if folded:
                 fk = (comm or "[unknown]", *map(text_of, reversed(ids)), *reversed(krendered))
-                self._folded.append(self._folds.setdefault(fk, fk))
-            elif self.fmt == "jsonl":
-                body = ",".join([*krendered, *map(text_of, ids)])
-                self._rendered.append(f"[{body}]")
+                folded_out.append(folds.setdefault(fk, fk))
+            elif fmt == "jsonl":
+                rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
             else:
-                self._rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
-        if self.by_code:
-            self._count_pairs()
-        self._release_snapshots()
+                rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 
     def _count_pairs(self) -> None:
         """By code: the slow path counts a stack's unnamed frames once per new (snapshot,
@@ -677,11 +711,12 @@ class _Replay:
     def _finish(self) -> None:
         """Final per-stack counts: engine stats, and the folded output."""
         es = self.engine.stats
-        st = ffi.new("struct fp_stack *")
+        counts = ffi.new("uint64_t[]", max(1, len(self._stacks)))
+        lib.fp_stack_counts(self.ctx, counts)
         folded: Counter[tuple[str, ...]] = Counter()
-        for sid, (_comm, status, nu, nk) in enumerate(self._stacks):
-            lib.fp_stack(self.ctx, sid, st)
-            count = int(st.count)
+        for sid, (count, (_comm, status, nu, nk)) in enumerate(
+            zip(_u(counts, "Q")[: len(self._stacks)], self._stacks, strict=True)
+        ):
             es.samples += count
             es.by_status[status] += count
             es.kernel_frames += nk * count
