@@ -146,6 +146,21 @@ def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     assert fast_counts == slow_counts
 
 
+def test_folded_aggregates_by_code(files: dict[str, Path]) -> None:
+    """Folded output aggregates by code (fp_ctx_by_code): processes running the same binary
+    (ASLR: each at its own addresses) share native frames and stacks, so there are fewer
+    unique stacks than jsonl's per-address-space ones; the output itself equals the slow
+    path's (test_fast_equals_slow)."""
+    path = files["forkexec"]
+    unique = {}
+    for fmt in ("folded", "jsonl"):
+        data = PerfData.open(path)
+        res = fastreplay.replay(data, path, fmt, io.StringIO(), engine=StackEngine.create())
+        data.close()
+        unique[fmt] = res.unique_stacks
+    assert 0 < unique["folded"] < unique["jsonl"], unique
+
+
 def test_cli_uses_fast_path_and_matches(files: dict[str, Path], tmp_path: Path) -> None:
     path = str(files["forkexec"])
     outs = []

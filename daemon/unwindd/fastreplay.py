@@ -68,6 +68,7 @@ _END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE):
 _STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))  # by UNW_* value
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _start(m: Mapping) -> int:
@@ -184,7 +185,11 @@ def replay(
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise Unsupported("empty file")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # MAP_POPULATE: the replay reads every page (headers, then stack copies); faulting
+        # them in as one batch costs about a third of taking ~2 faults per record (673 MB:
+        # 0.035 s vs 0.06-0.08 s in the index alone, plus the unwinder's stack pages).
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                       prot=mmap.PROT_READ)  # fmt: skip
     try:
         return _Replay(data, mm, lay, fmt, out, engine, stream_stats, order_stats,
                        max_queued).run()  # fmt: skip
