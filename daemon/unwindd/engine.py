@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from . import abi
 from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
 from .proctable import Mapping, ProcessTable, find_mapping
-from .records import Comm, Fork, Record, Sample
+from .records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
 
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from .livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
+# Frame(ip, dso, sym, offset, kernel, inlined, rel, <hash cache>): every frame of a new
+# process is built anew (ASLR), so its constructor is the fast one (records.frozen_maker).
+_new_frame = frozen_maker(Frame)
 _PID_STACKS = 4096  # stacks cached per pid (one pid's JIT or deep recursion cannot hog the rest)
 _PID_FRAMES = 16384  # named frames cached per pid
 _MAX_SNAPS = 4096  # snapshots held outside live mode, where nothing tells us a pid is gone
@@ -493,5 +496,5 @@ class StackEngine:
                 self._syms.popitem(last=False)
         if hit is None:
             self.stats.unsymbolized += 1
-            return Frame(ip, m.filename, None, None, rel=rel)
-        return Frame(ip, m.filename, hit[0], hit[1], rel=rel)
+            return _new_frame(ip, m.filename, None, None, False, False, rel, None)
+        return _new_frame(ip, m.filename, hit[0], hit[1], False, False, rel, None)

@@ -11,9 +11,10 @@ Invariants:
   the ring; samples are counted in the decoder, stream and ordering stats natively. Its C
   index entry gets the time/cpu/flags ``fastreplay.mark_record`` would give it, computed once
   at decode and rewritten from them whenever the record is carried into the next round
-  (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records still
-  queued after a round are copied into the next round's buffer (each sample's bytes are copied
-  once more, ~1 memcpy per sample), decoded side-band objects ride along by index.
+  (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept
+  in C across rounds (``fp_live_order_round``); records still queued after a round are copied
+  into the next round's buffer (each sample's bytes are copied once more, ~1 memcpy per
+  sample), decoded side-band objects ride along by index.
 - Side-band records are applied in delivered order between runs of samples, exactly as
   ``StackEngine.feed`` does (COMM -> ``set_comm``; ``table.apply``; ``live.observe``).
 - Placement: the C pid table holds, per pid, the engine's current snapshot (modules + mapping

@@ -13,7 +13,8 @@ Invariants:
 - ``folded`` follows flamegraph.pl's stackcollapse-perf.pl: ``comm;outermost;...;leaf count``,
   a frame without a symbol spelled ``[dso basename]`` (or ``[unknown]``), kernel frames
   suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user frames.
-- Cost: O(frames) per sample.
+- Cost: O(frames) per sample. A ``Frame`` hashes its fields once (cached; equality is the
+  dataclass's, over the seven fields only), so interning a new stack costs one call per frame.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -36,11 +37,35 @@ class Frame:
     # What perf script prints for the frame: the address inside the dso as perf's map__map_ip
     # computes it (ip - map start + pgoff) for user frames, ip itself for kernel frames.
     rel: int | None = None
+    # The hash of the seven fields above, computed on first use: the store hashes a new
+    # stack's frames tuple twice (lookup, insert) and a process's stacks share most frames,
+    # so each frame would otherwise hash its 7-tuple many times. Not compared, not shown,
+    # not pickled (str hashes differ between interpreters).
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        h = self._hash
+        if h is None:
+            h = hash((self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined,
+                      self.rel))  # fmt: skip
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined, self.rel)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        for name, v in zip(_FRAME_FIELDS, state, strict=True):
+            object.__setattr__(self, name, v)
+        object.__setattr__(self, "_hash", None)
 
     def __repr__(self) -> str:
         where = f"{self.sym}+{self.offset:#x}" if self.sym and self.offset else self.sym
         k = " [k]" if self.kernel else ""
         return f"Frame({self.ip:#x} {where or '?'} in {self.dso or '?'}{k})"
+
+
+_FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel")
 
 
 @dataclass(frozen=True, slots=True)
