@@ -40,6 +40,12 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
                        uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,
                        uint16_t *fp_frames, uint16_t *sig_frames);
 
+/* unw_table_lookup for the unwinder's lookup cache (cfi.c): the same row and *rule (no
+ * row_start), trying row `hint` first. The hint is checked against the table in O(1), so any
+ * value is safe (a wrong one costs the O(log rows) search); UINT32_MAX for none. */
+int64_t unw_table_lookup_hint(const uint8_t *blob, uint64_t pc, uint32_t hint,
+                              struct unw_rule *rule);
+
 /* Offsets of the arrays in a blob (layout: unwcore.h). */
 static inline uint64_t unw_blob_lo_off(uint32_t npages)
 {

@@ -32,6 +32,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset, offset, uleb
 from unwindd import abi, records
+from unwindd._unwcore import ffi
 from unwindd.cfi import CfiTable
 from unwindd.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
@@ -355,6 +356,34 @@ def test_plt_rule(synth: AddressSpace) -> None:
     assert r.pcs[1] == 0x1111
     r = run(synth, sample(q(0x1111, BIAS + 0x1008, 0, 0, 0), ip=BIAS + 0x104B, sp=SP0))
     assert r.pcs[1] == BIAS + 0x1008
+
+
+def test_lookup_cache_never_serves_stale_entries() -> None:
+    """unwind.c's per-thread lookup cache (pc -> module index, CFI row) is keyed by the module
+    array's address: when that array, or a table it points to, changes in place (as when memory
+    is freed and reused), the result must be the one a fresh address space gives."""
+
+    def table(*fdes: tuple[int, int, bytes]) -> CfiTable:
+        eh = EhFrame()
+        c = eh.cie()
+        for pc, size, insns in fdes:
+            eh.fde(c, pc, size, insns)
+        return eh.table()
+
+    t1 = table((0x1000, 0x10, def_cfa_offset(16)))  # rows 0x1000 (CFA rsp+16), 0x1010 none
+    # rows 0x1000 (rsp+8), 0x1002 (rsp+24): t1's row for 0x1004 (row 0) is the wrong row here
+    t2 = table((0x1000, 0x2, def_cfa_offset(8)), (0x1002, 0xE, def_cfa_offset(24)))
+    s = sample(q(0, BIAS + 0x5000, BIAS + 0x6000, BIAS + 0x7000, 0), ip=BIAS + 0x1004, sp=SP0)
+    space = AddressSpace([Module(BIAS + 0x1000, BIAS + 0x2000, BIAS, t1, 1)])
+    for _ in range(2):  # the second run is served from the cache
+        assert run(space, s).pcs == (BIAS + 0x1004, BIAS + 0x5000)
+    keep = ffi.from_buffer("uint8_t[]", t2.blob)
+    space._c[0].table = keep  # same array address and pc, another table
+    fresh = AddressSpace([Module(BIAS + 0x1000, BIAS + 0x2000, BIAS, t2, 1)])
+    assert run(space, s) == run(fresh, s) and run(space, s).pcs[1] == BIAS + 0x6000
+    space._c[0].start = BIAS + 0x1008  # the cached module no longer covers the pc
+    assert run(space, s).status == UnwindStatus.UNMAPPED_PC
+    del keep
 
 
 def test_frame_pointer_fallback_and_rbp_rules(synth: AddressSpace) -> None:
