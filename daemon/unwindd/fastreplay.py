@@ -260,6 +260,7 @@ class _Replay:
         # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
         # bounded by the distinct callchains of the file
         self._ktext: dict[bytes, tuple[tuple[Frame, ...], list[str]]] = {}
+        self._kframe_text: dict[Frame, str] = {}
         # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
         # of ~36 (ids past 256 are separate int objects); by code, C keeps the pairs instead
         self._seen: set[bytes] = set()
@@ -604,7 +605,7 @@ class _Replay:
             ktext = ktexts.get(kkey)
             if ktext is None:  # kernel frames and their renderings, once per callchain
                 kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
-                ktext = ktexts[kkey] = (kframes, [self._render((f,)) for f in kframes])
+                ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
             kframes, krendered = ktext
             comm = comms[comm_ids[j]]
             if rn_l[j] and kframes:
@@ -653,6 +654,14 @@ class _Replay:
                         seen.add(key)
                         es.unsymbolized += nunsym[sid]
         self._npairs = n
+
+    def _render_kernel(self, f: Frame) -> str:
+        """_render of a kernel frame, once per distinct frame: callchains share most of theirs
+        (bounded by the distinct kernel frames of the file)."""
+        t = self._kframe_text.get(f)
+        if t is None:
+            t = self._kframe_text[f] = self._render((f,))
+        return t
 
     def _render(self, frames: tuple[Frame, ...]) -> str:
         """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""
