@@ -5,8 +5,10 @@
  * DATA is a real perf.data data section. Each iteration copies a truncated and byte-mutated
  * version into a buffer malloc'd at its exact size (so any over-read is reported), then runs
  * the whole native replay on it: fp_index, fp_order (with a small queue cap, so forced flushes
- * happen), fp_unwind_run over every run of samples (answering NEED_SPACE with a frame-pointer
- * only module and NEED_COMM with an id), and reads back every unique stack. Prints "ok N".
+ * happen), fp_unwind_run over every run of samples (answering NEED_SPACE with frame-pointer
+ * only modules and NEED_COMM with an id), by address space or by code (fp_ctx_by_code), and
+ * reads back every unique stack and frame, one by one and in bulk (fp_stacks_export, which must
+ * agree). Prints "ok N".
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,7 +41,14 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
     CHECK(nout <= n && st.delivered == nout && st.queued == 0 && nlate == st.late);
     struct fp_ctx *c = fp_ctx_new(UNW_ARCH_X86_64, 1 + (uint32_t)(rnd() % 64));
     CHECK(c);
-    struct unw_module mod = {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1};
+    int by_code = (int)(rnd() % 2);
+    CHECK(fp_ctx_by_code(c, by_code) == 0);
+    /* two frame-pointer-only modules; by code, their keys decide which frames are shared */
+    struct unw_module mods[2] = {
+        {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1 + rnd() % 2},
+        {0x7f0000000000, 0x7f0000000000 + (rnd() % 0x100000), 0x7f0000000000 - 0x1000, NULL,
+         1 + rnd() % 2},
+    };
     uint32_t *ids = malloc((nout ? nout : 1) * sizeof *ids);
     CHECK(ids);
     uint64_t k = 0;
@@ -56,7 +65,7 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
             if (rc == FP_RUN_DONE)
                 break;
             if (rc == FP_RUN_NEED_SPACE)
-                CHECK(fp_set_space(c, pid, &mod, rnd() % 2, (uint32_t)(rnd() % 5)) == 0);
+                CHECK(fp_set_space(c, pid, mods, rnd() % 3, (uint32_t)(rnd() % 5)) == 0);
             else
                 CHECK(fp_set_comm(c, pid, tid, (uint32_t)(rnd() % 3)) == 0);
             at = stopped;
@@ -68,16 +77,64 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
         k = b + 1;
     }
     uint64_t total = 0;
-    for (uint32_t i = 0; i < fp_nstacks(c); i++) {
+    uint32_t nst = fp_nstacks(c), nfr = fp_nframes(c);
+    for (uint32_t i = 0; i < nst; i++) {
         struct fp_stack s;
         CHECK(fp_stack(c, i, &s) == 0);
         CHECK(s.count >= 1 && s.status <= UNW_NO_REGS);
-        for (uint32_t j = 0; j < s.npcs; j++)
-            total += s.pcs[j] + s.kinds[j];
+        CHECK(by_code ? s.pcs == NULL : s.pcs != NULL);
+        for (uint32_t j = 0; j < s.npcs; j++) {
+            CHECK(s.fids[j] < nfr);
+            total += (by_code ? 0 : s.pcs[j]) + s.kinds[j];
+        }
         for (uint32_t j = 0; j < s.nkc; j++)
             total += s.kc[j];
     }
-    CHECK(fp_stack(c, fp_nstacks(c), &(struct fp_stack){0}) == -1);
+    CHECK(fp_stack(c, nst, &(struct fp_stack){0}) == -1);
+    for (uint32_t f = 0; f < nfr; f++) {
+        uint32_t sp;
+        uint64_t pc;
+        uint8_t ex;
+        CHECK(fp_frame(c, f, &sp, &pc, &ex) == 0 && ex <= 1);
+    }
+    /* the bulk export agrees with fp_stack, stack by stack */
+    uint32_t from = nst ? (uint32_t)(rnd() % nst) : 0;
+    uint64_t nkc;
+    uint64_t nf = fp_stacks_words(c, from, nst, &nkc);
+    uint32_t cnt = nst - from;
+    uint32_t *comm = malloc((cnt + 1) * 4), *space = malloc((cnt + 1) * 4);
+    uint32_t *npcs = malloc((cnt + 1) * 4), *nkcs = malloc((cnt + 1) * 4);
+    uint8_t *status = malloc(cnt + 1), *rn = malloc(cnt + 1);
+    uint32_t *fids = malloc((nf + 1) * 4);
+    uint64_t *kc = malloc((nkc + 1) * 8), *counts = malloc((nst + 1) * 8);
+    CHECK(comm && space && npcs && nkcs && status && rn && fids && kc && counts);
+    CHECK(fp_stacks_export(c, from, nst, comm, space, status, rn, npcs, nkcs, fids, kc) == cnt);
+    fp_stack_counts(c, counts);
+    uint64_t fo = 0, ko = 0;
+    for (uint32_t j = 0; j < cnt; j++) {
+        struct fp_stack s;
+        CHECK(fp_stack(c, from + j, &s) == 0);
+        CHECK(comm[j] == s.comm_id && space[j] == s.space_id && status[j] == s.status);
+        CHECK(rn[j] == s.regs_none && npcs[j] == s.npcs && nkcs[j] == s.nkc);
+        CHECK(!memcmp(fids + fo, s.fids, 4 * (size_t)s.npcs));
+        CHECK(!memcmp(kc + ko, s.kc, 8 * (size_t)s.nkc));
+        CHECK(counts[from + j] == s.count);
+        fo += s.npcs;
+        ko += s.nkc;
+    }
+    CHECK(fo == nf && ko == nkc);
+    if (by_code) { /* pairs: distinct, and every one names a real stack */
+        uint32_t ps[64], pst[64];
+        uint64_t at = 0, got;
+        while ((got = fp_pairs(c, at, ps, pst, 64)) > 0) {
+            for (uint64_t j = 0; j < got; j++)
+                CHECK(pst[j] < nst);
+            at += got;
+        }
+        CHECK(at <= 5 * (uint64_t)(nst ? nst : 1));
+    }
+    free(comm), free(space), free(npcs), free(nkcs), free(status), free(rn), free(fids);
+    free(kc), free(counts);
     (void)total;
     fp_ctx_free(c);
     free(ids);
