@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import abi
 from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
-from .proctable import Mapping, ProcessTable, find_mapping
+from .proctable import Mapping, ProcessTable, _State, find_mapping
 from .records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
@@ -289,6 +289,24 @@ class StackEngine:
         """Samples back from ``live.due()``, unwound now as ``feed`` does."""
         return self._unwind([(self.snapshot(s.pid), s) for s in samples])
 
+    def unwind_as_of(self, held: list[tuple[Sample, object, str]]) -> list[UnwoundSample]:
+        """Samples unwound later than they were placed, each against its space and named with
+        its comm as they were then: (sample, ``AddressSpace.state`` then, comm then). What
+        ``feed`` would have given at the sample's place in the stream, whatever records were
+        applied since (an exec, a dlopen)."""
+        pending = []
+        for s, state, _ in held:
+            sp = self.table.space_for(s.pid if s.pid is not None else -1)
+            if state is sp.state:
+                snap = self.snapshot(s.pid)
+            else:
+                assert isinstance(state, _State)
+                mappings = state.mappings
+                snap = Snapshot((sp.pid, state.generation), sp.native_space(state), mappings,
+                                tuple(state.starts))  # fmt: skip
+            pending.append((snap, s))
+        return self._unwind(pending, [comm for _, _, comm in held])
+
     # -- live mode
 
     def attach(self, live: LiveTable) -> None:
@@ -358,12 +376,14 @@ class StackEngine:
                 del self._snaps[next(iter(self._snaps))]
         return snap
 
-    def _unwind(self, pending: list[tuple[Snapshot, Sample]]) -> list[UnwoundSample]:
+    def _unwind(self, pending: list[tuple[Snapshot, Sample]], comms: list[str] | None = None
+                ) -> list[UnwoundSample]:  # fmt: skip
+        """``comms``: each sample's comm (default: its thread's comm now)."""
         self.stats.batches += 1
         results = self.unwinder.unwind_batch([(snap.native, s) for snap, s in pending])
         out = []
         stats = self.stats
-        for (snap, s), res in zip(pending, results, strict=True):
+        for i, ((snap, s), res) in enumerate(zip(pending, results, strict=True)):
             kframes = self.kernel_frames(s.callchain) if s.callchain else ()
             if s.regs_abi == abi.REGS_ABI_NONE and kframes:
                 status = "kernel_only"
@@ -376,7 +396,7 @@ class StackEngine:
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)
             stats.user_frames += len(frames) - len(kframes)
-            comm = self.comm_of(s.pid, s.tid)
+            comm = self.comm_of(s.pid, s.tid) if comms is None else comms[i]
             out.append(UnwoundSample(s.time, s.pid, s.tid, s.cpu, comm, s.period, status, frames))
         stats.frames = stats.kernel_frames + stats.user_frames
         return out

@@ -25,7 +25,11 @@ Invariants:
   not in the C table or whose user pc is outside every mapping (``FP_RUN_NEED_PLACE``) is
   decoded and given to ``LiveTable.place`` (rescan / hold / give-up, unchanged); placed samples
   then unwind natively against the snapshot ``place`` left. Held samples come back from
-  ``live.due()`` and are unwound by the engine's Python path, as in the slow step.
+  ``live.due()`` and are unwound by the engine's Python path, as in the slow step. A placed
+  sample whose binaries still compile in the CFI worker is deferred with its space's mapping
+  list and its comm as they were (``AddressSpace.state``, ``engine.comm_of``) and unwound
+  against those later (``engine.unwind_as_of``), so an exec or dlopen applied meanwhile does
+  not change its result: the same as the slow step, which unwinds it in place.
 - Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all forgotten on
   COMM, on a drop and whenever a rescan may have set a comm (``LiveTable.on_comm``).
 - Names: each distinct (snapshot, pc) frame is named once by ``engine.frame_at`` and each
@@ -140,7 +144,9 @@ class NativeStep:
         self.contexts = 0  # C contexts created (1 + resets)
         # Samples waiting for a CFI compile in the worker (engine.cfi_prefetch), each with the
         # entries it waits for; at most max_deferred, then the loop compiles (the old way).
-        self._deferred: list[tuple[Sample, list[Any]]] = []
+        # Each with its space's mapping list and its comm as they were when it was placed:
+        # records applied meanwhile (exec, dlopen, COMM) must not change how it is unwound.
+        self._deferred: list[tuple[Sample, list[Any], object, str]] = []
         self.max_deferred = max_deferred
         self.stats_deferred = 0  # samples ever deferred
         self._new_ctx()
@@ -470,7 +476,7 @@ class NativeStep:
         waiting = [e for e in sp.entries() if not pre.ready(e)]
         if not waiting:
             return False
-        self._deferred.append((s, waiting))
+        self._deferred.append((s, waiting, sp.state, self.engine.comm_of(s.pid, s.tid)))
         self.live.pinned[s.pid] += 1
         self.stats_deferred += 1
         return True
@@ -479,21 +485,21 @@ class NativeStep:
         """Unwind the deferred samples whose binaries are ready (all of them at close: the
         factory then waits for the worker), in their order, by the engine's Python path."""
         pre = self.engine.cfi_prefetch
-        go: list[Sample] = []
-        keep: list[tuple[Sample, list[Any]]] = []
-        for s, waiting in self._deferred:
-            if everything or pre is None or all(pre.ready(e) for e in waiting):
-                go.append(s)
+        go: list[tuple[Sample, object, str]] = []
+        keep: list[tuple[Sample, list[Any], object, str]] = []
+        for d in self._deferred:
+            if everything or pre is None or all(pre.ready(e) for e in d[1]):
+                go.append((d[0], d[2], d[3]))
             else:
-                keep.append((s, waiting))
+                keep.append(d)
         self._deferred = keep
         pins = self.live.pinned
-        for s in go:
+        for s, _, _ in go:
             assert s.pid is not None
             pins[s.pid] -= 1
             if pins[s.pid] <= 0:
                 del pins[s.pid]
-        return self.engine.unwind_held(go) if go else []
+        return self.engine.unwind_as_of(go) if go else []
 
     def _set_space(self, cpid: int, pid: int | None) -> None:
         snap = self.engine.snapshot(pid)

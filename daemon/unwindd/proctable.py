@@ -214,10 +214,18 @@ class AddressSpace:
         """Distinct binaries this space holds a reference to."""
         return list(self._entries.values())
 
-    def modules(self, factory: Callable[..., Any] | None = None) -> list[Any]:
+    @property
+    def state(self) -> object:
+        """An opaque handle on the current mapping list (immutable): ``modules`` and
+        ``native_space`` take it to build what the space was then, after later changes."""
+        return self._state
+
+    def modules(self, factory: Callable[..., Any] | None = None,
+                state: object | None = None) -> list[Any]:  # fmt: skip
         """Unwinder modules ``factory(start, end, bias, table, key)`` (``unwinder.Module``),
         one per mapping with a usable binary; cached until the mapping list changes."""
-        st = self._state
+        st = self._state if state is None else state
+        assert isinstance(st, _State)
         if st.modules is None:
             make = factory or self._table.module_factory()
             mods = []
@@ -229,12 +237,14 @@ class AddressSpace:
             st.modules = mods
         return st.modules
 
-    def native_space(self) -> object:
-        """The native ``AddressSpace(modules)``, rebuilt only after a mapping change."""
-        st = self._state
+    def native_space(self, state: object | None = None) -> object:
+        """The native ``AddressSpace(modules)``, rebuilt only after a mapping change (of the
+        current mapping list, or of ``state``, a ``state`` handle taken earlier)."""
+        st = self._state if state is None else state
+        assert isinstance(st, _State)
         if st.native is None:
             cls = self._table.space_factory()
-            st.native = cls(self.modules())
+            st.native = cls(self.modules(state=st))
         return st.native
 
     # -- mutation (ProcessTable only)
