@@ -74,8 +74,8 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  * Why: a profile's stacks repeat the same return addresses, and the two binary searches per
  * frame -- modules, then the rows of a table of up to ~10^5 rows, a cache miss per probe --
  * were a third of the unwinder's time. On the issue-3 benchmark file (80k samples, 2.5M
- * frames, ~18k distinct (address space, pc) pairs) 98.5% of lookups hit with 4096 entries
- * (94% with 1024, 99.3% with 16384); BENCHMARKS.md "Unwinder loop".
+ * frames, at most ~18k distinct (address space, pc) pairs) 98.5% of lookups hit with 4096
+ * entries (94% with 1024, 99.3% with 16384; time alike); BENCHMARKS.md "Unwinder loop".
  *
  * Why it cannot change a result: an entry is only a hint, checked against the current inputs
  * before use. The module hint is used only if it indexes the item's own module array and that
