@@ -15,12 +15,14 @@ bench_sideband.py for CODE): ``LiveProfiler`` with the native step over the reco
 as tests/test_livefast.py does (empty /proc, a clock advancing 1 s per read). The first
 ``--warm`` drains run untimed (cold ELF parsing and CFI compiles, as the daemon's warm-up);
 then the process CPU of the remaining steps is reported with the samples and side-band
-records they carried. Runs alternate over CODEs.
+records they carried, and a digest of everything stored (same capture, same digest: the codes
+agree on every stack and count). Runs alternate over CODEs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pickle
@@ -136,12 +138,18 @@ def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     if p is not None and profile:
         p.dump_stats(profile)
+    # what was stored, as a digest: old and new code must store the same stacks and counts
+    h = hashlib.sha256()
+    for line in sorted(repr((x.pid, x.tid, x.comm, x.frames, x.count))
+                       for x in prof.store.query()):  # fmt: skip
+        h.update(line.encode())
     delta = {k: v - n0.get(k, 0) for k, v in n1.items() if v - n0.get(k, 0)}
     samples = delta.get("SAMPLE", 0)
     side = sum(v for k, v in delta.items() if k != "SAMPLE")
     out.write_text(json.dumps({"cpu_s": cpu, "samples": samples, "side_band": side,
                                "by_type": delta, "us_per_side_band": 1e6 * cpu / max(1, side),
-                               "stored": prof.store.stats.samples}))  # fmt: skip
+                               "stored": prof.store.stats.samples,
+                               "digest": h.hexdigest()[:16]}))  # fmt: skip
 
 
 def main() -> None:
@@ -179,7 +187,8 @@ def main() -> None:
                 r = json.loads(out.read_text())
                 results[c].append(r)
                 print(f"run {i + 1} {c}: cpu {r['cpu_s']:.3f} s, {r['samples']} samples "
-                      f"({r['stored']} stored in all), {r['side_band']} side-band "
+                      f"({r['stored']} stored in all, digest {r['digest']}), "
+                      f"{r['side_band']} side-band "
                       f"{r['by_type']}, {r['us_per_side_band']:.1f} us CPU per side-band "
                       "record", flush=True)  # fmt: skip
     finally:
