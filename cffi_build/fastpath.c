@@ -661,22 +661,6 @@ static inline uint64_t frame_hash(uint64_t tag, uint64_t addr, uint8_t exact)
     return mix(mix(tag, addr), exact);
 }
 
-/* The module of sp containing addr (mods sorted by start, disjoint), or NULL: O(log nmods). */
-static const struct unw_module *module_of(const struct space_ent *sp, uint64_t addr)
-{
-    uint32_t lo = 0, hi = sp->nmods;
-    while (lo < hi) {
-        uint32_t mid = lo + (hi - lo) / 2;
-        if (sp->mods[mid].start <= addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (!lo || addr >= sp->mods[lo - 1].end)
-        return NULL;
-    return &sp->mods[lo - 1];
-}
-
 /* The id of the frame at pc (seen in space sp), added if new; UINT32_MAX on allocation
  * failure. Identity: see struct frame_ent. */
 static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint64_t pc,
@@ -685,7 +669,7 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
     uint64_t tag = sp->space_id, addr = pc;
     if (c->by_code) {
         uint64_t named = exact ? pc : pc - 1;
-        const struct unw_module *m = module_of(sp, named);
+        const struct unw_module *m = unw_module_find(sp->mods, sp->nmods, named);
         if (m) {
             tag = FRAME_CODE | m->key;
             addr = named - m->bias;

@@ -54,19 +54,25 @@ static inline int rd_stack(const struct sample *s, uint64_t addr, uint64_t *v)
     return 1;
 }
 
-static const struct unw_module *find_module(const struct unw_item *it, uint64_t pc)
+const struct unw_module *unw_module_find(const struct unw_module *mods, uint32_t nmods,
+                                         uint64_t pc)
 {
-    uint32_t lo = 0, hi = it->nmods;
+    uint32_t lo = 0, hi = nmods;
     while (lo < hi) { /* first module with start > pc */
         uint32_t mid = lo + (hi - lo) / 2;
-        if (it->mods[mid].start <= pc)
+        if (mods[mid].start <= pc)
             lo = mid + 1;
         else
             hi = mid;
     }
-    if (!lo || pc >= it->mods[lo - 1].end)
+    if (!lo || pc >= mods[lo - 1].end)
         return NULL;
-    return &it->mods[lo - 1];
+    return &mods[lo - 1];
+}
+
+static const struct unw_module *find_module(const struct unw_item *it, uint64_t pc)
+{
+    return unw_module_find(it->mods, it->nmods, pc);
 }
 
 /* Lookup cache: lookup pc -> (module index, CFI row), direct-mapped, per thread.
