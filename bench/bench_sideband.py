@@ -6,7 +6,9 @@ alternated in one run (issue 5: the per-process cost).
 
 Each CODE is a directory put first on PYTHONPATH (a ``daemon`` tree, e.g. from ``git archive
 <commit> daemon | tar -x -C /tmp/before``; the compiled ``_unwcore``/``_perfcore`` of the
-installed package are copied in when missing) or ``installed`` (the pip-installed package).
+installed package are copied in when missing), ``installed`` (the pip-installed package) or
+``perf`` (``perf record -a -F FREQ -e cpu-clock --call-graph dwarf,8192`` over the same window
+and load, as bench_daemon.py runs it: the CPU to beat).
 The load is started once and shared by every run: one shell per CPU re-executing the
 ``chain_o2`` workload (``c_o2 100``, a new ~0.5 s process each time: FORK/COMM/MMAP2/EXIT
 churn), plus whatever else the machine runs (system-wide sampling sees other sessions'
@@ -106,8 +108,8 @@ def child(freq: int, warm: float, secs: float, out: str, profile: str | None) ->
 
 
 def code_path(code: str, tmp: Path) -> str | None:
-    """PYTHONPATH entry for CODE (None: the installed package)."""
-    if code == "installed":
+    """PYTHONPATH entry for CODE (None: the installed package, or perf)."""
+    if code in ("installed", "perf"):
         return None
     p = Path(code).resolve()
     if (p / "daemon" / "unwindd").is_dir():
@@ -149,6 +151,8 @@ def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("needs root (system-wide sampling)")
     sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_daemon import bench_perf
     from workloads.build import build_workloads
 
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbb-"))
@@ -176,8 +180,15 @@ def main() -> None:
                 if a.profile:
                     cmd += ["--profile", a.profile]
                 la = os.getloadavg()[0]
-                subprocess.run(cmd, env=env, check=True, stderr=subprocess.DEVNULL)
-                r = json.loads(out.read_text())
+                if c == "perf":
+                    time.sleep(a.warmup)  # the same spacing between windows as a daemon run
+                    p = bench_perf(a.freq, a.seconds, 8192, tmp)
+                    r = {"cpu_s": p["cpu_s"], "wall_s": a.seconds, "samples": p["samples"],
+                         "side_band": 0, "by_type": {}, "us_per_sample": p["us_per_sample"],
+                         "us_per_side_band": 0.0}  # fmt: skip
+                else:
+                    subprocess.run(cmd, env=env, check=True, stderr=subprocess.DEVNULL)
+                    r = json.loads(out.read_text())
                 r["load"] = la
                 results[c].append(r)
                 print(f"run {i + 1} {c}: cpu {r['cpu_s']:.3f} s / {r['wall_s']:.1f} s, "
