@@ -479,11 +479,14 @@ struct frame_ent {
     uint8_t pad[3];
 };
 
-/* by code: the (space, stack) pairs seen, in first-seen order (fp_pairs), and their set. The
- * slow path counts unsymbolized frames per new (snapshot, pcs) key; within one space a code
- * stack is such a key, so the pairs let Python count exactly that. */
+/* by code: the (space, stack, hash of the raw pcs) triples seen, in first-seen order
+ * (fp_pairs), and their set. The slow path counts unsymbolized frames once per new (snapshot,
+ * pcs) key: Python counts a code stack's unnamed frames once per new (space, pcs hash). (The
+ * frame ids alone do not stand for the pcs: a process mapping one binary twice, dlopen plus
+ * dlmopen, runs the same code frames at two addresses.) */
 struct pair_ent {
     uint32_t space_id, stack_id;
+    uint64_t pcs_hash;
 };
 
 struct fp_ctx {
@@ -806,7 +809,7 @@ static inline uint32_t key_words(const struct fp_ctx *c, uint32_t npcs, uint64_t
 }
 
 /* by code: note (space, stack) in the pair set; -1 on allocation failure. O(1) expected. */
-static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id)
+static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id, uint64_t pcs_hash)
 {
     if (2 * (c->npairs + 1) > c->ptabcap) {
         uint64_t ncap = c->ptabcap ? 2 * c->ptabcap : 4096;
@@ -814,7 +817,8 @@ static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id)
         if (!nt)
             return -1;
         for (uint64_t i = 0; i < c->npairs; i++) {
-            uint64_t j = SLOT(mix(c->pairs[i].space_id, c->pairs[i].stack_id), ncap);
+            const struct pair_ent *q = &c->pairs[i];
+            uint64_t j = SLOT(mix(mix(q->space_id, q->stack_id), q->pcs_hash), ncap);
             while (nt[j])
                 j = SLOT(j + 1, ncap);
             nt[j] = i + 1;
@@ -823,10 +827,10 @@ static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id)
         c->ptab = nt;
         c->ptabcap = ncap;
     }
-    uint64_t j = SLOT(mix(space_id, stack_id), c->ptabcap);
+    uint64_t j = SLOT(mix(mix(space_id, stack_id), pcs_hash), c->ptabcap);
     while (c->ptab[j]) {
         const struct pair_ent *q = &c->pairs[c->ptab[j] - 1];
-        if (q->space_id == space_id && q->stack_id == stack_id)
+        if (q->space_id == space_id && q->stack_id == stack_id && q->pcs_hash == pcs_hash)
             return 0;
         j = SLOT(j + 1, c->ptabcap);
     }
@@ -838,7 +842,7 @@ static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id)
         c->pairs = q;
         c->cappairs = ncap;
     }
-    c->pairs[c->npairs] = (struct pair_ent){space_id, stack_id};
+    c->pairs[c->npairs] = (struct pair_ent){space_id, stack_id, pcs_hash};
     c->ptab[j] = ++c->npairs;
     return 0;
 }
@@ -878,18 +882,19 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     uint64_t *key = c->key;
     key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
     uint32_t npw = pc_words(c, npcs);
+    uint64_t pcs_hash = npcs;
     if (c->by_code) {
         /* every pc to its frame id first: O(npcs * (log modules + 1)) expected per sample */
         key[0] = (uint64_t)ce->comm_id << 32;
         if (npcs & 1)
             key[2 + npw - 1] = 0; /* the pad half of an odd count */
-        uint32_t *f = (uint32_t *)(key + 2);
         for (uint32_t i = 0; i < npcs; i++) {
             uint8_t exact = i == 0 || (c->kinds[i - 1] & UNW_FRAME_SIGNAL);
             uint32_t fid = intern_frame(c, sp, c->pcs[i], exact);
             if (fid == UINT32_MAX)
                 return UINT32_MAX;
-            f[i] = fid;
+            pcs_hash = mix(pcs_hash, c->pcs[i]);
+            memcpy((uint8_t *)(key + 2) + 4 * (size_t)i, &fid, 4); /* no u32 store into u64s */
         }
     } else {
         key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
@@ -904,7 +909,7 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     if (id == UINT32_MAX)
         return id;
     c->stacks[id].count++;
-    if (c->by_code && note_pair(c, sp->space_id, id))
+    if (c->by_code && note_pair(c, sp->space_id, id, pcs_hash))
         return UINT32_MAX;
     return id;
 }
@@ -959,7 +964,10 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out)
     out->nkc = s->nwords - 2 - npw - (npcs + 7) / 8;
     out->kc = w + 2 + npw + (npcs + 7) / 8;
     out->count = s->count;
-    out->fids = c->by_code ? (const uint32_t *)(w + 2) : c->fids + s->foff;
+    /* never NULL (memcpy/memcmp take no NULL even for 0 bytes): c->fids is allocated only
+     * once a stack with a user pc exists */
+    static const uint32_t no_fids[1];
+    out->fids = c->by_code ? (const uint32_t *)(w + 2) : c->fids ? c->fids + s->foff : no_fids;
     return 0;
 }
 
@@ -990,9 +998,11 @@ uint32_t fp_stacks_export(const struct fp_ctx *c, uint32_t from, uint32_t to, ui
         regs_none[k] = st.regs_none;
         npcs[k] = st.npcs;
         nkc[k] = st.nkc;
-        memcpy(fids, st.fids, 4 * (size_t)st.npcs);
+        if (st.npcs)
+            memcpy(fids, st.fids, 4 * (size_t)st.npcs);
         fids += st.npcs;
-        memcpy(kc, st.kc, 8 * (size_t)st.nkc);
+        if (st.nkc)
+            memcpy(kc, st.kc, 8 * (size_t)st.nkc);
         kc += st.nkc;
     }
     return k;
@@ -1013,12 +1023,13 @@ int fp_ctx_by_code(struct fp_ctx *c, int on)
 }
 
 uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
-                  uint32_t *stack_ids, uint64_t max)
+                  uint32_t *stack_ids, uint64_t *pcs_hashes, uint64_t max)
 {
     uint64_t k = 0;
     for (uint64_t i = from; i < c->npairs && k < max; i++, k++) {
         space_ids[k] = c->pairs[i].space_id;
         stack_ids[k] = c->pairs[i].stack_id;
+        pcs_hashes[k] = c->pairs[i].pcs_hash;
     }
     return k;
 }

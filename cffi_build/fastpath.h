@@ -119,10 +119,11 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
  * (folded). The caller's module keys must identify everything a name depends on. */
 int fp_ctx_by_code(struct fp_ctx *c, int on);
 
-/* by code: the distinct (space, stack) pairs of the samples so far, in first-seen order: copies
- * pairs [from, from + max) and returns how many it copied. */
+/* by code: the distinct (space, stack, hash of the raw user pcs) triples of the samples so
+ * far, in first-seen order: copies triples [from, from + max) and returns how many it copied.
+ * (What the slow path's per-(snapshot, pcs) unsymbolized count needs.) */
 uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
-                  uint32_t *stack_ids, uint64_t max);
+                  uint32_t *stack_ids, uint64_t *pcs_hashes, uint64_t max);
 
 /* One unique stack (pointers valid until the next fp_unwind_run or fp_ctx_free). */
 struct fp_stack {

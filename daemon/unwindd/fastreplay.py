@@ -633,23 +633,21 @@ class _Replay:
 
     def _count_pairs(self) -> None:
         """By code: the slow path counts a stack's unnamed frames once per new (snapshot,
-        pcs) key (StackEngine.user_frames), and within one space a code stack's frame ids
-        stand for its pcs: count each new (space, frame ids) of the new (space, stack) pairs
-        whose stack has an unnamed frame."""
+        pcs) key (StackEngine.user_frames): count them once per new (space, pcs hash) among
+        the new (space, stack, pcs hash) triples whose stack has an unnamed frame."""
         n = self._npairs
         chunk = 4096
         spaces, stacks = ffi.new("uint32_t[]", chunk), ffi.new("uint32_t[]", chunk)
+        hashes = ffi.new("uint64_t[]", chunk)
         nunsym, seen, es = self._nunsym, self._seen, self.engine.stats
-        st = ffi.new("struct fp_stack *")
         while True:
-            got = int(lib.fp_pairs(self.ctx, n, spaces, stacks, chunk))
+            got = int(lib.fp_pairs(self.ctx, n, spaces, stacks, hashes, chunk))
             if not got:
                 break
             n += got
-            for space, sid in zip(spaces[0:got], stacks[0:got], strict=True):
+            for space, sid, h in zip(spaces[0:got], stacks[0:got], hashes[0:got], strict=True):
                 if nunsym[sid]:
-                    lib.fp_stack(self.ctx, sid, st)
-                    key = space.to_bytes(4, "little") + ffi.buffer(st.fids, 4 * st.npcs)[:]
+                    key = space.to_bytes(4, "little") + h.to_bytes(8, "little")
                     if key not in seen:
                         seen.add(key)
                         es.unsymbolized += nunsym[sid]

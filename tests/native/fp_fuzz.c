@@ -20,6 +20,18 @@
 #define HARNESS_SEED 88172645463325252ull
 #include "harness.h"
 
+struct triple {
+    uint64_t a, b; /* space << 32 | stack, pcs hash */
+};
+
+static int cmp_triple(const void *x, const void *y)
+{
+    const struct triple *p = x, *q = y;
+    if (p->a != q->a)
+        return p->a < q->a ? -1 : 1;
+    return p->b < q->b ? -1 : p->b > q->b;
+}
+
 static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len)
 {
     struct fp_rec *recs;
@@ -123,15 +135,29 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
         ko += s.nkc;
     }
     CHECK(fo == nf && ko == nkc);
-    if (by_code) { /* pairs: distinct, and every one names a real stack */
+    if (by_code) { /* triples: every one names a real stack, and no two are equal */
         uint32_t ps[64], pst[64];
-        uint64_t at = 0, got;
-        while ((got = fp_pairs(c, at, ps, pst, 64)) > 0) {
-            for (uint64_t j = 0; j < got; j++)
+        uint64_t ph[64], at = 0, got, cap = 0;
+        struct triple *all = NULL;
+        while ((got = fp_pairs(c, at, ps, pst, ph, 64)) > 0) {
+            if (at + got > cap) {
+                cap = 2 * (at + got);
+                all = realloc(all, cap * sizeof *all);
+                CHECK(all);
+            }
+            for (uint64_t j = 0; j < got; j++) {
                 CHECK(pst[j] < nst);
+                all[at + j].a = (uint64_t)ps[j] << 32 | pst[j];
+                all[at + j].b = ph[j];
+            }
             at += got;
         }
-        CHECK(at <= 5 * (uint64_t)(nst ? nst : 1));
+        if (at) {
+            qsort(all, at, sizeof *all, cmp_triple);
+            for (uint64_t i = 1; i < at; i++)
+                CHECK(all[i].a != all[i - 1].a || all[i].b != all[i - 1].b);
+        }
+        free(all);
     }
     free(comm), free(space), free(npcs), free(nkcs), free(status), free(rn), free(fids);
     free(kc), free(counts);
