@@ -12,7 +12,8 @@ reference path (STYLE.md 8: differential, fuzzing, sanitizers).
 4. The native code under ASan/UBSan with tests/native/fp_fuzz.c, and symtab.c/sideband.c with
    tests/native/sym_fuzz.c.
 5. The side-band skip (sideband.c) is covered by 1: "mmapstorm" is a deep-recursion CPython
-   recording whose records are mostly data MMAP2s.
+   recording whose records are mostly data MMAP2s. "dlmtwice" maps one stripped library twice
+   in one process, for folded's aggregation by code.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "def f(n): return 0 if n == 0 else (f(n - 1) + n) % 7\n"
             "for i in range(1500): f(100 + i % 200)"]  # fmt: skip
     out["mmapstorm"] = _record(deep, tmp, "mmapstorm")
+    # One process, one stripped library mapped twice (dlopen + dlmopen): the same code frames
+    # at two addresses, unnamed, so the unsymbolized count (per address space and pcs) tells
+    # aggregation by code apart from aggregation by address.
+    src = ROOT / "tests" / "workloads"
+    lib_so, exe = tmp / "dlmtwice_lib.so", tmp / "dlmtwice"
+    for argv in (["gcc", "-O2", "-fPIC", "-shared", "-o", str(lib_so), str(src / "dlmtwice_lib.c")],
+                 ["strip", str(lib_so)],
+                 ["gcc", "-O2", "-o", str(exe), str(src / "dlmtwice.c"), "-ldl"]):  # fmt: skip
+        subprocess.run(argv, check=True, capture_output=True)
+    out["dlmtwice"] = _record([str(exe), str(lib_so)], tmp, "dlmtwice")
     return out
 
 
@@ -134,7 +145,8 @@ def _counts(
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
-    "name", ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm"]
+    "name",
+    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice"],
 )
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
