@@ -346,6 +346,7 @@ def _live_pids() -> int:
 # partly used by survivors of evicted buckets/entries; up to ~12 MB measured over 60 s).
 PER_SNAPSHOT = 16 << 10
 SLACK = 16 << 20
+RSS_SLOPE = 6 << 20  # test_state_stays_within_caps_under_churn: growth allowed once warm
 
 
 def rss_budget(r: dict[str, Any], warm_s: float) -> tuple[int, dict[str, Any]]:
@@ -533,7 +534,12 @@ def test_state_stays_within_caps_under_churn(tmp_path: Path) -> None:
     peak, caps = r["peak"], r["caps"]
     assert r["violations"] == {"spaces": 0, "cache": 0, "store": 0}, r
     assert peak["store_entries"] > 0 and r["store_evicted_buckets"] >= 1, r  # cap reached
-    assert peak["cache_bytes"] > caps["cache_bytes"] // 2 and r["cache_evictions"] >= 1, r
+    # the cache fills to its cap: 200 blip variants plus libc and ld.so come within a few % of
+    # 1 MiB, so whether one eviction happens depends on timing (which blips are still mapped);
+    # a smaller cap evicts on every load, and that reload churn makes RSS too noisy to check
+    # the slope below
+    full = peak["cache_bytes"] >= 0.9 * caps["cache_bytes"]
+    assert full or r["cache_evictions"] >= 1, r
     assert peak["comms"] <= 4 * (caps["spaces"] + peak["pinned_pids"]), peak
     # the native step's context is dropped whole past its bound (a step may add a round)
     assert peak["native_snaps"] <= 2 * caps["native_spaces"], peak
@@ -542,4 +548,11 @@ def test_state_stays_within_caps_under_churn(tmp_path: Path) -> None:
     assert b["graded"] >= 50 and b["good"] >= 0.95 * b["graded"], (b, r["blip_bad"])
     budget, warm = rss_budget({**r, "trace": trace}, warm_s=2.0)
     rss = [(round(t["t"], 1), t["rss"] >> 20) for t in trace if t["t"] >= warm["t"]]
+    print("rss MiB after warm-up", rss, "budget", budget >> 20)
     assert max(t["rss"] for t in trace if t["t"] >= warm["t"]) <= budget, (budget >> 20, rss)
+    # Flat once warm: every cap here is reached within the first 2 s, so what still grows
+    # is state no cap governs. The budget alone cannot see that in 4 s (W is taken warm and
+    # SLACK is 16 MiB); a slope can: the native context's old fixed bound (4,096 dead
+    # snapshots, ~8 KB each) grew ~11 MiB here, the bounded one < 2 MiB.
+    late = [t["rss"] for t in trace if t["t"] >= warm["t"]]
+    assert max(late[len(late) // 2 :]) - late[0] <= RSS_SLOPE, (RSS_SLOPE >> 20, rss)
