@@ -28,7 +28,11 @@ Invariants:
   records,
   record types > 255): the caller then runs the slow path.
 - Memory: the file is mmap'd read-only; stacks are read in place. Per record 48 bytes of index
-  plus 4 of order; per unique stack its key words and its rendered frames.
+  plus 4 of order; per unique stack its key words and its rendered frames. Folded output
+  aggregates by code (``fp_ctx_by_code``: frames by binary and ELF vaddr, stacks without their
+  address space), so N processes running the same code cost what one does; a snapshot is held
+  only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held between
+  ordering and applying them (decoded again, ``RecordDecoder.redecode``).
 
 Cost: O(records) native work plus O(table-changing side-band records + unique stacks) Python
 work for folded output; jsonl/perf-script add one string format per sample (~2-4 us).
@@ -543,9 +547,9 @@ class _Replay:
     def _symbolize_new(self) -> None:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
         state the slow path would symbolize them in (before the next side-band record). Each
-        distinct user frame (fp_frame) is named once, with the engine's own ``frame_at`` (what
-        ``user_frames`` calls per frame; for folded output only once per binary code address,
-        ``_by_code``), so a stack costs one list lookup per frame."""
+        distinct user frame (fp_frame; for folded output one per binary code address, see
+        fp_ctx_by_code) is named once, with the engine's own ``frame_at`` (what
+        ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
         text, unsym, texts = self._frame_text, self._unsym, self._texts
         sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
