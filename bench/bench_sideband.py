@@ -8,7 +8,8 @@ Each CODE is a directory put first on PYTHONPATH (a ``daemon`` tree, e.g. from `
 <commit> daemon | tar -x -C /tmp/before``; the compiled ``_unwcore``/``_perfcore`` of the
 installed package are copied in when missing), ``installed`` (the pip-installed package) or
 ``perf`` (``perf record -a -F FREQ -e cpu-clock --call-graph dwarf,8192`` over the same window
-and load, as bench_daemon.py runs it: the CPU to beat).
+and load, as bench_daemon.py runs it: the CPU to beat). A CODE ending in ``+q`` runs with
+bench_daemon.py's query load during the window (from another process).
 The load is started once and shared by every run: one shell per CPU re-executing the
 ``chain_o2`` workload (``c_o2 100``, a new ~0.5 s process each time: FORK/COMM/MMAP2/EXIT
 churn), plus whatever else the machine runs (system-wide sampling sees other sessions'
@@ -57,7 +58,25 @@ while True:
 """
 
 
-def child(freq: int, warm: float, secs: float, out: str, profile: str | None) -> None:
+# bench_daemon.py's query load, from its own process (its CPU is not the daemon's): every
+# 200 ms /v1/stacks?since=10&limit=1000 then /v1/top?since=10&limit=1000, for argv[2] s.
+_QUERIER = """
+import socket, sys, time
+sock, secs = sys.argv[1], float(sys.argv[2]); t0 = time.monotonic()
+while time.monotonic() - t0 < secs:
+    for name in ("stacks", "top"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30); s.connect(sock)
+            s.sendall(f"GET /v1/{name}?since=10&limit=1000 HTTP/1.1\\r\\nHost: x\\r\\n"
+                      "Connection: close\\r\\n\\r\\n".encode())
+            while s.recv(1 << 16):
+                pass
+    time.sleep(0.2)
+"""
+
+
+def child(freq: int, warm: float, secs: float, out: str, profile: str | None,
+          queries: bool = False) -> None:  # fmt: skip
     import cProfile
 
     from unwindd import service
@@ -79,6 +98,8 @@ def child(freq: int, warm: float, secs: float, out: str, profile: str | None) ->
         now = time.monotonic()
         if not st["on"] and now - t_start > warm:
             st.update(on=True, t0=now, c0=time.process_time(), n0=counts(self))
+            if queries:
+                st["q"] = subprocess.Popen([sys.executable, "-c", _QUERIER, sock, str(secs)])
             if prof is not None:
                 prof.enable()
         r: bool = orig(self)
@@ -91,6 +112,9 @@ def child(freq: int, warm: float, secs: float, out: str, profile: str | None) ->
 
     service.Daemon._step = step  # type: ignore[method-assign]
     service.run_daemon(str(cfg))
+    if "q" in st:
+        st["q"].kill()
+        st["q"].wait()
     shutil.rmtree(tmp, ignore_errors=True)
     if prof is not None and profile:
         prof.dump_stats(profile)
@@ -109,6 +133,7 @@ def child(freq: int, warm: float, secs: float, out: str, profile: str | None) ->
 
 def code_path(code: str, tmp: Path) -> str | None:
     """PYTHONPATH entry for CODE (None: the installed package, or perf)."""
+    code = code.removesuffix("+q")
     if code in ("installed", "perf"):
         return None
     p = Path(code).resolve()
@@ -143,10 +168,11 @@ def main() -> None:
         help="short-lived /bin/true processes started per second (0: none)",
     )
     ap.add_argument("--profile", help="cProfile the window of one run of the first CODE")
+    ap.add_argument("--queries", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.freq, a.warmup, a.seconds, a.child, a.profile)
+        child(a.freq, a.warmup, a.seconds, a.child, a.profile, a.queries)
         return
     if os.geteuid() != 0:
         raise SystemExit("needs root (system-wide sampling)")
@@ -179,6 +205,8 @@ def main() -> None:
                        "--warmup", str(a.warmup), "--seconds", str(a.seconds)]  # fmt: skip
                 if a.profile:
                     cmd += ["--profile", a.profile]
+                if c.endswith("+q"):
+                    cmd.append("--queries")
                 la = os.getloadavg()[0]
                 if c == "perf":
                     time.sleep(a.warmup)  # the same spacing between windows as a daemon run
