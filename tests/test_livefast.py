@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from unwindd.elfcache import CacheConfig
 from unwindd.engine import StackEngine
 from unwindd.live import LiveProfiler
 from unwindd.livetable import LiveTable
@@ -70,9 +72,10 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:
     path.write_bytes(pickle.dumps((fmt, drains)))
 
 
-def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False) -> LiveProfiler:
+def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
+           cache: CacheConfig | None = None) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
-    engine = StackEngine.create(prefetch_cfi=prefetch)
+    engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache)
     ticks = iter(range(1, 1 << 40))
     procfs = ProcFS(str(tmp / "empty-proc"))
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
@@ -142,6 +145,32 @@ def test_native_step_feeds_stream_subscribers(
     prof.close()
     assert len(got) == store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"] > 0
     assert all(s.frames for s in got)
+
+
+def test_deferred_samples_hold_their_binaries(
+    workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    """With an ELF cache that keeps nothing unreferenced (1-byte cap), a binary is evicted the
+    moment no address space maps it: a deferred sample must hold its binaries until it is
+    unwound (an exit or exec meanwhile would otherwise close them), so it unwinds exactly as
+    the slow step does, and every reference it took is given back."""
+    cap = tmp_path / "chunks.pickle"
+    # a big binary's samples wait for its CFI compile; its process then execs another binary,
+    # which drops the first from the 1-byte cache, and that is replayed before the compile is
+    # done
+    py = (sys.executable, "-c", "import os; sum(range(2_000_000)); os.execv('/bin/true', ['t'])")
+    capture(cap, [(workloads["c_o2"].argv[0], "100"), py, py, py])
+    (tmp_path / "empty-proc").mkdir()
+    tiny = CacheConfig(max_bytes=1)
+    slow = replay(cap, False, tmp_path, cache=tiny)
+    fast = replay(cap, True, tmp_path, prefetch=True, cache=tiny)
+    assert fast.fast is not None and fast.fast.stats_deferred > 0
+    assert fast.engine.stats.by_status == slow.engine.stats.by_status
+    assert contents(fast) == contents(slow)
+    refs = {e.uid: e.refcount for e in fast.engine.table.binaries._by_key.values()}  # type: ignore[union-attr]
+    held = {sp.pid: sp.entries() for sp in fast.engine.table.spaces.values()}
+    expect = Counter(e.uid for es in held.values() for e in es)
+    assert {u: n for u, n in refs.items() if n} == dict(expect)
 
 
 def test_first_cfi_compiles_run_off_the_step(

@@ -146,7 +146,8 @@ class NativeStep:
         # entries it waits for; at most max_deferred, then the loop compiles (the old way).
         # Each with its space's mapping list and its comm as they were when it was placed:
         # records applied meanwhile (exec, dlopen, COMM) must not change how it is unwound.
-        self._deferred: list[tuple[Sample, list[Any], object, str]] = []
+        # (sample, binaries still compiling, mapping state, comm, binaries it holds a ref on)
+        self._deferred: list[tuple[Sample, list[Any], object, str, list[Any]]] = []
         self.max_deferred = max_deferred
         self.stats_deferred = 0  # samples ever deferred
         self._new_ctx()
@@ -473,10 +474,20 @@ class NativeStep:
         sp = self.engine.table.get(s.pid)
         if sp is None:
             return False
-        waiting = [e for e in sp.entries() if not pre.ready(e)]
+        entries = sp.entries()
+        waiting = [e for e in entries if not pre.ready(e)]
         if not waiting:
             return False
-        self._deferred.append((s, waiting, sp.state, self.engine.comm_of(s.pid, s.tid)))
+        # The sample is unwound later against sp.state: hold a cache reference on each of its
+        # binaries meanwhile, or an exec and a full cache could evict (close) them first and
+        # turn its frames unusable (the slow step unwinds with them in place).
+        res = self.engine.table.binaries
+        held: list[Any] = []
+        if res is not None:
+            held = entries
+            for e in held:
+                res.retain(e)
+        self._deferred.append((s, waiting, sp.state, self.engine.comm_of(s.pid, s.tid), held))
         self.live.pinned[s.pid] += 1
         self.stats_deferred += 1
         return True
@@ -486,10 +497,12 @@ class NativeStep:
         factory then waits for the worker), in their order, by the engine's Python path."""
         pre = self.engine.cfi_prefetch
         go: list[tuple[Sample, object, str]] = []
-        keep: list[tuple[Sample, list[Any], object, str]] = []
+        held: list[Any] = []
+        keep: list[tuple[Sample, list[Any], object, str, list[Any]]] = []
         for d in self._deferred:
             if everything or pre is None or all(pre.ready(e) for e in d[1]):
                 go.append((d[0], d[2], d[3]))
+                held += d[4]
             else:
                 keep.append(d)
         self._deferred = keep
@@ -499,7 +512,12 @@ class NativeStep:
             pins[s.pid] -= 1
             if pins[s.pid] <= 0:
                 del pins[s.pid]
-        return self.engine.unwind_as_of(go) if go else []
+        out = self.engine.unwind_as_of(go) if go else []
+        res = self.engine.table.binaries
+        if res is not None:
+            for e in held:  # after the unwind: _defer's references
+                res.release(e)
+        return out
 
     def _set_space(self, cpid: int, pid: int | None) -> None:
         snap = self.engine.snapshot(pid)
