@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -339,3 +340,138 @@ def test_leaf_names_match_perf_script(work: dict[str, Path]) -> None:
     assert compared > 200, counts
     assert counts["match"] >= 0.99 * compared, f"{counts}: {wrong[:20]}"
     assert cache.stats.errors.total() == 0, cache.stats.errors
+
+
+# -- duplicate groups decided on demangled names (symbolize._Scan._decide)
+
+
+def _decide_reference(out: object, n: int, strtab: bytes) -> None:
+    """_Scan._decide as it was before demangling was avoided (kept as the reference): every
+    member of an undecided group demangled, then the left-to-right fold of _a_is_best."""
+    from unwindd._unwcore import ffi
+    from unwindd.symbolize import _USYM, _a_is_best, _Sym
+
+    raw = ffi.buffer(out, n * _USYM.size)
+    keep = bytes(raw)[25 :: _USYM.size]
+    i = keep.find(b"\x02")
+    cur: list[tuple[int, _Sym]] = []
+
+    def close() -> None:
+        best = 0
+        for k in range(1, len(cur)):
+            if not _a_is_best(cur[best][1], cur[k][1]):
+                best = k
+        for k, (j, _s) in enumerate(cur):
+            raw[j * _USYM.size + 25] = b"\x01" if k == best else b"\x00"
+
+    while i >= 0:
+        start, end, off, idx, bind, _k, _p, _q = _USYM.unpack_from(raw, i * _USYM.size)
+        if cur and cur[0][1].start != start:
+            close()
+            cur = []
+        z = strtab.find(b"\0", off)
+        name = demangle(strtab[off : z if z >= 0 else len(strtab)].decode(
+            "utf-8", "surrogateescape"))  # fmt: skip
+        cur.append((i, _Sym(start, end, bind, name, idx)))
+        i = keep.find(b"\x02", i + 1)
+    if cur:
+        close()
+
+
+def _decide_binaries() -> list[str]:
+    lib = Path("/usr/lib/x86_64-linux-gnu")
+    cands = [LIBC, f"{lib}/libstdc++.so.6", os.path.realpath(sys.executable), "/usr/bin/node"]
+    for pattern in ("libicu*.so.*", "libLLVM*.so*", "libboost*.so*"):
+        cands += [str(p) for p in sorted(lib.glob(pattern))]
+    return sorted({os.path.realpath(p) for p in cands if os.path.exists(p)})
+
+
+def _undecided_scans(path: str) -> Iterator[tuple[object, int, bytes]]:
+    """(native scan output, its length, string table) of every symbol table of ``path`` and
+    its debug file in which the scan left groups undecided."""
+    from unwindd import symbolize as sz
+    from unwindd._unwcore import ffi, lib
+    from unwindd.elfcache import ElfReader
+
+    cache = ElfCache()
+    e = cache.acquire(None, path)
+    if not e.usable:
+        return
+    readers = [e.reader()]
+    dbg = e.debug_path()
+    fd = os.open(dbg, os.O_RDONLY | os.O_CLOEXEC) if dbg is not None else -1
+    if fd >= 0:
+        readers.append(ElfReader(fd, os.fstat(fd).st_size))
+    try:
+        for r in readers:
+            secs = r.sections
+            flags = bytes((sz.SEC_ALLOC if s.flags & sz.SHF_ALLOC else 0)
+                          | (sz.SEC_TEXT if "text" in s.name else 0) for s in secs)  # fmt: skip
+            for sec_type in (sz.SHT_SYMTAB, sz.SHT_DYNSYM):
+                found = sz._symtab_section(r, sec_type)
+                if found is None:
+                    continue
+                data, strtab = found
+                nsyms = len(data) // 24
+                out = ffi.new("struct unw_sym[]", max(1, nsyms))
+                nund = ffi.new("uint64_t *")
+                n = int(lib.unw_symtab_scan(data, nsyms, strtab, len(strtab), flags, len(secs),
+                                            r.machine == sz.EM_AARCH64, out, nund))  # fmt: skip
+                if nund[0]:
+                    yield out, n, strtab
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        cache.release(e)
+
+
+def test_decide_matches_full_demangling_on_system_binaries() -> None:
+    """The duplicate groups the native scan leaves undecided get the same survivor as the old
+    decision, which demangled every member, on every symbol table of real C/C++ binaries (and
+    their debug files): the shortcuts (raw steps first, plain names, constructor variants)
+    change the cost only."""
+    from unwindd._unwcore import ffi
+    from unwindd.symbolize import _USYM, _Scan
+
+    tables = undecided = 0
+    for path in _decide_binaries():
+        for out, n, strtab in _undecided_scans(path):
+            ref = ffi.new("struct unw_sym[]", max(1, n))
+            ffi.memmove(ref, out, n * _USYM.size)
+            undecided += bytes(ffi.buffer(out, n * _USYM.size))[25 :: _USYM.size].count(2)
+            _Scan._decide(out, n, strtab)
+            _decide_reference(ref, n, strtab)
+            got = bytes(ffi.buffer(out, n * _USYM.size))
+            assert got == bytes(ffi.buffer(ref, n * _USYM.size)), path
+            tables += 1
+    assert tables >= 2 and undecided > 1000, (tables, undecided)  # libstdc++ alone: 1,269
+
+
+@pytest.mark.parametrize(
+    ("name", "masked"),
+    [
+        ("_ZN3FooC1Ev", "_ZN3FooC*Ev"),
+        ("_ZN3FooC2Ev", "_ZN3FooC*Ev"),
+        ("_ZN2ns3FooD0Ev", "_ZN2ns3FooD*Ev"),
+        ("_ZNK3FooD2Ev", "_ZNK3FooD*Ev"),
+        ("_ZNSt8ios_baseC2Ev", "_ZNSt8ios_baseC*Ev"),
+        ("_ZN3FooC1ERKS_@GLIBCXX_3.4", "_ZN3FooC*ERKS_@GLIBCXX_3.4"),
+        # not provably a constructor code: left to demangling
+        ("_ZN3ABC1xEv", None),  # "ABC" then the source name "x": C1 is not a code
+        ("_ZN4node9MutexBaseINS_16LibuvMutexTraitsEED1Ev", None),  # template arguments
+        ("_ZN3FooC4Ev", None),  # gcc's unified constructor: not in the families
+        ("_ZN3FooCI1NS_3BarEEv", None),  # inheriting constructor
+        ("_ZN3Foo3barEv", None),
+        ("_Z3fooC1a", None),
+        ("_ZN0C1Ev", None),
+        ("_ZN9FooC1", None),
+        ("foo", None),
+    ],
+)
+def test_ctor_twin(name: str, masked: str | None) -> None:
+    from unwindd.symbolize import _ctor_twin
+
+    got = _ctor_twin(name)
+    assert (got[2] if got else None) == masked
+    if got is not None:
+        assert demangle(name) == demangle(name[: got[0] + 1] + "2" + name[got[0] + 2 :])

@@ -236,35 +236,121 @@ class _Scan:
 
     @staticmethod
     def _decide(out: object, n: int, strtab: bytes) -> None:
-        """symbols__fixup_duplicate for groups whose choice needs demangled names: the
-        survivor of a left-to-right fold over the group (table order), as _fixup does."""
+        """symbols__fixup_duplicate for the groups C left undecided: the first member with the
+        greatest key (non-zero size, non-weak, global, fewer leading underscores, longer name;
+        names as perf prints them, i.e. demangled). That is what the left-to-right fold of
+        ``_a_is_best`` over the group in table order keeps (it keeps ``a`` on a tie), without
+        demangling more than needed (demangling was ~11 us a name, most of a C++ library's
+        load): members that lose on size, weak or global drop out on raw fields; names that
+        do not start with ``_Z`` are their own demangled form; and constructor/destructor
+        variants that differ only in that code (``C1``/``C2``/``C3``, ``D0``/``D1``/``D2``:
+        see ``_ctor_twin``) print the same name, so one demangle stands for all of them, and
+        none when they are all that is left of the group."""
         from ._unwcore import ffi
 
-        raw = ffi.buffer(out, n * _USYM.size)
-        keep = bytes(raw)[25 :: _USYM.size]
-        i = keep.find(b"\x02")
-        cur: list[tuple[int, _Sym]] = []
-
-        def close() -> None:
-            best = 0
-            for k in range(1, len(cur)):
-                if not _a_is_best(cur[best][1], cur[k][1]):
-                    best = k
-            for k, (j, _s) in enumerate(cur):
-                raw[j * _USYM.size + 25] = b"\x01" if k == best else b"\x00"
-
+        size = _USYM.size
+        raw = ffi.buffer(out, n * size)
+        flat = bytes(raw)
+        keep, binds = flat[25::size], flat[24::size]
+        q = memoryview(flat).cast("Q")  # record j: start q[4j], end q[4j + 1]
+        u32 = memoryview(flat).cast("I")  # record j: name offset u32[8j + 4]
+        i = keep.find(2)
         while i >= 0:
-            start, end, off, idx, bind, _k, _p, _q = _USYM.unpack_from(raw, i * _USYM.size)
-            if cur and cur[0][1].start != start:
-                close()
-                cur = []
-            z = strtab.find(b"\0", off)
-            name = demangle(strtab[off : z if z >= 0 else len(strtab)].decode(
-                "utf-8", "surrogateescape"))  # fmt: skip
-            cur.append((i, _Sym(start, end, bind, name, idx)))
-            i = keep.find(b"\x02", i + 1)
-        if cur:
-            close()
+            start = q[4 * i]
+            group = [i]
+            i = keep.find(2, i + 1)
+            while i >= 0 and q[4 * i] == start:
+                group.append(i)
+                i = keep.find(2, i + 1)
+            # the raw steps: non-zero size, then non-weak, then global
+            ranks = [(q[4 * j + 1] != start, binds[j] != STB_WEAK, binds[j] == STB_GLOBAL)
+                     for j in group]  # fmt: skip
+            top = max(ranks)
+            cands = [j for j, r in zip(group, ranks, strict=True) if r == top]
+            best = cands[0] if len(cands) == 1 else _best_by_name(cands, u32, strtab)
+            for j in group:
+                raw[j * size + 25] = b"\x01" if j == best else b"\x00"
+
+
+# A constructor or destructor of a plain nested name: ``_ZN`` [rVK]* [RO]? [St]? <source-name>+
+# then the code, then ``E`` (end of the nested name). libiberty's d_prefix reads each
+# <source-name> (length, identifier) and then the code as a <ctor-dtor-name>, which prints the
+# class name (``~`` + it for D*) whatever the variant: two such names that differ only in the
+# variant demangle to the same text. Anything else (templates, other substitutions, local
+# names) is left to demangle.
+_CTOR_CODES = {"C1": "C", "C2": "C", "C3": "C", "D0": "D", "D1": "D", "D2": "D"}
+
+
+def _ctor_twin(name: str) -> tuple[int, str, str] | None:
+    """(position of the code, its family, ``name`` with the code masked: C1/C2/C3 -> C*,
+    D0/D1/D2 -> D*) if ``name`` has the shape above, else None. Names with the same mask
+    demangle alike."""
+    if not name.startswith("_ZN"):
+        return None
+    n = len(name)
+    i = 3
+    while i < n and name[i] in "rVK":
+        i += 1
+    if i < n and name[i] in "RO":
+        i += 1
+    if name.startswith("St", i):
+        i += 2
+    names = 0
+    while i < n and "0" <= name[i] <= "9":
+        j = i + 1
+        while j < n and "0" <= name[j] <= "9":
+            j += 1
+        length = int(name[i:j])
+        if length <= 0:
+            return None
+        i = j + length
+        names += 1
+    if not names or i + 3 > n or name[i + 2] != "E":
+        return None
+    family = _CTOR_CODES.get(name[i : i + 2])
+    if family is None:
+        return None
+    return i, family, f"{name[:i]}{family}*{name[i + 2 :]}"
+
+
+def _best_by_name(cands: list[int], u32: memoryview, strtab: bytes) -> int:
+    """The first of ``cands`` (records in table order, tied before the name step) with the
+    fewest leading underscores, then the longest name, as perf prints it. Demangles one name
+    per class of ``_ctor_twin``, none if every candidate is in one class."""
+    keys: list[str] = []
+    classes: dict[str, str] = {}  # class key -> the name that stands for it
+    twin: tuple[int, str, str] | None = None  # (code position, family, key) of the last twin
+    for j in cands:
+        off = u32[8 * j + 4]
+        z = strtab.find(0, off)
+        name = strtab[off : z if z >= 0 else len(strtab)].decode("utf-8", "surrogateescape")
+        key = name
+        if name.startswith("_Z"):
+            # a twin of the previous one: same text around the same position (so the same
+            # parse, see _ctor_twin), a code of the same family there; else parse it
+            if twin is not None and _CTOR_CODES.get(name[twin[0] : twin[0] + 2]) == twin[1]:
+                p, fam = twin[0], twin[1]
+                masked = f"{name[:p]}{fam}*{name[p + 2 :]}"
+                if masked == twin[2]:
+                    key = masked
+            if key is name:
+                found = _ctor_twin(name)
+                if found is not None:
+                    twin = found
+                    key = found[2]
+        keys.append(key)
+        classes.setdefault(key, name)
+    if len(classes) == 1:
+        return cands[0]
+    rank: dict[str, tuple[int, int]] = {}
+    for key, name in classes.items():
+        shown = demangle(name) if name.startswith("_Z") else name
+        rank[key] = (-_underscores(shown), len(shown))
+    best, best_rank = cands[0], rank[keys[0]]
+    for j, key in zip(cands[1:], keys[1:], strict=True):
+        if rank[key] > best_rank:
+            best, best_rank = j, rank[key]
+    return best
 
 
 def _scan(reader: ElfReader, sec_type: int) -> _Scan | None:
