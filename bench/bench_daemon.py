@@ -5,9 +5,11 @@ same run, plus lost samples and /v1/stacks query latency while sampling.
 
 For each frequency, with a steady load (one C workload looping per CPU):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
-  what we measure), then its CPU time (utime+stime from /proc/<pid>/stat) over the window,
-  samples and lost from /v1/status, and p50/p99 latency of ``/v1/stacks?since=10`` and
-  ``/v1/top?since=10`` queries issued every 200 ms during the window;
+  what we measure), then two windows of the same length: sampling only (its CPU time, utime
+  + stime from /proc/<pid>/stat, per sample; samples and lost from /v1/status: the cost to
+  compare with perf record, which serves no queries), then with ``/v1/stacks?since=10`` and
+  ``/v1/top?since=10`` issued every 200 ms (their p50/p99 latency, and the CPU per sample
+  with that query load, keys prefixed ``q_``);
 - perf record -a -F F --call-graph dwarf,STACK for the same window, CPU from wait4's rusage,
   samples and lost from ``perf report --stats`` (it only writes; it does not unwind).
 Root is needed (system-wide sampling).
@@ -63,30 +65,37 @@ def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, 
         while not os.path.exists(sock):
             time.sleep(0.05)
         time.sleep(3.0)  # warm-up: cold binaries parsed
-        s0 = json.loads(http(sock, "/v1/status"))
-        c0, t0 = cpu_seconds(d.pid), time.monotonic()
-        lat: dict[str, list[float]] = {"stacks": [], "top": []}
-        while time.monotonic() - t0 < seconds:
-            for name in lat:
-                q0 = time.perf_counter()
-                http(sock, f"/v1/{name}?since=10&limit=1000")
-                lat[name].append(time.perf_counter() - q0)
-            time.sleep(0.2)
-        c1, t1 = cpu_seconds(d.pid), time.monotonic()
-        s1 = json.loads(http(sock, "/v1/status"))
+        # Window 1, sampling only: the cost to compare with perf record, which serves no
+        # queries. Window 2, the same length with the query load: its latencies, and what the
+        # queries add on top.
+        out: dict[str, float] = {}
+        for label, queries in (("", False), ("q_", True)):
+            s0 = json.loads(http(sock, "/v1/status"))
+            c0, t0 = cpu_seconds(d.pid), time.monotonic()
+            lat: dict[str, list[float]] = {"stacks": [], "top": []}
+            while time.monotonic() - t0 < seconds:
+                if queries:
+                    for name in lat:
+                        q0 = time.perf_counter()
+                        http(sock, f"/v1/{name}?since=10&limit=1000")
+                        lat[name].append(time.perf_counter() - q0)
+                time.sleep(0.2)
+            c1, t1 = cpu_seconds(d.pid), time.monotonic()
+            s1 = json.loads(http(sock, "/v1/status"))
+            samples = s1["samples"] - s0["samples"]
+            out.update({
+                f"{label}cpu_s": c1 - c0, f"{label}wall_s": t1 - t0, f"{label}samples": samples,
+                f"{label}lost": s1["lost"] - s0["lost"] + s1["lost_samples"] - s0["lost_samples"],
+                f"{label}us_per_sample": (c1 - c0) / max(samples, 1) * 1e6,
+            })  # fmt: skip
+            for name, xs in lat.items():
+                if xs:
+                    xs.sort()
+                    out[f"{name}_p50_ms"] = statistics.median(xs) * 1e3
+                    out[f"{name}_p99_ms"] = xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e3
     finally:
         d.terminate()
         d.wait(30)
-    samples = s1["samples"] - s0["samples"]
-    out = {
-        "cpu_s": c1 - c0, "wall_s": t1 - t0, "samples": samples,
-        "lost": s1["lost"] - s0["lost"] + s1["lost_samples"] - s0["lost_samples"],
-        "us_per_sample": (c1 - c0) / max(samples, 1) * 1e6,
-    }  # fmt: skip
-    for name, xs in lat.items():
-        xs.sort()
-        out[f"{name}_p50_ms"] = statistics.median(xs) * 1e3
-        out[f"{name}_p99_ms"] = xs[min(len(xs) - 1, int(len(xs) * 0.99))] * 1e3
     return out
 
 
