@@ -38,6 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
@@ -76,30 +77,10 @@ def record(path: Path, seconds: float, spawn_rate: float) -> None:
     path.write_bytes(pickle.dumps((fmt, drains)))
 
 
-class _Replayed:
-    """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
-
-    def __init__(self, fmt: Any, drains: list[list[tuple[int, bytes]]]) -> None:
-        self.event_format = fmt
-        self._drains = list(drains)
-        self.fds: list[int] = []
-
-    def enable(self) -> None:
-        pass
-
-    def disable(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
-        return self._drains.pop(0) if self._drains else []
-
-
 def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     import cProfile
 
+    from captured import Replayed
     from unwindd.engine import StackEngine
     from unwindd.live import LiveProfiler
     from unwindd.livetable import LiveTable
@@ -113,7 +94,7 @@ def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     ticks = iter(range(1, 1 << 40))
     live = LiveTable(engine.table, ProcFS(str(tmp / "proc")),
                      clock=lambda: next(ticks) * 1_000_000_000)  # fmt: skip
-    prof = LiveProfiler(_Replayed(fmt, drains), engine, StackStore(), live=live,  # type: ignore[arg-type]
+    prof = LiveProfiler(Replayed(fmt, drains), engine, StackStore(), live=live,  # type: ignore[arg-type]
                         bootstrap=False, native=True)  # fmt: skip
     assert prof.fast is not None
     prof.start()

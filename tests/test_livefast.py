@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from captured import Replayed
 from unwindd.elfcache import CacheConfig
 from unwindd.engine import StackEngine
 from unwindd.live import LiveProfiler
 from unwindd.livetable import LiveTable
 from unwindd.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.procscan import ProcFS
-from unwindd.records import EventFormat
 from unwindd.stackstore import StackStore
 from workloads.build import Workload, build_workloads
 
@@ -33,27 +33,6 @@ from workloads.build import Workload, build_workloads
 @pytest.fixture(scope="module")
 def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
     return build_workloads(tmp_path_factory.mktemp("livefast-wl"))
-
-
-class Replayed:
-    """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
-
-    def __init__(self, fmt: EventFormat, drains: list[list[tuple[int, bytes]]]) -> None:
-        self.event_format = fmt
-        self._drains = list(drains)
-        self.fds: list[int] = []
-
-    def enable(self) -> None:
-        pass
-
-    def disable(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
-        return self._drains.pop(0) if self._drains else []
 
 
 def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:

@@ -1,0 +1,30 @@
+"""Captured ring drains played back as a perf session (tests/test_livefast.py and
+bench/bench_sideband_replay.py): ``LiveProfiler`` takes it where it takes a ``PerfSession``.
+
+Invariants: each ``drain`` returns the next captured drain, in capture order, then ``[]``; it
+opens no fd and changes nothing else, so a capture replays the same way every time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Replayed:
+    """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
+
+    def __init__(self, fmt: Any, drains: list[list[tuple[int, bytes]]]) -> None:
+        self.event_format = fmt
+        self._drains = list(drains)
+        self.fds: list[int] = []
+
+    def enable(self) -> None:
+        pass
+
+    def disable(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
+        return self._drains.pop(0) if self._drains else []
