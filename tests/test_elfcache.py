@@ -286,6 +286,101 @@ def test_alias_hit_skips_open() -> None:
     assert e3 is e1
 
 
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    return pid
+
+
+def _count_opens(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    opened: list[str] = []
+    real = os.open
+
+    def counting(path: str, flags: int, *a: int) -> int:
+        opened.append(str(path))
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", counting)
+    return opened
+
+
+def test_negative_cache_deleted_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binary no path opens any more costs its opens once per TTL, not once per lookup;
+    failures are still counted as such; a path that appears again with the record's identity
+    is found once the entry expires."""
+    exe = tmp_path / "blip"
+    shutil.copy("/bin/true", exe)
+    st_ = os.stat(exe)
+    ident = dict(maj=os.major(st_.st_dev), min=os.minor(st_.st_dev), ino=st_.st_ino,
+                 ino_generation=3)  # fmt: skip
+    hidden = tmp_path / "hidden"
+    os.rename(exe, hidden)
+    now = [0]
+    cache = ElfCache(CacheConfig(negative_ttl_ns=1000), clock=lambda: now[0])
+    opened = _count_opens(monkeypatch)
+    dead = _dead_pid()
+    e = cache.acquire(dead, str(exe), 0x1000, 0x2000, **ident)  # type: ignore[arg-type]
+    assert e.error == "open_failed" and len(opened) == 3  # root, the path, map_files
+    cache.release(e)
+    # the table's lookup of the same record, then other dead pids: no open at all
+    for pid in (dead, dead + 1, dead + 2):
+        e = cache.acquire(pid, str(exe), 0x1000, 0x2000, **ident)  # type: ignore[arg-type]
+        assert e.error == "open_failed" and not e.usable
+        cache.release(e)
+    assert len(opened) == 3
+    assert cache.stats.negative_hits == 3 and cache.stats.errors["open_failed"] == 4
+    assert cache.stats.misses == 4 and cache.stats.hits == 0
+    # another identity at the same path is not this entry
+    e = cache.acquire(dead, str(exe), 0x1000, 0x2000, build_id=b"\x01" * 20)
+    assert e.error == "open_failed" and len(opened) == 6
+    cache.release(e)
+    # the file is back under its path with the same inode: found once the entry expired
+    os.rename(hidden, exe)
+    now[0] = 999
+    e = cache.acquire(dead, str(exe), 0x1000, 0x2000, **ident)  # type: ignore[arg-type]
+    assert not e.usable and len(opened) == 6
+    cache.release(e)
+    now[0] = 1000
+    e = cache.acquire(dead, str(exe), 0x1000, 0x2000, **ident)  # type: ignore[arg-type]
+    assert e.usable and e.ino == st_.st_ino
+    assert cache.stats.negative_hits == 4
+    # and from then on by its alias, as any binary
+    assert cache.acquire(dead + 1, str(exe), **ident) is e  # type: ignore[arg-type]
+
+
+def test_negative_cache_live_pid_still_opens(tmp_path: Path) -> None:
+    """A failure of a dead pid does not hide the file from a live pid that maps it (its
+    map_files, or its root in another mount namespace)."""
+    exe = tmp_path / "gone"
+    shutil.copy("/bin/sleep", exe)
+    with spawn([str(exe), "30"]) as p:
+        wait_mapped(p.pid, str(exe))
+        st_ = os.stat(exe)
+        ident = dict(maj=os.major(st_.st_dev), min=os.minor(st_.st_dev), ino=st_.st_ino,
+                     ino_generation=None)  # fmt: skip
+        exe.unlink()
+        maps = wait_mapped(p.pid, "(deleted)")
+        line = next(ln for ln in maps.splitlines() if ln.endswith("(deleted)") and " r-xp " in ln)
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        cache = ElfCache()
+        e = cache.acquire(_dead_pid(), str(exe), start, end, **ident)  # type: ignore[arg-type]
+        assert e.error == "open_failed"
+        e2 = cache.acquire(p.pid, str(exe), start, end, **ident)  # type: ignore[arg-type]
+        assert e2.usable and "/map_files/" in e2.path
+        assert cache.stats.negative_hits == 0
+
+
+def test_negative_cache_bounded() -> None:
+    cache = ElfCache(CacheConfig(negative_entries=2))
+    for i in range(3):
+        cache.release(cache.acquire(None, f"/nonexistent/{i}"))
+    assert len(cache._negative) == 2
+    cache.release(cache.acquire(None, "/nonexistent/0"))  # evicted: opened again
+    cache.release(cache.acquire(None, "/nonexistent/2"))
+    assert cache.stats.negative_hits == 1 and cache.stats.errors["open_failed"] == 5
+
+
 # --------------------------------------------------------------------------- malformed ELF
 
 

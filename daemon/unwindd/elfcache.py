@@ -28,10 +28,21 @@ Invariants:
   RSS follows the cached bytes instead of the largest binary ever parsed.
 - Reference counts are per address space (``proctable``): acquire once per space that maps
   the binary, release when the space drops its last mapping of it.
+- A file none of whose candidate paths opens (deleted, or in a namespace whose processes are
+  gone) is remembered in a bounded negative cache (``CacheConfig.negative_entries``), keyed by
+  the record's path and identity (build-id, maj/min/ino/generation), for
+  ``negative_ttl_ns``. A lookup that hits it skips the opens only when they cannot succeed for
+  this pid either: the same mapping of the same pid that just failed (a pin, then the table),
+  no per-pid path to try, or a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead
+  of up to three ``open``s). A live pid still tries its own ``root``/``map_files``, so a
+  process of another namespace is found as before; a path that appears again with the same
+  identity is found once the entry expires (or at once by a live pid). The failure is counted
+  as before (``errors``, ``misses``) plus ``negative_hits``.
 - Not thread-safe: one owner (the daemon's event loop) calls it.
 
 Cost: a hit by build-id or by a known (maj, min, ino, generation) costs one dict lookup and no
-syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB).
+syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB); a
+negative hit costs no syscall, or one ``stat`` for a pid other than the one that failed.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import itertools
 import os
 import stat
 import struct
+import time
 import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -340,6 +352,10 @@ class CacheConfig:
     max_file_size: int = 2 << 30
     max_debug_file_size: int = 2 << 30
     debug_roots: tuple[str, ...] = ("/usr/lib/debug",)
+    # negative cache of files no candidate path opened (see the module invariants): bounded,
+    # and an entry expires so that a path that appears again is opened again
+    negative_entries: int = 1024
+    negative_ttl_ns: int = 1_000_000_000
 
 
 @dataclass
@@ -350,6 +366,7 @@ class CacheStats:
     misses: int = 0
     evictions: int = 0
     trims: int = 0  # malloc_trim calls (see CacheConfig.trim_bytes)
+    negative_hits: int = 0  # lookups answered by the negative cache (no open tried)
     errors: Counter[str] = field(default_factory=Counter)
 
 
@@ -375,6 +392,21 @@ def _malloc_trim() -> Callable[[], None] | None:
 
 
 _NOT_LOADED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A negative cache entry: every candidate path of ``pid``'s mapping [start, end) failed
+    to open; ``path`` and ``reason`` are the last one's."""
+
+    expires_ns: int
+    pid: int | None
+    start: int
+    end: int
+    path: str
+    reason: str
+
+
 _ids = itertools.count(1)
 
 
@@ -553,11 +585,15 @@ class ElfCache:
         *,
         proc_root: str = "/proc",
         cfi_factory: CfiFactory | None = None,
+        clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.config = config or CacheConfig()
         self.proc_root = proc_root
         self.cfi_factory = cfi_factory
+        self.clock = clock
         self.stats = CacheStats()
+        # (filename, build-id, maj, min, ino, generation) -> the failure (see _Failed)
+        self._negative: OrderedDict[tuple[object, ...], _Failed] = OrderedDict()
         self._by_key: dict[tuple[object, ...], ElfEntry] = {}
         self._alias: dict[tuple[object, ...], ElfEntry] = {}
         self._lru: OrderedDict[int, ElfEntry] = OrderedDict()  # unreferenced, oldest first
@@ -595,7 +631,8 @@ class ElfCache:
         if entry is not None:
             self.stats.hits += 1
         else:
-            entry = self._open(pid, filename, start, end, build_id, maj, min, ino)
+            entry = self._open(pid, filename, start, end, build_id, maj, min, ino,
+                               ino_generation)  # fmt: skip
             if entry.key is not None and ino is not None and entry.usable:
                 self._alias[("m", maj, min, ino, ino_generation)] = entry
         self._ref(entry)
@@ -707,13 +744,23 @@ class ElfCache:
         maj: int | None,
         mnr: int | None,
         ino: int | None,
+        gen: int | None = None,
     ) -> ElfEntry:
         if not filename.startswith("/"):
             return self._unusable(filename, "", "not_a_file")
+        nkey = (filename, bytes(build_id) if build_id else None, maj, mnr, ino, gen)
+        cands = self._candidate_paths(pid, filename, start, end)
+        failed = self._negative.get(nkey)
+        if failed is not None:
+            if self.clock() >= failed.expires_ns:
+                del self._negative[nkey]
+            elif self._still_fails(failed, pid, start, end, cands):
+                self.stats.negative_hits += 1
+                return self._unusable(filename, failed.path, failed.reason)
         fd = -1
         path = ""
         last_err = "open_failed"
-        for path, follow in self._candidate_paths(pid, filename, start, end):
+        for path, follow in cands:
             flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
             try:
                 fd = os.open(path, flags)
@@ -721,7 +768,11 @@ class ElfCache:
             except OSError as e:
                 last_err = "symlink" if e.errno == errno.ELOOP else "open_failed"
         if fd < 0:
+            self._remember_failure(nkey, _Failed(self.clock() + self.config.negative_ttl_ns,
+                                                 pid, start, end, path, last_err))  # fmt: skip
             return self._unusable(filename, path, last_err)
+        if failed is not None:
+            self._negative.pop(nkey, None)  # it opens now (a live pid's own path)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -765,6 +816,30 @@ class ElfCache:
         self.stats.entries = len(self._by_key)
         self.stats.bytes += entry.nbytes
         return entry
+
+    def _still_fails(self, failed: _Failed, pid: int | None, start: int, end: int,
+                     cands: list[tuple[str, bool]]) -> bool:  # fmt: skip
+        """Whether ``cands`` must fail as ``failed``'s did (the path itself failed then and has
+        not expired): no per-pid path, the same pid's same mapping, or a pid that is gone."""
+        if (pid, start, end) == (failed.pid, failed.start, failed.end):
+            return True
+        proc = f"{self.proc_root}/"
+        if not any(p.startswith(proc) for p, _ in cands):
+            return True
+        try:
+            os.stat(f"{self.proc_root}/{pid}")
+        except FileNotFoundError:
+            return True  # its root and map_files are gone with it
+        except OSError:
+            return False
+        return False
+
+    def _remember_failure(self, nkey: tuple[object, ...], failed: _Failed) -> None:
+        neg = self._negative
+        neg[nkey] = failed
+        neg.move_to_end(nkey)
+        while len(neg) > self.config.negative_entries:
+            neg.popitem(last=False)
 
     def acquire_vdso(self) -> ElfEntry:
         """The ``[vdso]`` image, with one more reference. Every 64-bit process on this kernel
