@@ -329,6 +329,7 @@ def test_negative_cache_deleted_binary(tmp_path: Path, monkeypatch: pytest.Monke
         assert e.error == "open_failed" and not e.usable
         cache.release(e)
     assert len(opened) == 3
+    assert cache._negative[(str(exe), None, *ident.values())].gone == {dead + 1, dead + 2}
     assert cache.stats.negative_hits == 3 and cache.stats.errors["open_failed"] == 4
     assert cache.stats.misses == 4 and cache.stats.hits == 0
     # another identity at the same path is not this entry

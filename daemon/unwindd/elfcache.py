@@ -392,12 +392,14 @@ def _malloc_trim() -> Callable[[], None] | None:
 
 
 _NOT_LOADED = object()
+_MAX_GONE = 4096  # pids remembered gone per negative entry
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Failed:
     """A negative cache entry: every candidate path of ``pid``'s mapping [start, end) failed
-    to open; ``path`` and ``reason`` are the last one's."""
+    to open; ``path`` and ``reason`` are the last one's. ``gone``: pids found gone since (a
+    pid's pin, then the table's lookup of the same record: one ``stat`` for both)."""
 
     expires_ns: int
     pid: int | None
@@ -405,6 +407,7 @@ class _Failed:
     end: int
     path: str
     reason: str
+    gone: set[int] = field(default_factory=set)
 
 
 _ids = itertools.count(1)
@@ -826,10 +829,16 @@ class ElfCache:
         proc = f"{self.proc_root}/"
         if not any(p.startswith(proc) for p, _ in cands):
             return True
+        if pid in failed.gone:
+            return True
         try:
             os.stat(f"{self.proc_root}/{pid}")
         except FileNotFoundError:
-            return True  # its root and map_files are gone with it
+            # its root and map_files are gone with it (a pid is reused only after the kernel
+            # cycled through pid_max others, far longer than the entry lives)
+            if pid is not None and len(failed.gone) < _MAX_GONE:
+                failed.gone.add(pid)
+            return True
         except OSError:
             return False
         return False
