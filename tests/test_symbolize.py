@@ -475,3 +475,19 @@ def test_ctor_twin(name: str, masked: str | None) -> None:
     assert (got[2] if got else None) == masked
     if got is not None:
         assert demangle(name) == demangle(name[: got[0] + 1] + "2" + name[got[0] + 2 :])
+
+
+def test_mangled_plt_names_demangled_on_lookup() -> None:
+    """PLT entries of mangled names keep their raw name until looked up (a C++ library has
+    thousands; demangling them all was a fifth of loading every system library's table), and
+    then print as perf does: the demangled name + ``@plt``."""
+    path = os.path.realpath("/usr/lib/x86_64-linux-gnu/libstdc++.so.6")
+    if not os.path.exists(path):
+        pytest.skip("no libstdc++")
+    e = ElfCache().acquire(None, path)
+    got, want = load_symbol_table(e), load_symbol_table_reference(e)
+    assert len(got._plt) > 100 and not set(got._plt) & set(got._named)
+    i = next(iter(got._plt))
+    name = got.name(i)
+    assert name == demangle(got._plt[i]) + "@plt" and name != got._plt[i] + "@plt"
+    assert got.lookup(got.starts[i]) == (name, 0) == want.lookup(got.starts[i])

@@ -87,7 +87,7 @@ class Symbol:
         return f"Symbol({self.name!r}, {self.start:#x}-{self.end:#x})"
 
 
-_NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol whose name is held in _named (PLT, eager)
+_NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol named in _named or _plt (PLT entries)
 
 
 class SymbolTable:
@@ -95,9 +95,10 @@ class SymbolTable:
 
     Names are kept as offsets into the binary's string table and decoded + demangled on first
     lookup (a profile names a few hundred of a binary's ~10k+ symbols; demangling all of them
-    was half of a cold replay). ``_named`` caches decoded names by index: O(names used)."""
+    was half of a cold replay). ``_named`` caches decoded names by index: O(names used).
+    ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too."""
 
-    __slots__ = ("_named", "_offs", "_strtab", "ends", "nbytes", "starts")
+    __slots__ = ("_named", "_offs", "_plt", "_strtab", "ends", "nbytes", "starts")
 
     def __init__(self, symbols: Iterable[tuple[int, int, str]]) -> None:
         syms = sorted(symbols)
@@ -106,17 +107,20 @@ class SymbolTable:
         self._offs = array("I", bytes(4 * len(syms)))
         self._strtab = b""
         self._named = {i: n for i, (_, _, n) in enumerate(syms)}
+        self._plt: dict[int, str] = {}
         self.nbytes = 20 * len(syms) + sum(49 + len(n) for _, _, n in syms)
 
     @classmethod
     def _columns(
         cls, starts: array[int], ends: array[int], offs: array[int], strtab: bytes,
-        named: dict[int, str],
+        named: dict[int, str], plt: dict[int, str] | None = None,
     ) -> SymbolTable:  # fmt: skip
         t = cls.__new__(cls)
         t.starts, t.ends, t._offs, t._strtab, t._named = starts, ends, offs, strtab, named
+        t._plt = plt or {}
         # names decoded later are not counted: bounded by the string table we count whole
-        t.nbytes = 20 * len(starts) + len(strtab) + sum(49 + len(n) for n in named.values())
+        t.nbytes = 20 * len(starts) + len(strtab) + sum(
+            49 + len(n) for d in (named, t._plt) for n in d.values())  # fmt: skip
         return t
 
     @classmethod
@@ -132,6 +136,9 @@ class SymbolTable:
         if n is None:
             st = self._strtab
             off = self._offs[i]
+            if off == _NO_NAME:
+                n = self._named[i] = f"{demangle(self._plt[i])}@plt"
+                return n
             end = st.find(b"\0", off)
             raw = st[off : end if end >= 0 else len(st)].decode("utf-8", "surrogateescape")
             n = self._named[i] = demangle(raw)
@@ -361,7 +368,9 @@ def _scan(reader: ElfReader, sec_type: int) -> _Scan | None:
     return scan if scan.nkept else None
 
 
-def _plt_symbols(reader: ElfReader, base_index: int) -> list[_Sym]:
+def _plt_symbols(reader: ElfReader, base_index: int, demangled: bool = True) -> list[_Sym]:
+    """perf's synthesized PLT symbols; with ``demangled=False`` entry names are the raw
+    dynamic-symbol names + ``@plt`` (the caller demangles them when needed)."""
     if reader.machine != EM_X86_64:
         return []
     plt = reader.section(".plt")
@@ -397,7 +406,9 @@ def _plt_symbols(reader: ElfReader, base_index: int) -> list[_Sym]:
             st_name = _SYM.unpack_from(dsyms, symidx * _SYM.size)[0]
             if st_name < len(dynstr):
                 end = dynstr.find(b"\0", st_name)
-                name = demangle(dynstr[st_name:end].decode("utf-8", "surrogateescape"))
+                name = dynstr[st_name:end].decode("utf-8", "surrogateescape")
+                if demangled:
+                    name = demangle(name)
         out.append(_Sym(addr, addr + entry, STB_GLOBAL, f"{name}@plt", base_index + 1 + i))
         addr += entry
     return out
@@ -423,7 +434,8 @@ def _debug_reader_do(entry: ElfEntry, fn: Callable[[ElfReader], _T]) -> _T | Non
 def load_symbol_table(entry: ElfEntry) -> SymbolTable:
     """Build ``entry``'s table by the module rules. Raises ElfError on malformed input.
     Cost: one native pass over the chosen .symtab/.dynsym; no name is decoded here except
-    PLT entries and members of duplicate groups that only demangled names decide."""
+    members of duplicate groups that only demangled names decide (PLT entries' mangled
+    names are demangled on lookup too)."""
     binary = entry.reader()
     scan = _debug_reader_do(entry, lambda r: _scan(r, SHT_SYMTAB))
     if scan is None:
@@ -433,9 +445,10 @@ def load_symbol_table(entry: ElfEntry) -> SymbolTable:
     else:
         starts, ends, offs, strtab = scan.starts, scan.ends, scan.offs, scan.strtab
     named: dict[int, str] = {}
+    plt_raw: dict[int, str] = {}
     # perf inserts PLT symbols after the fixups, so they are neither extended nor deduplicated;
     # one taking the start of an ELF symbol is dropped. Merged by slicing: O(n + plt).
-    plt = sorted((s.start, s.end, s.name) for s in _plt_symbols(binary, 0))
+    plt = sorted((s.start, s.end, s.name) for s in _plt_symbols(binary, 0, demangled=False))
     if plt:
         pieces: list[tuple[int, int | None, tuple[int, int, str] | None]] = []
         prev = 0
@@ -452,12 +465,15 @@ def load_symbol_table(entry: ElfEntry) -> SymbolTable:
             ne += ends[a:b]
             no += offs[a:b]
             if p is not None:
-                named[len(ns)] = p[2]
+                if p[2].startswith("_Z"):  # "<raw>@plt": demangled on lookup
+                    plt_raw[len(ns)] = p[2][:-4]
+                else:
+                    named[len(ns)] = p[2]  # as printed: demangling is the identity
                 ns.append(p[0])
                 ne.append(p[1])
                 no.append(_NO_NAME)
         starts, ends, offs = ns, ne, no
-    return SymbolTable._columns(starts, ends, offs, strtab, named)
+    return SymbolTable._columns(starts, ends, offs, strtab, named, plt_raw)
 
 
 # -- the pure-Python reference (tests compare the native tables with it, symbol by symbol)
