@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+from captured import Replayed
+from unwindd.elfcache import CacheConfig, ElfCache
+from unwindd.engine import StackEngine
 from unwindd.live import LiveProfiler
-from unwindd.perfcore import SamplingConfig, Target
+from unwindd.livetable import LiveTable
+from unwindd.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.procscan import ProcFS
+from unwindd.stackstore import StackStore
 from workloads.build import Workload, build_workloads
 
 CHAIN = ["spin", "c", "b", "a", "main"]
@@ -58,3 +68,74 @@ def test_close_is_idempotent_and_drains(workloads: dict[str, Workload]) -> None:
     _, prof = run_under_profiler(workloads["c_o3"].argv)
     assert prof.closed and prof.close() == []
     assert prof.pipeline.orderer.stats.queued == 0
+
+
+def _capture_runs(argv: list[str], runs: int) -> tuple[Any, list[list[tuple[int, bytes]]]]:
+    """Ring drains while ``argv`` runs ``runs`` times, one after the other."""
+    drains: list[list[tuple[int, bytes]]] = []
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
+        s.enable()
+        for _ in range(runs):
+            child = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+            while child.poll() is None:
+                drains.append(s.drain(1 << 20))
+                time.sleep(0.02)
+            assert child.returncode == 0
+        s.disable()
+        drains.append(s.drain(1 << 20))
+        return s.event_format, drains
+
+
+def _replay(fmt: Any, drains: list[list[tuple[int, bytes]]], tmp: Path,
+            cache: CacheConfig) -> LiveProfiler:  # fmt: skip
+    engine = StackEngine.create(cache_config=cache)
+    ticks = iter(range(1, 1 << 40))
+    live = LiveTable(engine.table, ProcFS(str(tmp)), clock=lambda: next(ticks) * 1_000_000_000)
+    prof = LiveProfiler(Replayed(fmt, drains), engine, StackStore(), live=live,  # type: ignore[arg-type]
+                        bootstrap=False, native=True)  # fmt: skip
+    prof.start()
+    for _ in range(len(drains)):
+        prof.step()
+    prof.close()
+    return prof
+
+
+def test_binary_deleted_before_its_records_are_applied(
+    workloads: dict[str, Workload], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Processes of a binary that is deleted, and gone, before their MMAP2s are processed:
+    the pin and then the table look the binary up for every one of them, and only the first
+    lookup tries to open it (the ELF cache's negative entry); what is stored and counted is
+    exactly what the cache stores without negative entries. A binary that opens is opened by
+    the first pin only: later pins and the table find that entry."""
+    exe = tmp_path / "blip"
+    shutil.copy(workloads["c_o2"].argv[0], exe)
+    fmt, drains = _capture_runs([str(exe), "30"], 4)
+    exe.unlink()
+    (tmp_path / "empty-proc").mkdir()
+    opened: Counter[str] = Counter()
+    real_open = os.open
+
+    def counting(path: str, flags: int, *a: int) -> int:
+        opened[os.path.basename(str(path))] += 1
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", counting)
+    runs: dict[int, tuple[Counter[tuple[Any, ...]], Counter[str], Counter[str]]] = {}
+    for neg in (1024, 0):
+        opened.clear()
+        prof = _replay(fmt, drains, tmp_path / "empty-proc", CacheConfig(negative_entries=neg))
+        cache = prof.engine.table.binaries
+        assert isinstance(cache, ElfCache)
+        stored = Counter({(x.pid, x.comm, x.frames): x.count for x in prof.store.query()})
+        runs[neg] = (stored, Counter(opened), Counter(cache.stats.errors))
+        if neg:
+            assert cache.stats.negative_hits >= 2 * 4 - 2, cache.stats
+    (with_neg, opens, errors), (without, opens0, errors0) = runs[1024], runs[0]
+    assert with_neg == without and errors == errors0  # same result, failures counted alike
+    assert sum(c for (_pid, comm, _f), c in with_neg.items() if comm == "blip") > 0
+    # its pid's root and the path itself once (then map_files); without the negative cache,
+    # for the pin and the table of every process (a reused pid's live /proc may add a retry)
+    assert 2 <= opens["blip"] <= 4 and opens0["blip"] >= 2 * 2 * 4, (opens, opens0)
+    libc = "libc.so.6"
+    assert opens[libc] <= 2 and opens0[libc] <= 2, (opens, opens0)  # root (failed), the path
