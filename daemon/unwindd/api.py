@@ -18,7 +18,13 @@ Invariants:
   machine-wide totals only, never per-process data.
 - Bounded answers: at most ``Source.max_stacks`` stacks per reply (``truncated`` says so), at
   most 1000 functions or processes; a bad parameter is a 400 naming it.
-- Cost: O(entries in the queried window) per stacks/top query.
+- Cost: a stacks query is O(entries in the window) in C-level dict merges, plus O(limit log)
+  to rank and O(limit) to render: each stack's frames are rendered once while it stays in the
+  store (``StackStore.render``). A top query without filters merges per-bucket summaries the
+  store keeps (O(entries added since the last query) to bring them up to date); with filters,
+  or when functions tie where the order matters, it walks the entries (O(entries)).
+- Answers are the same bytes as the straightforward computation (``stack_json``,
+  ``top_functions`` over ``StackStore.query``); tests/test_query_equiv.py checks it.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from . import stackfmt
 from .httpapi import Request, Response, StreamStart, error_response, json_response
 from .pprof import encode_profile
 from .stackfmt import UnwoundSample
-from .stackstore import StackCount, StackStore, top_functions
+from .stackstore import Stack, StackCount, StackStore
 
 
 class Source(Protocol):
@@ -198,9 +204,12 @@ class Api:
         if fmt not in ("json", "folded", "pprof"):
             raise BadParam(f"format: one of json, folded, pprof, got {fmt!r}")
         limit = _limit(req, self.source.max_stacks, self.source.max_stacks)
-        stacks, f = self.query(req, peer)
-        truncated = len(stacks) > limit
-        stacks = stacks[:limit]
+        f = parse_filters(req, self.source.now_ns())
+        pids = self.visible_pids(peer, f.pids)
+        store = self.source.store
+        stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm,
+                                    limit=limit)  # fmt: skip
+        truncated = n > limit
         if fmt == "folded":
             return Response(200, render_folded(stacks).encode(), "text/plain; charset=utf-8",
                             (("x-unwindd-truncated", str(truncated).lower()),))  # fmt: skip
@@ -211,17 +220,23 @@ class Api:
                                   duration_nanos=max(0, now - since))  # fmt: skip
             disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
             return Response(200, body, "application/vnd.google.protobuf+gzip", (disposition,))
-        return json_response({
-            "samples": sum(s.count for s in stacks),
-            "truncated": truncated,
-            "stacks": [stack_json(s) for s in stacks],
-        })  # fmt: skip
+        # json_response's bytes, with each stack's frames rendered once per stack (cached).
+        dumps, render = json.dumps, store.render
+        parts = [
+            f'{{"pid":{s.pid},"tid":{s.tid},"comm":{dumps(s.comm)},"count":{s.count},'
+            f'"frames":{render("json", s.frames, frames_json)}}}'
+            for s in stacks
+        ]
+        samples = sum(s.count for s in stacks)
+        head = f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},"stacks":['
+        return Response(200, (head + ",".join(parts) + "]}\n").encode())
 
     def top(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 50, 1000)
-        stacks, _ = self.query(req, peer)
-        total = sum(s.count for s in stacks)
-        funcs = top_functions(stacks, limit)
+        f = parse_filters(req, self.source.now_ns())
+        pids = self.visible_pids(peer, f.pids)
+        total, funcs = self.source.store.top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                             comm=f.comm, limit=limit)  # fmt: skip
         return json_response({
             "samples": total,
             "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
@@ -261,6 +276,15 @@ def stack_json(s: StackCount) -> dict[str, Any]:
             for f in s.frames
         ],
     }
+
+
+def frames_json(frames: Stack) -> str:
+    """The ``frames`` value of ``stack_json`` as json_response writes it."""
+    return json.dumps(
+        [{"ip": hex(f.ip), "sym": f.sym, "dso": f.dso, "offset": f.offset, "kernel": f.kernel}
+         for f in frames],
+        separators=(",", ":"),
+    )  # fmt: skip
 
 
 def render_folded(stacks: Iterable[StackCount]) -> str:

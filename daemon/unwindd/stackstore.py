@@ -29,11 +29,14 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 from .stackfmt import Frame, UnwoundSample
 
@@ -56,6 +59,14 @@ _PID_BYTES = 200
 _STACK_BYTES = 340
 _SLOT_BYTES = 8
 _FRAME_BYTES = 235
+# Query caches (``stats.cache_bytes``, in the estimate; at most ``max_bytes // 8``, never filled
+# past ``max_bytes``, and dropped whole before any bucket is evicted for bytes): a rendered
+# stack costs its characters plus ~150 (str header, dict slot, key tuple); a bucket summary ~100
+# per function key in its two Counters plus ~50 per entry of the bucket counts it retains (a
+# dict slot: the key tuples are shared with the store's).
+_TEXT_BYTES = 150
+_SUMMARY_KEY_BYTES = 100
+_SUMMARY_ENTRY_BYTES = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +104,7 @@ class StoreStats:
     pids: int = 0  # processes with an entry (the per-process summaries)
     frame_slots: int = 0  # sum of the interned stacks' lengths
     frames: int = 0  # distinct Frame objects in them (by identity)
+    cache_bytes: int = 0  # query caches: rendered stacks, per-bucket top summaries
 
     @property
     def bytes_estimate(self) -> int:
@@ -100,7 +112,7 @@ class StoreStats:
         that only an open snapshot still holds are not in it: they go when it closes."""
         return (self.entries * _ENTRY_BYTES + self.pids * _PID_BYTES
                 + self.stacks * _STACK_BYTES + self.frame_slots * _SLOT_BYTES
-                + self.frames * _FRAME_BYTES)  # fmt: skip
+                + self.frames * _FRAME_BYTES + self.cache_bytes)  # fmt: skip
 
 
 @dataclass
@@ -146,6 +158,14 @@ class StackStore:
         # more could not free them sooner), freed when the last snapshot closes.
         self._deferred: set[int] = set()
         self._frame_refs: dict[int, int] = {}  # id(frame) -> slots of accounted stacks
+        # Query caches, read and filled by the query thread (under _lock), emptied here when
+        # what they describe goes: (kind, id(stack)) -> (stack, its rendering), and bucket
+        # idx -> the top summary of one (frozen) version of that bucket's counts.
+        self.max_cache_bytes = max_bytes // 8
+        self._texts: dict[tuple[str, int], tuple[Stack, Any, int]] = {}
+        self._text_kinds: set[str] = set()
+        self._text_refused = 0  # inserts refused since the texts were last dropped (full)
+        self._summaries: dict[int, _Summary] = {}
 
     # -- writing
 
@@ -297,9 +317,28 @@ class StackStore:
             hit = self._by_obj.get(id(frames))
             if hit is not None and hit[0] is frames:
                 del self._by_obj[id(frames)]  # or it would keep the stack and its frames alive
+            if self._texts:
+                self._drop_texts(frames)
+
+    def _drop_texts(self, frames: Stack) -> None:
+        with self._lock:
+            for kind in self._text_kinds:
+                hit = self._texts.get((kind, id(frames)))
+                if hit is not None and hit[0] is frames:
+                    del self._texts[(kind, id(frames))]
+                    self.stats.cache_bytes -= hit[2]
+
+    def drop_caches(self) -> None:
+        """Empty the query caches (they refill on the next queries)."""
+        with self._lock:
+            self._texts.clear()
+            self._summaries.clear()
+            self.stats.cache_bytes = 0
 
     def _enforce_bounds(self) -> None:
         st = self.stats
+        if st.cache_bytes and st.bytes_estimate > self.max_bytes:
+            self.drop_caches()  # caches go before data does
         while self._buckets and (
             len(self._buckets) > self.max_buckets
             or st.entries > self.max_entries
@@ -308,6 +347,11 @@ class StackStore:
             idx = next(iter(self._buckets))
             b = self._buckets.pop(idx)
             st.evicted_buckets += 1
+            if self._summaries:
+                with self._lock:
+                    old = self._summaries.pop(idx, None)
+                    if old is not None:
+                        st.cache_bytes -= old.nbytes
             procs, pid_entries, refs, dirty = (self._procs, self._pid_entries, self._stack_refs,
                                                self._dirty)  # fmt: skip
             for (pid, _, _, sid), n in b.counts.items():
@@ -354,6 +398,88 @@ class StackStore:
         Resolution is one bucket: a window edge inside a bucket includes the whole bucket."""
         items = [(idx, b.counts) for idx, b in self._buckets.items()]
         return _query(items, self._stacks, self.bucket_ns, since_ns, until_ns, pids, tid, comm)
+
+    def query_top(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[StackCount], int]:
+        """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
+        items = [(idx, b.counts) for idx, b in self._buckets.items()]
+        return _query_top(items, self._stacks, self.bucket_ns, since_ns, until_ns, pids, tid,
+                          comm, limit)  # fmt: skip
+
+    def top(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int = 50,
+    ) -> tuple[int, list[FunctionCount]]:
+        """(samples, ``top_functions(query(...), limit)``), from per-bucket summaries."""
+        snap = self.snapshot()  # freezes the buckets: a summary describes one version
+        try:
+            return snap.top(since_ns, until_ns, pids=pids, tid=tid, comm=comm, limit=limit)
+        finally:
+            snap.close()
+
+    def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
+        """``fn(frames)``, cached per interned stack (``kind`` names ``fn``): a stack is
+        immutable, and its entry goes when the stack does. ``fn`` must return a str or a tuple
+        of str."""
+        return self._render(kind, frames, fn)
+
+    def _render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
+        key = (kind, id(frames))
+        hit = self._texts.get(key)
+        if hit is not None and hit[0] is frames:
+            return hit[1]
+        out = fn(frames)
+        size = _TEXT_BYTES + (len(out) if isinstance(out, str)
+                              else sum(len(x) + 8 for x in out))  # fmt: skip
+        st = self.stats
+        with self._lock:
+            if self._stacks.get(self._stack_ids.get(frames, -1)) is not frames:
+                return out  # not interned (or no longer): nothing would drop the entry
+            if st.bytes_estimate + size > self.max_bytes:
+                return out  # never past the store's bound (the data has the room)
+            if st.cache_bytes + size > self.max_cache_bytes:
+                # Full: keep what is cached (a query ranks its stacks by count, so the hot ones
+                # came first) unless refusals show the cached set is no longer what is asked.
+                self._text_refused += 1
+                if self._text_refused <= 4 * len(self._texts):
+                    return out
+                self._text_refused = 0
+                for k in [k for k in self._texts if k[0] == kind]:
+                    st.cache_bytes -= self._texts.pop(k)[2]
+                if st.cache_bytes + size > self.max_cache_bytes:
+                    return out
+            self._text_kinds.add(kind)
+            old = self._texts.get(key)
+            if old is not None:
+                st.cache_bytes -= old[2]
+            self._texts[key] = (frames, out, size)
+            st.cache_bytes += size
+        return out
+
+    def _put_summary(self, idx: int, summ: _Summary) -> None:
+        st = self.stats
+        with self._lock:
+            old = self._summaries.pop(idx, None)
+            if old is not None:
+                st.cache_bytes -= old.nbytes
+            if (idx in self._buckets and st.cache_bytes + summ.nbytes <= self.max_cache_bytes
+                    and st.bytes_estimate + summ.nbytes <= self.max_bytes):  # fmt: skip
+                self._summaries[idx] = summ
+                st.cache_bytes += summ.nbytes
 
     def processes(self) -> list[ProcessInfo]:
         """The processes with samples still held (in some bucket), by pid: the last comm seen,
@@ -405,6 +531,41 @@ class StoreSnapshot:
         return _query(self._buckets, self._stacks, self.bucket_ns, since_ns, until_ns, pids,
                       tid, comm)  # fmt: skip
 
+    def query_top(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[StackCount], int]:
+        return _query_top(self._buckets, self._stacks, self.bucket_ns, since_ns, until_ns, pids,
+                          tid, comm, limit)  # fmt: skip
+
+    def top(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int = 50,
+    ) -> tuple[int, list[FunctionCount]]:
+        if pids is None and tid is None and comm is None:
+            fast = _top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
+                                  since_ns, until_ns, limit)  # fmt: skip
+            if fast is not None:
+                return fast
+        stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
+        return sum(s.count for s in stacks), top_functions(stacks, limit)
+
+    def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
+        store = self._store
+        return fn(frames) if store is None else store._render(kind, frames, fn)
+
     def processes(self) -> list[ProcessInfo]:
         return _processes(self._procs)
 
@@ -427,6 +588,20 @@ def _query(
     tid: int | None,
     comm: str | None,
 ) -> list[StackCount]:
+    return _query_top(buckets, stacks, bucket_ns, since_ns, until_ns, pids, tid, comm, None)[0]
+
+
+def _query_top(
+    buckets: Iterable[tuple[int, Counter[_Key]]],
+    stacks: dict[int, Stack],
+    bucket_ns: int,
+    since_ns: int | None,
+    until_ns: int | None,
+    pids: Iterable[int] | None,
+    tid: int | None,
+    comm: str | None,
+    limit: int | None,
+) -> tuple[list[StackCount], int]:
     lo = None if since_ns is None else since_ns // bucket_ns
     hi = None if until_ns is None else (until_ns - 1) // bucket_ns
     want = None if pids is None else set(pids)
@@ -444,10 +619,113 @@ def _query(
             if (tid is not None and ktid != tid) or (comm is not None and kcomm != comm):
                 continue
             total[key] += n
+    # most_common(): sorted by count, descending, stable; nlargest is the same order (ties
+    # keep insertion order) without sorting what the limit drops.
+    ranked = (total.most_common() if limit is None or limit >= len(total)
+              else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
     return [
-        StackCount(pid, ktid, kcomm, stacks[sid], n)
-        for (pid, ktid, kcomm, sid), n in total.most_common()
-    ]
+        StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
+    ], len(total)
+
+
+class _Summary(NamedTuple):
+    """What ``top`` needs of one bucket: computed from one frozen version of its counts (a
+    snapshot's: the store copies a shared bucket before writing it), so it stays valid for that
+    version; the next version's summary adds only what changed (counts only grow)."""
+
+    counts: Counter[_Key]
+    samples: int
+    self_c: Counter[_FuncKey]
+    total_c: Counter[_FuncKey]
+    nbytes: int
+
+
+def _summarize(counts: Counter[_Key], stacks: dict[int, Stack], base: _Summary | None) -> _Summary:
+    by_sid: dict[int, int] = {}
+    get = by_sid.get
+    if base is not None:
+        old = base.counts
+        oget = old.get
+        seen = 0
+        for key, n in counts.items():
+            o = oget(key)
+            if o is not None:
+                seen += 1
+                if n == o:
+                    continue
+                if n < o:
+                    seen = -1
+                    break
+                n -= o
+            sid = key[3]
+            by_sid[sid] = get(sid, 0) + n
+        if seen == len(old):
+            samples = base.samples
+            self_c = Counter(base.self_c)
+            total_c = Counter(base.total_c)
+        else:  # not a later version of the same bucket (evicted, then a late sample)
+            base = None
+            by_sid = {}
+            get = by_sid.get
+    if base is None:
+        for key, n in counts.items():
+            sid = key[3]
+            by_sid[sid] = get(sid, 0) + n
+        samples = 0
+        self_c = Counter()
+        total_c = Counter()
+    for sid, n in by_sid.items():
+        samples += n
+        keys = _func_keys(stacks[sid])
+        if keys:
+            self_c[keys[0]] += n
+            for k in keys[1]:
+                total_c[k] += n
+    nbytes = (len(self_c) + len(total_c)) * _SUMMARY_KEY_BYTES + len(counts) * _SUMMARY_ENTRY_BYTES
+    return _Summary(counts, samples, self_c, total_c, nbytes)
+
+
+def _top_summaries(
+    store: StackStore | None,
+    buckets: Iterable[tuple[int, Counter[_Key]]],
+    stacks: dict[int, Stack],
+    bucket_ns: int,
+    since_ns: int | None,
+    until_ns: int | None,
+    limit: int,
+) -> tuple[int, list[FunctionCount]] | None:
+    """``top_functions`` of an unfiltered query, merged from per-bucket summaries (cached in
+    the store, made incrementally). None when functions tie on (self, total, sym) where the
+    limit cuts or inside it: their order is top_functions' first-seen order, which only its
+    walk over the ranked entries gives."""
+    lo = None if since_ns is None else since_ns // bucket_ns
+    hi = None if until_ns is None else (until_ns - 1) // bucket_ns
+    cache = store._summaries if store is not None else {}
+    summs: list[_Summary] = []
+    for idx, counts in buckets:
+        if (lo is not None and idx < lo) or (hi is not None and idx > hi):
+            continue
+        base = cache.get(idx)
+        if base is None or base.counts is not counts:
+            base = _summarize(counts, stacks, base)
+            if store is not None:
+                store._put_summary(idx, base)
+        summs.append(base)
+    if not summs:
+        return 0, []
+    if len(summs) == 1:
+        self_c, total_c, samples = summs[0].self_c, summs[0].total_c, summs[0].samples
+    else:
+        self_c, total_c = Counter(summs[0].self_c), Counter(summs[0].total_c)
+        for sm in summs[1:]:
+            self_c.update(sm.self_c)
+            total_c.update(sm.total_c)
+        samples = sum(sm.samples for sm in summs)
+    ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[0]))
+    for a, b in itertools.pairwise(ranked[: limit + 1]):
+        if a[0] == b[0] and self_c[a] == self_c[b] and total_c[a] == total_c[b]:
+            return None
+    return samples, [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
 
 
 def _processes(procs: dict[int, tuple[str, int, int]]) -> list[ProcessInfo]:

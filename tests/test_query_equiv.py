@@ -1,0 +1,171 @@
+"""The query API's cached paths (rendered stacks, per-bucket top summaries, nlargest) answer the
+same bytes as the straightforward computation (``stack_json`` / ``top_functions`` over
+``StackStore.query``), on random store contents with eviction and late samples, queried
+directly and through snapshots while the store keeps changing."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+from unwindd.api import Api, Peer, stack_json
+from unwindd.httpapi import Request
+from unwindd.stackfmt import Frame
+from unwindd.stackstore import StackStore, _top_summaries, top_functions
+
+SEC = 1_000_000_000
+
+
+class Source:
+    def __init__(self, store: Any, now: int) -> None:
+        self.store = store
+        self.period_ns = 1_000_000
+        self.max_stacks = 50
+        self.now = now
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def now_ns(self) -> int:
+        return self.now
+
+    def uid_of(self, pid: int) -> int | None:
+        return 1000 if pid % 2 else 0
+
+    def exe_of(self, pid: int) -> str | None:
+        return None
+
+
+def frame_pool(rng: random.Random, n: int) -> list[Frame]:
+    syms = ["main", "f", "g", "ñame", None, "x;y", "_start"]
+    dsos = ["/bin/a", "/lib/libc.so.6", None, "[kernel.kallsyms]"]
+    return [Frame(rng.randrange(1 << 48), rng.choice(dsos), rng.choice(syms),
+                  rng.choice([None, 0, rng.randrange(4096)]), rng.random() < 0.2)
+            for _ in range(n)]  # fmt: skip
+
+
+def random_groups(rng: random.Random, pool: list[Frame], stacks: list[tuple[Frame, ...]],
+                  newest: int, n: int, wide: bool) -> list[Any]:  # fmt: skip
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.1:
+            stacks.append(tuple(rng.choice(pool) for _ in range(rng.randrange(0, 7))))
+        t: int | None = (newest - rng.randrange(0, 4)) * SEC + rng.randrange(SEC)
+        if rng.random() < 0.03:
+            t = None
+        elif rng.random() < 0.05:
+            t = (newest - rng.randrange(4, 12)) * SEC  # late: maybe an evicted bucket
+        count = rng.randrange(1, 1000) if wide else rng.randrange(1, 3)
+        out.append((t, rng.randrange(1, 6), rng.randrange(1, 4), rng.choice(["a", "b", "çx"]),
+                    rng.choice(stacks), count))  # fmt: skip
+    return out
+
+
+def reference_stacks(store: Any, since: int | None, limit: int, pids: Any = None) -> bytes:
+    stacks = store.query(since, None, pids=pids)
+    obj = {"samples": sum(s.count for s in stacks[:limit]), "truncated": len(stacks) > limit,
+           "stacks": [stack_json(s) for s in stacks[:limit]]}  # fmt: skip
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def reference_top(store: Any, since: int | None, limit: int, pids: Any = None) -> bytes:
+    stacks = store.query(since, None, pids=pids)
+    funcs = top_functions(stacks, limit)
+    obj = {"samples": sum(s.count for s in stacks),
+           "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
+                          "total": fc.total_count} for fc in funcs]}  # fmt: skip
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def get(api: Api, target: str, peer: Peer) -> bytes:
+    from urllib.parse import parse_qs
+
+    path, _, q = target.partition("?")
+    res = api.handle(Request("GET", target, path, parse_qs(q, keep_blank_values=True)), peer)
+    assert res.status == 200, res.body  # type: ignore[union-attr]
+    return res.body  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_answers_equal_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    wide = seed % 2 == 0  # wide counts: few ties, so the summary path answers top
+    store = StackStore(bucket_ns=SEC, max_buckets=6, max_entries=400,
+                       max_bytes=(1 << 20) if seed < 4 else 60_000)  # fmt: skip
+    pool = frame_pool(rng, 40)
+    stacks: list[tuple[Frame, ...]] = [()]
+    newest = 100
+    for step in range(40):
+        newest += rng.choice([0, 0, 1, 2])
+        store.add_counts(random_groups(rng, pool, stacks, newest, rng.randrange(1, 60), wide))
+        now = newest * SEC + SEC // 2
+        for view in ("store", "snapshot"):
+            snap = store.snapshot() if view == "snapshot" else store
+            api = Api(Source(snap, now))
+            for since in (None, 1, 3, 30):
+                sq = "" if since is None else f"since={since}"
+                s_ns = None if since is None else now - since * SEC
+                for limit in (1, 7, 50):
+                    body = get(api, f"/v1/stacks?{sq}&limit={limit}", Peer(0))
+                    assert body == reference_stacks(snap, s_ns, limit), (step, since, limit)
+                    body = get(api, f"/v1/top?{sq}&limit={limit}", Peer(0))
+                    assert body == reference_top(snap, s_ns, limit), (step, since, limit)
+                # filtered: a pid, and a non-root peer (sees odd pids only)
+                body = get(api, f"/v1/top?{sq}&pid=1,2", Peer(0))
+                assert body == reference_top(snap, s_ns, 50, frozenset({1, 2}))
+                odd = frozenset(p.pid for p in snap.processes() if p.pid % 2)
+                body = get(api, f"/v1/stacks?{sq}", Peer(1000))
+                assert body == reference_stacks(snap, s_ns, 50, odd)
+                body = get(api, f"/v1/top?{sq}", Peer(1000))
+                assert body == reference_top(snap, s_ns, 50, odd)
+            if view == "snapshot":
+                snap.close()
+        st = store.stats
+        assert 0 <= st.cache_bytes <= store.max_cache_bytes
+        assert st.bytes_estimate <= store.max_bytes or not store._buckets
+    assert store.stats.evicted_buckets > 0  # eviction happened along the way
+
+
+def test_summary_path_answers_without_ties() -> None:
+    f = [Frame(i, "/bin/a", f"fn{i}", 0) for i in range(6)]
+    store = StackStore(bucket_ns=SEC)
+    groups: list[Any] = [(5 * SEC, 1, 1, "a", (f[0], f[1], f[2]), 7),
+                         (6 * SEC, 1, 1, "a", (f[3], f[1], f[2]), 3),
+                         (6 * SEC, 2, 2, "b", (f[4], f[5]), 11)]  # fmt: skip
+    store.add_counts(groups)
+    snap = store.snapshot()
+    fast = _top_summaries(store, snap._buckets, snap._stacks, SEC, None, None, 50)
+    assert fast is not None
+    assert fast == (21, top_functions(snap.query(), 50))
+    snap.close()
+    assert store._summaries and store.stats.cache_bytes > 0
+    # a later version of bucket 6: the summary is brought up to date incrementally
+    store.add_counts([(6 * SEC, 1, 1, "a", (f[3], f[1], f[2]), 2)])
+    assert store.top() == (23, top_functions(store.query(), 50))
+
+
+def test_caches_emptied_with_their_data_and_bounded() -> None:
+    f = [Frame(i, "/bin/a", f"fn{i}", 0) for i in range(50)]
+    store = StackStore(bucket_ns=SEC, max_buckets=2)
+    api = Api(Source(store, 0))
+    for t in range(5):
+        store.add_counts([(t * SEC, 1, 1, "a", (f[t], f[t + i]), i + 1) for i in range(10)])
+        get(api, "/v1/stacks", Peer(0))
+        get(api, "/v1/top", Peer(0))
+        assert store.stats.cache_bytes > 0
+        assert len(store._texts) <= store.stats.stacks
+        assert set(store._summaries) <= set(store._buckets)
+    # the rendered stacks and summaries of evicted buckets are gone
+    for frames, _, _ in store._texts.values():
+        assert frames in store._stack_ids
+    store.drop_caches()
+    assert store.stats.cache_bytes == 0
+    # bounded: a store whose cache share holds two renderings caches at most that much
+    small = StackStore(bucket_ns=SEC, max_bytes=8 * 400)
+    small.add_counts([(0, 1, 1, "a", (f[i],), 1) for i in range(10)])
+    api = Api(Source(small, 0))
+    body = get(api, "/v1/stacks", Peer(0))
+    assert body == reference_stacks(small, None, 50)
+    assert small.stats.cache_bytes <= small.max_cache_bytes
