@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TypeVar
 
-from .demangle import demangle
+from .demangle import demangle, demangle_full, demangle_rust_legacy
 from .elfcache import ElfEntry, ElfError, ElfReader
 
 __all__ = [
@@ -252,7 +252,8 @@ class _Scan:
         do not start with ``_Z`` are their own demangled form; and constructor/destructor
         variants that differ only in that code (``C1``/``C2``/``C3``, ``D0``/``D1``/``D2``:
         see ``_ctor_twin``) print the same name, so one demangle stands for all of them, and
-        none when they are all that is left of the group."""
+        none when they are all that is left of the group; other names with the same full
+        demangled text (template classes' variants) share it without the perf-form step."""
         from ._unwcore import ffi
 
         size = _USYM.size
@@ -323,7 +324,8 @@ def _ctor_twin(name: str) -> tuple[int, str, str] | None:
 def _best_by_name(cands: list[int], u32: memoryview, strtab: bytes) -> int:
     """The first of ``cands`` (records in table order, tied before the name step) with the
     fewest leading underscores, then the longest name, as perf prints it. Demangles one name
-    per class of ``_ctor_twin``, none if every candidate is in one class."""
+    per class of ``_ctor_twin``, none if every candidate is in one class; then joins the
+    classes whose names demangle to the same text, and ranks only if more than one is left."""
     keys: list[str] = []
     classes: dict[str, str] = {}  # class key -> the name that stands for it
     twin: tuple[int, str, str] | None = None  # (code position, family, key) of the last twin
@@ -349,8 +351,24 @@ def _best_by_name(cands: list[int], u32: memoryview, strtab: bytes) -> int:
         classes.setdefault(key, name)
     if len(classes) == 1:
         return cands[0]
-    rank: dict[str, tuple[int, int]] = {}
+    # Classes the parse could not join (templates, other substitutions): names that are not
+    # Rust's and demangle to the same full text print the same (demangle derives perf's form
+    # from that text alone, see demangle.demangle), so they are one class too. The full text
+    # is the costly half of demangle and cached, so ranking what is left reuses it.
+    same: dict[tuple[str, bool], str] = {}  # (full text, special) -> its class key
+    alias: dict[str, str] = {}
     for key, name in classes.items():
+        if name.startswith("_Z") and demangle_rust_legacy(name) is None:
+            full = demangle_full(name)
+            if full is not None:
+                alias[key] = same.setdefault((full, name[2:3] in ("T", "G")), key)
+    if alias:
+        keys = [alias.get(k, k) for k in keys]
+        if len(set(keys)) == 1:
+            return cands[0]
+    rank: dict[str, tuple[int, int]] = {}
+    for key in set(keys):
+        name = classes[key]
         shown = demangle(name) if name.startswith("_Z") else name
         rank[key] = (-_underscores(shown), len(shown))
     best, best_rank = cands[0], rank[keys[0]]
