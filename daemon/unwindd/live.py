@@ -118,8 +118,9 @@ class LiveProfiler:
         # handed to on_records need objects, so that path stays on the slow step.
         self.fast: NativeStep | None = None
         if native and on_records is None and supported(session.event_format):
+            spaces = native_max_spaces(self.live.config.max_processes)
             self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
-                                   max_spaces=native_max_spaces(self.live.config.max_processes))
+                                   max_spaces=spaces)  # fmt: skip
 
     @classmethod
     def open(
