@@ -31,7 +31,8 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
     order.late_buckets.update({1 << 10: 1, 1 << 20: 2})
     eng = EngineStats(samples=10, user_frames=40, kernel_frames=5)
     eng.by_status.update({"ok": 8, "unmapped_pc": 2})
-    cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1)
+    cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1, trims=3,
+                       negative_hits=5)  # fmt: skip
     table = SimpleNamespace(binaries=SimpleNamespace(stats=cache), spaces={1: 0, 2: 0},
                             stats=SimpleNamespace(records=Counter()))  # fmt: skip
     prof = SimpleNamespace(
@@ -66,6 +67,8 @@ def test_counters_and_gauges() -> None:
     assert metric_values(text, "unwindd_elf_cache_hits_total") == {"": 7.0}
     assert metric_values(text, "unwindd_elf_cache_misses_total") == {"": 2.0}
     assert metric_values(text, "unwindd_elf_cache_evictions_total") == {"": 1.0}
+    assert metric_values(text, "unwindd_elf_cache_negative_hits_total") == {"": 5.0}
+    assert metric_values(text, "unwindd_elf_cache_trims_total") == {"": 3.0}
     assert metric_values(text, "unwindd_processes_tracked") == {"": 2.0}
     assert metric_values(text, "unwindd_api_requests_total") == {'{endpoint="/v1/status"}': 4.0}
     assert 'unwindd_build_info{python="' in text and 'version="0.1.0"' in text
