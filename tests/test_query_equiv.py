@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
+from unwindd import stackfmt
 from unwindd.api import Api, Peer, stack_json
 from unwindd.httpapi import Request
-from unwindd.stackfmt import Frame
+from unwindd.pprof import encode_profile
+from unwindd.stackfmt import Frame, UnwoundSample
 from unwindd.stackstore import StackStore, _top_summaries, top_functions
 
 SEC = 1_000_000_000
@@ -79,6 +82,14 @@ def reference_top(store: Any, since: int | None, limit: int, pids: Any = None) -
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+def reference_folded(store: Any, since: int | None, limit: int) -> bytes:
+    folded: Counter[tuple[str, ...]] = Counter()
+    for s in store.query(since, None)[:limit]:
+        u = UnwoundSample(None, s.pid, s.tid, None, s.comm, None, "", s.frames)
+        folded[stackfmt.folded_key(u)] += s.count
+    return stackfmt.render_folded(folded).encode()
+
+
 def get(api: Api, target: str, peer: Peer) -> bytes:
     from urllib.parse import parse_qs
 
@@ -91,7 +102,7 @@ def get(api: Api, target: str, peer: Peer) -> bytes:
 @pytest.mark.parametrize("seed", range(6))
 def test_answers_equal_reference(seed: int) -> None:
     rng = random.Random(seed)
-    wide = seed % 2 == 0  # wide counts: few ties, so the summary path answers top
+    wide = seed % 2 == 0  # narrow counts: many ties (top orders them as top_functions does)
     store = StackStore(bucket_ns=SEC, max_buckets=6, max_entries=400,
                        max_bytes=(1 << 20) if seed < 4 else 60_000)  # fmt: skip
     pool = frame_pool(rng, 40)
@@ -112,6 +123,12 @@ def test_answers_equal_reference(seed: int) -> None:
                     assert body == reference_stacks(snap, s_ns, limit), (step, since, limit)
                     body = get(api, f"/v1/top?{sq}&limit={limit}", Peer(0))
                     assert body == reference_top(snap, s_ns, limit), (step, since, limit)
+                    body = get(api, f"/v1/stacks?{sq}&limit={limit}&format=folded", Peer(0))
+                    assert body == reference_folded(snap, s_ns, limit)
+                body = get(api, f"/v1/stacks?{sq}&limit=7&format=pprof", Peer(0))
+                ref = encode_profile(snap.query(s_ns, None)[:7], period_ns=1_000_000,
+                                     duration_nanos=max(0, now - (s_ns or now)))  # fmt: skip
+                assert body == ref
                 # filtered: a pid, and a non-root peer (sees odd pids only)
                 body = get(api, f"/v1/top?{sq}&pid=1,2", Peer(0))
                 assert body == reference_top(snap, s_ns, 50, frozenset({1, 2}))
@@ -137,7 +154,6 @@ def test_summary_path_answers_without_ties() -> None:
     store.add_counts(groups)
     snap = store.snapshot()
     fast = _top_summaries(store, snap._buckets, snap._stacks, SEC, None, None, 50)
-    assert fast is not None
     assert fast == (21, top_functions(snap.query(), 50))
     snap.close()
     assert store._summaries and store.stats.cache_bytes > 0

@@ -33,6 +33,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from . import stackfmt
@@ -211,7 +212,9 @@ class Api:
                                     limit=limit)  # fmt: skip
         truncated = n > limit
         if fmt == "folded":
-            return Response(200, render_folded(stacks).encode(), "text/plain; charset=utf-8",
+            names = partial(store.render, "folded", fn=stackfmt.folded_names)
+            body = render_folded(stacks, names).encode()
+            return Response(200, body, "text/plain; charset=utf-8",
                             (("x-unwindd-truncated", str(truncated).lower()),))  # fmt: skip
         if fmt == "pprof":
             now = self.source.now_ns()
@@ -287,11 +290,15 @@ def frames_json(frames: Stack) -> str:
     )  # fmt: skip
 
 
-def render_folded(stacks: Iterable[StackCount]) -> str:
+def render_folded(
+    stacks: Iterable[StackCount],
+    names: Callable[[Stack], tuple[str, ...]] = stackfmt.folded_names,
+) -> str:
+    """``stackfmt.folded_key`` of each stack as a sample, counted; ``names`` may cache the
+    frames' part per stack."""
     folded: Counter[tuple[str, ...]] = Counter()
     for s in stacks:
-        u = UnwoundSample(None, s.pid, s.tid, None, s.comm, None, "", s.frames)
-        folded[stackfmt.folded_key(u)] += s.count
+        folded[(s.comm or "[unknown]", *names(s.frames))] += s.count
     return stackfmt.render_folded(folded)
 
 

@@ -119,8 +119,13 @@ def perf_script(s: UnwoundSample) -> str:
 
 def folded_key(s: UnwoundSample) -> tuple[str, ...]:
     """The stack as flamegraph.pl folds it: comm first, then outermost frame to leaf."""
-    names = [s.comm or "[unknown]"]
-    for f in reversed(s.frames):
+    return (s.comm or "[unknown]", *folded_names(s.frames))
+
+
+def folded_names(frames: tuple[Frame, ...]) -> tuple[str, ...]:
+    """``folded_key`` without the comm: the frames' names, outermost first."""
+    names = []
+    for f in reversed(frames):
         if f.sym:
             name = f.sym
         elif f.dso:

@@ -30,7 +30,6 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -555,10 +554,8 @@ class StoreSnapshot:
         limit: int = 50,
     ) -> tuple[int, list[FunctionCount]]:
         if pids is None and tid is None and comm is None:
-            fast = _top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
+            return _top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
                                   since_ns, until_ns, limit)  # fmt: skip
-            if fast is not None:
-                return fast
         stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
         return sum(s.count for s in stacks), top_functions(stacks, limit)
 
@@ -602,6 +599,25 @@ def _query_top(
     comm: str | None,
     limit: int | None,
 ) -> tuple[list[StackCount], int]:
+    total = _merged(buckets, bucket_ns, since_ns, until_ns, pids, tid, comm)
+    # most_common(): sorted by count, descending, stable; nlargest is the same order (ties
+    # keep insertion order) without sorting what the limit drops.
+    ranked = (total.most_common() if limit is None or limit >= len(total)
+              else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
+    return [
+        StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
+    ], len(total)
+
+
+def _merged(
+    buckets: Iterable[tuple[int, Counter[_Key]]],
+    bucket_ns: int,
+    since_ns: int | None,
+    until_ns: int | None,
+    pids: Iterable[int] | None,
+    tid: int | None,
+    comm: str | None,
+) -> Counter[_Key]:
     lo = None if since_ns is None else since_ns // bucket_ns
     hi = None if until_ns is None else (until_ns - 1) // bucket_ns
     want = None if pids is None else set(pids)
@@ -619,13 +635,7 @@ def _query_top(
             if (tid is not None and ktid != tid) or (comm is not None and kcomm != comm):
                 continue
             total[key] += n
-    # most_common(): sorted by count, descending, stable; nlargest is the same order (ties
-    # keep insertion order) without sorting what the limit drops.
-    ranked = (total.most_common() if limit is None or limit >= len(total)
-              else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
-    return [
-        StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
-    ], len(total)
+    return total
 
 
 class _Summary(NamedTuple):
@@ -687,17 +697,15 @@ def _summarize(counts: Counter[_Key], stacks: dict[int, Stack], base: _Summary |
 
 def _top_summaries(
     store: StackStore | None,
-    buckets: Iterable[tuple[int, Counter[_Key]]],
+    buckets: Sequence[tuple[int, Counter[_Key]]],
     stacks: dict[int, Stack],
     bucket_ns: int,
     since_ns: int | None,
     until_ns: int | None,
     limit: int,
-) -> tuple[int, list[FunctionCount]] | None:
+) -> tuple[int, list[FunctionCount]]:
     """``top_functions`` of an unfiltered query, merged from per-bucket summaries (cached in
-    the store, made incrementally). None when functions tie on (self, total, sym) where the
-    limit cuts or inside it: their order is top_functions' first-seen order, which only its
-    walk over the ranked entries gives."""
+    the store, made incrementally)."""
     lo = None if since_ns is None else since_ns // bucket_ns
     hi = None if until_ns is None else (until_ns - 1) // bucket_ns
     cache = store._summaries if store is not None else {}
@@ -722,10 +730,56 @@ def _top_summaries(
             total_c.update(sm.total_c)
         samples = sum(sm.samples for sm in summs)
     ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[0]))
-    for a, b in itertools.pairwise(ranked[: limit + 1]):
-        if a[0] == b[0] and self_c[a] == self_c[b] and total_c[a] == total_c[b]:
-            return None
+    # Functions tied on (self, total, sym) (same name, other dso) keep top_functions' order:
+    # the order in which its walk over the ranked entries first meets them.
+    runs: list[tuple[int, int]] = []  # [start, end) of tied runs that reach into the limit
+    i = 0
+    while i < min(limit, len(ranked)):
+        a, j = ranked[i], i + 1
+        while (j < len(ranked) and ranked[j][0] == a[0] and self_c[ranked[j]] == self_c[a]
+               and total_c[ranked[j]] == total_c[a]):  # fmt: skip
+            j += 1
+        if j - i > 1:
+            runs.append((i, j))
+        i = j
+    if runs:
+        first = _first_seen({k for i, j in runs for k in ranked[i:j]}, buckets, stacks,
+                            bucket_ns, since_ns, until_ns)  # fmt: skip
+        for i, j in runs:
+            ranked[i:j] = sorted(ranked[i:j], key=first.__getitem__)
     return samples, [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
+
+
+def _first_seen(
+    wanted: set[_FuncKey],
+    buckets: Iterable[tuple[int, Counter[_Key]]],
+    stacks: dict[int, Stack],
+    bucket_ns: int,
+    since_ns: int | None,
+    until_ns: int | None,
+) -> dict[_FuncKey, int]:
+    """Where top_functions first counts each wanted function: its walk goes over the query's
+    entries ranked by count, the distinct stacks in that order, each stack's distinct keys in
+    frame order. Stops when all are found."""
+    total = _merged(buckets, bucket_ns, since_ns, until_ns, None, None, None)
+    out: dict[_FuncKey, int] = {}
+    seen: set[int] = set()
+    pos = 0
+    for key, _ in total.most_common():
+        sid = key[3]
+        if sid in seen:
+            continue
+        seen.add(sid)
+        keys = _func_keys(stacks[sid])
+        if not keys:
+            continue
+        for k in keys[1]:
+            if k in wanted and k not in out:
+                out[k] = pos
+            pos += 1
+        if len(out) == len(wanted):
+            break
+    return out
 
 
 def _processes(procs: dict[int, tuple[str, int, int]]) -> list[ProcessInfo]:
