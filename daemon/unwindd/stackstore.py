@@ -21,10 +21,18 @@ Invariants:
   adding: O(buckets) to take. Buckets are copy-on-write (the first write to a bucket a snapshot
   shares copies that bucket's dict, O(its entries), once per snapshot), stacks released while a
   snapshot is open are freed when the last one closes, and the per-process summary is copied.
+- Query caches (for the query thread; ``stats.cache_bytes``, part of ``bytes_estimate``): a
+  rendering per interned stack (``render``; dropped with the stack) and a top summary per
+  bucket (``top``; from one frozen version of the bucket's counts, brought up to date from the
+  next version's new counts; dropped with the bucket). Together at most ``max_bytes // 8``,
+  never filled past ``max_bytes``, and dropped whole before a bucket is evicted for bytes.
+  Answers do not depend on them: ``top`` equals ``top_functions(query(...))`` and ``query_top``
+  equals ``query(...)[:limit]`` (tests/test_query_equiv.py).
 - Cost: ``add`` is O(frames) per new stack, O(1) dict work per sample otherwise; ``add_counts``
   is the same per (pid, tid, comm, bucket, stack) group, whatever the samples in it; evicting
   is O(entries evicted); releasing stacks is O(stacks whose count dropped), not O(stacks); a
-  query is O(entries in the window).
+  query is O(entries in the window) (C-level merges; ``query_top`` builds only ``limit``
+  results); an unfiltered ``top`` is O(entries added since the last one + functions).
 """
 
 from __future__ import annotations
@@ -443,11 +451,9 @@ class StackStore:
             return hit[1]
         out = fn(frames)
         size = _TEXT_BYTES + (len(out) if isinstance(out, str)
-                              else sum(len(x) + 8 for x in out))  # fmt: skip
+                              else 8 * len(out) + sum(map(len, out)))  # fmt: skip
         st = self.stats
         with self._lock:
-            if self._stacks.get(self._stack_ids.get(frames, -1)) is not frames:
-                return out  # not interned (or no longer): nothing would drop the entry
             if st.bytes_estimate + size > self.max_bytes:
                 return out  # never past the store's bound (the data has the room)
             if st.cache_bytes + size > self.max_cache_bytes:
@@ -461,6 +467,10 @@ class StackStore:
                     st.cache_bytes -= self._texts.pop(k)[2]
                 if st.cache_bytes + size > self.max_cache_bytes:
                     return out
+            interned = self._by_obj.get(id(frames))
+            if (interned is None or interned[0] is not frames) and self._stacks.get(
+                    self._stack_ids.get(frames, -1)) is not frames:  # fmt: skip
+                return out  # not interned (or no longer): nothing would drop the entry
             self._text_kinds.add(kind)
             old = self._texts.get(key)
             if old is not None:
