@@ -6,7 +6,9 @@ directly and through snapshots while the store keeps changing."""
 from __future__ import annotations
 
 import json
+import queue
 import random
+import threading
 from collections import Counter
 from typing import Any
 
@@ -90,6 +92,11 @@ def reference_folded(store: Any, since: int | None, limit: int) -> bytes:
     return stackfmt.render_folded(folded).encode()
 
 
+def cache_sum(store: StackStore) -> int:
+    return (sum(size for _, _, size in store._texts.values())
+            + sum(sm.nbytes for sm in store._summaries.values()))  # fmt: skip
+
+
 def get(api: Api, target: str, peer: Peer) -> bytes:
     from urllib.parse import parse_qs
 
@@ -141,6 +148,7 @@ def test_answers_equal_reference(seed: int) -> None:
                 snap.close()
         st = store.stats
         assert 0 <= st.cache_bytes <= store.max_cache_bytes
+        assert st.cache_bytes == cache_sum(store)
         assert st.bytes_estimate <= store.max_bytes or not store._buckets
     assert store.stats.evicted_buckets > 0  # eviction happened along the way
 
@@ -185,3 +193,45 @@ def test_caches_emptied_with_their_data_and_bounded() -> None:
     body = get(api, "/v1/stacks", Peer(0))
     assert body == reference_stacks(small, None, 50)
     assert small.stats.cache_bytes <= small.max_cache_bytes
+
+
+def test_queries_on_a_thread_while_adding() -> None:
+    """The daemon's shape: snapshots queried on a worker thread while the owner adds, evicts
+    and releases stacks; answers equal the reference on the same snapshot, accounting holds."""
+    rng = random.Random(7)
+    store = StackStore(bucket_ns=SEC, max_buckets=4, max_entries=300)
+    pool = frame_pool(rng, 30)
+    stacks: list[tuple[Frame, ...]] = [()]
+    errors: list[BaseException] = []
+    snaps: queue.Queue[Any] = queue.Queue()
+
+    def worker() -> None:
+        while (item := snaps.get()) is not None:
+            snap, now = item
+            try:
+                api = Api(Source(snap, now))
+                for limit in (5, 50):
+                    body = get(api, f"/v1/stacks?since=3&limit={limit}", Peer(0))
+                    assert body == reference_stacks(snap, now - 3 * SEC, limit)
+                    body = get(api, f"/v1/top?limit={limit}", Peer(0))
+                    assert body == reference_top(snap, None, limit)
+            except BaseException as e:
+                errors.append(e)
+            finally:
+                snap.close()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    newest = 10
+    for _ in range(200):
+        newest += rng.choice([0, 1])
+        store.add_counts(random_groups(rng, pool, stacks, newest, 20, True))
+        if rng.random() < 0.3:
+            snaps.put((store.snapshot(), newest * SEC))
+    snaps.put(None)
+    t.join()
+    assert not errors, errors[0]
+    store.add_counts([])  # the last deferred releases
+    assert store.stats.cache_bytes == cache_sum(store)
+    for frames, _, _ in store._texts.values():
+        assert frames in store._stack_ids
