@@ -55,7 +55,7 @@ from ._unwcore import ffi, lib
 from .abi import RecordType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
-from .ordering import OrderStats, lateness_bucket
+from .ordering import OrderStats
 from .perfdata import PerfData
 from .proctable import PROT_EXEC, Mapping
 from .records import FinishedRound, Mmap2, Record, _SampleLayout
@@ -338,7 +338,7 @@ class _Replay:
         ost = ffi.new("struct fp_order_stats *")
         if lib.fp_order(recs, n, self.max_queued, perm, nout, late, nlate, ost) != 0:
             raise MemoryError("fp_order")
-        self._order_stats(ost, late, int(nlate[0]))
+        self.ostats.add_native(ost, late[0 : int(nlate[0])])
         m = int(nout[0])
         skipped = 0
         if ncand:
@@ -442,19 +442,6 @@ class _Replay:
         return i < 0 or maps[i].end <= rec.start
 
     # -- stats
-
-    def _order_stats(self, st: Any, late: Any, nlate: int) -> None:
-        o = self.ostats
-        o.pushed += st.pushed
-        o.delivered += st.delivered
-        o.queued += st.queued
-        o.late += st.late
-        o.max_lateness_ns = max(o.max_lateness_ns, st.max_lateness_ns)
-        o.rounds += st.rounds
-        o.forced_flushes += st.forced_flushes
-        o.untimed += st.untimed
-        if nlate:
-            o.late_buckets.update(lateness_bucket(x) for x in late[0:nlate])
 
     def _stream_stats(
         self,

@@ -59,7 +59,6 @@ from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
-from .ordering import lateness_bucket
 from .records import Comm, Fork, Lost, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .stackstore import CountGroup, StackStore
@@ -285,7 +284,7 @@ class NativeStep:
         if lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, nout, late,
                                    nlate, ost, keep, nkeep) != 0:  # fmt: skip
             raise MemoryError("fp_live_order_round")
-        self._order_stats(ost, late, int(nlate[0]))
+        self.pipeline.orderer.stats.add_native(ost, late[0 : int(nlate[0])])
         d = int(nout[0])
         cols = [ffi.new(f"{t}[]", max(1, d)) for t in _COLS]
         lib.fp_columns(recs, perm, d, *cols)
@@ -365,19 +364,6 @@ class NativeStep:
                 if per is None:
                     per = s.by_cpu_type[cpu] = Counter()
                 per["SAMPLE"] += c
-
-    def _order_stats(self, st: Any, late: Any, nlate: int) -> None:
-        o = self.pipeline.orderer.stats
-        o.pushed += st.pushed
-        o.delivered += st.delivered
-        o.queued = st.queued
-        o.late += st.late
-        o.max_lateness_ns = max(o.max_lateness_ns, st.max_lateness_ns)
-        o.rounds += st.rounds
-        o.forced_flushes += st.forced_flushes
-        o.untimed += st.untimed
-        if nlate:
-            o.late_buckets.update(lateness_bucket(x) for x in late[0:nlate])
 
     def _carry_round(self, cbuf: Any, size: int, recs: Any, keep: Any, nkeep: int,
                      objs: dict[int, _Marked]) -> None:  # fmt: skip

@@ -44,6 +44,7 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import records
 
@@ -65,6 +66,20 @@ class OrderStats:
     # Late records by lateness, keyed by the smallest power of two (ns) >= the lateness, so the
     # keys are ready-made histogram bucket bounds (le=1, 2, 4, ... ns).
     late_buckets: Counter[int] = field(default_factory=Counter)
+
+    def add_native(self, st: Any, lateness_ns: Iterable[int]) -> None:
+        """Add one call's counts of the native orderer (``struct fp_order_stats``, fastpath.h:
+        fastreplay's whole file, or one live round) and its late records' lateness; ``queued``
+        is the gauge, so it is taken, not added."""
+        self.pushed += st.pushed
+        self.delivered += st.delivered
+        self.queued = st.queued
+        self.late += st.late
+        self.max_lateness_ns = max(self.max_lateness_ns, st.max_lateness_ns)
+        self.rounds += st.rounds
+        self.forced_flushes += st.forced_flushes
+        self.untimed += st.untimed
+        self.late_buckets.update(lateness_bucket(x) for x in lateness_ns)
 
 
 def lateness_bucket(lateness_ns: int) -> int:
