@@ -132,7 +132,45 @@ class _Bucket:
 CountGroup = tuple[int | None, int | None, int | None, str, Stack, int]
 
 
-class StackStore:
+class _Queries:
+    """``query`` and ``query_top`` of a StackStore and of its snapshots, over the bucket counts
+    each one sees (``_bucket_counts``)."""
+
+    bucket_ns: int
+    _stacks: dict[int, Stack]
+
+    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
+        raise NotImplementedError
+
+    def query(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+    ) -> list[StackCount]:
+        """Stacks with counts over the buckets overlapping [since_ns, until_ns), filtered.
+        Resolution is one bucket: a window edge inside a bucket includes the whole bucket."""
+        return self.query_top(since_ns, until_ns, pids=pids, tid=tid, comm=comm)[0]
+
+    def query_top(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[StackCount], int]:
+        """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
+        return _query_top(self._bucket_counts(), self._stacks, self.bucket_ns, since_ns,
+                          until_ns, pids, tid, comm, limit)  # fmt: skip
+
+
+class StackStore(_Queries):
     def __init__(
         self,
         *,
@@ -392,35 +430,6 @@ class StackStore:
             return None
         return next(iter(self._buckets)) * self.bucket_ns, (self._newest + 1) * self.bucket_ns
 
-    def query(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-    ) -> list[StackCount]:
-        """Stacks with counts over the buckets overlapping [since_ns, until_ns), filtered.
-        Resolution is one bucket: a window edge inside a bucket includes the whole bucket."""
-        items = [(idx, b.counts) for idx, b in self._buckets.items()]
-        return _query(items, self._stacks, self.bucket_ns, since_ns, until_ns, pids, tid, comm)
-
-    def query_top(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-        limit: int | None = None,
-    ) -> tuple[list[StackCount], int]:
-        """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
-        items = [(idx, b.counts) for idx, b in self._buckets.items()]
-        return _query_top(items, self._stacks, self.bucket_ns, since_ns, until_ns, pids, tid,
-                          comm, limit)  # fmt: skip
-
     def top(
         self,
         since_ns: int | None = None,
@@ -496,21 +505,24 @@ class StackStore:
         whose last sample is evicted is no longer listed."""
         return _processes(self._procs)
 
+    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
+        return [(idx, b.counts) for idx, b in self._buckets.items()]
+
     def snapshot(self) -> StoreSnapshot:
         """An immutable view for a query on another thread; ``close()`` it when done."""
         for b in self._buckets.values():
             b.shared = True
         with self._lock:
             self._readers += 1
-        return StoreSnapshot(self, [(idx, b.counts) for idx, b in self._buckets.items()],
-                             dict(self._procs), self.window())  # fmt: skip
+        return StoreSnapshot(self, self._bucket_counts(), dict(self._procs),
+                             self.window())  # fmt: skip
 
     def _close_snapshot(self) -> None:
         with self._lock:
             self._readers -= 1
 
 
-class StoreSnapshot:
+class StoreSnapshot(_Queries):
     """What ``StackStore.snapshot`` returns: ``query``/``processes``/``window`` of one moment."""
 
     def __init__(
@@ -528,31 +540,6 @@ class StoreSnapshot:
         self.bucket_ns = store.bucket_ns
         self.stats = store.stats
 
-    def query(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-    ) -> list[StackCount]:
-        return _query(self._buckets, self._stacks, self.bucket_ns, since_ns, until_ns, pids,
-                      tid, comm)  # fmt: skip
-
-    def query_top(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-        limit: int | None = None,
-    ) -> tuple[list[StackCount], int]:
-        return _query_top(self._buckets, self._stacks, self.bucket_ns, since_ns, until_ns, pids,
-                          tid, comm, limit)  # fmt: skip
-
     def top(
         self,
         since_ns: int | None = None,
@@ -569,6 +556,9 @@ class StoreSnapshot:
         stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
         return sum(s.count for s in stacks), top_functions(stacks, limit)
 
+    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
+        return self._buckets
+
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
         store = self._store
         return fn(frames) if store is None else store._render(kind, frames, fn)
@@ -583,19 +573,6 @@ class StoreSnapshot:
         if self._store is not None:
             self._store._close_snapshot()
             self._store = None
-
-
-def _query(
-    buckets: Iterable[tuple[int, Counter[_Key]]],
-    stacks: dict[int, Stack],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-    pids: Iterable[int] | None,
-    tid: int | None,
-    comm: str | None,
-) -> list[StackCount]:
-    return _query_top(buckets, stacks, bucket_ns, since_ns, until_ns, pids, tid, comm, None)[0]
 
 
 def _query_top(
