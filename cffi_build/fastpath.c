@@ -516,7 +516,7 @@ struct fp_ctx {
     int by_code;            /* fp_ctx_by_code */
     struct pair_ent *pairs; /* by code: pairs in first-seen order */
     uint64_t npairs, cappairs;
-    uint64_t *ptab;         /* open addressing: pair index + 1 */
+    uint32_t *ptab;         /* open addressing: pair index + 1 */
     uint64_t ptabcap;
 };
 
@@ -664,6 +664,49 @@ static inline uint64_t frame_hash(uint64_t tag, uint64_t addr, uint8_t exact)
     return mix(mix(tag, addr), exact);
 }
 
+static inline uint64_t pair_hash(uint32_t space_id, uint32_t stack_id, uint64_t pcs_hash)
+{
+    return mix(mix(space_id, stack_id), pcs_hash);
+}
+
+static uint64_t frame_hash_of(const struct fp_ctx *c, uint64_t i)
+{
+    const struct frame_ent *f = &c->frames[i];
+    return frame_hash(f->tag, f->addr, f->exact);
+}
+
+static uint64_t stack_hash_of(const struct fp_ctx *c, uint64_t i) { return c->stacks[i].hash; }
+
+static uint64_t pair_hash_of(const struct fp_ctx *c, uint64_t i)
+{
+    const struct pair_ent *q = &c->pairs[i];
+    return pair_hash(q->space_id, q->stack_id, q->pcs_hash);
+}
+
+/* The frame, stack and pair sets: open addressing over ids [0, n) (slot = id + 1, 0 empty).
+ * Before adding id n, keep *tab at most half full: double it (first 4096 slots) and place
+ * every id again by hash(c, id). -1 on allocation failure. O(n) per doubling, amortized O(1). */
+static int index_reserve(const struct fp_ctx *c, uint32_t **tab, uint64_t *cap, uint64_t n,
+                         uint64_t (*hash)(const struct fp_ctx *, uint64_t))
+{
+    if (2 * (n + 1) <= *cap)
+        return 0;
+    uint64_t ncap = *cap ? 2 * *cap : 4096;
+    uint32_t *nt = calloc(ncap, sizeof *nt);
+    if (!nt)
+        return -1;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t j = SLOT(hash(c, i), ncap);
+        while (nt[j])
+            j = SLOT(j + 1, ncap);
+        nt[j] = (uint32_t)i + 1;
+    }
+    free(*tab);
+    *tab = nt;
+    *cap = ncap;
+    return 0;
+}
+
 /* The id of the frame at pc (seen in space sp), added if new; UINT32_MAX on allocation
  * failure. Identity: see struct frame_ent. */
 static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint64_t pc,
@@ -678,22 +721,8 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
             addr = named - m->bias;
         }
     }
-    if (2 * (c->nfr + 1) > c->ftabcap) {
-        uint64_t ncap = c->ftabcap ? 2 * c->ftabcap : 4096;
-        uint32_t *nt = calloc(ncap, sizeof *nt);
-        if (!nt)
-            return UINT32_MAX;
-        for (uint64_t i = 0; i < c->nfr; i++) {
-            const struct frame_ent *f = &c->frames[i];
-            uint64_t j = SLOT(frame_hash(f->tag, f->addr, f->exact), ncap);
-            while (nt[j])
-                j = SLOT(j + 1, ncap);
-            nt[j] = (uint32_t)i + 1;
-        }
-        free(c->ftab);
-        c->ftab = nt;
-        c->ftabcap = ncap;
-    }
+    if (index_reserve(c, &c->ftab, &c->ftabcap, c->nfr, frame_hash_of))
+        return UINT32_MAX;
     uint64_t j = SLOT(frame_hash(tag, addr, exact), c->ftabcap);
     while (c->ftab[j]) {
         const struct frame_ent *f = &c->frames[c->ftab[j] - 1];
@@ -748,21 +777,8 @@ static uint32_t intern_stack(struct fp_ctx *c, const struct space_ent *sp, const
     uint64_t h = 0;
     for (uint32_t i = 0; i < nw; i++)
         h = mix(h, key[i]);
-    if (2 * (c->nstk + 1) > c->stabcap) {
-        uint64_t ncap = c->stabcap ? 2 * c->stabcap : 4096;
-        uint32_t *nt = calloc(ncap, sizeof *nt);
-        if (!nt)
-            return UINT32_MAX;
-        for (uint64_t i = 0; i < c->nstk; i++) {
-            uint64_t j = SLOT(c->stacks[i].hash, ncap);
-            while (nt[j])
-                j = SLOT(j + 1, ncap);
-            nt[j] = (uint32_t)i + 1;
-        }
-        free(c->stab);
-        c->stab = nt;
-        c->stabcap = ncap;
-    }
+    if (index_reserve(c, &c->stab, &c->stabcap, c->nstk, stack_hash_of))
+        return UINT32_MAX;
     uint64_t j = SLOT(h, c->stabcap);
     while (c->stab[j]) {
         const struct stack_ent *s = &c->stacks[c->stab[j] - 1];
@@ -811,23 +827,10 @@ static inline uint32_t key_words(const struct fp_ctx *c, uint32_t npcs, uint64_t
 /* by code: note (space, stack) in the pair set; -1 on allocation failure. O(1) expected. */
 static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id, uint64_t pcs_hash)
 {
-    if (2 * (c->npairs + 1) > c->ptabcap) {
-        uint64_t ncap = c->ptabcap ? 2 * c->ptabcap : 4096;
-        uint64_t *nt = calloc(ncap, sizeof *nt);
-        if (!nt)
-            return -1;
-        for (uint64_t i = 0; i < c->npairs; i++) {
-            const struct pair_ent *q = &c->pairs[i];
-            uint64_t j = SLOT(mix(mix(q->space_id, q->stack_id), q->pcs_hash), ncap);
-            while (nt[j])
-                j = SLOT(j + 1, ncap);
-            nt[j] = i + 1;
-        }
-        free(c->ptab);
-        c->ptab = nt;
-        c->ptabcap = ncap;
-    }
-    uint64_t j = SLOT(mix(mix(space_id, stack_id), pcs_hash), c->ptabcap);
+    if (c->npairs >= UINT32_MAX - 1 ||
+        index_reserve(c, &c->ptab, &c->ptabcap, c->npairs, pair_hash_of))
+        return -1;
+    uint64_t j = SLOT(pair_hash(space_id, stack_id, pcs_hash), c->ptabcap);
     while (c->ptab[j]) {
         const struct pair_ent *q = &c->pairs[c->ptab[j] - 1];
         if (q->space_id == space_id && q->stack_id == stack_id && q->pcs_hash == pcs_hash)
@@ -843,7 +846,7 @@ static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id, uin
         c->cappairs = ncap;
     }
     c->pairs[c->npairs] = (struct pair_ent){space_id, stack_id, pcs_hash};
-    c->ptab[j] = ++c->npairs;
+    c->ptab[j] = (uint32_t)++c->npairs;
     return 0;
 }
 
