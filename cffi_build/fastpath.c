@@ -514,6 +514,7 @@ struct fp_ctx {
     uint64_t nfids, capfids;
     uint32_t touch_gen;     /* fp_live_run calls so far (space_ent.touch) */
     int by_code;            /* fp_ctx_by_code */
+    struct fid_memo *memo;  /* by code: FID_MEMO slots, see frame_id */
     struct pair_ent *pairs; /* by code: pairs in first-seen order */
     uint64_t npairs, cappairs;
     uint32_t *ptab;         /* open addressing: pair index + 1 */
@@ -556,6 +557,7 @@ void fp_ctx_free(struct fp_ctx *c)
     free(c->fids);
     free(c->pairs);
     free(c->ptab);
+    free(c->memo);
     free(c);
 }
 
@@ -745,6 +747,29 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
     return (uint32_t)c->nfr++;
 }
 
+/* by code: (space, pc, exact) -> frame id, direct-mapped. Every sample turns each of its pcs
+ * into a frame id (a module search and a set probe, ~30 ns); the same return addresses recur,
+ * so a memo hit makes that one compare. Exact: frame ids never change, and a space id names
+ * one snapshot (fp_set_space), so its modules, and the pc's frame, are fixed. 96 KiB. */
+#define FID_MEMO 4096
+struct fid_memo {
+    uint64_t pc, sx;    /* sx: space_id << 1 | exact */
+    uint32_t fid1;      /* frame id + 1, 0 empty */
+};
+
+static uint32_t frame_id(struct fp_ctx *c, const struct space_ent *sp, uint64_t pc,
+                         uint8_t exact)
+{
+    uint64_t sx = (uint64_t)sp->space_id << 1 | exact;
+    struct fid_memo *m = &c->memo[SLOT(mix(sx, pc), FID_MEMO)];
+    if (m->fid1 && m->pc == pc && m->sx == sx)
+        return m->fid1 - 1;
+    uint32_t fid = intern_frame(c, sp, pc, exact);
+    if (fid != UINT32_MAX)
+        *m = (struct fid_memo){pc, sx, fid + 1};
+    return fid;
+}
+
 /* Frame ids of a new stack's pcs: the leaf and a frame after a signal trampoline are exact. */
 static int stack_fids(struct fp_ctx *c, const struct space_ent *sp, const uint64_t *pcs,
                       const uint8_t *kinds, uint32_t npcs, uint64_t *foff)
@@ -893,7 +918,7 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
             key[2 + npw - 1] = 0; /* the pad half of an odd count */
         for (uint32_t i = 0; i < npcs; i++) {
             uint8_t exact = i == 0 || (c->kinds[i - 1] & UNW_FRAME_SIGNAL);
-            uint32_t fid = intern_frame(c, sp, c->pcs[i], exact);
+            uint32_t fid = frame_id(c, sp, c->pcs[i], exact);
             if (fid == UINT32_MAX)
                 return UINT32_MAX;
             pcs_hash = mix(pcs_hash, c->pcs[i]);
@@ -1020,6 +1045,8 @@ void fp_stack_counts(const struct fp_ctx *c, uint64_t *out)
 int fp_ctx_by_code(struct fp_ctx *c, int on)
 {
     if (c->nstk || c->nfr)
+        return -1;
+    if (on && !c->memo && !(c->memo = calloc(FID_MEMO, sizeof *c->memo)))
         return -1;
     c->by_code = !!on;
     return 0;
