@@ -135,7 +135,11 @@ def test_dlopen_frames_in_library(recorded: dict[str, tuple[Path, PerfScript]]) 
     in_lib = [s for s in script.samples if s.user_frames and s.user_frames[0].dso.endswith(
         "libdlwork.so")]  # fmt: skip
     assert len(in_lib) >= 0.8 * len(script.samples)
-    assert all(names(s)[:4] == ["dl_hot", "dl_inner", "dl_entry", "call_lib"] for s in in_lib)
+    # perf itself (the oracle) misses a sample's chain now and then (1 CI run in many): allow
+    # the 1 % the differential suite allows, and show what it printed for them
+    bad = [s for s in in_lib if names(s)[:4] != ["dl_hot", "dl_inner", "dl_entry", "call_lib"]]
+    assert len(bad) <= len(in_lib) // 100, [
+        (s.time_ns, [(f.sym, f.dso) for f in s.user_frames]) for s in bad[:5]]  # fmt: skip
     (pid,) = {s.pid for s in script.samples}
     text_maps = [m for m in script.spaces.maps[pid] if m.path.endswith("libdlwork.so")
                  and m.pgoff == 0x1000]  # fmt: skip
