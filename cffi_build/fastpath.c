@@ -489,6 +489,15 @@ struct pair_ent {
     uint64_t pcs_hash;
 };
 
+/* by function (fp_ctx_by_code(c, 2)): a module key's symbol table, the caller's arrays
+ * (symbolize.SymbolTable.starts/ends, kept alive by the caller for the context's life). */
+struct sym_ent {
+    uint64_t key;
+    const uint64_t *starts, *ends;
+    uint64_t n;
+    uint32_t used;
+};
+
 struct fp_ctx {
     const struct unw_arch_desc *arch;
     uint32_t max_depth;
@@ -519,7 +528,14 @@ struct fp_ctx {
     uint64_t npairs, cappairs;
     uint32_t *ptab;         /* open addressing: pair index + 1 */
     uint64_t ptabcap;
+    struct sym_ent *syms;   /* by function: open addressing by module key */
+    uint64_t symcap, nsym;
+    uint32_t need_mod;      /* by function: the module whose table a run stopped for */
 };
+
+/* intern_frame / frame_id / unwind_rec: "stop, a module needs its symbol table" (never an
+ * id: frame and stack ids stay below UINT32_MAX - 1) */
+#define NEED_SYMS_ID (UINT32_MAX - 1)
 
 struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
 {
@@ -558,6 +574,7 @@ void fp_ctx_free(struct fp_ctx *c)
     free(c->pairs);
     free(c->ptab);
     free(c->memo);
+    free(c->syms);
     free(c);
 }
 
@@ -709,8 +726,77 @@ static int index_reserve(const struct fp_ctx *c, uint32_t **tab, uint64_t *cap, 
     return 0;
 }
 
+static const struct sym_ent *sym_find(const struct fp_ctx *c, uint64_t key)
+{
+    if (!c->symcap)
+        return NULL;
+    uint64_t j = SLOT(mix(0, key), c->symcap);
+    while (c->syms[j].used) {
+        if (c->syms[j].key == key)
+            return &c->syms[j];
+        j = SLOT(j + 1, c->symcap);
+    }
+    return NULL;
+}
+
+/* fastpath.h. By function a frame is (module key, region, exact). O(log n). */
+uint64_t fp_sym_region(const uint64_t *starts, const uint64_t *ends, uint64_t n, uint64_t addr)
+{
+    uint64_t lo = 0, hi = n; /* first index with starts[i] > addr */
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (!lo)
+        return 0;
+    uint64_t i = lo - 1;
+    return (addr < ends[i] || addr == starts[i]) ? i + 1 : 0;
+}
+
+static inline uint64_t sym_region(const struct sym_ent *se, uint64_t addr)
+{
+    return fp_sym_region(se->starts, se->ends, se->n, addr);
+}
+
+int fp_set_symbols(struct fp_ctx *c, uint64_t key, const uint64_t *starts, const uint64_t *ends,
+                   uint64_t n)
+{
+    if (c->by_code != 2 || (n && (!starts || !ends)))
+        return -1;
+    if (2 * (c->nsym + 1) > c->symcap) {
+        struct sym_ent *old = c->syms;
+        uint64_t ocap = c->symcap, ncap = ocap ? 2 * ocap : 64;
+        struct sym_ent *ns = calloc(ncap, sizeof *ns);
+        if (!ns)
+            return -1;
+        c->syms = ns;
+        c->symcap = ncap;
+        for (uint64_t i = 0; i < ocap; i++) {
+            if (!old[i].used)
+                continue;
+            uint64_t j = SLOT(mix(0, old[i].key), ncap);
+            while (ns[j].used)
+                j = SLOT(j + 1, ncap);
+            ns[j] = old[i];
+        }
+        free(old);
+    }
+    uint64_t j = SLOT(mix(0, key), c->symcap);
+    while (c->syms[j].used && c->syms[j].key != key)
+        j = SLOT(j + 1, c->symcap);
+    if (c->syms[j].used)
+        return -1; /* a frame may already carry the old table's regions */
+    c->syms[j] = (struct sym_ent){key, starts, ends, n, 1};
+    c->nsym++;
+    return 0;
+}
+
 /* The id of the frame at pc (seen in space sp), added if new; UINT32_MAX on allocation
- * failure. Identity: see struct frame_ent. */
+ * failure, NEED_SYMS_ID (by function) when pc's module has no symbol table yet. Identity:
+ * see struct frame_ent. */
 static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint64_t pc,
                              uint8_t exact)
 {
@@ -721,6 +807,14 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
         if (m) {
             tag = FRAME_CODE | m->key;
             addr = named - m->bias;
+            if (c->by_code == 2) {
+                const struct sym_ent *se = sym_find(c, m->key);
+                if (!se) {
+                    c->need_mod = (uint32_t)(m - sp->mods);
+                    return NEED_SYMS_ID;
+                }
+                addr = sym_region(se, addr);
+            }
         }
     }
     if (index_reserve(c, &c->ftab, &c->ftabcap, c->nfr, frame_hash_of))
@@ -765,7 +859,7 @@ static uint32_t frame_id(struct fp_ctx *c, const struct space_ent *sp, uint64_t 
     if (m->fid1 && m->pc == pc && m->sx == sx)
         return m->fid1 - 1;
     uint32_t fid = intern_frame(c, sp, pc, exact);
-    if (fid != UINT32_MAX)
+    if (fid < NEED_SYMS_ID)
         *m = (struct fid_memo){pc, sx, fid + 1};
     return fid;
 }
@@ -919,8 +1013,8 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
         for (uint32_t i = 0; i < npcs; i++) {
             uint8_t exact = i == 0 || (c->kinds[i - 1] & UNW_FRAME_SIGNAL);
             uint32_t fid = frame_id(c, sp, c->pcs[i], exact);
-            if (fid == UINT32_MAX)
-                return UINT32_MAX;
+            if (fid >= NEED_SYMS_ID)
+                return fid; /* nothing counted yet: the sample is unwound again on resume */
             pcs_hash = mix(pcs_hash, c->pcs[i]);
             memcpy((uint8_t *)(key + 2) + 4 * (size_t)i, &fid, 4); /* no u32 store into u64s */
         }
@@ -964,6 +1058,11 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
             return FP_RUN_NEED_COMM;
         }
         uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
+        if (id == NEED_SYMS_ID) {
+            *need_pid = r->pid;
+            *need_tid = c->need_mod;
+            return FP_RUN_NEED_SYMS;
+        }
         if (id == UINT32_MAX)
             return FP_RUN_ERROR;
         stack_ids[k] = id;
@@ -1046,9 +1145,11 @@ int fp_ctx_by_code(struct fp_ctx *c, int on)
 {
     if (c->nstk || c->nfr)
         return -1;
+    if (on < 0 || on > 2)
+        return -1;
     if (on && !c->memo && !(c->memo = calloc(FID_MEMO, sizeof *c->memo)))
         return -1;
-    c->by_code = !!on;
+    c->by_code = on;
     return 0;
 }
 
@@ -1372,7 +1473,7 @@ int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *da
             break;
         }
         uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
-        if (id == UINT32_MAX) {
+        if (id >= NEED_SYMS_ID) { /* never by function here */
             rc = FP_RUN_ERROR;
             break;
         }

@@ -101,6 +101,8 @@ void fp_forget_comms(struct fp_ctx *c);
 #define FP_RUN_NEED_SPACE 1   /* no space for *need_pid: fp_set_space, then resume at *stopped */
 #define FP_RUN_NEED_COMM 2    /* no comm for (*need_pid, *need_tid): fp_set_comm, resume */
 #define FP_RUN_ERROR -1       /* allocation failure */
+#define FP_RUN_NEED_SYMS 4    /* by function: module *need_tid of *need_pid's space has no symbol
+                               * table: fp_set_symbols for its key, then resume at *stopped */
 
 /* Unwind the SAMPLE records recs[perm[k]] for k in [from, to) (all FP_SAMPLE) from the raw
  * bytes and write each one's stack id to stack_ids[k]. Identical (space, comm, unwind status,
@@ -118,6 +120,24 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
  * fp_frame gives where a frame was first seen. For output that does not print addresses
  * (folded). The caller's module keys must identify everything a name depends on. */
 int fp_ctx_by_code(struct fp_ctx *c, int on);
+
+/* on = 2, by function: a module frame is (module key, symbol region, exact), the region being
+ * which symbol of the module's table (fp_set_symbols) names the ELF vaddr, or none: every
+ * address of one function is one frame, and a stack is its functions (folded output names
+ * nothing finer). A run stops with FP_RUN_NEED_SYMS at the first frame in a module whose key
+ * has no table yet. fp_frame gives the address the frame was first seen at (any address of
+ * the region names it). */
+
+/* by function: module key's symbol table, sorted starts and their ends (n each, the arrays
+ * symbolize.SymbolTable.lookup searches; kept alive by the caller while the context lives).
+ * Returns 0, or -1 (not by function, key already set, allocation failure). */
+int fp_set_symbols(struct fp_ctx *c, uint64_t key, const uint64_t *starts, const uint64_t *ends,
+                   uint64_t n);
+
+/* The region of ELF vaddr addr in a table: SymbolTable.lookup's answer as a number, i + 1 when
+ * it names symbol i (i = bisect_right(starts, addr) - 1, and addr < ends[i] or addr ==
+ * starts[i]), 0 when it names nothing; every address of one region gets the same name. */
+uint64_t fp_sym_region(const uint64_t *starts, const uint64_t *ends, uint64_t n, uint64_t addr);
 
 /* by code: the distinct (space, stack, hash of the raw user pcs) triples of the samples so
  * far, in first-seen order: copies triples [from, from + max) and returns how many it copied.

@@ -173,6 +173,37 @@ def test_folded_aggregates_by_code(files: dict[str, Path]) -> None:
     assert 0 < unique["folded"] < unique["jsonl"], unique
 
 
+@pytest.mark.parametrize("path", ["/usr/lib/x86_64-linux-gnu/libc.so.6",
+                                  "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"])
+def test_sym_region_is_symbol_table_lookup(path: str) -> None:
+    """By function (fp_ctx_by_code(c, 2)) a frame is its symbol region: fp_sym_region on a
+    real table (libc through its build-id debug file; libstdc++, C++ aliases) names symbol i
+    exactly where SymbolTable.lookup names symbol i, and nothing where lookup finds nothing.
+    Addresses: every start and end, their neighbours, random ones across the table's span."""
+    from unwindd.elfcache import ElfCache
+
+    table = ElfCache().acquire(None, os.path.realpath(path)).symbols()
+    n = len(table.starts)
+    assert n > 1000
+    starts = ffi.from_buffer("uint64_t[]", table.starts)
+    ends = ffi.from_buffer("uint64_t[]", table.ends)
+    rng = random.Random(7)
+    edges = [a + d for s, e in zip(table.starts, table.ends, strict=True) for a in (s, e)
+             for d in (-1, 0, 1)]  # fmt: skip
+    span = table.starts[0], table.ends[-1] + 64
+    for addr in [*edges, *(rng.randrange(*span) for _ in range(20_000)), 0]:
+        addr %= 1 << 64
+        region = lib.fp_sym_region(starts, ends, n, addr)
+        hit = table.lookup(addr)
+        if region == 0:
+            assert hit is None, (hex(addr), hit)
+        else:
+            assert hit is not None and hit[0] == table.name(region - 1), (hex(addr), hit)
+            assert addr - table.starts[region - 1] == hit[1]
+    empty = ffi.new("uint64_t[]", 1)
+    assert lib.fp_sym_region(empty, empty, 0, 0x1234) == 0
+
+
 def test_cli_uses_fast_path_and_matches(files: dict[str, Path], tmp_path: Path) -> None:
     path = str(files["forkexec"])
     outs = []
@@ -360,6 +391,7 @@ def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, 
                           text=True, timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().startswith("ok "), proc.stdout
+    assert int(proc.stdout.split()[3]) > 0, proc.stdout  # by function asked for symbol tables
     assert "runtime error" not in proc.stderr
 
 

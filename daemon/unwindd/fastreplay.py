@@ -29,8 +29,10 @@ Invariants:
   record types > 255): the caller then runs the slow path.
 - Memory: the file is mmap'd read-only; stacks are read in place. Per record 48 bytes of index
   plus 4 of order; per unique stack its key words and its rendered frames. Folded output
-  aggregates by code (``fp_ctx_by_code``: frames by binary and ELF vaddr, stacks without their
-  address space), so N processes running the same code cost what one does; a snapshot is held
+  aggregates by function (``fp_ctx_by_code(ctx, 2)``: a frame is its binary and the symbol
+  region of its ELF vaddr in the table ``frame_at`` names it from, handed to C once per
+  binary; stacks without their address space), so N processes running the same code cost what
+  one does, and the addresses of one function are one frame; a snapshot is held
   only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held between
   ordering and applying them (decoded again, ``RecordDecoder.redecode``).
 
@@ -52,7 +54,7 @@ from typing import Any, TextIO
 
 from . import stackfmt
 from ._unwcore import ffi, lib
-from .abi import RecordType
+from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
 from .ordering import OrderStats
@@ -61,6 +63,7 @@ from .proctable import PROT_EXEC, Mapping
 from .records import FinishedRound, Mmap2, Record, _SampleLayout
 from .stackfmt import Frame, UnwoundSample
 from .streamstats import StreamStats
+from .symbolize import SymbolTable
 from .unwinder import UnwindStatus
 
 __all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]
@@ -73,6 +76,7 @@ _STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))  # by UNW_* 
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_CALLCHAIN = int(SampleType.CALLCHAIN)
 
 
 def _start(m: Mapping) -> int:
@@ -235,11 +239,15 @@ class _Replay:
                           lib.fp_ctx_free)  # fmt: skip
         if self.ctx == ffi.NULL:
             raise MemoryError("fp_ctx_new")
-        # Folded output prints no addresses: aggregate frames and stacks by code (binary, ELF
-        # vaddr), so the same code run by many processes is named and stored once.
+        # Folded output prints no addresses, only function names: aggregate frames and stacks
+        # by function (binary, symbol), so the same code run by many processes, and every
+        # address of one function, is named and stored once (fp_ctx_by_code, on = 2).
         self.by_code = fmt == "folded"
-        if self.by_code and lib.fp_ctx_by_code(self.ctx, 1) != 0:
+        if self.by_code and lib.fp_ctx_by_code(self.ctx, 2) != 0:
             raise RuntimeError("fp_ctx_by_code")
+        # by function: the symbol tables whose arrays C searches, by module key (held here:
+        # the ELF cache may drop an entry, and its table, while C still points at them)
+        self._symtabs: dict[int, SymbolTable] = {}
         # Snapshots by space id, while the C side may still name a frame from them: the pid
         # holding each in C (refs) or the current run's new frames (released after naming).
         self._snaps: dict[int, Snapshot] = {}
@@ -276,6 +284,8 @@ class _Replay:
     # -- the whole file
 
     def run(self) -> FastResult:
+        if self.lay.sample_type & _CALLCHAIN:
+            self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
         idx = _Index(self.lay, self.buf, self.length)
         if idx.stopped_at != _NO_STOP:
             raise Unsupported(f"record type > 255 at data offset {idx.stopped_at}")
@@ -485,6 +495,8 @@ class _Replay:
             k = int(stopped[0])
             if rc == lib.FP_RUN_NEED_SPACE:
                 self._set_space(int(need_pid[0]))
+            elif rc == lib.FP_RUN_NEED_SYMS:
+                self._set_symbols(int(need_pid[0]), int(need_tid[0]))
             elif rc == lib.FP_RUN_NEED_COMM:
                 pid, tid = int(need_pid[0]), int(need_tid[0])
                 comm = self.engine.comm_of(pid, tid)
@@ -513,6 +525,23 @@ class _Replay:
         self._unhold(pid)
         self._pid_sid[pid] = sid
         self._sid_refs[sid] += 1
+
+    def _set_symbols(self, pid: int, index: int) -> None:
+        """By function: give C the symbol table of module ``index`` of ``pid``'s space, the
+        table ``frame_at`` names that module's frames from (``Symbolizer.table`` of the
+        mapping's entry): once per module key, ~30 binaries in a typical profile."""
+        snap = self._snaps[self._pid_sid[pid]]
+        mod = snap.native.modules[index]
+        m = snap.find(mod.start)
+        if m is None or m.entry is None or mod.key in self._symtabs:
+            raise RuntimeError(f"fp_unwind_run asked for module {index} of pid {pid}")
+        table = self.engine.symbolizer.table(m.entry)
+        self._symtabs[mod.key] = table
+        n = len(table.starts)
+        starts = ffi.from_buffer("uint64_t[]", table.starts) if n else ffi.NULL
+        ends = ffi.from_buffer("uint64_t[]", table.ends) if n else ffi.NULL
+        if lib.fp_set_symbols(self.ctx, mod.key, starts, ends, n) != 0:
+            raise MemoryError("fp_set_symbols")
 
     def _unhold(self, pid: int) -> None:
         """pid no longer holds its space id in C (forgotten or replaced)."""

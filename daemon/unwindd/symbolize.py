@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import threading
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
@@ -713,17 +714,44 @@ class Symbolizer:
         self.proc_root = proc_root
         self.tmp_dir = tmp_dir
         self._kallsyms: Kallsyms | None = None
+        self._kallsyms_loading: threading.Thread | None = None
+        self._kallsyms_loaded: list[Kallsyms] = []
         self._perf_maps: dict[int, PerfMap] = {}
 
+    def preload_kernel(self) -> None:
+        """Start reading and parsing kallsyms in a thread, for a caller that will name kernel
+        frames soon and has other work meanwhile (a replay: ~0.05 s of /proc/kallsyms reads,
+        which the kernel generates, and a native parse, both without the GIL). ``kernel``
+        waits for it. Idempotent."""
+        if self._kallsyms is not None or self._kallsyms_loading is not None:
+            return
+        t = threading.Thread(target=lambda: self._kallsyms_loaded.append(self._load_kallsyms()),
+                             name="unwindd-kallsyms", daemon=True)  # fmt: skip
+        self._kallsyms_loading = t
+        t.start()
+
+    def _load_kallsyms(self) -> Kallsyms:
+        try:
+            return Kallsyms.load(self.proc_root)
+        except OSError:
+            return Kallsyms("")
+
     def symbolize(self, entry: ElfEntry, vaddr: int) -> tuple[str, int] | None:
-        return entry.symbols().lookup(vaddr)
+        return self.table(entry).lookup(vaddr)
+
+    def table(self, entry: ElfEntry) -> SymbolTable:
+        """The table ``symbolize`` searches for ``entry`` (fastreplay hands its arrays to C)."""
+        return entry.symbols()
 
     def kernel(self, addr: int) -> KernelSymbol | None:
         if self._kallsyms is None:
-            try:
-                self._kallsyms = Kallsyms.load(self.proc_root)
-            except OSError:
-                self._kallsyms = Kallsyms("")
+            t = self._kallsyms_loading
+            if t is not None:
+                t.join()
+                self._kallsyms_loading = None
+            # the thread's result, or (no thread, or it died) a load here
+            self._kallsyms = (self._kallsyms_loaded.pop() if self._kallsyms_loaded
+                              else self._load_kallsyms())  # fmt: skip
         return self._kallsyms.lookup(addr)
 
     def jit(self, pid: int, addr: int) -> tuple[str, int] | None:

@@ -20,6 +20,8 @@
 #define HARNESS_SEED 88172645463325252ull
 #include "harness.h"
 
+static uint64_t sym_asks; /* FP_RUN_NEED_SYMS answered (by function) */
+
 struct triple {
     uint64_t a, b; /* space << 32 | stack, pcs hash */
 };
@@ -53,14 +55,31 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
     CHECK(nout <= n && st.delivered == nout && st.queued == 0 && nlate == st.late);
     struct fp_ctx *c = fp_ctx_new(UNW_ARCH_X86_64, 1 + (uint32_t)(rnd() % 64));
     CHECK(c);
-    int by_code = (int)(rnd() % 2);
+    int by_code = (int)(rnd() % 3);
     CHECK(fp_ctx_by_code(c, by_code) == 0);
+    /* by function: per module key a random symbol table (sorted starts, duplicates, empty and
+     * reversed ranges), set when a run asks for it */
+    uint64_t starts[2][8], ends[2][8];
+    uint64_t nsyms[2];
+    for (int m = 0; m < 2; m++) {
+        nsyms[m] = rnd() % 9;
+        uint64_t a = rnd() % 0x1000;
+        for (uint64_t i = 0; i < nsyms[m]; i++) {
+            a += rnd() % 3 ? rnd() % 0x4000 : 0;
+            starts[m][i] = a;
+            ends[m][i] = rnd() % 4 ? a + rnd() % 0x3000 : a - rnd() % 2;
+        }
+    }
     /* two frame-pointer-only modules; by code, their keys decide which frames are shared */
     struct unw_module mods[2] = {
         {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1 + rnd() % 2},
         {0x7f0000000000, 0x7f0000000000 + (rnd() % 0x100000), 0x7f0000000000 - 0x1000, NULL,
          1 + rnd() % 2},
     };
+    if (rnd() % 2) { /* wide: the real samples' pcs (PIE and libraries) fall inside */
+        mods[0].end = 0x600000000000;
+        mods[1].end = 0x800000000000;
+    }
     uint32_t *ids = malloc((nout ? nout : 1) * sizeof *ids);
     CHECK(ids);
     uint64_t k = 0;
@@ -76,9 +95,15 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
             CHECK(rc != FP_RUN_ERROR && stopped >= at && stopped <= b);
             if (rc == FP_RUN_DONE)
                 break;
-            if (rc == FP_RUN_NEED_SPACE)
+            if (rc == FP_RUN_NEED_SPACE) {
                 CHECK(fp_set_space(c, pid, mods, rnd() % 3, (uint32_t)(rnd() % 5)) == 0);
-            else
+            } else if (rc == FP_RUN_NEED_SYMS) {
+                CHECK(by_code == 2 && tid < 2);
+                sym_asks++;
+                uint64_t key = mods[tid].key, m = key - 1;
+                CHECK(fp_set_symbols(c, key, starts[m], ends[m], nsyms[m]) == 0);
+                CHECK(fp_set_symbols(c, key, starts[m], ends[m], nsyms[m]) == -1);
+            } else
                 CHECK(fp_set_comm(c, pid, tid, (uint32_t)(rnd() % 3)) == 0);
             at = stopped;
         }
@@ -208,6 +233,6 @@ int main(int argc, char **argv)
         free(b);
     }
     free(data);
-    printf("ok %llu\n", checks);
+    printf("ok %llu sym_asks %llu\n", checks, (unsigned long long)sym_asks);
     return 0;
 }
