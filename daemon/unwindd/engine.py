@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,18 @@ class EngineStats:
     kernel_frames: int = 0
     unsymbolized: int = 0
     batches: int = 0
+
+
+def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
+    """The kernel entries of a raw PERF_SAMPLE_CALLCHAIN, in order: those after a
+    PERF_CONTEXT_KERNEL marker (user entries are skipped: we unwind the user stack ourselves).
+    ``kernel_frames`` makes one frame of each, named or not."""
+    in_kernel = False
+    for ip in callchain:
+        if ip >= abi.CONTEXT_MAX:
+            in_kernel = ip == abi.CONTEXT_KERNEL
+        elif in_kernel:
+            yield ip
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,13 +480,7 @@ class StackEngine:
         if hit is not None:
             return hit
         frames: list[Frame] = []
-        in_kernel = False
-        for ip in callchain:
-            if ip >= abi.CONTEXT_MAX:
-                in_kernel = ip == abi.CONTEXT_KERNEL
-                continue
-            if not in_kernel:
-                continue  # user entries: we unwind the user stack ourselves
+        for ip in kernel_ips(callchain):
             ks = self.symbolizer.kernel(ip)
             if ks is None:
                 frames.append(Frame(ip, KERNEL_DSO, None, None, kernel=True))

@@ -56,7 +56,7 @@ from . import stackfmt
 from ._unwcore import ffi, lib
 from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine
+from .engine import Snapshot, StackEngine, kernel_ips
 from .ordering import OrderStats
 from .perfdata import PerfData
 from .proctable import PROT_EXEC, Mapping
@@ -261,7 +261,13 @@ class _Replay:
         # per unique stack: (comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
-        self._folded: list[tuple[str, ...]] = []  # per unique stack, folded key
+        # folded: per unique stack, its comm and user frames' names (outermost first) and
+        # its kernel callchain's index in _kchains; kernel names are added in _finish, so the
+        # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind
+        self._folded: list[tuple[tuple[str, ...], int]] = []
+        self._kchain_ids: dict[bytes, int] = {}
+        self._kchains: list[bytes] = []
+        self._kcount: dict[bytes, int] = {}  # callchain -> its kernel frame count
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
         # 200 processes is 200 ids): its rendering in self.fmt, interned, so that memory grows
         # with distinct texts, not with processes; the Frame itself is not kept.
@@ -278,7 +284,7 @@ class _Replay:
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
-        self._folds: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned folded keys
+        self._folds: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned user parts
         self.runs = 0
 
     # -- the whole file
@@ -614,6 +620,7 @@ class _Replay:
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
         nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
         folded_out, rendered, folds = self._folded, self._rendered, self._folds
+        kchain_ids, kchains, kcount = self._kchain_ids, self._kchains, self._kcount
         fo = ko = 0
         for j in range(cnt):
             n, k = npcs_l[j], nkc_l[j]
@@ -622,13 +629,21 @@ class _Replay:
             ids = fids[fo : fo + n]
             fo += n
             nunsym.append(0)
-            ktext = ktexts.get(kkey)
-            if ktext is None:  # kernel frames and their renderings, once per callchain
-                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
-                ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
-            kframes, krendered = ktext
+            if folded:  # kernel frames are named in _finish; here only counted
+                krendered: list[str] = []
+                got = kcount.get(kkey)
+                if got is None:
+                    got = kcount[kkey] = sum(1 for _ in kernel_ips(_u_bytes(kkey)))
+                nk = got
+            else:
+                ktext = ktexts.get(kkey)
+                if ktext is None:  # kernel frames and their renderings, once per callchain
+                    kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
+                    ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
+                krendered = ktext[1]
+                nk = len(krendered)
             comm = comms[comm_ids[j]]
-            if rn_l[j] and kframes:
+            if rn_l[j] and nk:
                 status, ids = "kernel_only", []
             else:
                 status = _STATUS_NAMES[status_l[j]]
@@ -642,10 +657,14 @@ class _Replay:
                         if key not in seen:
                             seen.add(key)
                             engine.stats.unsymbolized += sum(map(unsym_of, ids))
-            stacks.append((comm, status, len(ids), len(kframes)))
+            stacks.append((comm, status, len(ids), nk))
             if folded:
-                fk = (comm or "[unknown]", *map(text_of, reversed(ids)), *reversed(krendered))
-                folded_out.append(folds.setdefault(fk, fk))
+                up = (comm or "[unknown]", *map(text_of, reversed(ids)))
+                ki = kchain_ids.get(kkey)
+                if ki is None:
+                    ki = kchain_ids[kkey] = len(kchains)
+                    kchains.append(kkey)
+                folded_out.append((folds.setdefault(up, up), ki))
             elif fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
             else:
@@ -746,6 +765,12 @@ class _Replay:
         counts = ffi.new("uint64_t[]", max(1, len(self._stacks)))
         lib.fp_stack_counts(self.ctx, counts)
         folded: Counter[tuple[str, ...]] = Counter()
+        kparts: list[tuple[str, ...]] = []
+        if self.fmt == "folded":  # kernel names, outermost first, once per callchain
+            kf = self.engine.kernel_frames
+            kparts = [tuple(reversed([self._render_kernel(f)
+                                      for f in kf(tuple(_u_bytes(kkey)))])) if kkey else ()
+                      for kkey in self._kchains]  # fmt: skip
         for sid, (count, (_comm, status, nu, nk)) in enumerate(
             zip(_u(counts, "Q")[: len(self._stacks)], self._stacks, strict=True)
         ):
@@ -754,7 +779,8 @@ class _Replay:
             es.kernel_frames += nk * count
             es.user_frames += nu * count
             if self.fmt == "folded":
-                folded[self._folded[sid]] += count
+                up, ki = self._folded[sid]
+                folded[up + kparts[ki]] += count
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
         if self.fmt == "folded":
