@@ -202,7 +202,7 @@ class StackStore(_Queries):
         # Stack ids released while a snapshot was open: already out of the stats (evicting
         # more could not free them sooner), freed when the last snapshot closes.
         self._deferred: set[int] = set()
-        self._frame_refs: dict[int, int] = {}  # id(frame) -> slots of accounted stacks
+        self._frame_refs: Counter[int] = Counter()  # id(frame) -> slots of accounted stacks
         # Query caches, read and filled by the query thread (under _lock), emptied here when
         # what they describe goes: (kind, id(stack)) -> (stack, its rendering), and bucket
         # idx -> the top summary of one (frozen) version of that bucket's counts.
@@ -284,15 +284,12 @@ class StackStore(_Queries):
             if self._deferred and sid in self._deferred:
                 self._undefer(sid)
             return sid
-        known = self._stack_ids.get(frames)
         if len(self._by_obj) > 2 * len(self._stacks) + 1024:
             self._by_obj.clear()  # bounded: stale ids only cost a hashed lookup
-        if known is not None:
-            sid = known
-        else:
-            sid = self._next_stack
+        # One hash of the tuple (a Python __hash__ call per frame) for lookup and insert.
+        sid = self._stack_ids.setdefault(frames, self._next_stack)
+        if sid == self._next_stack:
             self._next_stack += 1
-            self._stack_ids[frames] = sid
             self._stacks[sid] = frames
             self._account(frames)
         self._by_obj[id(frames)] = (frames, sid)
@@ -312,14 +309,11 @@ class StackStore(_Queries):
         st.stacks += 1
         st.frame_slots += len(frames)
         refs = self._frame_refs
-        for f in frames:
-            i = id(f)  # the stack holds f, so its id is not reused while counted
-            n = refs.get(i)
-            if n is None:
-                refs[i] = 1
-                st.frames += 1
-            else:
-                refs[i] = n + 1
+        # the stack holds its frames, so their ids are not reused while counted; Counter's
+        # update of an iterable counts in C (a new stack of a new process is ~all new frames)
+        before = len(refs)
+        refs.update(map(id, frames))
+        st.frames += len(refs) - before
 
     def _unaccount(self, frames: Stack) -> None:
         st = self.stats
