@@ -82,6 +82,7 @@ def _marks(rec: Record) -> _Marked:
 
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
+_CONTEXT_MAX, _CONTEXT_KERNEL = abi.CONTEXT_MAX, abi.CONTEXT_KERNEL
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
 
@@ -199,6 +200,7 @@ class NativeStep:
         self._frames: list[Frame] = []  # per fp frame id
         self._unsym: list[bool] = []
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (see _kernel_frames)
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._seen: set[bytes] = set()
@@ -392,16 +394,18 @@ class NativeStep:
         k = b - a
         cols = self._cols
         lib.fp_columns(recs, self._ident + a, k, *cols)
-        flags = memoryview(bytes(ffi.buffer(cols[0], k)))
-        for (f, pid), c in Counter(zip(flags, _u(cols[3], "I", k), strict=True)).items():
-            if f:
-                s.samples_by_pid[pid] += c
-        for (f, cpu), c in Counter(zip(flags, _u(cols[5], "I", k), strict=True)).items():
-            if f:
-                per = s.by_cpu_type.get(cpu)
-                if per is None:
-                    per = s.by_cpu_type[cpu] = Counter()
-                per["SAMPLE"] += c
+        pids: Any = _u(cols[3], "I", k)
+        cpus: Any = _u(cols[5], "I", k)
+        if nsamples != k:  # side-band or bad records among them: the good SAMPLEs only
+            flags = bytes(ffi.buffer(cols[0], k))
+            pids = [p for f, p in zip(flags, pids, strict=True) if f]
+            cpus = [c for f, c in zip(flags, cpus, strict=True) if f]
+        s.samples_by_pid.update(pids)  # Counter.update of an iterable: counted in C
+        for cpu, c in Counter(cpus).items():
+            per = s.by_cpu_type.get(cpu)
+            if per is None:
+                per = s.by_cpu_type[cpu] = Counter()
+            per["SAMPLE"] += c
 
     def _carry_round(self, cbuf: Any, recs: Any, keep: Any, nkeep: int,
                      objs: dict[int, _Marked]) -> None:  # fmt: skip
@@ -588,7 +592,7 @@ class NativeStep:
             callchain = tuple(ffi.unpack(st.kc, nkc)) if nkc else ()
             kframes = kstacks.get(callchain)
             if kframes is None:
-                kframes = kstacks[callchain] = engine.kernel_frames(callchain) if nkc else ()
+                kframes = kstacks[callchain] = self._kernel_frames(callchain) if nkc else ()
             comm = comms[st.comm_id]
             if st.regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
@@ -602,6 +606,26 @@ class NativeStep:
             uframes = tuple(map(frame_of, ids))
             stacks.append((kframes + uframes if kframes else uframes, comm,
                            _STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
+
+    def _kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
+        """``engine.kernel_frames(callchain)``, each kernel ip named once per context (that
+        names each new callchain whole, ~4 us an ip; new callchains mostly repeat the entry,
+        interrupt and syscall paths). Its frames depend on the ip alone, so naming one ip as
+        the callchain (CONTEXT_KERNEL, ip) gives the same frame. At most 65,536 ips kept."""
+        kf = self._kframes
+        if len(kf) > 1 << 16:
+            kf.clear()
+        out: list[Frame] = []
+        in_kernel = False
+        for ip in callchain:
+            if ip >= _CONTEXT_MAX:
+                in_kernel = ip == _CONTEXT_KERNEL
+            elif in_kernel:
+                f = kf.get(ip)
+                if f is None:
+                    f = kf[ip] = self.engine.kernel_frames((_CONTEXT_KERNEL, ip))[0]
+                out.append(f)
+        return tuple(out)
 
     def _groups(self, is_sample: bytes, stack_ids: Any, cols: list[Any], d: int,
                 info: StepInfo) -> list[CountGroup]:  # fmt: skip
