@@ -13,8 +13,9 @@ Invariants:
   against the file size, section count capped; section data are handed to C as offsets into one
   read-only mmap (zero copies; ``.debug_frame`` is copied only when SHF_COMPRESSED).
 - ``CfiStore`` files are ``FILE_HEADER`` + blob: magic, version, arch, blob size, CRC-32. Any
-  mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; writes go through
-  a temporary file + ``os.replace`` so readers never see half a file.
+  mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; reads and the
+  atomic writes (temporary file + ``os.replace``) are elfcache's ``read_cache_file`` and
+  ``write_cache_file``, shared with ``symbolize.SymbolStore``.
 
 Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see bench/bench_cfi.py);
 ``lookup`` is O(log R); ``rows`` decodes the blob in Python, O(R), for tests and debugging.
@@ -32,6 +33,7 @@ from enum import IntEnum
 from typing import Any
 
 from ._unwcore import ffi, lib
+from .elfcache import CacheFileError, read_cache_file, write_cache_file
 
 __all__ = [
     "ERROR_NAMES",
@@ -460,14 +462,9 @@ class CfiStore:
 
     def _load(self, path: str) -> CfiTable | None:
         try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_CACHE_FILE + FILE_HEADER.size + 1)
-        except FileNotFoundError:
-            return None
-        except OSError:
-            self.stats["corrupt"] += 1
-            return None
-        try:
+            data = read_cache_file(path, FILE_HEADER.size + MAX_CACHE_FILE)
+            if data is None:
+                return None
             if len(data) < FILE_HEADER.size:
                 raise CfiError("short header")
             magic, version, arch, size, crc = FILE_HEADER.unpack_from(data, 0)
@@ -477,7 +474,7 @@ class CfiStore:
             if size != len(blob) or zlib.crc32(blob) != crc:
                 raise CfiError("size/checksum")
             return CfiTable(blob)
-        except CfiError:
+        except (CfiError, CacheFileError):
             self.stats["corrupt"] += 1
             try:
                 os.unlink(path)
@@ -488,14 +485,5 @@ class CfiStore:
     def _save(self, path: str, table: CfiTable) -> None:
         blob = table.blob
         head = FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, ARCH_X86_64, len(blob), zlib.crc32(blob))
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(head + blob)
-            os.replace(tmp, path)
-        except OSError:
+        if not write_cache_file(path, (head, blob)):
             self.stats["write_errors"] += 1
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass

@@ -100,25 +100,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir",
         metavar="DIR",
         default=None,
-        help="compiled unwind tables persist here by build-id, so a second replay does not "
-        "recompile them (default $UNWINDD_CACHE_DIR, else $XDG_CACHE_HOME/unwindd or "
-        "~/.cache/unwindd)",
+        help="compiled unwind tables (DIR/cfi) and symbol tables (DIR/sym) persist here by "
+        "build-id, so a second replay does not rebuild them (default $UNWINDD_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/unwindd or ~/.cache/unwindd)",
     )
     rep.add_argument("--no-cache", action="store_true", help="do not read or write --cache-dir")
     return p
 
 
 def _replay_cache_dir(args: argparse.Namespace) -> str | None:
-    """Where the fast replay keeps compiled CFI tables (cfi.CfiStore), or None. A table is
-    keyed by the binary's build-id and checksummed, so a stale or damaged file is recompiled,
-    never trusted; ~1 MB per distinct binary (libc's table is ~0.8x its .eh_frame)."""
+    """The directory under which the fast replay keeps compiled CFI tables (``cfi/``,
+    cfi.CfiStore) and symbol tables (``sym/``, symbolize.SymbolStore), or None. Files are keyed
+    by the binary's build-id and checked, so a stale or damaged file is rebuilt, never trusted;
+    ~1 MB of CFI per distinct binary (libc's table is ~0.8x its .eh_frame) and ~20 B per
+    symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
     if args.no_cache:
         return None
     d = args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR")
     if not d:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         d = os.path.join(xdg, "unwindd")
-    return os.path.join(d, "cfi")
+    return d
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -465,8 +467,10 @@ def _fast_replay(
 
     assert isinstance(data, PerfData)
     try:
-        engine = StackEngine.create(cfi_cache_dir=cache_dir)
-    except OSError:  # the cache dir cannot be made: replay without it
+        engine = (StackEngine.create(cfi_cache_dir=os.path.join(cache_dir, "cfi"),
+                                     sym_cache_dir=os.path.join(cache_dir, "sym"))
+                  if cache_dir is not None else StackEngine.create())  # fmt: skip
+    except OSError:  # a cache dir cannot be made: replay without them
         engine = StackEngine.create()
     try:
         replay(data, path, fmt, out, engine=engine)

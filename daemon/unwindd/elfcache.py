@@ -39,6 +39,11 @@ Invariants:
   identity is found once the entry expires (or at once by a live pid). The failure is counted
   as before (``errors``, ``misses``) plus ``negative_hits``.
 - Not thread-safe: one owner (the daemon's event loop) calls it.
+- On-disk caches (``cfi.CfiStore``, ``symbolize.SymbolStore``) keep one file per build-id and
+  share ``read_cache_file``/``write_cache_file``: a file is read whole only if it is a regular
+  file within the store's size bound, and written to a temporary name then ``os.replace``d, so
+  a reader sees a whole old file, a whole new one, or none (never half of one). What a file
+  holds is checked by its store before anything trusts it.
 
 Cost: a hit by build-id or by a known (maj, min, ino, generation) costs one dict lookup and no
 syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB); a
@@ -52,10 +57,11 @@ import itertools
 import os
 import stat
 import struct
+import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -64,6 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CacheConfig",
+    "CacheFileError",
     "CacheStats",
     "ElfCache",
     "ElfEntry",
@@ -71,11 +78,15 @@ __all__ = [
     "ElfReader",
     "Section",
     "Segment",
+    "read_cache_file",
+    "write_cache_file",
 ]
 
 # (path that opens the validated file, separate debug file or None, the file's build-id or
 # None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
 CfiFactory = Callable[[str, "str | None", "bytes | None"], object]
+# An entry's symbol table instead of symbolize.load_symbol_table (a symbolize.SymbolStore).
+SymbolFactory = Callable[["ElfEntry"], "SymbolTable"]
 
 # --------------------------------------------------------------------------- ELF layouts
 
@@ -518,14 +529,17 @@ class ElfEntry:
     # -- lazies
 
     def symbols(self) -> SymbolTable:
-        """The symbol table (perf's rules, see symbolize.py); loaded once, empty on error."""
+        """The symbol table (perf's rules, see symbolize.py); loaded once, empty on error.
+        Built by the cache's ``symbol_factory`` if it has one (a ``SymbolStore``: the same
+        table, read from disk by build-id when it was built before)."""
         if self._symbols is None:
             from .symbolize import SymbolTable, load_symbol_table
 
             table = SymbolTable.empty()
+            factory = self._cache.symbol_factory if self._cache is not None else None
             if self.usable:
                 try:
-                    table = load_symbol_table(self)
+                    table = (factory or load_symbol_table)(self)
                 except ElfError as e:
                     self._count_error(f"symbols_{e.reason}")
             self._symbols = table
@@ -588,11 +602,13 @@ class ElfCache:
         *,
         proc_root: str = "/proc",
         cfi_factory: CfiFactory | None = None,
+        symbol_factory: SymbolFactory | None = None,
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.config = config or CacheConfig()
         self.proc_root = proc_root
         self.cfi_factory = cfi_factory
+        self.symbol_factory = symbol_factory
         self.clock = clock
         self.stats = CacheStats()
         # (filename, build-id, maj, min, ino, generation) -> the failure (see _Failed)
@@ -944,3 +960,60 @@ class ElfCache:
             return False
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------------- cache files
+
+
+class CacheFileError(Exception):
+    """A cache file that exists but cannot be used as one (unreadable, not a regular file, or
+    over its store's size bound)."""
+
+
+def read_cache_file(path: str, limit: int) -> bytes | None:
+    """The whole file at ``path``; None if there is none. CacheFileError if it cannot be read
+    or is not a regular file of at most ``limit`` bytes (checked on the open fd before reading,
+    so a huge or special file costs one fstat). Cost: one open, fstat, read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CacheFileError(f"open: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise CacheFileError("not a regular file or too large")
+        chunks: list[bytes] = []
+        want = st.st_size + 1  # +1: a file that grew since the fstat reads long (refused)
+        while want > 0 and (chunk := os.read(fd, want)):
+            chunks.append(chunk)
+            want -= len(chunk)
+        data = b"".join(chunks)  # one chunk (the usual case): no copy
+        if len(data) > limit:
+            raise CacheFileError("grew past its bound")
+        return data
+    except OSError as e:
+        raise CacheFileError(f"read: {e}") from None
+    finally:
+        os.close(fd)
+
+
+def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
+    """``parts`` concatenated into ``path`` through a temporary file + ``os.replace`` (atomic
+    on one filesystem); False, the temporary removed, on any OSError. The temporary's name has
+    the pid and thread, so concurrent writers (the CFI worker thread, another process) never
+    share one; the last replace wins, and every writer of one build-id writes the same bytes."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

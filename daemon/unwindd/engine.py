@@ -221,14 +221,19 @@ class StackEngine:
         max_depth: int = 128,
         batch_size: int = 512,
         cfi_cache_dir: str | None = None,
+        sym_cache_dir: str | None = None,
         prefetch_cfi: bool = False,
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. With
-        ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``)."""
+        ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``); with
+        ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
+        ``symbol_factory``: counts in its ``stats``). OSError if a directory cannot be made."""
         from . import unwinder as unw
         from .cfi import CfiStore, CfiTable
+        from .symbolize import SymbolStore
 
         store = CfiStore(cfi_cache_dir) if cfi_cache_dir is not None else None
+        symbols = SymbolStore(sym_cache_dir) if sym_cache_dir is not None else None
 
         def factory(path: str, debug: str | None, build_id: bytes | None) -> object:
             if store is not None:
@@ -236,7 +241,8 @@ class StackEngine:
             return CfiTable.from_elf(path, debug)
 
         pre = CfiPrefetcher(factory) if prefetch_cfi else None
-        cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory)
+        cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory,
+                         symbol_factory=symbols)  # fmt: skip
         table = ProcessTable(cache, unwinder=unw)
         engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
                      batch_size=batch_size)  # fmt: skip
