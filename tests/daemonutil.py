@@ -112,6 +112,7 @@ class DaemonProc:
             f'[sampling]\nfrequency = {frequency or self.frequency}\nring_pages = 256\n'
             f'[api]\nsocket = "{self.sock}"\nmode = "0666"\nrequest_timeout = 1.5\n'
             f'[metrics]\nlisten = "127.0.0.1:{self.port}"\n'
+            f'[cache]\ndir = "{self.tmp / "cache"}"\n'
             + (self.extra if extra is None else extra)
         )
 

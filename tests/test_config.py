@@ -14,6 +14,7 @@ from unwindd.config import (
     SECTIONS,
     Config,
     ConfigError,
+    cache_dir,
     load_config,
     merge_live,
     parse_config,
@@ -64,6 +65,7 @@ def test_keys_scripts_rely_on() -> None:
         (b'[daemon]\nlog_level = "loud"\n', "[daemon] log_level: must be one of"),
         (b"[store]\nretention_seconds = 5\n", "[store] retention_seconds: must be >="),
         (b"[store]\nmax_bytes = 0\n", "[store] max_bytes: must be > 0"),
+        (b'[cache]\ndir = "rel/dir"\n', '[cache] dir: must be "", "off" or an absolute path'),
         (b"sampling = 3\n", "[sampling]: must be a table"),
         (b"[sampling\n", "TOML syntax error"),
         (b"\xff\xfe", "not UTF-8"),
@@ -130,3 +132,15 @@ def test_store_max_bytes_changes_live() -> None:
     # The reload path sets the running store's cap (service.Daemon reload), no restart needed.
     assert restart_keys(Config(), new) == []
     assert merge_live(Config(), new).store.max_bytes == 1 << 20
+
+
+def test_cache_dir() -> None:
+    """[cache] dir: "" is systemd's CacheDirectory (first entry) or /var/cache/unwindd, "off"
+    is none, a path is itself."""
+    def of(text: bytes, env: dict[str, str]) -> str | None:
+        return cache_dir(parse_config(text, "f.toml").cache, env)
+
+    assert of(b"", {}) == "/var/cache/unwindd"
+    assert of(b"", {"CACHE_DIRECTORY": "/var/cache/unwindd2:/var/cache/x"}) == "/var/cache/unwindd2"
+    assert of(b'[cache]\ndir = "off"\n', {"CACHE_DIRECTORY": "/c"}) is None
+    assert of(b'[cache]\ndir = "/srv/c"\n', {"CACHE_DIRECTORY": "/c"}) == "/srv/c"

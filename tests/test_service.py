@@ -120,6 +120,10 @@ def test_metrics_show_the_samples(daemon: DaemonProc, workload_pid: int) -> None
     assert metric_values(text, "unwindd_unwind_depth_frames_count")[""] >= 50
     assert metric_values(text, "unwindd_step_seconds_count")[""] > 0
     assert metric_values(text, "unwindd_elf_cache_entries")[""] >= 1
+    # [cache] dir (daemonutil: the test's own): the workload's compiled CFI and symbol tables
+    # persist by build-id for the next start
+    cache = daemon.tmp / "cache"
+    assert list((cache / "cfi").glob("*.cfi")) and list((cache / "sym").glob("*.sym")), cache
     assert "unwindd_reorder_lateness_seconds_bucket" in text
     assert "unwindd_build_info{" in text
     assert f"{workload_pid}" not in "".join(ln for ln in text.splitlines() if "{" in ln

@@ -87,6 +87,11 @@ def _listen(v: Any) -> str | None:
     return None
 
 
+def _cache_dir(v: Any) -> str | None:
+    ok = v in ("", "off") or v.startswith("/")
+    return None if ok else 'must be "", "off" or an absolute path'
+
+
 def _pids(v: Any) -> str | None:
     ok = all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 1 << 31 for p in v)
     return None if ok else "must be a list of pids (positive integers)"
@@ -112,6 +117,21 @@ class UnwindSection:
 @dataclass(frozen=True, slots=True)
 class CacheSection:
     max_bytes: int = _key(512 << 20, live=False, check=_positive)
+    dir: str = _key("", live=False, check=_cache_dir)
+
+
+CACHE_DIR_FALLBACK = "/var/cache/unwindd"
+
+
+def cache_dir(section: CacheSection, env: Mapping[str, str]) -> str | None:
+    """Where compiled CFI and symbol tables persist (``cfi/``, ``sym/`` below it), or None:
+    ``[cache] dir``; "" is systemd's ``$CACHE_DIRECTORY`` (the unit's ``CacheDirectory=``,
+    first entry) or /var/cache/unwindd; "off" keeps nothing on disk."""
+    if section.dir == "off":
+        return None
+    if section.dir:
+        return section.dir
+    return env.get("CACHE_DIRECTORY", "").split(":")[0] or CACHE_DIR_FALLBACK
 
 
 @dataclass(frozen=True, slots=True)
