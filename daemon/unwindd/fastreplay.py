@@ -55,7 +55,7 @@ from typing import Any, TextIO
 
 from . import stackfmt
 from ._unwcore import ffi, lib
-from .abi import RecordType, SampleType
+from .abi import CONTEXT_KERNEL, RecordType, SampleType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine, kernel_ips
 from .ordering import OrderStats
@@ -766,10 +766,17 @@ class _Replay:
         folded: Counter[tuple[str, ...]] = Counter()
         kparts: list[tuple[str, ...]] = []
         if self.fmt == "folded":  # kernel names, outermost first, once per callchain
-            kf = self.engine.kernel_frames
-            kparts = [tuple(reversed([self._render_kernel(f)
-                                      for f in kf(tuple(_u_bytes(kkey)))])) if kkey else ()
-                      for kkey in self._kchains]  # fmt: skip
+            # and once per ip: callchains share most of theirs (bench file: 756 callchains,
+            # 6.4k entries). A lone (CONTEXT_KERNEL, ip) callchain names ip as kernel_frames
+            # names it inside any callchain.
+            kf, render = self.engine.kernel_frames, self._render_kernel
+            names: dict[int, str] = {}
+            for kkey in self._kchains:
+                ips = list(kernel_ips(_u_bytes(kkey)))
+                for ip in ips:
+                    if ip not in names:
+                        names[ip] = render(kf((CONTEXT_KERNEL, ip))[0])
+                kparts.append(tuple([names[ip] for ip in reversed(ips)]))
         for sid, (count, (_comm, status, nu, nk)) in enumerate(
             zip(_u(counts, "Q")[: len(self._stacks)], self._stacks, strict=True)
         ):
