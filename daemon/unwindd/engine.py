@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +51,8 @@ from .stackfmt import Frame, UnwoundSample
 from .symbolize import Symbolizer
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from .livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
@@ -149,6 +150,10 @@ class CfiPrefetcher:
         f = self._futures.get(key)
         if f is None:
             if self._pool is None:
+                # imported here: concurrent.futures (with logging) costs a replay ~5 ms of
+                # start-up, and only the daemon prefetches
+                from concurrent.futures import ThreadPoolExecutor
+
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-cfi")
             f = self._futures[key] = self._pool.submit(self._compile, path, debug, bid)
             self.started += 1
