@@ -116,9 +116,9 @@ def test_only_tables_as_built_are_encoded() -> None:
     (its ``_named`` cache grown) is refused rather than saved with names the file's format
     does not expect."""
     t = _fresh(LIBSTDCXX)
-    assert encode_symbol_table(t, b"id", False) is not None
+    assert encode_symbol_table(t, b"id", 0) is not None
     assert t.lookup(t.starts[len(t) // 2]) is not None
-    assert encode_symbol_table(t, b"id", False) is None
+    assert encode_symbol_table(t, b"id", 0) is None
 
 
 # --------------------------------------------------------------------------- 2. bad files
@@ -183,7 +183,8 @@ def _mutations(data: bytes) -> list[tuple[str, str, bytes]]:
     cases.append(("inflated symbol count", "corrupt", _resealed(data, n=o["n"] + 1)))
     cases.append(("layout version", "stale", _resealed(data, version=99)))
     cases.append(("code stamp", "stale", _resealed(data, stamp=12345)))
-    cases.append(("debug-file state", "stale", _resealed(data, flags=1)))
+    stamp = HDR.unpack_from(data, 0)[3]
+    cases.append(("source stamp (binary or debug file)", "stale", _resealed(data, stamp=stamp ^ 1)))
     # CRC-valid, structurally wrong
     rel = HDR.size
     i_elf = next(i for i in range(o["n"])
@@ -353,3 +354,24 @@ def test_cli_cache_dir_and_no_cache(perf_file: Path, tmp_path: Path) -> None:
     uncached = replay("--no-cache")
     assert not (tmp_path / "env-cache").exists() and not (tmp_path / "xdg").exists()
     assert first == second == uncached and first.count(b"\n") > 3
+
+
+def test_stripped_copy_keeps_build_id_not_table(tmp_path: Path) -> None:
+    """strip keeps the build-id and drops .symtab: neither copy may get the other's table
+    from the cache (the key is the build-id plus source_stamp: the binary's size and its debug
+    file), in either order."""
+    src = tmp_path / "two.c"
+    src.write_text("static int inner_static(int x) { return x * 3; }\n"
+                   "int outer_fn(int x) { return inner_static(x) + 1; }\n"
+                   "int main(int c, char **v) { (void)v; return outer_fn(c); }\n")  # fmt: skip
+    full, stripped = tmp_path / "full", tmp_path / "stripped"
+    subprocess.run(["gcc", "-O0", "-Wl,--build-id", "-o", str(full), str(src)], check=True)
+    subprocess.run(["strip", "-o", str(stripped), str(full)], check=True)
+    assert _entry(str(full)).build_id == _entry(str(stripped)).build_id
+    names = {p: _fresh(str(p)).names for p in (full, stripped)}
+    assert "inner_static" in names[full] and "inner_static" not in names[stripped]
+    for order in ((full, stripped, full), (stripped, full, stripped)):
+        cache = tmp_path / f"c-{order[0].name}"
+        for p in order:
+            store = SymbolStore(cache)
+            _assert_same(_entry(str(p), store).symbols(), _fresh(str(p)))

@@ -36,8 +36,9 @@ finished table (the columns of ``SymbolTable._columns``, taken before any lookup
 ``<dir>/<build-id hex>.sym``; a later process reads it back (a CRC pass and a few
 ``array.frombytes``) instead of scanning, and gets a table that answers every lookup and name
 as the fresh one. A file is used only if every check in ``decode_symbol_table`` passes (size,
-CRC, build-id, layout version, a stamp of the code that decides the content, the same
-debug-file state, in-range name offsets); else it is counted, removed, rebuilt
+CRC, build-id, layout version, a stamp of the code that decides the content and of the
+binary's size and debug file (``source_stamp``: stripped copies keep their build-id), in-range
+name offsets); else it is counted, removed, rebuilt
 and rewritten (atomically: elfcache.write_cache_file).
 """
 
@@ -602,11 +603,11 @@ def load_symbol_table_reference(entry: ElfEntry) -> SymbolTable:
 SYM_FILE_MAGIC = b"UWSYM\x00\x00\x00"
 # Bump when the file layout changes. Table content (the rules above, demangle.py's choices,
 # symtab.c) is covered by _code_stamp instead, so a code change never serves an old table.
-SYM_FILE_VERSION = 1
-# magic, version, flags, code stamp (u64; _code_stamp's CRC-32 for now), build-id length, n, m,
+SYM_FILE_VERSION = 2
+# magic, version, flags (0), stamp (u64: _code_stamp() << 32 | source_stamp(entry)), build-id
+# length, n, m,
 # names length, string table length, CRC-32 of everything after the header, pad
 _SYM_FILE = struct.Struct("<8sIIQIIIIQI4x")
-_FLAG_DEBUG = 1  # built from a separate debug file (the table depends on whether one is found)
 _EXTRA_RAW = 1 << 31
 MAX_SYM_FILE = 1 << 30  # > any real table (4M symbols x 20 B + string table); < 2**32 offsets
 _SYM_STATS = ("hits", "misses", "corrupt", "stale", "no_build_id", "write_errors", "unsaved")
@@ -657,7 +658,28 @@ def _names_in_range(offs: array[int], plt: Iterable[int], strtab_len: int) -> bo
     return len(idx) == len(offs) or top < strtab_len
 
 
-def encode_symbol_table(table: SymbolTable, build_id: bytes, debug: bool) -> list[bytes] | None:
+def source_stamp(entry: ElfEntry) -> int:
+    """CRC-32 of what ``entry``'s table is built from besides its build-id: the binary's size
+    and the separate debug file found for it (path and size, or none). The build-id alone
+    does not decide it: ``strip``, ``objcopy`` and ``patchelf`` keep the build-id and change
+    the symbols (a stripped copy must not get its unstripped twin's table, nor the reverse),
+    and a debug file may be installed, removed or repaired later; each of those changes a
+    size. Cost: one stat of the debug file (its path is found once per entry anyway)."""
+    dbg = entry.debug_path()
+    dsize = -1
+    if dbg is not None:
+        try:
+            dsize = os.stat(dbg).st_size
+        except OSError:
+            pass
+    return zlib.crc32(f"{entry.size}:{dbg}:{dsize}".encode("utf-8", "surrogateescape"))
+
+
+def _stamp_of(source: int) -> int:
+    return _code_stamp() << 32 | (source & 0xFFFFFFFF)
+
+
+def encode_symbol_table(table: SymbolTable, build_id: bytes, source: int) -> list[bytes] | None:
     """``table`` (as ``load_symbol_table`` returned it, before any lookup) as the parts of a
     ``.sym`` file, or None if it cannot be one (over the bounds, a name that cannot be
     encoded, or decoded names that are not PLT entries'). Cost: O(n) bulk copies + O(PLT)."""
@@ -689,16 +711,15 @@ def encode_symbol_table(table: SymbolTable, build_id: bytes, debug: bool) -> lis
     crc = 0
     for part in body:
         crc = zlib.crc32(part, crc)
-    head = _SYM_FILE.pack(SYM_FILE_MAGIC, SYM_FILE_VERSION, _FLAG_DEBUG if debug else 0,
-                          _code_stamp(), len(build_id), n, len(names), len(blob), len(strtab),
-                          crc)  # fmt: skip
+    head = _SYM_FILE.pack(SYM_FILE_MAGIC, SYM_FILE_VERSION, 0, _stamp_of(source),
+                          len(build_id), n, len(names), len(blob), len(strtab), crc)  # fmt: skip
     return [head, *body]
 
 
-def decode_symbol_table(data: bytes, build_id: bytes, debug: bool) -> SymbolTable:
+def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTable:
     """The table a ``.sym`` file holds, after checking everything a lookup relies on; raises
     ``_BadFile`` ("corrupt": truncated, damaged, another binary's, inconsistent; "stale":
-    another layout version, other code, other debug-file state). Checked: header, exact total
+    another layout version, other code, another ``source_stamp``). Checked: header, exact total
     size, CRC-32, build-id, stamps; that each extra names a distinct PLT slot (offset
     ``_NO_NAME``) and every other offset is inside the string table, so ``name`` has a name
     for every index. Not re-checked: the order of starts (in Python ~2 ms more for cc1's 27k
@@ -708,7 +729,7 @@ def decode_symbol_table(data: bytes, build_id: bytes, debug: bool) -> SymbolTabl
     offsets (~0.7 ms for 27k symbols) and O(PLT) dict inserts."""
     if len(data) < _SYM_FILE.size:
         raise _BadFile("corrupt", "short header")
-    (magic, version, flags, stamp, bid_len, n, m, names_len, strtab_len,
+    (magic, version, _flags, stamp, bid_len, n, m, names_len, strtab_len,
      crc) = _SYM_FILE.unpack_from(data, 0)  # fmt: skip
     if magic != SYM_FILE_MAGIC:
         raise _BadFile("corrupt", "magic")
@@ -728,8 +749,8 @@ def decode_symbol_table(data: bytes, build_id: bytes, debug: bool) -> SymbolTabl
         raise _BadFile("corrupt", "checksum")
     if data[o_bid:o_starts] != build_id:
         raise _BadFile("corrupt", "build-id")
-    if stamp != _code_stamp() or bool(flags & _FLAG_DEBUG) != debug:
-        raise _BadFile("stale", "code or debug file")
+    if stamp != _stamp_of(source):
+        raise _BadFile("stale", "code, binary or debug file")
     if strtab_len >= _NO_NAME:
         raise _BadFile("corrupt", "string table size")
     starts, ends, offs, extras = array("Q"), array("Q"), array("I"), array("I")
@@ -789,12 +810,12 @@ class SymbolStore:
         if not build_id:
             self.stats["no_build_id"] += 1
             return load_symbol_table(entry)
-        debug = entry.debug_path() is not None
+        source = source_stamp(entry)
         path = self.path_for(build_id)
         try:
             data = read_cache_file(path, self.max_file_bytes)
             if data is not None:
-                table = decode_symbol_table(data, build_id, debug)
+                table = decode_symbol_table(data, build_id, source)
                 self.stats["hits"] += 1
                 return table
         except (CacheFileError, _BadFile) as e:
@@ -805,7 +826,7 @@ class SymbolStore:
                 pass
         table = load_symbol_table(entry)
         self.stats["misses"] += 1
-        parts = encode_symbol_table(table, build_id, debug)
+        parts = encode_symbol_table(table, build_id, source)
         if parts is None or sum(map(len, parts)) > self.max_file_bytes:
             self.stats["unsaved"] += 1
         elif not write_cache_file(path, parts):
