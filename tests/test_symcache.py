@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from unwindd import symbolize
-from unwindd.elfcache import CacheConfig, ElfCache, ElfEntry
+from unwindd.elfcache import CacheConfig, CacheFileError, ElfCache, ElfEntry
 from unwindd.engine import StackEngine
 from unwindd.symbolize import SymbolStore, SymbolTable, encode_symbol_table, load_symbol_table
 
@@ -375,3 +375,21 @@ def test_stripped_copy_keeps_build_id_not_table(tmp_path: Path) -> None:
         for p in order:
             store = SymbolStore(cache)
             _assert_same(_entry(str(p), store).symbols(), _fresh(str(p)))
+
+
+def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
+    """A cache dir others can write: a symlink planted at the temporary's name (pid and thread
+    are guessable) or at the file itself is never written through."""
+    import threading
+
+    from unwindd.elfcache import read_cache_file, write_cache_file
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    path = str(tmp_path / "x.sym")
+    os.symlink(victim, f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
+    assert not write_cache_file(path, [b"data"])
+    assert victim.read_bytes() == b"keep" and not os.path.exists(path)
+    os.symlink(victim, tmp_path / "y.sym")
+    with pytest.raises(CacheFileError):
+        read_cache_file(str(tmp_path / "y.sym"), 1 << 20)

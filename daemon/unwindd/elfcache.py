@@ -975,7 +975,7 @@ def read_cache_file(path: str, limit: int) -> bytes | None:
     or is not a regular file of at most ``limit`` bytes (checked on the open fd before reading,
     so a huge or special file costs one fstat). Cost: one open, fstat, read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -1006,11 +1006,17 @@ def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
     share one; the last replace wins, and every writer of one build-id writes the same bytes."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        # O_EXCL | O_NOFOLLOW: never write through a symlink or into a file someone planted
+        # under the temporary's name (a root replay may be given a cache dir others can write)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)  # fmt: skip
+        with open(fd, "wb") as f:
             for part in parts:
                 f.write(part)
         os.replace(tmp, path)
         return True
+    except FileExistsError:
+        return False  # not ours to remove
     except OSError:
         try:
             os.unlink(tmp)
