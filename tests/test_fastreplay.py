@@ -18,6 +18,7 @@ reference path (STYLE.md 8: differential, fuzzing, sanitizers).
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import pathlib
@@ -197,7 +198,8 @@ def test_sym_region_is_symbol_table_lookup(path: str) -> None:
         hit = table.lookup(addr)
         if region == 0:
             assert hit is None, (hex(addr), hit)
-        else:
+        else:  # the very symbol lookup picks (bisect), not a same-named neighbour
+            assert region - 1 == bisect.bisect_right(table.starts, addr) - 1, hex(addr)
             assert hit is not None and hit[0] == table.name(region - 1), (hex(addr), hit)
             assert addr - table.starts[region - 1] == hit[1]
     empty = ffi.new("uint64_t[]", 1)

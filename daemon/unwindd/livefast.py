@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import abi
 from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine
+from .engine import Snapshot, StackEngine, kernel_ips
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
 from .records import Comm, Fork, Lost, Record, Sample
@@ -82,7 +82,7 @@ def _marks(rec: Record) -> _Marked:
 
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
-_CONTEXT_MAX, _CONTEXT_KERNEL = abi.CONTEXT_MAX, abi.CONTEXT_KERNEL
+_CONTEXT_KERNEL = abi.CONTEXT_KERNEL
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
 
@@ -616,15 +616,11 @@ class NativeStep:
         if len(kf) > 1 << 16:
             kf.clear()
         out: list[Frame] = []
-        in_kernel = False
-        for ip in callchain:
-            if ip >= _CONTEXT_MAX:
-                in_kernel = ip == _CONTEXT_KERNEL
-            elif in_kernel:
-                f = kf.get(ip)
-                if f is None:
-                    f = kf[ip] = self.engine.kernel_frames((_CONTEXT_KERNEL, ip))[0]
-                out.append(f)
+        for ip in kernel_ips(callchain):
+            f = kf.get(ip)
+            if f is None:
+                f = kf[ip] = self.engine.kernel_frames((_CONTEXT_KERNEL, ip))[0]
+            out.append(f)
         return tuple(out)
 
     def _groups(self, is_sample: bytes, stack_ids: Any, cols: list[Any], d: int,

@@ -986,8 +986,7 @@ class Symbolizer:
         waits for it. Idempotent."""
         if self._kallsyms is not None or self._kallsyms_loading is not None:
             return
-        t = threading.Thread(target=lambda: self._kallsyms_loaded.append(self._load_kallsyms()),
-                             name="unwindd-kallsyms", daemon=True)  # fmt: skip
+        t = threading.Thread(target=self._preload, name="unwindd-kallsyms", daemon=True)
         self._kallsyms_loading = t
         t.start()
 
@@ -996,6 +995,14 @@ class Symbolizer:
             return Kallsyms.load(self.proc_root)
         except OSError:
             return Kallsyms("")
+
+    def _preload(self) -> None:
+        """The preload thread: its result, or nothing (``kernel`` then loads on its own
+        thread, where any error surfaces as it would without a preload)."""
+        try:
+            self._kallsyms_loaded.append(self._load_kallsyms())
+        except Exception:  # reported by kernel()'s own load
+            pass
 
     def symbolize(self, entry: ElfEntry, vaddr: int) -> tuple[str, int] | None:
         return self.table(entry).lookup(vaddr)
