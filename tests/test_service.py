@@ -124,6 +124,8 @@ def test_metrics_show_the_samples(daemon: DaemonProc, workload_pid: int) -> None
     # persist by build-id for the next start
     cache = daemon.tmp / "cache"
     assert list((cache / "cfi").glob("*.cfi")) and list((cache / "sym").glob("*.sym")), cache
+    assert metric_values(text, "unwindd_cfi_disk_cache_total")['{result="compiled"}'] >= 1
+    assert metric_values(text, "unwindd_symbol_disk_cache_total")['{result="misses"}'] >= 1
     assert "unwindd_reorder_lateness_seconds_bucket" in text
     assert "unwindd_build_info{" in text
     assert f"{workload_pid}" not in "".join(ln for ln in text.splitlines() if "{" in ln

@@ -393,3 +393,27 @@ def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
     os.symlink(victim, tmp_path / "y.sym")
     with pytest.raises(CacheFileError):
         read_cache_file(str(tmp_path / "y.sym"), 1 << 20)
+
+
+def test_prune_cache_dir(tmp_path: Path) -> None:
+    """The daemon bounds each cache dir at start: temporaries older than STALE_TMP_SECONDS go,
+    then the least recently used files (max of atime, mtime) until the rest fits; links,
+    directories and fresh temporaries are left alone."""
+    from unwindd.elfcache import STALE_TMP_SECONDS, prune_cache_dir
+
+    now = 1_000_000.0
+    for i in range(5):  # a.sym (oldest use) .. e.sym (newest), 100 bytes each
+        f = tmp_path / f"{'abcde'[i]}.sym"
+        f.write_bytes(bytes(100))
+        os.utime(f, (now - 1000 + 100 * i, now - 5000))
+    old_tmp, new_tmp = tmp_path / "x.sym.1.2.tmp", tmp_path / "y.sym.1.3.tmp"
+    for f, age in ((old_tmp, STALE_TMP_SECONDS + 1), (new_tmp, 1)):
+        f.write_bytes(bytes(7))
+        os.utime(f, (now - age, now - age))
+    (tmp_path / "sub").mkdir()
+    os.symlink(tmp_path / "a.sym", tmp_path / "link.sym")
+    assert prune_cache_dir(str(tmp_path), 250, now) == (1 + 3, 7 + 300)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["d.sym", "e.sym", "link.sym", "sub", "y.sym.1.3.tmp"]
+    assert prune_cache_dir(str(tmp_path), 250, now) == (0, 0)
+    assert prune_cache_dir(str(tmp_path / "missing"), 0, now) == (0, 0)

@@ -118,6 +118,7 @@ class UnwindSection:
 class CacheSection:
     max_bytes: int = _key(512 << 20, live=False, check=_positive)
     dir: str = _key("", live=False, check=_cache_dir)
+    dir_max_bytes: int = _key(1 << 30, live=False, check=_positive)
 
 
 CACHE_DIR_FALLBACK = "/var/cache/unwindd"
@@ -132,6 +133,13 @@ def cache_dir(section: CacheSection, env: Mapping[str, str]) -> str | None:
     if section.dir:
         return section.dir
     return env.get("CACHE_DIRECTORY", "").split(":")[0] or CACHE_DIR_FALLBACK
+
+
+def user_cache_dir(env: Mapping[str, str]) -> str:
+    """Where a daemon that may not write the default cache dir (not root) keeps it:
+    ``$XDG_CACHE_HOME/unwindd``, else ``~/.cache/unwindd`` (what ``unwindd replay`` uses)."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "unwindd")
 
 
 @dataclass(frozen=True, slots=True)

@@ -999,6 +999,52 @@ def read_cache_file(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
+
+
+def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tuple[int, int]:
+    """Bound one cache directory (CfiStore's or SymbolStore's, flat): remove temporaries a
+    crashed writer left (older than ``STALE_TMP_SECONDS``), then, while the files total more
+    than ``max_bytes``, the least recently used (by max(atime, mtime): a hit reads the file,
+    and relatime still moves atime past mtime once a day). Only regular files directly in
+    ``path`` are considered; errors skip a file. Returns (files removed, bytes removed).
+    Cost: one scandir and a sort of the directory's entries; run at start."""
+    now = time.time() if now is None else now
+    files: list[tuple[float, int, str]] = []
+    removed = freed = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0, 0
+    for de in entries:
+        try:
+            st = de.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if de.name.endswith(".tmp"):
+            if now - st.st_mtime > STALE_TMP_SECONDS and _unlink(de.path):
+                removed, freed = removed + 1, freed + st.st_size
+            continue
+        files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
+    total = sum(size for _, size, _ in files)
+    for _, size, p in sorted(files):
+        if total <= max_bytes:
+            break
+        if _unlink(p):
+            removed, freed, total = removed + 1, freed + size, total - size
+    return removed, freed
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
 def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
     """``parts`` concatenated into ``path`` through a temporary file + ``os.replace`` (atomic
     on one filesystem); False, the temporary removed, on any OSError. The temporary's name has

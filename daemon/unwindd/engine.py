@@ -216,6 +216,8 @@ class StackEngine:
         # called with each pid the table drops, after the engine forgot it (livefast's C table)
         self.drop_listeners: list[Callable[[int], None]] = []
         self.cfi_prefetch: CfiPrefetcher | None = None  # set by create(prefetch_cfi=True)
+        # the on-disk stores' counters by store ("cfi", "sym"; set by create with a cache dir)
+        self.disk_stats: dict[str, dict[str, int]] = {}
 
     @classmethod
     def create(
@@ -252,6 +254,10 @@ class StackEngine:
         engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
                      batch_size=batch_size)  # fmt: skip
         engine.cfi_prefetch = pre
+        if store is not None:
+            engine.disk_stats["cfi"] = store.stats
+        if symbols is not None:
+            engine.disk_stats["sym"] = symbols.stats
         return engine
 
     # -- records in, samples out

@@ -45,11 +45,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .api import Api, Peer, stream_line
 from .config import (
+    CACHE_DIR_FALLBACK,
     DEFAULT_SOCKET,
     Config,
     ConfigError,
@@ -60,6 +61,7 @@ from .config import (
     merge_live,
     parse_listen,
     restart_keys,
+    user_cache_dir,
 )
 from .httpapi import (
     CLOSED,
@@ -74,6 +76,9 @@ from .live import LiveProfiler
 from .metrics import Measurements, UnwinddCollector
 from .sdnotify import Notifier
 from .stackfmt import UnwoundSample
+
+if TYPE_CHECKING:
+    from .engine import StackEngine
 
 log = logging.getLogger("unwindd")
 
@@ -699,9 +704,38 @@ def describe_target(cfg: Config) -> str:
     return "all CPUs"
 
 
-def open_profiler_for(cfg: Config) -> LiveProfiler:
-    from .elfcache import CacheConfig
+def _engine_with_disk_cache(cfg: Config) -> StackEngine:
+    """The daemon's engine. Compiled CFI and symbol tables persist by build-id under the
+    cache dir (``config.cache_dir``): a restart loads them, ~1-2 ms a binary, instead of
+    compiling (0.1-1 s for a big binary) and re-reading symbols. The dir is bounded at start
+    (``prune_cache_dir``: ``dir_max_bytes`` over cfi/ and sym/ by their share, LRU). Not root
+    and the default dir not writable: the user's cache dir; a dir that cannot be made is
+    logged and the daemon runs without one."""
+    from .elfcache import CacheConfig, prune_cache_dir
     from .engine import StackEngine
+
+    make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
+                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
+    root = cache_dir(cfg.cache, os.environ)
+    if root is None:
+        return make()
+    if root == CACHE_DIR_FALLBACK and os.geteuid() != 0:
+        root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
+    # CFI tables are ~5x the symbol files (bench: 30 binaries, ~3 MB of .sym)
+    for sub, share in (("cfi", 0.8), ("sym", 0.2)):
+        n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
+        if n:
+            log.info("cache dir %s/%s: removed %d files (%d bytes) past its bound", root, sub, n,
+                     freed)  # fmt: skip
+    try:
+        return make(cfi_cache_dir=os.path.join(root, "cfi"),
+                    sym_cache_dir=os.path.join(root, "sym"))  # fmt: skip
+    except OSError as e:  # the directory cannot be made: run without it, and say so
+        log.warning("cache dir %s unusable (%s): CFI and symbols are not persisted", root, e)
+        return make()
+
+
+def open_profiler_for(cfg: Config) -> LiveProfiler:
     from .perfcore import SamplingConfig, Target
     from .stackstore import StackStore
 
@@ -714,17 +748,7 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
         target = Target(all_cpus=True)
     sampling = SamplingConfig(event=s.event, frequency=s.frequency, stack_size=s.stack_size,
                               ring_pages=s.ring_pages)  # fmt: skip
-    # compiled CFI and symbol tables persist by build-id: a restart loads them, ~1-2 ms a
-    # binary, instead of compiling (0.1-1 s for a big binary) and re-reading symbols
-    root = cache_dir(cfg.cache, os.environ)
-    make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
-                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
-    try:
-        engine = make(cfi_cache_dir=os.path.join(root, "cfi") if root else None,
-                      sym_cache_dir=os.path.join(root, "sym") if root else None)  # fmt: skip
-    except OSError as e:  # the directory cannot be made: run without it, and say so
-        log.warning("cache dir %s unusable (%s): CFI and symbols are not persisted", root, e)
-        engine = make()
+    engine = _engine_with_disk_cache(cfg)
     st = cfg.store
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
