@@ -198,6 +198,13 @@ static int index_records(const struct fp_layout *lay, const uint8_t *data, uint6
             e->err = (uint8_t)err;
             if (!err) {
                 e->flags = FP_SAMPLE;
+                /* body offsets and counts < 64 KiB (size is a u16) */
+                e->regs_abi = (uint8_t)(v.regs_abi > 2 ? 3 : v.regs_abi);
+                e->cc_off = (uint16_t)v.cc_off;
+                e->cc_nr = (uint16_t)v.cc_nr;
+                e->regs_off = (uint16_t)v.regs_off;
+                e->stack_off = (uint16_t)v.stack_off;
+                e->dyn = (uint16_t)v.dyn;
                 if (lay->i_time >= 0) {
                     e->time = ld64(body + 8 * (uint64_t)lay->i_time);
                     e->flags |= FP_TIMED;
@@ -969,6 +976,20 @@ static int note_pair(struct fp_ctx *c, uint32_t space_id, uint32_t stack_id, uin
     return 0;
 }
 
+/* The stored view of an indexed SAMPLE stays inside its record: true for every record
+ * fp_index / fp_live_index made; checked anyway (O(1), the rec only), so a caller's bad
+ * struct fp_rec can never make the unwind read outside the record (the run's bounds check of
+ * off and size keeps the record inside the buffer). */
+static inline int rec_view_ok(const struct fp_layout *lay, const struct fp_rec *r)
+{
+    uint64_t blen = r->size - 8u; /* size >= 8: the caller checked FP_SAMPLE records */
+    uint32_t nregs = lay->nregs > 64 ? 64 : lay->nregs;
+    return r->size >= 8 && (uint64_t)r->cc_off + 8 * (uint64_t)r->cc_nr <= blen &&
+           (r->regs_abi != 2 || !lay->regs_mask ||
+            (uint64_t)r->regs_off + 8 * (uint64_t)nregs <= blen) &&
+           (uint64_t)r->stack_off + r->dyn <= blen;
+}
+
 /* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
 static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
                            const struct fp_rec *r, const struct space_ent *sp,
@@ -977,20 +998,21 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     uint64_t regs[64];
     uint32_t nregs_lay = lay->nregs > 64 ? 64 : lay->nregs;
     const uint8_t *body = data + r->off + 8;
-    struct sample_view v;
-    if (parse_sample(lay, body, r->size - 8u, &v))
+    /* The view fp_index stored (struct fp_rec): the sample is not parsed again, so only the
+     * registers, the stack bytes the walk reads and the callchain are touched. */
+    if (!rec_view_ok(lay, r))
         return UINT32_MAX;
     /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
-    uint32_t nregs = (v.regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
+    uint32_t nregs = (r->regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
     if (nregs)
-        memcpy(regs, body + v.regs_off, 8 * (size_t)nregs);
+        memcpy(regs, body + r->regs_off, 8 * (size_t)nregs);
     struct unw_item it = {sp->mods, sp->nmods, nregs, lay->regs_mask, regs,
-                          v.dyn ? body + v.stack_off : NULL, v.dyn};
+                          r->dyn ? body + r->stack_off : NULL, r->dyn};
     uint32_t npcs = 0;
     uint16_t fpf, sigf;
     uint8_t status = unw_unwind_one(c->arch, &it, c->max_depth, c->pcs, c->kinds, &npcs,
                                     &fpf, &sigf);
-    uint64_t nkc = v.cc_nr;
+    uint64_t nkc = r->cc_nr;
     if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
         return UINT32_MAX; /* cannot happen: records are < 64 KiB */
     uint32_t nw = key_words(c, npcs, nkc);
@@ -1002,7 +1024,7 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
         c->keycap = nw;
     }
     uint64_t *key = c->key;
-    key[1] = (uint64_t)status | (uint64_t)(v.regs_abi == 0) << 8 | (uint64_t)npcs << 32;
+    key[1] = (uint64_t)status | (uint64_t)(r->regs_abi == 0) << 8 | (uint64_t)npcs << 32;
     uint32_t npw = pc_words(c, npcs);
     uint64_t pcs_hash = npcs;
     if (c->by_code) {
@@ -1026,7 +1048,7 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
     memcpy(kw, c->kinds, npcs);
     if (nkc)
-        memcpy(kw + (npcs + 7) / 8, body + v.cc_off, 8 * (size_t)nkc);
+        memcpy(kw + (npcs + 7) / 8, body + r->cc_off, 8 * (size_t)nkc);
     uint32_t id = intern_stack(c, sp, key, nw);
     if (id == UINT32_MAX)
         return id;

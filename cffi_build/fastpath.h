@@ -50,7 +50,7 @@ struct fp_layout {
     uint32_t nregs;         /* popcount(regs_mask) */
 };
 
-/* One record of the data section, in file order (48 bytes). */
+/* One record of the data section, in file order (56 bytes). */
 struct fp_rec {
     uint64_t off;       /* offset of its header in data */
     uint64_t time;
@@ -60,7 +60,15 @@ struct fp_rec {
     uint8_t type;       /* header type (types > 255 never index: see fp_index) */
     uint8_t flags;      /* FP_* */
     uint8_t err;        /* FP_ERR_* for a SAMPLE */
-    uint8_t pad;
+    /* FP_SAMPLE: where its variable parts are, so the unwind reads only the bytes it uses
+     * instead of walking the body again (a record is < 64 KiB: u16 offsets from the body,
+     * i.e. the byte after the header, fit). regs_abi: the REGS_USER abi, 3 for any value > 2
+     * (only == 0, == 2 and != 0 matter). */
+    uint8_t regs_abi;
+    uint16_t cc_off, cc_nr;     /* PERF_SAMPLE_CALLCHAIN ips[] and nr (0 if absent) */
+    uint16_t regs_off;          /* regs[] (abi != 0) */
+    uint16_t stack_off, dyn;    /* STACK_USER data[] and dyn_size (0: no stack) */
+    uint16_t pad;
 };
 
 /* Frame data[0, len) into records (perfdata._Framer rules: AUXTRACE and TRACING_DATA payloads

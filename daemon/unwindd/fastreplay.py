@@ -27,7 +27,7 @@ Invariants:
   (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized HEADER_ATTR
   records,
   record types > 255): the caller then runs the slow path.
-- Memory: the file is mmap'd read-only; stacks are read in place. Per record 48 bytes of index
+- Memory: the file is mmap'd read-only; stacks are read in place. Per record 56 bytes of index
   plus 4 of order; per unique stack its key words and its rendered frames. Folded output
   aggregates by function (``fp_ctx_by_code(ctx, 2)``: a frame is its binary and the symbol
   region of its ELF vaddr in the table ``frame_at`` names it from, handed to C once per
