@@ -31,7 +31,9 @@ ffibuilder.set_source(
     # object file, and an absolute path would escape it.
     sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[str(HERE)],
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
+    # -pthread: fastpath.c's parallel unwind runs a worker thread (pthreads)
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
+    extra_link_args=["-pthread"],
     depends=[str(HERE / "unwcore.h"), str(HERE / "unwcore_int.h"), str(FAST_HEADER)],
 )
 

@@ -17,8 +17,12 @@
  * Offsets are computed in unsigned __int128, so no count in the input can wrap them (records.py
  * uses Python integers; the comparisons here are the same ones).
  */
+#include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "unwcore_int.h"
 #include "fastpath.h"
@@ -505,6 +509,33 @@ struct sym_ent {
     uint32_t used;
 };
 
+/* The parallel unwind's knobs (see "parallel unwind" below; tests build with small ones).
+ * PAR_MIN: on the issue-3 bench file cut into calls of n samples, the worker made
+ * fp_unwind_run slower at n = 32 and 64 (0.22, 0.20 s vs 0.18 s on one thread) and faster
+ * from 128 on (0.15 s at 128, 0.14 s at 256), at ~1.3x the CPU time: 256 keeps a margin. */
+#ifndef PAR_SEG
+#define PAR_SEG 8192        /* samples scanned for readiness at a time (fp_unwind_run) */
+#endif
+#ifndef PAR_BLOCK
+#define PAR_BLOCK 32        /* samples per claim (~40 us of unwinding) */
+#endif
+#ifndef PAR_NBLOCKS
+#define PAR_NBLOCKS 32      /* blocks in the ring (par_wake: a full ring sleeps till half free) */
+#endif
+#ifndef PAR_MIN
+#define PAR_MIN 256         /* default fp_ctx_par: shorter ready prefixes run on one thread */
+#endif
+#define PAR_RING_BYTES (2u << 20)
+#ifndef PAR_JUDGE_NS
+#define PAR_JUDGE_NS 2000000 /* wall time of the jobs behind each verdict (par_judge) */
+#endif
+#ifndef PAR_BACKOFF
+#define PAR_BACKOFF 16384   /* samples on one thread after a busy verdict (doubling, x64 max) */
+#endif
+
+struct fp_par;
+static void par_free(struct fp_par *P);
+
 struct fp_ctx {
     const struct unw_arch_desc *arch;
     uint32_t max_depth;
@@ -538,6 +569,9 @@ struct fp_ctx {
     struct sym_ent *syms;   /* by function: open addressing by module key */
     uint64_t symcap, nsym;
     uint32_t need_mod;      /* by function: the module whose table a run stopped for */
+    struct fp_par *par;     /* the parallel unwind's worker and ring (par_ready), or NULL */
+    uint32_t par_min;       /* fp_ctx_par */
+    int par_failed;         /* the worker could not be started: one thread */
 };
 
 /* intern_frame / frame_id / unwind_rec: "stop, a module needs its symbol table" (never an
@@ -554,6 +588,7 @@ struct fp_ctx *fp_ctx_new(int arch, uint32_t max_depth)
         return NULL;
     c->arch = a;
     c->max_depth = max_depth;
+    c->par_min = PAR_MIN;
     c->pcs = malloc(max_depth * sizeof *c->pcs);
     c->kinds = malloc(max_depth);
     if (!c->pcs || !c->kinds) {
@@ -567,6 +602,7 @@ void fp_ctx_free(struct fp_ctx *c)
 {
     if (!c)
         return;
+    par_free(c->par);
     free(c->pcs);
     free(c->kinds);
     free(c->key);
@@ -990,28 +1026,46 @@ static inline int rec_view_ok(const struct fp_layout *lay, const struct fp_rec *
            (uint64_t)r->stack_off + r->dyn <= blen;
 }
 
-/* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
-static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
-                           const struct fp_rec *r, const struct space_ent *sp,
-                           const struct comm_ent *ce)
+/* The unwinder's half of a sample: unwind the indexed SAMPLE r against the modules of sp into
+ * pcs/kinds (max_depth each); its UNW_* status and *npcs, or UNW_BAD_VIEW if its stored view is
+ * not inside the record. Reads only r, the record's bytes, the modules and their tables, and
+ * writes only pcs, kinds and the calling thread's lookup cache (unwind.c, __thread): so any
+ * thread may run it while the context is not being changed (the parallel run, par_*). */
+#define UNW_BAD_VIEW 0xFF
+static uint8_t unwind_sample(const struct unw_arch_desc *arch, uint32_t max_depth,
+                             const struct fp_layout *lay, const uint8_t *data,
+                             const struct fp_rec *r, const struct space_ent *sp, uint64_t *pcs,
+                             uint8_t *kinds, uint32_t *npcs)
 {
     uint64_t regs[64];
     uint32_t nregs_lay = lay->nregs > 64 ? 64 : lay->nregs;
     const uint8_t *body = data + r->off + 8;
+    *npcs = 0;
     /* The view fp_index stored (struct fp_rec): the sample is not parsed again, so only the
      * registers, the stack bytes the walk reads and the callchain are touched. */
     if (!rec_view_ok(lay, r))
-        return UINT32_MAX;
+        return UNW_BAD_VIEW;
     /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
     uint32_t nregs = (r->regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
     if (nregs)
         memcpy(regs, body + r->regs_off, 8 * (size_t)nregs);
     struct unw_item it = {sp->mods, sp->nmods, nregs, lay->regs_mask, regs,
                           r->dyn ? body + r->stack_off : NULL, r->dyn};
-    uint32_t npcs = 0;
     uint16_t fpf, sigf;
-    uint8_t status = unw_unwind_one(c->arch, &it, c->max_depth, c->pcs, c->kinds, &npcs,
-                                    &fpf, &sigf);
+    return unw_unwind_one(arch, &it, max_depth, pcs, kinds, npcs, &fpf, &sigf);
+}
+
+/* The aggregating half (calling thread only): the stack id of sample r (space sp, comm ce)
+ * whose unwind gave status and pcs/kinds[0, npcs), counted; UINT32_MAX on failure,
+ * NEED_SYMS_ID (by function, nothing counted) when a module needs its symbol table. */
+static uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_rec *r,
+                              const struct space_ent *sp, const struct comm_ent *ce,
+                              uint8_t status, const uint64_t *pcs, const uint8_t *kinds,
+                              uint32_t npcs)
+{
+    if (status == UNW_BAD_VIEW)
+        return UINT32_MAX;
+    const uint8_t *body = data + r->off + 8;
     uint64_t nkc = r->cc_nr;
     if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
         return UINT32_MAX; /* cannot happen: records are < 64 KiB */
@@ -1033,20 +1087,22 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
         if (npcs & 1)
             key[2 + npw - 1] = 0; /* the pad half of an odd count */
         for (uint32_t i = 0; i < npcs; i++) {
-            uint8_t exact = i == 0 || (c->kinds[i - 1] & UNW_FRAME_SIGNAL);
-            uint32_t fid = frame_id(c, sp, c->pcs[i], exact);
+            uint8_t exact = i == 0 || (kinds[i - 1] & UNW_FRAME_SIGNAL);
+            uint32_t fid = frame_id(c, sp, pcs[i], exact);
             if (fid >= NEED_SYMS_ID)
                 return fid; /* nothing counted yet: the sample is unwound again on resume */
-            pcs_hash = mix(pcs_hash, c->pcs[i]);
+            pcs_hash = mix(pcs_hash, pcs[i]);
             memcpy((uint8_t *)(key + 2) + 4 * (size_t)i, &fid, 4); /* no u32 store into u64s */
         }
     } else {
         key[0] = (uint64_t)sp->space_id | (uint64_t)ce->comm_id << 32;
-        memcpy(key + 2, c->pcs, 8 * (size_t)npcs);
+        if (npcs)
+            memcpy(key + 2, pcs, 8 * (size_t)npcs);
     }
     uint64_t *kw = key + 2 + npw;
     memset(kw, 0, 8 * (size_t)((npcs + 7) / 8));
-    memcpy(kw, c->kinds, npcs);
+    if (npcs)
+        memcpy(kw, kinds, npcs);
     if (nkc)
         memcpy(kw + (npcs + 7) / 8, body + r->cc_off, 8 * (size_t)nkc);
     uint32_t id = intern_stack(c, sp, key, nw);
@@ -1058,36 +1114,455 @@ static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const 
     return id;
 }
 
+/* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
+static uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                           const struct fp_rec *r, const struct space_ent *sp,
+                           const struct comm_ent *ce)
+{
+    uint32_t npcs;
+    uint8_t status = unwind_sample(c->arch, c->max_depth, lay, data, r, sp, c->pcs, c->kinds,
+                                   &npcs);
+    return intern_sample(c, data, r, sp, ce, status, c->pcs, c->kinds, npcs);
+}
+
+/* The checks fp_unwind_run makes before unwinding perm[k]: 0 if the sample can be unwound
+ * now (*sp, *ce set), else the FP_RUN_* to return (*need_pid / *need_tid set). */
+static int run_ready(const struct fp_ctx *c, const struct fp_rec *r, uint64_t len,
+                     const struct space_ent **sp, const struct comm_ent **ce, uint32_t *need_pid,
+                     uint32_t *need_tid)
+{
+    if (!(r->flags & FP_SAMPLE) || r->off > len || r->size > len - r->off)
+        return FP_RUN_ERROR; /* the caller passes only indexed samples of this buffer */
+    *sp = c->scap ? space_slot(c, r->pid) : NULL;
+    if (!*sp || !(*sp)->used || !(*sp)->valid) {
+        *need_pid = r->pid;
+        return FP_RUN_NEED_SPACE;
+    }
+    *ce = c->ccap ? comm_slot(c, r->pid, r->tid) : NULL;
+    if (!*ce || !(*ce)->used) {
+        *need_pid = r->pid;
+        *need_tid = r->tid;
+        return FP_RUN_NEED_COMM;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ parallel unwind
+ *
+ * Why: unwinding (unw_unwind_one) is most of fp_unwind_run (on the issue-3 bench file ~3/4 of
+ * it; interning the stacks the rest), and samples unwind independently: the calling thread
+ * and one worker thread (the machines have 2 vCPUs) unwind blocks of a run's ready prefix into
+ * ring slots, and the calling thread alone interns them in sample order, so frame and stack
+ * ids, counts and pairs are exactly the one-thread ones.
+ *
+ * Protocol (all under par->mu): a job is samples [k0, k1) of perm, every one ready
+ * (run_ready). Blocks are [b * g, (b + 1) * g) of perm indices clipped to the job; a thread
+ * claims the lowest unclaimed block (next), unwinds it outside the lock into ring slots k %
+ * ring, and marks it done (bdone[b % PAR_NBLOCKS] = b + 1). A block may be claimed only when
+ * its slots are free: b below the first uninterned block + PAR_NBLOCKS (limit). The calling
+ * thread interns block after block, claiming and unwinding blocks itself while the one it needs
+ * is not done (so it never idles while there is work). When it cannot claim because the ring
+ * is full behind the block the worker holds (a preempted worker: the machines are shared), it
+ * unwinds that block itself, on one thread, and the worker's late copy is ignored (its slots
+ * stay the worker's until it lets go: the claim limit also counts the worker's block). It
+ * sleeps only at a job's tail, when the worker holds the last unfinished block. Before
+ * returning it deactivates the job and waits until the worker is idle: after fp_unwind_run
+ * returns nothing reads the caller's buffers.
+ *
+ * Thread safety of the unwind half (unwind_sample): it reads the record, the buffer, the
+ * space table (space_slot: the calling thread does not change spaces during a job) and the
+ * modules and tables (the caller keeps them alive and unchanged), and writes only its ring
+ * slots and its own thread's lookup cache (unwind.c lk_cache is __thread).
+ *
+ * Bounds: one worker per context (created on first use, joined by fp_ctx_free); ring = g *
+ * PAR_NBLOCKS samples of max_depth pcs and kinds, at most ~PAR_RING_BYTES (g shrinks for deep
+ * max_depth, at least 1; 1024 samples, 1.2 MB at max_depth 128). A run stopped by
+ * FP_RUN_NEED_SYMS has unwound at most ring samples past the stop, unwound again on resume
+ * (bench file: ~3k extra unwinds of 80k, 30 stops). Lock traffic: O(1) per block; futex
+ * wakes of the worker: O(1) per job plus one per half ring it waits for (par_wake). Measured
+ * on the bench file with the second vCPU idle: fp_unwind_run 0.16-0.17 s -> 0.10-0.11 s, at
+ * ~1.15x the CPU time. */
+/* (the PAR_* knobs are defined before struct fp_ctx) */
+
+struct par_slot {
+    uint32_t npcs;
+    uint8_t status;
+};
+
+struct par_job {
+    const struct fp_ctx *c;
+    const struct fp_layout *lay;
+    const uint8_t *data;
+    const struct fp_rec *recs;
+    const uint32_t *perm;
+};
+
+struct fp_par {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t work;    /* worker: a claimable block, or quit */
+    pthread_cond_t done;    /* calling thread: a block done, or the worker idle */
+    pid_t pid;              /* the process whose thread th is (a fork's child has none) */
+    int quit, active, worker_busy, worker_waiting, main_waiting;
+    uint64_t wstart;        /* while worker_busy: the first sample of the worker's block */
+    clockid_t wclock;       /* the worker's CPU-time clock */
+    int have_wclock;
+    uint64_t serial_left;   /* samples to unwind on one thread before the next probe */
+    uint32_t busy_streak;   /* busy verdicts in a row */
+    uint64_t acc_wall, acc_cpu; /* jobs since the last verdict: their wall and CPU time */
+    struct par_job job;     /* valid while active */
+    uint64_t k1, next, limit;
+    uint64_t bdone[PAR_NBLOCKS];
+    uint32_t g, max_depth;
+    uint64_t ring;
+    uint64_t *pcs;
+    uint8_t *kinds;
+    struct par_slot *slots;
+};
+
+/* Unwind samples [s, e) of the job into their ring slots (either thread, outside the lock). */
+static void par_block(const struct fp_par *P, const struct par_job *J, uint64_t s, uint64_t e)
+{
+    const struct fp_ctx *c = J->c;
+    for (uint64_t k = s; k < e; k++) {
+        const struct fp_rec *r = &J->recs[J->perm[k]];
+        uint64_t i = k % P->ring;
+        struct par_slot *sl = &P->slots[i];
+        sl->status = unwind_sample(c->arch, P->max_depth, J->lay, J->data, r,
+                                   space_slot(c, r->pid), P->pcs + i * P->max_depth,
+                                   P->kinds + i * P->max_depth, &sl->npcs);
+    }
+}
+
+/* Claim the next block if its slots are free (mu held): 1 and [*s, *e), else 0. */
+static int par_claim(struct fp_par *P, uint64_t *s, uint64_t *e)
+{
+    /* the slots of a block the worker still holds stay its own, even if the calling thread
+     * stole that block (par_run) and moved on */
+    uint64_t lim = P->limit;
+    if (P->worker_busy && P->wstart / P->g * P->g + P->ring < lim)
+        lim = P->wstart / P->g * P->g + P->ring;
+    if (!P->active || P->next >= P->k1 || P->next >= lim)
+        return 0;
+    *s = P->next;
+    *e = *s / P->g * P->g + P->g;
+    if (*e > P->k1)
+        *e = P->k1;
+    P->next = *e;
+    return 1;
+}
+
+/* Wake a waiting worker (mu held) once half the ring, or the rest of the job, is claimable:
+ * a worker that ran a full ring ahead then sleeps until it can run far again, not once per
+ * block the calling thread frees (a futex wake and a context switch each). */
+static void par_wake(struct fp_par *P)
+{
+    if (!P->worker_waiting || !P->active || P->next >= P->k1)
+        return;
+    uint64_t end = P->limit < P->k1 ? P->limit : P->k1;
+    if (end > P->next && (end - P->next >= P->ring / 2 || end == P->k1)) {
+        P->worker_waiting = 0; /* one wake is enough */
+        pthread_cond_signal(&P->work);
+    }
+}
+
+static void *par_worker(void *arg)
+{
+    struct fp_par *P = arg;
+    pthread_mutex_lock(&P->mu);
+    while (!P->quit) {
+        uint64_t s, e;
+        if (!par_claim(P, &s, &e)) {
+            P->worker_waiting = 1;
+            pthread_cond_wait(&P->work, &P->mu);
+            P->worker_waiting = 0;
+            continue;
+        }
+        struct par_job J = P->job;
+        P->worker_busy = 1;
+        P->wstart = s;
+        pthread_mutex_unlock(&P->mu);
+        par_block(P, &J, s, e);
+        pthread_mutex_lock(&P->mu);
+        P->bdone[s / P->g % PAR_NBLOCKS] = s / P->g + 1;
+        P->worker_busy = 0;
+        if (P->main_waiting)
+            pthread_cond_signal(&P->done);
+    }
+    pthread_mutex_unlock(&P->mu);
+    return NULL;
+}
+
+static void par_free(struct fp_par *P)
+{
+    if (!P)
+        return;
+    if (P->pid == getpid()) {
+        pthread_mutex_lock(&P->mu);
+        P->quit = 1;
+        pthread_cond_signal(&P->work);
+        pthread_mutex_unlock(&P->mu);
+        pthread_join(P->th, NULL);
+        pthread_cond_destroy(&P->work);
+        pthread_cond_destroy(&P->done);
+        pthread_mutex_destroy(&P->mu);
+    } /* else a fork's child: no thread to stop, and the lock may be a copy of a held one */
+    free(P->pcs);
+    free(P->kinds);
+    free(P->slots);
+    free(P);
+}
+
+/* 1 if the worker runs (started now if this is the first use), else 0 (one thread). */
+static int par_ready(struct fp_ctx *c)
+{
+    if (c->par)
+        return c->par->pid == getpid();
+    if (c->par_failed)
+        return 0;
+    c->par_failed = 1; /* until the worker runs */
+    struct fp_par *P = calloc(1, sizeof *P);
+    if (!P)
+        return 0;
+    uint64_t per = 9 * (uint64_t)c->max_depth; /* a slot's pcs and kinds */
+    uint64_t g = PAR_RING_BYTES / (per * PAR_NBLOCKS);
+    P->g = g < 1 ? 1 : g > PAR_BLOCK ? PAR_BLOCK : (uint32_t)g;
+    P->max_depth = c->max_depth;
+    P->ring = (uint64_t)P->g * PAR_NBLOCKS;
+    P->pcs = malloc(P->ring * c->max_depth * sizeof *P->pcs);
+    P->kinds = malloc(P->ring * c->max_depth);
+    P->slots = malloc(P->ring * sizeof *P->slots);
+    P->pid = getpid();
+    if (!P->pcs || !P->kinds || !P->slots || pthread_mutex_init(&P->mu, NULL)) {
+        free(P->pcs), free(P->kinds), free(P->slots), free(P);
+        return 0;
+    }
+    int ok = !pthread_cond_init(&P->work, NULL);
+    if (ok && pthread_cond_init(&P->done, NULL)) {
+        pthread_cond_destroy(&P->work);
+        ok = 0;
+    }
+    if (ok) {
+        /* every signal blocked in the worker: the process's handlers (Python's) run in the
+         * threads that expect them; the mask is inherited, so block, create, restore */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        ok = !pthread_create(&P->th, NULL, par_worker, P);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (!ok) {
+            pthread_cond_destroy(&P->work);
+            pthread_cond_destroy(&P->done);
+        }
+    }
+    if (!ok) {
+        pthread_mutex_destroy(&P->mu);
+        free(P->pcs), free(P->kinds), free(P->slots), free(P);
+        return 0;
+    }
+    P->have_wclock = !pthread_getcpuclockid(P->th, &P->wclock);
+    c->par = P;
+    c->par_failed = 0;
+    return 1;
+}
+
+/* Whether this ready prefix of n samples goes to the two threads: not while a busy verdict's
+ * stretch of one-thread samples lasts (par_judge). */
+static int par_turn(struct fp_par *P, uint64_t n)
+{
+    if (!P->serial_left)
+        return 1;
+    P->serial_left -= n < P->serial_left ? n : P->serial_left;
+    return 0;
+}
+
+static uint64_t clock_ns(clockid_t id)
+{
+    struct timespec t;
+    if (clock_gettime(id, &t))
+        return 0;
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* Why: the two threads help only if the process gets a second CPU. On a busy shared machine
+ * it does not (with autogroup scheduling a session's share stays the same however many
+ * threads it runs), and then the worker only adds its overhead: on the issue-3 bench file,
+ * under load from other jobs, fp_unwind_run took ~10% longer with the worker than without,
+ * where an idle second CPU makes it ~40% shorter. So the jobs are judged, every PAR_JUDGE_NS
+ * of their wall time, by the CPU time their threads got over that wall time: under 1.3 CPUs,
+ * busy; the next PAR_BACKOFF << streak samples (streak: busy verdicts in a row, at most 6)
+ * then run on one thread, and the jobs after them probe again. Cost: four clock reads per
+ * job. A verdict changes only which thread unwinds, never a result. */
+static void par_judge(struct fp_par *P, uint64_t wall, uint64_t cpu)
+{
+    P->acc_wall += wall;
+    P->acc_cpu += cpu;
+#if PAR_JUDGE_NS > 0 /* (tests build it as 0: every job judged) */
+    if (P->acc_wall < PAR_JUDGE_NS)
+        return;
+#endif
+    wall = P->acc_wall;
+    cpu = P->acc_cpu;
+    P->acc_wall = P->acc_cpu = 0;
+    if (10 * cpu >= 13 * wall) {
+        P->busy_streak = 0;
+        return;
+    }
+    P->serial_left = (uint64_t)PAR_BACKOFF << P->busy_streak;
+    if (P->busy_streak < 6)
+        P->busy_streak++;
+}
+
+/* Samples [k0, k1), all ready: unwound by both threads, interned here in order. Returns
+ * FP_RUN_DONE, or the stop (FP_RUN_NEED_SYMS, FP_RUN_ERROR) at *stopped, like the one-thread
+ * loop. */
+static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                   const struct fp_rec *recs, const uint32_t *perm, uint64_t k0, uint64_t k1,
+                   uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
+                   uint32_t *need_tid)
+{
+    struct fp_par *P = c->par;
+    const uint64_t g = P->g, ring = P->ring;
+    uint64_t t0 = clock_ns(CLOCK_MONOTONIC), m0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+    uint64_t w0 = P->have_wclock ? clock_ns(P->wclock) : 0;
+    pthread_mutex_lock(&P->mu);
+    P->job = (struct par_job){c, lay, data, recs, perm};
+    P->k1 = k1;
+    P->next = k0;
+    P->limit = k0 / g * g + ring;
+    memset(P->bdone, 0, sizeof P->bdone);
+    P->active = 1;
+    par_wake(P);
+    pthread_mutex_unlock(&P->mu);
+    int rc = FP_RUN_DONE;
+    uint64_t k = k0;
+    while (k < k1 && rc == FP_RUN_DONE) {
+        uint64_t b = k / g, e = b * g + g;
+        if (e > k1)
+            e = k1;
+        int steal = 0;
+        pthread_mutex_lock(&P->mu);
+        while (P->bdone[b % PAR_NBLOCKS] != b + 1) {
+            uint64_t s, se;
+            if (par_claim(P, &s, &se)) { /* help rather than wait */
+                pthread_mutex_unlock(&P->mu);
+                par_block(P, &P->job, s, se);
+                pthread_mutex_lock(&P->mu);
+                P->bdone[s / g % PAR_NBLOCKS] = s / g + 1;
+                continue;
+            }
+            if (P->next < k1) {
+                /* The ring is full behind block b, which the worker holds: it is slow, most
+                 * likely preempted (a shared machine). Do b here rather than wait for it (its
+                 * unwind is done twice; the worker's copy is ignored). If the worker holds an
+                 * older, already stolen block instead, b is unclaimed: nobody else takes it. */
+                if (P->next <= k)
+                    P->next = e;
+                steal = 1;
+                break;
+            }
+            P->main_waiting = 1; /* the job's tail: the worker's block is the last work */
+            pthread_cond_wait(&P->done, &P->mu);
+            P->main_waiting = 0;
+        }
+        pthread_mutex_unlock(&P->mu);
+        for (; k < e; k++) {
+            const struct fp_rec *r = &recs[perm[k]];
+            const struct space_ent *sp = space_slot(c, r->pid);
+            const struct comm_ent *ce = comm_slot(c, r->pid, r->tid);
+            *stopped = k;
+            uint32_t id;
+            if (steal) {
+                id = unwind_rec(c, lay, data, r, sp, ce);
+            } else {
+                const struct par_slot *sl = &P->slots[k % ring];
+                uint64_t i = k % ring;
+                id = intern_sample(c, data, r, sp, ce, sl->status, P->pcs + i * P->max_depth,
+                                   P->kinds + i * P->max_depth, sl->npcs);
+            }
+            if (id == NEED_SYMS_ID) {
+                *need_pid = r->pid;
+                *need_tid = c->need_mod;
+                rc = FP_RUN_NEED_SYMS;
+                break;
+            }
+            if (id == UINT32_MAX) {
+                rc = FP_RUN_ERROR;
+                break;
+            }
+            stack_ids[k] = id;
+        }
+        if (rc == FP_RUN_DONE) { /* block b interned: its slots are free */
+            pthread_mutex_lock(&P->mu);
+            P->limit = e + ring;
+            par_wake(P);
+            pthread_mutex_unlock(&P->mu);
+        }
+    }
+    pthread_mutex_lock(&P->mu);
+    P->active = 0;
+    while (P->worker_busy) {
+        P->main_waiting = 1;
+        pthread_cond_wait(&P->done, &P->mu);
+        P->main_waiting = 0;
+    }
+    pthread_mutex_unlock(&P->mu);
+    if (P->have_wclock) {
+        uint64_t cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID) - m0 + clock_ns(P->wclock) - w0;
+        par_judge(P, clock_ns(CLOCK_MONOTONIC) - t0, cpu);
+    }
+    return rc;
+}
+
 int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
                   uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t from,
                   uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
                   uint32_t *need_tid)
 {
-    for (uint64_t k = from; k < to; k++) {
-        const struct fp_rec *r = &recs[perm[k]];
-        *stopped = k;
-        if (!(r->flags & FP_SAMPLE) || r->off > len || r->size > len - r->off)
-            return FP_RUN_ERROR; /* the caller passes only indexed samples of this buffer */
-        const struct space_ent *sp = c->scap ? space_slot(c, r->pid) : NULL;
-        if (!sp || !sp->used || !sp->valid) {
-            *need_pid = r->pid;
-            return FP_RUN_NEED_SPACE;
+    uint64_t k = from;
+    while (k < to) {
+        /* Segments end at multiples of PAR_SEG (a resume at a stop rescans at most that far,
+         * and meets the same boundaries). Of a long enough segment, the ready prefix [k, p)
+         * (every sample with its space and comm set) is unwound in parallel (par_run). */
+        uint64_t seg = k / PAR_SEG * PAR_SEG + PAR_SEG;
+        if (seg > to)
+            seg = to;
+        uint64_t end = seg; /* one at a time up to here */
+        if (c->par_min && seg - k >= c->par_min) {
+            const struct space_ent *sp;
+            const struct comm_ent *ce;
+            uint32_t np, nt;
+            uint64_t p = k;
+            while (p < seg && !run_ready(c, &recs[perm[p]], len, &sp, &ce, &np, &nt))
+                p++;
+            if (p - k >= c->par_min && par_ready(c) && par_turn(c->par, p - k)) {
+                int rc = par_run(c, lay, data, recs, perm, k, p, stack_ids, stopped, need_pid,
+                                 need_tid);
+                if (rc != FP_RUN_DONE)
+                    return rc;
+                k = p;
+            }
+            /* then the sample that is not ready, alone (its FP_RUN_*), or the short prefix */
+            end = p < seg ? (p > k ? p : k + 1) : seg;
         }
-        const struct comm_ent *ce = c->ccap ? comm_slot(c, r->pid, r->tid) : NULL;
-        if (!ce || !ce->used) {
-            *need_pid = r->pid;
-            *need_tid = r->tid;
-            return FP_RUN_NEED_COMM;
+        for (; k < end; k++) {
+            const struct fp_rec *r = &recs[perm[k]];
+            const struct space_ent *sp;
+            const struct comm_ent *ce;
+            *stopped = k;
+            int rc = run_ready(c, r, len, &sp, &ce, need_pid, need_tid);
+            if (rc)
+                return rc;
+            uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
+            if (id == NEED_SYMS_ID) {
+                *need_pid = r->pid;
+                *need_tid = c->need_mod;
+                return FP_RUN_NEED_SYMS;
+            }
+            if (id == UINT32_MAX)
+                return FP_RUN_ERROR;
+            stack_ids[k] = id;
         }
-        uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
-        if (id == NEED_SYMS_ID) {
-            *need_pid = r->pid;
-            *need_tid = c->need_mod;
-            return FP_RUN_NEED_SYMS;
-        }
-        if (id == UINT32_MAX)
-            return FP_RUN_ERROR;
-        stack_ids[k] = id;
     }
     *stopped = to;
     return FP_RUN_DONE;
@@ -1161,6 +1636,12 @@ void fp_stack_counts(const struct fp_ctx *c, uint64_t *out)
 {
     for (uint64_t id = 0; id < c->nstk; id++)
         out[id] = c->stacks[id].count;
+}
+
+int fp_ctx_par(struct fp_ctx *c, uint32_t min_run)
+{
+    c->par_min = min_run;
+    return 0;
 }
 
 int fp_ctx_by_code(struct fp_ctx *c, int on)

@@ -120,6 +120,15 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
                   uint64_t to, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
                   uint32_t *need_tid);
 
+/* Parallel unwind: of a run, a prefix of at least min_run samples that are all ready (space
+ * and comm set) is unwound by the calling thread and one worker thread the context owns
+ * (started on first use, joined by fp_ctx_free; no worker if it cannot start), and interned
+ * in sample order by the calling thread, so ids, counts and stops are what one thread gives.
+ * While the two threads do not get two CPUs (a busy machine) stretches of samples run on one
+ * thread (fastpath.c par_judge). min_run 0: one thread only; 1: any prefix (tests). Default
+ * 256 (fastpath.c PAR_MIN). Returns 0. */
+int fp_ctx_par(struct fp_ctx *c, uint32_t min_run);
+
 /* Aggregate by code (before any run; -1 after): a user frame whose named address lies in a
  * module is identified by (module key, ELF vaddr, exact) instead of (space, pc, exact), and a
  * stack by (comm, status, regs-abi-none, frame ids and kinds, raw callchain) without its

@@ -12,7 +12,8 @@ import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ROOT / "cffi_build"
-CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
+# -pthread: fastpath.c runs a worker thread (its parallel unwind)
+CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]
 
 
 def build(out: pathlib.Path, sources: list[str], extra: list[str]) -> str:

@@ -9,7 +9,8 @@ reference path (STYLE.md 8: differential, fuzzing, sanitizers).
    Hypothesis-mutated ones: same records, same SAMPLE errors, same end-of-stream error.
 3. fp_order against RoundOrderer on random timed/untimed/marker streams (including forced
    flushes).
-4. The native code under ASan/UBSan with tests/native/fp_fuzz.c, and symtab.c/sideband.c with
+4. The native code under ASan/UBSan (and its parallel unwind under TSan) with
+   tests/native/fp_fuzz.c, and symtab.c/sideband.c with
    tests/native/sym_fuzz.c.
 5. The side-band skip (sideband.c) is covered by 1: "mmapstorm" is a deep-recursion CPython
    recording whose records are mostly data MMAP2s. "dlmtwice" maps one stripped library twice
@@ -157,6 +158,23 @@ def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
         assert slow_counts["decode_records"]["MMAP2"] > 1000, slow_counts["decode_records"]
     assert fast_out == slow_out
     assert fast_counts == slow_counts
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice"],
+)
+def test_parallel_unwind_equals_one_thread(files: dict[str, Path], name: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """fp_ctx_par: every run unwound with the worker thread (min_run 1; these files' runs are
+    shorter than the default) gives the output and counts of one thread, in every format."""
+    for fmt in FORMATS:
+        got = []
+        for par_min in (0, 1):
+            monkeypatch.setattr(fastreplay, "PAR_MIN", par_min)
+            got.append(_fast(files[name], fmt))
+        assert got[0][0], "empty output"
+        assert got[1] == got[0], fmt
 
 
 def test_folded_aggregates_by_code(files: dict[str, Path]) -> None:
@@ -375,26 +393,51 @@ def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: 
 # --------------------------------------------------------------------------- 4. sanitizers
 
 
-def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes]) -> None:
+def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: str,
+             flags: list[str], env: dict[str, str], iters: int) -> subprocess.CompletedProcess[str]:
+    """Build tests/native/fp_fuzz.c with the native sources and flags, run it on section.
+    Small PAR_* (fastpath.c's parallel unwind): the ring wraps and segments end inside runs
+    of the small section, so the threaded path meets its edges (fp_fuzz runs it at any
+    prefix length and compares with one thread), and every job is judged (PAR_JUDGE_NS=0), so
+    short one-thread stretches (PAR_BACKOFF) come and go."""
     cc = shutil.which("gcc")
     assert cc
     lay, _dec, raw = section
     (tmp_path / "data").write_bytes(raw)
-    exe = tmp_path / "fp_fuzz"
+    exe = tmp_path / name
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
-                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    str(ROOT / "tests" / "native" / "fp_fuzz.c"), str(CORE / "fastpath.c"),
-                    str(CORE / "unwind.c"), str(CORE / "cfi.c"), "-o", str(exe)],
+                    "-pthread", *flags, str(ROOT / "tests" / "native" / "fp_fuzz.c"),
+                    str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c"),
+                    "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs)]  # fmt: skip
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:exitcode=97")
-    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, "400"], capture_output=True,
-                          text=True, timeout=300, env=env)  # fmt: skip
+    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters)],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, **env))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().startswith("ok "), proc.stdout
     assert int(proc.stdout.split()[3]) > 0, proc.stdout  # by function asked for symbol tables
+    return proc
+
+
+def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes]) -> None:
+    proc = _fp_fuzz(tmp_path, section, "fp_fuzz",
+                    ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                     "-DPAR_BLOCK=3", "-DPAR_NBLOCKS=2", "-DPAR_SEG=61", "-DPAR_JUDGE_NS=0",
+                     "-DPAR_BACKOFF=5"],
+                    {"ASAN_OPTIONS": "detect_leaks=1:exitcode=97"}, 400)  # fmt: skip
     assert "runtime error" not in proc.stderr
+
+
+def test_fastpath_tsan(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes]) -> None:
+    """The parallel unwind's worker and calling thread under ThreadSanitizer: no data race
+    between the ring slots, the job and the lookup caches (the fuzz's runs, threaded)."""
+    proc = _fp_fuzz(tmp_path, section, "fp_fuzz_tsan",
+                    ["-fsanitize=thread", "-DPAR_BLOCK=4", "-DPAR_NBLOCKS=3", "-DPAR_SEG=200",
+                     "-DPAR_JUDGE_NS=0", "-DPAR_BACKOFF=5"],
+                    {"TSAN_OPTIONS": "halt_on_error=1:exitcode=66"}, 150)  # fmt: skip
+    assert "ThreadSanitizer" not in proc.stderr
 
 
 def test_cli_default_config_path_matches_config() -> None:
@@ -441,7 +484,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
     assert trailer is not None
     exe = tmp_path / "sym_fuzz"
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
-                    "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                     str(ROOT / "tests" / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
                     str(CORE / "sideband.c"), str(CORE / "fastpath.c"), str(CORE / "unwind.c"),
                     str(CORE / "cfi.c"), "-o", str(exe)],

@@ -37,7 +37,10 @@ Invariants:
   ordering and applying them (decoded again, ``RecordDecoder.redecode``).
 
 Cost: O(records) native work plus O(table-changing side-band records + unique stacks) Python
-work for folded output; jsonl/perf-script add one string format per sample (~2-4 us).
+work for folded output; jsonl/perf-script add one string format per sample (~2-4 us). A long
+run's samples are unwound by the calling thread and a worker thread the C context owns while
+the machine has a CPU to spare (``fp_ctx_par``; the stacks are interned in sample order, so
+the output does not depend on it).
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _CALLCHAIN = int(SampleType.CALLCHAIN)
+# fp_ctx_par's min_run for new contexts; None: the C default (fastpath.c PAR_MIN). Tests set 1
+# (unwind every run with the worker thread) or 0 (one thread) to compare the two.
+PAR_MIN: int | None = None
 
 
 def _start(m: Mapping) -> int:
@@ -240,6 +246,8 @@ class _Replay:
                           lib.fp_ctx_free)  # fmt: skip
         if self.ctx == ffi.NULL:
             raise MemoryError("fp_ctx_new")
+        if PAR_MIN is not None:
+            lib.fp_ctx_par(self.ctx, PAR_MIN)
         # Folded output prints no addresses, only function names: aggregate frames and stacks
         # by function (binary, symbol), so the same code run by many processes, and every
         # address of one function, is named and stored once (fp_ctx_by_code, on = 2).

@@ -1,4 +1,4 @@
-/* fp_fuzz.c: cffi_build/fastpath.c under ASan/UBSan (tests/test_fastreplay.py).
+/* fp_fuzz.c: cffi_build/fastpath.c under ASan/UBSan and TSan (tests/test_fastreplay.py).
  *
  * usage: fp_fuzz DATA sample_type regs_mask nprefix i_tid i_time i_cpu i_period nregs ITERS
  *
@@ -8,7 +8,10 @@
  * happen), fp_unwind_run over every run of samples (answering NEED_SPACE with frame-pointer
  * only modules and NEED_COMM with an id), by address space or by code (fp_ctx_by_code), and
  * reads back every unique stack and frame, one by one and in bulk (fp_stacks_export, which must
- * agree). Prints "ok N".
+ * agree). Every replay runs twice, on one thread and with the parallel unwind (fp_ctx_par, any
+ * prefix length): the stops, ids, stacks, frames and pairs must be the same. Built with small
+ * PAR_BLOCK / PAR_NBLOCKS / PAR_SEG (test_fastreplay.py), so the ring wraps and segments end
+ * inside runs; under ThreadSanitizer too. Prints "ok N".
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +37,95 @@ static int cmp_triple(const void *x, const void *y)
     return p->b < q->b ? -1 : p->b > q->b;
 }
 
+/* Every run of samples of perm[0, nout) through fp_unwind_run on a new context, answering
+ * its stops from the shared fixtures (the same rnd() draws for the same stops); ids gets each
+ * sample's stack id. */
+struct fixtures {
+    uint32_t max_depth;
+    int by_code;
+    uint64_t starts[2][8], ends[2][8], nsyms[2];
+    struct unw_module mods[2];
+};
+
+static struct fp_ctx *run_all(const struct fixtures *fx, uint32_t par_min,
+                              const struct fp_layout *lay, const uint8_t *buf, uint64_t len,
+                              const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
+                              uint32_t *ids)
+{
+    struct fp_ctx *c = fp_ctx_new(UNW_ARCH_X86_64, fx->max_depth);
+    CHECK(c);
+    CHECK(fp_ctx_by_code(c, fx->by_code) == 0);
+    CHECK(fp_ctx_par(c, par_min) == 0);
+    memset(ids, 0xff, (nout ? nout : 1) * sizeof *ids);
+    uint64_t k = 0;
+    while (k < nout) {
+        uint64_t b = k;
+        while (b < nout && (recs[perm[b]].flags & FP_SAMPLE))
+            b++;
+        uint64_t at = k;
+        while (at < b) {
+            uint64_t stopped;
+            uint32_t pid, tid;
+            int rc = fp_unwind_run(c, lay, buf, len, recs, perm, at, b, ids, &stopped, &pid, &tid);
+            CHECK(rc != FP_RUN_ERROR && stopped >= at && stopped <= b);
+            if (rc == FP_RUN_DONE)
+                break;
+            if (rc == FP_RUN_NEED_SPACE) {
+                CHECK(fp_set_space(c, pid, fx->mods, rnd() % 3, (uint32_t)(rnd() % 5)) == 0);
+            } else if (rc == FP_RUN_NEED_SYMS) {
+                CHECK(fx->by_code == 2 && tid < 2);
+                sym_asks++;
+                uint64_t key = fx->mods[tid].key, m = key - 1;
+                CHECK(fp_set_symbols(c, key, fx->starts[m], fx->ends[m], fx->nsyms[m]) == 0);
+                CHECK(fp_set_symbols(c, key, fx->starts[m], fx->ends[m], fx->nsyms[m]) == -1);
+            } else
+                CHECK(fp_set_comm(c, pid, tid, (uint32_t)(rnd() % 3)) == 0);
+            at = stopped;
+        }
+        if (b < nout && rnd() % 2)
+            fp_forget_space(c, recs[perm[b]].pid);
+        if (rnd() % 5 == 0)
+            fp_forget_comms(c);
+        k = b + 1;
+    }
+    return c;
+}
+
+/* The contexts a (one thread) and b (parallel unwind) hold the same stacks, frames, counts
+ * and pairs, in the same order. */
+static void same_results(const struct fp_ctx *a, const struct fp_ctx *b)
+{
+    uint32_t nst = fp_nstacks(a), nfr = fp_nframes(a);
+    CHECK(fp_nstacks(b) == nst && fp_nframes(b) == nfr);
+    for (uint32_t i = 0; i < nst; i++) {
+        struct fp_stack x, y;
+        CHECK(fp_stack(a, i, &x) == 0 && fp_stack(b, i, &y) == 0);
+        CHECK(x.space_id == y.space_id && x.comm_id == y.comm_id && x.status == y.status);
+        CHECK(x.regs_none == y.regs_none && x.npcs == y.npcs && x.nkc == y.nkc);
+        CHECK(x.count == y.count && (x.pcs == NULL) == (y.pcs == NULL));
+        CHECK(!x.npcs || !memcmp(x.kinds, y.kinds, x.npcs));
+        CHECK(!x.npcs || !memcmp(x.fids, y.fids, 4 * (size_t)x.npcs));
+        CHECK(!x.npcs || !x.pcs || !memcmp(x.pcs, y.pcs, 8 * (size_t)x.npcs));
+        CHECK(!x.nkc || !memcmp(x.kc, y.kc, 8 * (size_t)x.nkc));
+    }
+    for (uint32_t f = 0; f < nfr; f++) {
+        uint32_t s1, s2;
+        uint64_t p1, p2;
+        uint8_t e1, e2;
+        CHECK(fp_frame(a, f, &s1, &p1, &e1) == 0 && fp_frame(b, f, &s2, &p2, &e2) == 0);
+        CHECK(s1 == s2 && p1 == p2 && e1 == e2);
+    }
+    uint32_t ps[2][64], pst[2][64];
+    uint64_t ph[2][64], at = 0, got;
+    while ((got = fp_pairs(a, at, ps[0], pst[0], ph[0], 64)) > 0) {
+        CHECK(fp_pairs(b, at, ps[1], pst[1], ph[1], 64) == got);
+        CHECK(!memcmp(ps[0], ps[1], 4 * got) && !memcmp(pst[0], pst[1], 4 * got));
+        CHECK(!memcmp(ph[0], ph[1], 8 * got));
+        at += got;
+    }
+    CHECK(fp_pairs(b, at, ps[1], pst[1], ph[1], 64) == 0);
+}
+
 static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len)
 {
     struct fp_rec *recs;
@@ -53,21 +145,19 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
     CHECK(perm && late);
     CHECK(fp_order(recs, n, 1 + rnd() % 64, perm, &nout, late, &nlate, &st) == 0);
     CHECK(nout <= n && st.delivered == nout && st.queued == 0 && nlate == st.late);
-    struct fp_ctx *c = fp_ctx_new(UNW_ARCH_X86_64, 1 + (uint32_t)(rnd() % 64));
-    CHECK(c);
-    int by_code = (int)(rnd() % 3);
-    CHECK(fp_ctx_by_code(c, by_code) == 0);
+    struct fixtures fx;
+    fx.max_depth = 1 + (uint32_t)(rnd() % 64);
+    fx.by_code = (int)(rnd() % 3);
+    int by_code = fx.by_code;
     /* by function: per module key a random symbol table (sorted starts, duplicates, empty and
      * reversed ranges), set when a run asks for it */
-    uint64_t starts[2][8], ends[2][8];
-    uint64_t nsyms[2];
     for (int m = 0; m < 2; m++) {
-        nsyms[m] = rnd() % 9;
+        fx.nsyms[m] = rnd() % 9;
         uint64_t a = rnd() % 0x1000;
-        for (uint64_t i = 0; i < nsyms[m]; i++) {
+        for (uint64_t i = 0; i < fx.nsyms[m]; i++) {
             a += rnd() % 3 ? rnd() % 0x4000 : 0;
-            starts[m][i] = a;
-            ends[m][i] = rnd() % 4 ? a + rnd() % 0x3000 : a - rnd() % 2;
+            fx.starts[m][i] = a;
+            fx.ends[m][i] = rnd() % 4 ? a + rnd() % 0x3000 : a - rnd() % 2;
         }
     }
     /* two frame-pointer-only modules; by code, their keys decide which frames are shared */
@@ -80,39 +170,24 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
         mods[0].end = 0x600000000000;
         mods[1].end = 0x800000000000;
     }
+    memcpy(fx.mods, mods, sizeof mods);
+    /* The same replay on one thread and with the parallel unwind (any prefix, or from a
+     * random length on): the same stops in the same order (so the same rnd() draws answer
+     * them), the same ids and the same stacks, frames and pairs. */
+    uint32_t par_min = rnd() % 4 ? 1 : 1 + (uint32_t)(rnd() % 40);
     uint32_t *ids = malloc((nout ? nout : 1) * sizeof *ids);
-    CHECK(ids);
-    uint64_t k = 0;
-    while (k < nout) {
-        uint64_t b = k;
-        while (b < nout && (recs[perm[b]].flags & FP_SAMPLE))
-            b++;
-        uint64_t at = k;
-        while (at < b) {
-            uint64_t stopped;
-            uint32_t pid, tid;
-            int rc = fp_unwind_run(c, lay, buf, len, recs, perm, at, b, ids, &stopped, &pid, &tid);
-            CHECK(rc != FP_RUN_ERROR && stopped >= at && stopped <= b);
-            if (rc == FP_RUN_DONE)
-                break;
-            if (rc == FP_RUN_NEED_SPACE) {
-                CHECK(fp_set_space(c, pid, mods, rnd() % 3, (uint32_t)(rnd() % 5)) == 0);
-            } else if (rc == FP_RUN_NEED_SYMS) {
-                CHECK(by_code == 2 && tid < 2);
-                sym_asks++;
-                uint64_t key = mods[tid].key, m = key - 1;
-                CHECK(fp_set_symbols(c, key, starts[m], ends[m], nsyms[m]) == 0);
-                CHECK(fp_set_symbols(c, key, starts[m], ends[m], nsyms[m]) == -1);
-            } else
-                CHECK(fp_set_comm(c, pid, tid, (uint32_t)(rnd() % 3)) == 0);
-            at = stopped;
-        }
-        if (b < nout && rnd() % 2)
-            fp_forget_space(c, recs[perm[b]].pid);
-        if (rnd() % 5 == 0)
-            fp_forget_comms(c);
-        k = b + 1;
-    }
+    uint32_t *ids1 = malloc((nout ? nout : 1) * sizeof *ids1);
+    CHECK(ids && ids1);
+    uint64_t rs0 = rs;
+    struct fp_ctx *c1 = run_all(&fx, 0, lay, buf, len, recs, perm, nout, ids1);
+    uint64_t rs1 = rs;
+    rs = rs0;
+    struct fp_ctx *c = run_all(&fx, par_min, lay, buf, len, recs, perm, nout, ids);
+    CHECK(rs == rs1);
+    CHECK(!memcmp(ids, ids1, (nout ? nout : 1) * sizeof *ids));
+    same_results(c1, c);
+    fp_ctx_free(c1);
+    free(ids1);
     uint64_t total = 0;
     uint32_t nst = fp_nstacks(c), nfr = fp_nframes(c);
     for (uint32_t i = 0; i < nst; i++) {
