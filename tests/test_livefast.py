@@ -35,8 +35,9 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
     return build_workloads(tmp_path_factory.mktemp("livefast-wl"))
 
 
-def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:
-    """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``."""
+def capture(path: Path, argvs: list[tuple[str, ...]]) -> set[int]:
+    """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``;
+    returns the workloads' pids (the capture has every process of the machine)."""
     drains: list[list[tuple[int, bytes]]] = []
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
         s.enable()
@@ -49,6 +50,7 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> None:
         drains.append(s.drain(1 << 20))
         fmt = s.event_format
     path.write_bytes(pickle.dumps((fmt, drains)))
+    return {c.pid for c in children}
 
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
@@ -92,10 +94,18 @@ def counts(prof: LiveProfiler) -> dict[str, Any]:
 def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path: Path) -> None:
     cap = tmp_path / "chunks.pickle"
     c2 = workloads["c_o2"].argv[0]
-    capture(cap, [(c2, "200"), (workloads["c_o3"].argv[0],), (c2, "150")])
     (tmp_path / "empty-proc").mkdir()
-    slow = replay(cap, False, tmp_path)
-    fast = replay(cap, True, tmp_path)
+    # The capture is machine-wide, and the two replays open binaries from the file system one
+    # after the other: another session's binary deleted in between (a pip build's temporary
+    # .so was seen) names that process's frames differently in the second replay. A
+    # difference confined to processes that are not ours is recaptured (twice at most).
+    for attempt in range(3):
+        ours = capture(cap, [(c2, "200"), (workloads["c_o3"].argv[0],), (c2, "150")])
+        slow = replay(cap, False, tmp_path)
+        fast = replay(cap, True, tmp_path)
+        diff = contents(fast) - contents(slow) | contents(slow) - contents(fast)
+        if not diff or attempt == 2 or {k[0] for k in diff} & ours:
+            break
     assert slow.store.stats.samples > 100
     assert contents(fast) == contents(slow)
     cs, cf = counts(slow), counts(fast)
