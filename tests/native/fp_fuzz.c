@@ -188,6 +188,21 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
     same_results(c1, c);
     fp_ctx_free(c1);
     free(ids1);
+    /* every sample was counted once, in the stack its id names (a resume after a NEED_* stop
+     * must not count a sample twice) */
+    uint64_t *per = calloc((size_t)fp_nstacks(c) + 1, sizeof *per);
+    CHECK(per);
+    for (uint64_t k = 0; k < nout; k++) {
+        if (!(recs[perm[k]].flags & FP_SAMPLE))
+            continue;
+        CHECK(ids[k] < fp_nstacks(c));
+        per[ids[k]]++;
+    }
+    for (uint32_t i = 0; i < fp_nstacks(c); i++) {
+        struct fp_stack s;
+        CHECK(fp_stack(c, i, &s) == 0 && s.count == per[i]);
+    }
+    free(per);
     uint64_t total = 0;
     uint32_t nst = fp_nstacks(c), nfr = fp_nframes(c);
     for (uint32_t i = 0; i < nst; i++) {
