@@ -1218,6 +1218,8 @@ struct fp_par {
     uint64_t *pcs;
     uint8_t *kinds;
     struct par_slot *slots;
+    uint64_t worker_samples; /* unwound by the worker (fp_ctx_par_stats) */
+    int stress;             /* fp_ctx_par_stress */
 };
 
 /* Unwind samples [s, e) of the job into their ring slots (either thread, outside the lock). */
@@ -1285,6 +1287,7 @@ static void *par_worker(void *arg)
         par_block(P, &J, s, e);
         pthread_mutex_lock(&P->mu);
         P->bdone[s / P->g % PAR_NBLOCKS] = s / P->g + 1;
+        P->worker_samples += e - s;
         P->worker_busy = 0;
         if (P->main_waiting)
             pthread_cond_signal(&P->done);
@@ -1441,6 +1444,10 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
         if (e > k1)
             e = k1;
         int steal = 0;
+        if (P->stress) { /* tests: give the worker time to claim blocks (timing only) */
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
         pthread_mutex_lock(&P->mu);
         while (P->bdone[b % PAR_NBLOCKS] != b + 1) {
             uint64_t s, se;
@@ -1507,7 +1514,7 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
         P->main_waiting = 0;
     }
     pthread_mutex_unlock(&P->mu);
-    if (P->have_wclock) {
+    if (P->have_wclock && !P->stress) {
         uint64_t cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID) - m0 + clock_ns(P->wclock) - w0;
         par_judge(P, clock_ns(CLOCK_MONOTONIC) - t0, cpu);
     }
@@ -1642,6 +1649,26 @@ int fp_ctx_par(struct fp_ctx *c, uint32_t min_run)
 {
     c->par_min = min_run;
     return 0;
+}
+
+int fp_ctx_par_stress(struct fp_ctx *c, int on)
+{
+    if (on && !par_ready(c))
+        return -1;
+    if (c->par)
+        c->par->stress = !!on;
+    return 0;
+}
+
+uint64_t fp_ctx_par_stats(const struct fp_ctx *c)
+{
+    struct fp_par *P = c->par;
+    if (!P || P->pid != getpid())
+        return 0;
+    pthread_mutex_lock(&P->mu);
+    uint64_t n = P->worker_samples;
+    pthread_mutex_unlock(&P->mu);
+    return n;
 }
 
 int fp_ctx_by_code(struct fp_ctx *c, int on)

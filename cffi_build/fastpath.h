@@ -129,6 +129,13 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
  * 256 (fastpath.c PAR_MIN). Returns 0. */
 int fp_ctx_par(struct fp_ctx *c, uint32_t min_run);
 
+/* Tests: start the worker now and make it take blocks (the calling thread pauses 20 us before
+ * each block; no busy verdicts), so the threaded path is sure to run; results are the same.
+ * Returns 0, or -1 if no worker could start. fp_ctx_par_stats: the samples the worker has
+ * unwound so far (0 without a worker). */
+int fp_ctx_par_stress(struct fp_ctx *c, int on);
+uint64_t fp_ctx_par_stats(const struct fp_ctx *c);
+
 /* Aggregate by code (before any run; -1 after): a user frame whose named address lies in a
  * module is identified by (module key, ELF vaddr, exact) instead of (space, pc, exact), and a
  * stack by (comm, status, regs-abi-none, frame ids and kinds, raw callchain) without its

@@ -113,12 +113,15 @@ def _slow(path: Path, fmt: str) -> tuple[str, dict[str, Any]]:
     return out.getvalue(), _counts(data, pipeline.stats, pipeline.orderer.stats, engine)
 
 
-def _fast(path: Path, fmt: str) -> tuple[str, dict[str, Any]]:
+def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, dict[str, Any]]:
     data = PerfData.open(path)
     out = io.StringIO()
     engine = StackEngine.create()
     ss, os_ = StreamStats(), OrderStats()
-    fastreplay.replay(data, path, fmt, out, engine=engine, stream_stats=ss, order_stats=os_)
+    res = fastreplay.replay(data, path, fmt, out, engine=engine, stream_stats=ss,
+                            order_stats=os_)  # fmt: skip
+    if result is not None:
+        result.append(res)
     data.close()
     return out.getvalue(), _counts(data, ss, os_, engine)
 
@@ -167,14 +170,17 @@ def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
 def test_parallel_unwind_equals_one_thread(files: dict[str, Path], name: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """fp_ctx_par: every run unwound with the worker thread (min_run 1; these files' runs are
-    shorter than the default) gives the output and counts of one thread, in every format."""
+    shorter than the default; fp_ctx_par_stress so the worker surely takes blocks) gives the
+    output and counts of one thread, in every format."""
     for fmt in FORMATS:
-        got = []
+        got, res = [], []
         for par_min in (0, 1):
             monkeypatch.setattr(fastreplay, "PAR_MIN", par_min)
-            got.append(_fast(files[name], fmt))
+            monkeypatch.setattr(fastreplay, "PAR_STRESS", par_min == 1)
+            got.append(_fast(files[name], fmt, res))
         assert got[0][0], "empty output"
         assert got[1] == got[0], fmt
+        assert res[0].worker_samples == 0 and res[1].worker_samples > 0, res
 
 
 def test_folded_aggregates_by_code(files: dict[str, Path]) -> None:
@@ -418,6 +424,9 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().startswith("ok "), proc.stdout
     assert int(proc.stdout.split()[3]) > 0, proc.stdout  # by function asked for symbol tables
+    # the worker thread unwound samples (fp_ctx_par_stress on half the threaded replays): the
+    # threaded path ran, not only its one-thread fallback
+    assert int(proc.stdout.split()[5]) > 0, proc.stdout
     return proc
 
 

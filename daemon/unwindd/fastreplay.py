@@ -84,6 +84,8 @@ _CALLCHAIN = int(SampleType.CALLCHAIN)
 # fp_ctx_par's min_run for new contexts; None: the C default (fastpath.c PAR_MIN). Tests set 1
 # (unwind every run with the worker thread) or 0 (one thread) to compare the two.
 PAR_MIN: int | None = None
+# Tests: the worker made to take blocks (fp_ctx_par_stress), so the threaded path surely runs.
+PAR_STRESS = False
 
 
 def _start(m: Mapping) -> int:
@@ -110,6 +112,7 @@ class FastResult:
     unique_stacks: int
     runs: int
     side_band: int
+    worker_samples: int = 0  # unwound by the parallel unwind's worker thread
 
 
 def mark_record(r: Any, rec: Record) -> None:
@@ -248,6 +251,8 @@ class _Replay:
             raise MemoryError("fp_ctx_new")
         if PAR_MIN is not None:
             lib.fp_ctx_par(self.ctx, PAR_MIN)
+        if PAR_STRESS and lib.fp_ctx_par_stress(self.ctx, 1) != 0:
+            raise RuntimeError("fp_ctx_par_stress: no worker thread")
         # Folded output prints no addresses, only function names: aggregate frames and stacks
         # by function (binary, symbol), so the same code run by many processes, and every
         # address of one function, is named and stored once (fp_ctx_by_code, on = 2).
@@ -409,7 +414,8 @@ class _Replay:
                 lib.fp_forget_space(self.ctx, rpid)
                 self._unhold(rpid)
         self._finish()
-        return FastResult(nsamples, len(self._stacks), self.runs, side + skipped)
+        return FastResult(nsamples, len(self._stacks), self.runs, side + skipped,
+                          int(lib.fp_ctx_par_stats(self.ctx)))
 
     def _skip_data_mmaps(
         self, recs: Any, perm: Any, m: int, cand: Any, pids: Any, ncand: int

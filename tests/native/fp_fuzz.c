@@ -24,6 +24,7 @@
 #include "harness.h"
 
 static uint64_t sym_asks; /* FP_RUN_NEED_SYMS answered (by function) */
+static uint64_t worker_samples; /* unwound by the parallel unwind's worker thread */
 
 struct triple {
     uint64_t a, b; /* space << 32 | stack, pcs hash */
@@ -47,7 +48,7 @@ struct fixtures {
     struct unw_module mods[2];
 };
 
-static struct fp_ctx *run_all(const struct fixtures *fx, uint32_t par_min,
+static struct fp_ctx *run_all(const struct fixtures *fx, uint32_t par_min, int stress,
                               const struct fp_layout *lay, const uint8_t *buf, uint64_t len,
                               const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
                               uint32_t *ids)
@@ -56,6 +57,8 @@ static struct fp_ctx *run_all(const struct fixtures *fx, uint32_t par_min,
     CHECK(c);
     CHECK(fp_ctx_by_code(c, fx->by_code) == 0);
     CHECK(fp_ctx_par(c, par_min) == 0);
+    if (stress)
+        CHECK(fp_ctx_par_stress(c, 1) == 0);
     memset(ids, 0xff, (nout ? nout : 1) * sizeof *ids);
     uint64_t k = 0;
     while (k < nout) {
@@ -175,14 +178,18 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
      * random length on): the same stops in the same order (so the same rnd() draws answer
      * them), the same ids and the same stacks, frames and pairs. */
     uint32_t par_min = rnd() % 4 ? 1 : 1 + (uint32_t)(rnd() % 40);
+    /* half the threaded replays with the worker made to take blocks (and no busy verdicts),
+     * the other half as production runs them (verdicts, one-thread stretches) */
+    int stress = (int)(rnd() % 2);
     uint32_t *ids = malloc((nout ? nout : 1) * sizeof *ids);
     uint32_t *ids1 = malloc((nout ? nout : 1) * sizeof *ids1);
     CHECK(ids && ids1);
     uint64_t rs0 = rs;
-    struct fp_ctx *c1 = run_all(&fx, 0, lay, buf, len, recs, perm, nout, ids1);
+    struct fp_ctx *c1 = run_all(&fx, 0, 0, lay, buf, len, recs, perm, nout, ids1);
     uint64_t rs1 = rs;
     rs = rs0;
-    struct fp_ctx *c = run_all(&fx, par_min, lay, buf, len, recs, perm, nout, ids);
+    struct fp_ctx *c = run_all(&fx, par_min, stress, lay, buf, len, recs, perm, nout, ids);
+    worker_samples += fp_ctx_par_stats(c);
     CHECK(rs == rs1);
     CHECK(!memcmp(ids, ids1, (nout ? nout : 1) * sizeof *ids));
     same_results(c1, c);
@@ -323,6 +330,7 @@ int main(int argc, char **argv)
         free(b);
     }
     free(data);
-    printf("ok %llu sym_asks %llu\n", checks, (unsigned long long)sym_asks);
+    printf("ok %llu sym_asks %llu worker_samples %llu\n", checks, (unsigned long long)sym_asks,
+           (unsigned long long)worker_samples);
     return 0;
 }
