@@ -1220,6 +1220,7 @@ struct fp_par {
     struct par_slot *slots;
     uint64_t worker_samples; /* unwound by the worker (fp_ctx_par_stats) */
     int stress;             /* fp_ctx_par_stress */
+    int wtook;              /* the worker finished a block of the current job */
 };
 
 /* Unwind samples [s, e) of the job into their ring slots (either thread, outside the lock). */
@@ -1288,6 +1289,7 @@ static void *par_worker(void *arg)
         pthread_mutex_lock(&P->mu);
         P->bdone[s / P->g % PAR_NBLOCKS] = s / P->g + 1;
         P->worker_samples += e - s;
+        P->wtook = 1;
         P->worker_busy = 0;
         if (P->main_waiting)
             pthread_cond_signal(&P->done);
@@ -1324,12 +1326,14 @@ static int par_ready(struct fp_ctx *c)
     if (c->par_failed)
         return 0;
     c->par_failed = 1; /* until the worker runs */
+    uint64_t per = 9 * (uint64_t)c->max_depth; /* a slot's pcs and kinds */
+    uint64_t g = PAR_RING_BYTES / (per * PAR_NBLOCKS);
+    if (g < 1) /* max_depth past ~7k frames: one thread, so the ring stays PAR_RING_BYTES */
+        return 0;
     struct fp_par *P = calloc(1, sizeof *P);
     if (!P)
         return 0;
-    uint64_t per = 9 * (uint64_t)c->max_depth; /* a slot's pcs and kinds */
-    uint64_t g = PAR_RING_BYTES / (per * PAR_NBLOCKS);
-    P->g = g < 1 ? 1 : g > PAR_BLOCK ? PAR_BLOCK : (uint32_t)g;
+    P->g = g > PAR_BLOCK ? PAR_BLOCK : (uint32_t)g;
     P->max_depth = c->max_depth;
     P->ring = (uint64_t)P->g * PAR_NBLOCKS;
     P->pcs = malloc(P->ring * c->max_depth * sizeof *P->pcs);
@@ -1435,7 +1439,15 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
     P->limit = k0 / g * g + ring;
     memset(P->bdone, 0, sizeof P->bdone);
     P->active = 1;
+    P->wtook = 0;
     par_wake(P);
+    /* tests (fp_ctx_par_stress): the worker does at least one block of every job, whatever
+     * the scheduler does (timing only: the results are the same) */
+    while (P->stress && !P->wtook && P->next < k1) {
+        P->main_waiting = 1;
+        pthread_cond_wait(&P->done, &P->mu);
+        P->main_waiting = 0;
+    }
     pthread_mutex_unlock(&P->mu);
     int rc = FP_RUN_DONE;
     uint64_t k = k0;
@@ -1444,10 +1456,6 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
         if (e > k1)
             e = k1;
         int steal = 0;
-        if (P->stress) { /* tests: give the worker time to claim blocks (timing only) */
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
-        }
         pthread_mutex_lock(&P->mu);
         while (P->bdone[b % PAR_NBLOCKS] != b + 1) {
             uint64_t s, se;

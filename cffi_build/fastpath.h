@@ -129,8 +129,9 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
  * 256 (fastpath.c PAR_MIN). Returns 0. */
 int fp_ctx_par(struct fp_ctx *c, uint32_t min_run);
 
-/* Tests: start the worker now and make it take blocks (the calling thread pauses 20 us before
- * each block; no busy verdicts), so the threaded path is sure to run; results are the same.
+/* Tests: start the worker now and make it take blocks (the calling thread waits until the
+ * worker has done one block of each job; no busy verdicts), so the threaded path is sure to
+ * run; results are the same.
  * Returns 0, or -1 if no worker could start. fp_ctx_par_stats: the samples the worker has
  * unwound so far (0 without a worker). */
 int fp_ctx_par_stress(struct fp_ctx *c, int on);
