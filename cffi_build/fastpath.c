@@ -1202,7 +1202,7 @@ struct fp_par {
     pthread_mutex_t mu;
     pthread_cond_t work;    /* worker: a claimable block, or quit */
     pthread_cond_t done;    /* calling thread: a block done, or the worker idle */
-    pid_t pid;              /* the process whose thread th is (a fork's child has none) */
+    unsigned long forks;    /* par_forks when th started (a fork's child has no th) */
     int quit, active, worker_busy, worker_waiting, main_waiting;
     uint64_t wstart;        /* while worker_busy: the first sample of the worker's block */
     clockid_t wclock;       /* the worker's CPU-time clock */
@@ -1298,11 +1298,23 @@ static void *par_worker(void *arg)
     return NULL;
 }
 
+/* Forks seen by this process image (a pthread_atfork child handler counts them): a worker
+ * belongs to the image whose count it was started at. A pid comparison would not do: a
+ * later descendant may be given the original process's pid. */
+static unsigned long par_forks;
+static pthread_once_t par_atfork_once = PTHREAD_ONCE_INIT;
+
+static void par_on_fork_child(void) { par_forks++; }
+
+static void par_register_atfork(void) { pthread_atfork(NULL, NULL, par_on_fork_child); }
+
+static int par_ours(const struct fp_par *P) { return P->forks == par_forks; }
+
 static void par_free(struct fp_par *P)
 {
     if (!P)
         return;
-    if (P->pid == getpid()) {
+    if (par_ours(P)) {
         pthread_mutex_lock(&P->mu);
         P->quit = 1;
         pthread_cond_signal(&P->work);
@@ -1322,7 +1334,7 @@ static void par_free(struct fp_par *P)
 static int par_ready(struct fp_ctx *c)
 {
     if (c->par)
-        return c->par->pid == getpid();
+        return par_ours(c->par);
     if (c->par_failed)
         return 0;
     c->par_failed = 1; /* until the worker runs */
@@ -1339,7 +1351,8 @@ static int par_ready(struct fp_ctx *c)
     P->pcs = malloc(P->ring * c->max_depth * sizeof *P->pcs);
     P->kinds = malloc(P->ring * c->max_depth);
     P->slots = malloc(P->ring * sizeof *P->slots);
-    P->pid = getpid();
+    pthread_once(&par_atfork_once, par_register_atfork);
+    P->forks = par_forks;
     if (!P->pcs || !P->kinds || !P->slots || pthread_mutex_init(&P->mu, NULL)) {
         free(P->pcs), free(P->kinds), free(P->slots), free(P);
         return 0;
@@ -1671,7 +1684,7 @@ int fp_ctx_par_stress(struct fp_ctx *c, int on)
 uint64_t fp_ctx_par_stats(const struct fp_ctx *c)
 {
     struct fp_par *P = c->par;
-    if (!P || P->pid != getpid())
+    if (!P || !par_ours(P))
         return 0;
     pthread_mutex_lock(&P->mu);
     uint64_t n = P->worker_samples;

@@ -25,6 +25,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -508,3 +509,33 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip().startswith("ok "), proc.stdout
     assert "runtime error" not in proc.stderr
+
+
+
+def test_fork_after_a_threaded_replay(files: dict[str, Path]) -> None:
+    """A process that forks while a context's unwinding worker runs: the child has no such
+    thread, so freeing the inherited context must not join it (pthread_atfork counts forks;
+    a pid check would be fooled by pid reuse), and its own replays start their own worker.
+    The child reports through its exit status (0: the replay equals the parent's, with the
+    worker; SIGALRM: it hung)."""
+    from unwindd.cfi import ARCH_X86_64
+
+    path = files["threads"]
+    want = _fast(path, "folded")[0]
+    ctx = lib.fp_ctx_new(ARCH_X86_64, 64)
+    assert ctx != ffi.NULL and lib.fp_ctx_par_stress(ctx, 1) == 0  # its worker runs now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.alarm(120)
+            lib.fp_ctx_free(ctx)  # inherited: no thread here to join
+            fastreplay.PAR_MIN, fastreplay.PAR_STRESS = 1, True
+            res: list[Any] = []
+            got = _fast(path, "folded", res)[0]
+            code = 0 if got == want and res[0].worker_samples > 0 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    lib.fp_ctx_free(ctx)  # the parent's: joins its worker
+    assert os.waitstatus_to_exitcode(status) == 0
