@@ -769,17 +769,22 @@ static int index_reserve(const struct fp_ctx *c, uint32_t **tab, uint64_t *cap, 
     return 0;
 }
 
+/* key's slot in the symbol-table set: its entry, or the empty slot it would take (symcap
+ * > 0), as space_slot and comm_slot do for theirs. */
+static struct sym_ent *sym_slot(const struct fp_ctx *c, uint64_t key)
+{
+    uint64_t j = SLOT(mix(0, key), c->symcap);
+    while (c->syms[j].used && c->syms[j].key != key)
+        j = SLOT(j + 1, c->symcap);
+    return &c->syms[j];
+}
+
 static const struct sym_ent *sym_find(const struct fp_ctx *c, uint64_t key)
 {
     if (!c->symcap)
         return NULL;
-    uint64_t j = SLOT(mix(0, key), c->symcap);
-    while (c->syms[j].used) {
-        if (c->syms[j].key == key)
-            return &c->syms[j];
-        j = SLOT(j + 1, c->symcap);
-    }
-    return NULL;
+    const struct sym_ent *e = sym_slot(c, key);
+    return e->used ? e : NULL;
 }
 
 /* fastpath.h. By function a frame is (module key, region, exact). O(log n). */
@@ -817,22 +822,15 @@ int fp_set_symbols(struct fp_ctx *c, uint64_t key, const uint64_t *starts, const
             return -1;
         c->syms = ns;
         c->symcap = ncap;
-        for (uint64_t i = 0; i < ocap; i++) {
-            if (!old[i].used)
-                continue;
-            uint64_t j = SLOT(mix(0, old[i].key), ncap);
-            while (ns[j].used)
-                j = SLOT(j + 1, ncap);
-            ns[j] = old[i];
-        }
+        for (uint64_t i = 0; i < ocap; i++)
+            if (old[i].used)
+                *sym_slot(c, old[i].key) = old[i];
         free(old);
     }
-    uint64_t j = SLOT(mix(0, key), c->symcap);
-    while (c->syms[j].used && c->syms[j].key != key)
-        j = SLOT(j + 1, c->symcap);
-    if (c->syms[j].used)
+    struct sym_ent *e = sym_slot(c, key);
+    if (e->used)
         return -1; /* a frame may already carry the old table's regions */
-    c->syms[j] = (struct sym_ent){key, starts, ends, n, 1};
+    *e = (struct sym_ent){key, starts, ends, n, 1};
     c->nsym++;
     return 0;
 }
