@@ -33,7 +33,7 @@ from enum import IntEnum
 from typing import Any
 
 from ._unwcore import ffi, lib
-from .elfcache import CacheFileError, read_cache_file, write_cache_file
+from .elfcache import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 
 __all__ = [
     "ERROR_NAMES",
@@ -476,10 +476,7 @@ class CfiStore:
             return CfiTable(blob)
         except (CfiError, CacheFileError):
             self.stats["corrupt"] += 1
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            discard_cache_file(path)
             return None
 
     def _save(self, path: str, table: CfiTable) -> None:

@@ -116,11 +116,9 @@ def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
     if args.no_cache:
         return None
-    d = args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR")
-    if not d:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(xdg, "unwindd")
-    return d
+    from .elfcache import user_cache_dir  # (the replay imports elfcache anyway)
+
+    return args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR") or user_cache_dir(os.environ)
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:

@@ -135,12 +135,6 @@ def cache_dir(section: CacheSection, env: Mapping[str, str]) -> str | None:
     return env.get("CACHE_DIRECTORY", "").split(":")[0] or CACHE_DIR_FALLBACK
 
 
-def user_cache_dir(env: Mapping[str, str]) -> str:
-    """Where a daemon that may not write the default cache dir (not root) keeps it:
-    ``$XDG_CACHE_HOME/unwindd``, else ``~/.cache/unwindd`` (what ``unwindd replay`` uses)."""
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "unwindd")
-
 
 @dataclass(frozen=True, slots=True)
 class StoreSection:

@@ -61,7 +61,7 @@ import threading
 import time
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -1002,6 +1002,13 @@ def read_cache_file(path: str, limit: int) -> bytes | None:
 STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
 
 
+def user_cache_dir(env: Mapping[str, str]) -> str:
+    """The cache dir of a user who may not write the system one: ``$XDG_CACHE_HOME/unwindd``,
+    else ``~/.cache/unwindd`` (``unwindd replay``'s default; the daemon's when not root)."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "unwindd")
+
+
 def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tuple[int, int]:
     """Bound one cache directory (CfiStore's or SymbolStore's, flat): remove temporaries a
     crashed writer left (older than ``STALE_TMP_SECONDS``), then, while the files total more
@@ -1024,7 +1031,7 @@ def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tupl
         if not stat.S_ISREG(st.st_mode):
             continue
         if de.name.endswith(".tmp"):
-            if now - st.st_mtime > STALE_TMP_SECONDS and _unlink(de.path):
+            if now - st.st_mtime > STALE_TMP_SECONDS and discard_cache_file(de.path):
                 removed, freed = removed + 1, freed + st.st_size
             continue
         files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
@@ -1032,12 +1039,13 @@ def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tupl
     for _, size, p in sorted(files):
         if total <= max_bytes:
             break
-        if _unlink(p):
+        if discard_cache_file(p):
             removed, freed, total = removed + 1, freed + size, total - size
     return removed, freed
 
 
-def _unlink(path: str) -> bool:
+def discard_cache_file(path: str) -> bool:
+    """Remove a cache file (refused, stale or past the bound); False if it could not be."""
     try:
         os.unlink(path)
         return True

@@ -61,7 +61,6 @@ from .config import (
     merge_live,
     parse_listen,
     restart_keys,
-    user_cache_dir,
 )
 from .httpapi import (
     CLOSED,
@@ -711,7 +710,7 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
     (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root
     and the default dir not writable: the user's cache dir; a dir that cannot be made is
     logged and the daemon runs without one."""
-    from .elfcache import CacheConfig, prune_cache_dir
+    from .elfcache import CacheConfig, prune_cache_dir, user_cache_dir
     from .engine import StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),

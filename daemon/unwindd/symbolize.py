@@ -62,6 +62,7 @@ from .elfcache import (
     ElfEntry,
     ElfError,
     ElfReader,
+    discard_cache_file,
     read_cache_file,
     write_cache_file,
 )
@@ -820,10 +821,7 @@ class SymbolStore:
                 return table
         except (CacheFileError, _BadFile) as e:
             self.stats[e.reason if isinstance(e, _BadFile) else "corrupt"] += 1
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            discard_cache_file(path)
         table = load_symbol_table(entry)
         self.stats["misses"] += 1
         parts = encode_symbol_table(table, build_id, source)
