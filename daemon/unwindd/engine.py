@@ -211,6 +211,7 @@ class StackEngine:
         self._frames: dict[int, dict[tuple[int, int], Frame]] = {}
         self._joined: dict[tuple[int, int], tuple[tuple[Frame, ...], ...]] = {}
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (kernel_frame)
         self.live: LiveTable | None = None
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
         # called with each pid the table drops, after the engine forgot it (livefast's C table)
@@ -496,18 +497,26 @@ class StackEngine:
         hit = self._kstacks.get(callchain)
         if hit is not None:
             return hit
-        frames: list[Frame] = []
-        for ip in kernel_ips(callchain):
-            ks = self.symbolizer.kernel(ip)
-            if ks is None:
-                frames.append(Frame(ip, KERNEL_DSO, None, None, kernel=True))
-            else:
-                dso = f"[{ks.module}]" if ks.module else KERNEL_DSO
-                frames.append(Frame(ip, dso, ks.name, ks.offset, kernel=True))
-        out = self._kstacks[callchain] = tuple(frames)
+        out = self._kstacks[callchain] = tuple(map(self.kernel_frame, kernel_ips(callchain)))
         if len(self._kstacks) > self._sym_cache_size:
             self._kstacks.clear()
         return out
+
+    def kernel_frame(self, ip: int) -> Frame:
+        """The frame of kernel ip, the same in every callchain: named once (~4 us), since new
+        callchains mostly repeat the entry, interrupt and syscall paths. At most 65,536 kept."""
+        f = self._kframes.get(ip)
+        if f is None:
+            ks = self.symbolizer.kernel(ip)
+            if ks is None:
+                f = Frame(ip, KERNEL_DSO, None, None, kernel=True)
+            else:
+                dso = f"[{ks.module}]" if ks.module else KERNEL_DSO
+                f = Frame(ip, dso, ks.name, ks.offset, kernel=True)
+            if len(self._kframes) >= 1 << 16:
+                self._kframes.clear()
+            self._kframes[ip] = f
+        return f
 
     def frame_at(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         """One symbolized user frame for ``ip`` as named (already adjusted: a caller frame's

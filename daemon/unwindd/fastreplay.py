@@ -58,7 +58,7 @@ from typing import Any, TextIO
 
 from . import stackfmt
 from ._unwcore import ffi, lib
-from .abi import CONTEXT_KERNEL, RecordType, SampleType
+from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine, kernel_ips
 from .ordering import OrderStats
@@ -280,8 +280,7 @@ class _Replay:
         # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind
         self._folded: list[tuple[tuple[str, ...], int]] = []
         self._kchain_ids: dict[bytes, int] = {}
-        self._kchains: list[bytes] = []
-        self._kcount: dict[bytes, int] = {}  # callchain -> its kernel frame count
+        self._kchains: list[tuple[int, ...]] = []  # each one's kernel ips (engine.kernel_ips)
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
         # 200 processes is 200 ids): its rendering in self.fmt, interned, so that memory grows
         # with distinct texts, not with processes; the Frame itself is not kept.
@@ -633,7 +632,7 @@ class _Replay:
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
         nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
         folded_out, rendered, folds = self._folded, self._rendered, self._folds
-        kchain_ids, kchains, kcount = self._kchain_ids, self._kchains, self._kcount
+        kchain_ids, kchains = self._kchain_ids, self._kchains
         fo = ko = 0
         for j in range(cnt):
             n, k = npcs_l[j], nkc_l[j]
@@ -642,12 +641,13 @@ class _Replay:
             ids = fids[fo : fo + n]
             fo += n
             nunsym.append(0)
-            if folded:  # kernel frames are named in _finish; here only counted
+            if folded:  # kernel frames are named in _finish; here only their ips kept
                 krendered: list[str] = []
-                got = kcount.get(kkey)
-                if got is None:
-                    got = kcount[kkey] = sum(1 for _ in kernel_ips(_u_bytes(kkey)))
-                nk = got
+                ki = kchain_ids.get(kkey, -1)
+                if ki < 0:
+                    ki = kchain_ids[kkey] = len(kchains)
+                    kchains.append(tuple(kernel_ips(_u_bytes(kkey))))
+                nk = len(kchains[ki])
             else:
                 ktext = ktexts.get(kkey)
                 if ktext is None:  # kernel frames and their renderings, once per callchain
@@ -673,10 +673,6 @@ class _Replay:
             stacks.append((comm, status, len(ids), nk))
             if folded:
                 up = (comm or "[unknown]", *map(text_of, reversed(ids)))
-                ki = kchain_ids.get(kkey)
-                if ki is None:
-                    ki = kchain_ids[kkey] = len(kchains)
-                    kchains.append(kkey)
                 folded_out.append((folds.setdefault(up, up), ki))
             elif fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
@@ -779,18 +775,10 @@ class _Replay:
         lib.fp_stack_counts(self.ctx, counts)
         folded: Counter[tuple[str, ...]] = Counter()
         kparts: list[tuple[str, ...]] = []
-        if self.fmt == "folded":  # kernel names, outermost first, once per callchain
-            # and once per ip: callchains share most of theirs (bench file: 756 callchains,
-            # 6.4k entries). A lone (CONTEXT_KERNEL, ip) callchain names ip as kernel_frames
-            # names it inside any callchain.
-            kf, render = self.engine.kernel_frames, self._render_kernel
-            names: dict[int, str] = {}
-            for kkey in self._kchains:
-                ips = list(kernel_ips(_u_bytes(kkey)))
-                for ip in ips:
-                    if ip not in names:
-                        names[ip] = render(kf((CONTEXT_KERNEL, ip))[0])
-                kparts.append(tuple([names[ip] for ip in reversed(ips)]))
+        if self.fmt == "folded":  # kernel names, outermost first, once per callchain (each
+            # ip named once by the engine, rendered once by _render_kernel)
+            kf, render = self.engine.kernel_frame, self._render_kernel
+            kparts = [tuple([render(kf(ip)) for ip in reversed(ips)]) for ips in self._kchains]
         for sid, (count, (_comm, status, nu, nk)) in enumerate(
             zip(_u(counts, "Q")[: len(self._stacks)], self._stacks, strict=True)
         ):

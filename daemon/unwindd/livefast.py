@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from . import abi
 from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine, kernel_ips
+from .engine import Snapshot, StackEngine
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
 from .records import Comm, Fork, Lost, Record, Sample
@@ -82,7 +82,6 @@ def _marks(rec: Record) -> _Marked:
 
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
-_CONTEXT_KERNEL = abi.CONTEXT_KERNEL
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
 
@@ -200,7 +199,6 @@ class NativeStep:
         self._frames: list[Frame] = []  # per fp frame id
         self._unsym: list[bool] = []
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
-        self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (see _kernel_frames)
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._seen: set[bytes] = set()
@@ -592,7 +590,7 @@ class NativeStep:
             callchain = tuple(ffi.unpack(st.kc, nkc)) if nkc else ()
             kframes = kstacks.get(callchain)
             if kframes is None:
-                kframes = kstacks[callchain] = self._kernel_frames(callchain) if nkc else ()
+                kframes = kstacks[callchain] = self.engine.kernel_frames(callchain) if nkc else ()
             comm = comms[st.comm_id]
             if st.regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
@@ -606,22 +604,6 @@ class NativeStep:
             uframes = tuple(map(frame_of, ids))
             stacks.append((kframes + uframes if kframes else uframes, comm,
                            _STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
-
-    def _kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
-        """``engine.kernel_frames(callchain)``, each kernel ip named once per context (that
-        names each new callchain whole, ~4 us an ip; new callchains mostly repeat the entry,
-        interrupt and syscall paths). Its frames depend on the ip alone, so naming one ip as
-        the callchain (CONTEXT_KERNEL, ip) gives the same frame. At most 65,536 ips kept."""
-        kf = self._kframes
-        if len(kf) > 1 << 16:
-            kf.clear()
-        out: list[Frame] = []
-        for ip in kernel_ips(callchain):
-            f = kf.get(ip)
-            if f is None:
-                f = kf[ip] = self.engine.kernel_frames((_CONTEXT_KERNEL, ip))[0]
-            out.append(f)
-        return tuple(out)
 
     def _groups(self, is_sample: bytes, stack_ids: Any, cols: list[Any], d: int,
                 info: StepInfo) -> list[CountGroup]:  # fmt: skip
