@@ -209,6 +209,14 @@ uint64_t pc_ring_pending(const pc_ring *ring)
     return ring_load_head(pg) - ring_load_tail(pg);
 }
 
+uint64_t pc_pending_total(const pc_ring *rings, size_t nrings)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; rings && i < nrings; i++)
+        total += pc_ring_pending(&rings[i]);
+    return total;
+}
+
 /* Copy len bytes starting at free-running position pos of a power-of-two ring, in up to two
  * pieces: a record may wrap the end of the data area (tools/lib/perf/mmap.c perf_mmap__read
  * does the same split), and we hand out each record contiguous. */

@@ -69,6 +69,8 @@ void pc_ring_unmap(pc_ring *ring);
 
 /* Bytes the kernel has published and we have not consumed yet (head - tail), or 0. */
 uint64_t pc_ring_pending(const pc_ring *ring);
+/* pc_ring_pending summed over rings[0, n): what one pc_drain would copy at most, O(n). */
+uint64_t pc_pending_total(const pc_ring *rings, size_t nrings);
 
 /* Drain every ring, visiting rings[start % n], rings[(start+1) % n], ... once each, into `out`
  * back to back, in visiting order. sizes[i] receives the byte count copied from rings[i] (0 if

@@ -28,3 +28,16 @@ class Replayed:
 
     def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
         return self._drains.pop(0) if self._drains else []
+
+    def pending_bytes(self) -> int:
+        return sum(len(b) for _, b in self._drains[0]) if self._drains else 0
+
+    def drain_into(self, out: Any) -> list[tuple[int, int]]:
+        """The next captured drain, written into ``out`` as PerfSession.drain_into does (the
+        caller sized it from pending_bytes, so it always fits)."""
+        got = self.drain()
+        pos = 0
+        for _, b in got:
+            out[pos : pos + len(b)] = b
+            pos += len(b)
+        return [(cpu, len(b)) for cpu, b in got]

@@ -172,12 +172,9 @@ class LiveProfiler:
         """Drain one round and process it; returns the samples it stored (the native step
         builds them only for the store's subscribers; ``last_step`` always counts them)."""
         if self.fast is not None:
-            out, self.last_step = self.fast.step(self._drain, 8, _DRAIN_BYTES)
+            out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES)
             return out
         return self._process(drain_round(self.session, self.pipeline, self._pin))
-
-    def _drain(self) -> list[tuple[int, bytes]]:
-        return self.session.drain(_DRAIN_BYTES)
 
     def _pin(self, rec: Record) -> None:
         if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:
@@ -225,7 +222,7 @@ class LiveProfiler:
             return []
         self.session.disable()
         if self.fast is not None:
-            out, self.last_step = self.fast.step(self._drain, 8, _DRAIN_BYTES, final=True)
+            out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES, final=True)
             held = self.engine.unwind_held(self.live.flush_held())
             if held:
                 self.store.add(held)

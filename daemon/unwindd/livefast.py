@@ -51,7 +51,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import abi
 from ._unwcore import ffi, lib
@@ -66,7 +66,7 @@ from .stackstore import CountGroup, StackStore
 if TYPE_CHECKING:
     from .capture import StreamPipeline
 
-__all__ = ["NativeStep", "StepInfo", "supported"]
+__all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
 _TIMED, _HAS_CPU = int(lib.FP_TIMED), int(lib.FP_HAS_CPU)
@@ -79,6 +79,17 @@ def _marks(rec: Record) -> _Marked:
     t, cpu = rec.time, rec.cpu
     flags = (0 if t is None else _TIMED) | (0 if cpu is None else _HAS_CPU)
     return rec, t or 0, cpu or 0, flags
+
+
+_MAX_RECORD = 1 << 16  # perf_event_header.size is a u16
+
+
+class DrainSource(Protocol):
+    """What the step drains: a ``perfcore.PerfSession`` (tests: a captured session)."""
+
+    def pending_bytes(self) -> int: ...
+
+    def drain_into(self, out: Any) -> list[tuple[int, int]]: ...
 
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
@@ -216,24 +227,36 @@ class NativeStep:
 
     def step(
         self,
-        chunks_of: Callable[[], list[tuple[int, bytes]]],
+        source: DrainSource,
         max_passes: int,
         max_bytes: int,
         final: bool = False,
     ) -> tuple[list[UnwoundSample], StepInfo]:
-        """Drain (``chunks_of`` = one ``session.drain``), order, place, unwind, store."""
-        chunks: list[tuple[int, bytes]] = []
+        """Drain (up to ``max_passes`` of ``source.drain_into``, straight into the arena after
+        the carry), order, place, unwind, store."""
+        end = self._carry_len
+        bounds = [0, end]  # bounds[i + 1] ends part i (part 0: the carry)
+        cpus: list[int] = []  # the ring of each drained part
         for _ in range(max_passes):
-            got = chunks_of()
-            chunks += got
+            # Room for what the rings hold now plus one record that may land meanwhile: the
+            # arena grows to the largest round, as a bytes-per-drain buffer would.
+            want = min(max_bytes, source.pending_bytes() + _MAX_RECORD)
+            self._reserve(end, end + want)
+            got = source.drain_into(memoryview(self._arenas[self._cur])[end : end + want])
+            n = 0
+            for cpu, size in got:
+                n += size
+                end += size
+                bounds.append(end)
+                cpus.append(cpu)
             # capture.drain_round: a pass that left a record's room emptied every ring
-            if sum(len(b) for _, b in got) <= max_bytes - (1 << 16):
+            if n <= want - _MAX_RECORD:
                 break
         if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
             self._new_ctx()
-        out, info = self._round(chunks, False)
+        out, info = self._round(cpus, bounds, False)
         if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
-            more, info2 = self._round([], True)
+            more, info2 = self._round([], [0, self._carry_len], True)
             late = self._undefer(True)  # deferred during that last round
             if late:
                 self.store.add(late)
@@ -246,9 +269,20 @@ class NativeStep:
             info.pids |= info2.pids
         return out, info
 
-    def _round(self, chunks: list[tuple[int, bytes]], flush: bool
+    def _reserve(self, used: int, size: int) -> None:
+        """The current arena holds at least ``size`` bytes, its first ``used`` kept (doubling:
+        O(1) amortized copies; it never shrinks)."""
+        buf = self._arenas[self._cur]
+        if size > len(buf):
+            grown = bytearray(max(size, 2 * len(buf)))
+            grown[:used] = memoryview(buf)[:used]
+            self._arenas[self._cur] = grown
+
+    def _round(self, cpus: list[int], bounds: list[int], flush: bool
                ) -> tuple[list[UnwoundSample], StepInfo]:  # fmt: skip
-        """One live round (``flush``: the orderer's flush_all instead of end_round)."""
+        """One live round (``flush``: the orderer's flush_all instead of end_round) over the
+        current arena's ``[0, bounds[-1])``: the carry, then the part drained from ring
+        ``cpus[i]`` in ``[bounds[i + 1], bounds[i + 2])``."""
         engine, live = self.engine, self.live
         info = StepInfo()
         due_out: list[UnwoundSample] = []
@@ -258,22 +292,9 @@ class NativeStep:
             due_out = engine.unwind_held(due)
         if self._deferred:
             due_out += self._undefer(flush)
-        # The round's bytes: the carry (already at the arena's head), then each chunk, copied
-        # once; bounds[i + 1] ends part i (part 0: the carry), as b"".join(parts) would lay them.
-        start = self._carry_len
-        size = start + sum(len(b) for _, b in chunks)
         buf = self._arenas[self._cur]
-        if size > len(buf):
-            grown = bytearray(max(size, 2 * len(buf)))
-            grown[:start] = memoryview(buf)[:start]
-            buf = self._arenas[self._cur] = grown
+        size = bounds[-1]
         mv = memoryview(buf)
-        bounds = [0, start]
-        for _, b in chunks:
-            end = start + len(b)
-            mv[start:end] = b
-            bounds.append(end)
-            start = end
         nparts = len(bounds) - 1
         cbuf = ffi.from_buffer(buf)
         u64 = self._u64s  # [0] records, [1] others, [2] stop
@@ -302,7 +323,7 @@ class NativeStep:
                     new_other += 1
                     off = r.off
                     rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
-                    observe(rec, chunks[bisect_right(bounds, off) - 2][0])
+                    observe(rec, cpus[bisect_right(bounds, off) - 2])
                     pin(rec)
                     got = objs[i] = _marks(rec)
                 # fastreplay.mark_record's fields, from the marks computed at decode time
@@ -357,7 +378,7 @@ class NativeStep:
         out: list[UnwoundSample] = []
         if subs:
             times, pids, tids = _u(cols[1], "Q", d), _u(cols[3], "I", d), _u(cols[4], "I", d)
-            ids, cpus = _u(stack_ids, "I", d), _u(cols[5], "I", d)
+            ids, s_cpus = _u(stack_ids, "I", d), _u(cols[5], "I", d)
             periods = _u(cols[2], "Q", d)
             has_period = self.lay.i_period >= 0
             stacks = self._stacks
@@ -369,7 +390,7 @@ class NativeStep:
                             times[k],
                             pids[k],
                             tids[k],
-                            cpus[k],
+                            s_cpus[k],
                             comm,
                             periods[k] if has_period else None,
                             status,

@@ -449,24 +449,49 @@ class PerfSession:
         if max_bytes > self._out_cap:
             self._out = ffi.new("unsigned char[]", max_bytes)
             self._out_cap = max_bytes
+        sizes = self._drain_to(self._out, max_bytes)
+        buf = ffi.buffer(self._out, sum(n for _, n in sizes))
+        out: list[tuple[int, bytes]] = []
+        pos = 0
+        for cpu, size in sizes:
+            out.append((cpu, buf[pos : pos + size]))
+            pos += size
+        return out
+
+    def drain_into(self, out: Any) -> list[tuple[int, int]]:
+        """``drain`` straight into ``out`` (a writable buffer of >= 64 KiB, e.g. a memoryview
+        of the caller's arena): ``[(cpu, size)]`` for the rings that had data, their records
+        back to back from ``out``'s start in that order. The live step's path: it saves
+        ``drain``'s two copies of every record (into the C buffer, then into bytes objects),
+        ~8 KiB each per sample at the default stack size."""
+        self._check_open()
+        cap = len(out)
+        if cap < MAX_RECORD_SIZE:
+            raise ValueError(f"the buffer must hold >= {MAX_RECORD_SIZE} bytes, got {cap}")
+        return self._drain_to(ffi.from_buffer(out, require_writable=True), cap)
+
+    def pending_bytes(self) -> int:
+        """Unread bytes in all rings together, without consuming anything: what the next
+        drain copies at most (more may arrive meanwhile). O(rings), no syscall."""
+        self._check_open()
+        return int(lib.pc_pending_total(self._rings, self._nrings))
+
+    def _drain_to(self, out: Any, cap: int) -> list[tuple[int, int]]:
         n = self._nrings
         start = self._start
-        total = int(lib.pc_drain(self._rings, n, start, self._out, max_bytes, self._sizes))
+        total = int(lib.pc_drain(self._rings, n, start, out, cap, self._sizes))
         if total < 0:
             raise OSError(-total, f"pc_drain: {os.strerror(-total)}")
         self._start = (start + 1) % n
         if not total:
             return []
-        buf = ffi.buffer(self._out, total)
-        out: list[tuple[int, bytes]] = []
-        pos = 0
+        got: list[tuple[int, int]] = []
         for k in range(n):
             i = (start + k) % n
             size = int(self._sizes[i])
             if size:
-                out.append((self.cpus[i], buf[pos : pos + size]))
-                pos += size
-        return out
+                got.append((self.cpus[i], size))
+        return got
 
     def pending(self) -> list[int]:
         """Unread bytes per ring (same order as ``fds``), without consuming anything."""

@@ -293,7 +293,6 @@ class Daemon:
         cfg = self.running_config
         self.profiler = self._open_profiler(cfg)
         try:
-            self.profiler.store.subscribers.append(self._fanout)
             self.profiler.start()
             await self._listen(cfg)
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -482,6 +481,19 @@ class Daemon:
         for sc in self._streams:
             sc.offer(samples)
 
+    # The store calls _fanout only while a stream is open: with a subscriber the native step
+    # builds an UnwoundSample per sample (~3 us each at 1000 Hz), which nobody would read.
+    def _add_stream(self, sc: _StreamClient) -> None:
+        if not self._streams:
+            self.profiler.store.subscribers.append(self._fanout)
+        self._streams.add(sc)
+
+    def _drop_stream(self, sc: _StreamClient) -> None:
+        self._streams.discard(sc)
+        subs = self.profiler.store.subscribers
+        if not self._streams and self._fanout in subs:
+            subs.remove(self._fanout)
+
     # -- connections
 
     async def _connection(
@@ -631,7 +643,7 @@ class Daemon:
         seconds: float | None = p.get("seconds")
         loop = asyncio.get_running_loop()
         end = None if seconds is None else loop.time() + seconds
-        self._streams.add(sc)
+        self._add_stream(sc)
         sent = 0
         try:
             writer.write(session.start_stream(start.content_type))
@@ -659,7 +671,7 @@ class Daemon:
         except (TimeoutError, ConnectionError):
             pass
         finally:
-            self._streams.discard(sc)
+            self._drop_stream(sc)
 
 
 class _StreamClient:
