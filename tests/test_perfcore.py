@@ -500,6 +500,43 @@ def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
     session.close()  # idempotent
 
 
+def test_drain_into_writes_whole_records_in_place() -> None:
+    """drain_into (the live step's path): records land in the caller's buffer slice, back to
+    back in the returned (cpu, size) order, nothing outside the slice is written, and what
+    does not fit stays queued; pending_bytes is the sum of pending()."""
+    config = SamplingConfig(frequency=999, ring_pages=256)
+    with PerfSession.open(Target(pids=(os.getpid(),)), config) as session:
+        session.enable()
+        end = time.thread_time() + 0.15
+        while time.thread_time() < end:
+            pass
+        session.disable()
+        pending = session.pending_bytes()
+        assert pending == sum(session.pending()) and pending > 3 * 65536, pending
+        dec = records.RecordDecoder([session.event_format])
+        arena = bytearray(b"\xa5" * (3 * 65536))
+        drained = calls = 0
+        while True:
+            got = session.drain_into(memoryview(arena)[4096 : 4096 + 65536])
+            if not got:
+                break
+            calls += 1
+            total = sum(n for _, n in got)
+            assert total <= 65536 and all(n > 0 for _, n in got)
+            assert arena[:4096] == b"\xa5" * 4096  # before the slice: untouched
+            assert arena[4096 + 65536 :] == b"\xa5" * (len(arena) - 4096 - 65536)
+            drained += total
+            assert session.pending_bytes() == pending - drained
+            pos = 4096
+            for _, n in got:
+                assert sum(1 for _ in dec.decode(bytes(arena[pos : pos + n]))) > 0
+                pos += n
+        assert drained == pending and calls >= 4
+        assert dec.stats.error_count == 0 and dec.stats.records["SAMPLE"] >= 50
+        with pytest.raises(ValueError, match="64|65536"):
+            session.drain_into(bytearray(4096))
+
+
 def test_fds_are_pollable(busy: pathlib.Path) -> None:
     import select
 
