@@ -2036,48 +2036,127 @@ int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *da
 }
 
 /* (bucket, pid, tid, stack) groups of the placed samples: open addressing over group ids. */
-uint64_t fp_live_group(const uint8_t *is_sample, const uint32_t *stack_ids, const uint64_t *time,
-                       const uint32_t *pid, const uint32_t *tid, uint64_t n, uint64_t bucket_ns,
-                       uint64_t *g_time, uint32_t *g_pid, uint32_t *g_tid, uint32_t *g_sid,
-                       uint64_t *g_count)
+struct fp_live_groups {
+    uint64_t bucket_ns;
+    uint64_t n, cap; /* groups held, room in the columns */
+    uint64_t tcap;   /* hash slots: a power of two >= 2 * cap */
+    uint32_t *tab;   /* group index + 1; 0 = empty */
+    uint64_t *time, *count;
+    uint32_t *pid, *tid, *sid;
+};
+
+struct fp_live_groups *fp_live_groups_new(uint64_t bucket_ns)
 {
-    uint64_t cap = 64, ng = 0;
-    while (cap < 2 * n)
+    if (!bucket_ns)
+        return NULL;
+    struct fp_live_groups *g = calloc(1, sizeof *g);
+    if (g)
+        g->bucket_ns = bucket_ns;
+    return g;
+}
+
+void fp_live_groups_free(struct fp_live_groups *g)
+{
+    if (!g)
+        return;
+    free(g->tab), free(g->time), free(g->count), free(g->pid), free(g->tid), free(g->sid);
+    free(g);
+}
+
+uint64_t fp_live_groups_len(const struct fp_live_groups *g) { return g->n; }
+
+/* Room for `want` groups: the columns grow (realloc keeps them) and the table is rebuilt
+ * from them; on failure g is unchanged except for columns that grew (still valid). */
+static int groups_reserve(struct fp_live_groups *g, uint64_t want)
+{
+    if (want <= g->cap)
+        return 0;
+    uint64_t cap = g->cap ? g->cap : 64;
+    while (cap < want)
         cap *= 2;
-    uint32_t *tab = calloc(cap, sizeof *tab);
-    if (!tab || !bucket_ns) {
-        free(tab);
-        return UINT64_MAX;
+    if (cap > (UINT32_MAX - 1) / 2)
+        return -1;
+    uint64_t *t = realloc(g->time, cap * 8);
+    if (t)
+        g->time = t;
+    uint64_t *cn = t ? realloc(g->count, cap * 8) : NULL;
+    if (cn)
+        g->count = cn;
+    uint32_t *p = cn ? realloc(g->pid, cap * 4) : NULL;
+    if (p)
+        g->pid = p;
+    uint32_t *td = p ? realloc(g->tid, cap * 4) : NULL;
+    if (td)
+        g->tid = td;
+    uint32_t *sd = td ? realloc(g->sid, cap * 4) : NULL;
+    if (sd)
+        g->sid = sd;
+    uint64_t tcap = 2 * cap;
+    uint32_t *tab = sd ? calloc(tcap, sizeof *tab) : NULL;
+    if (!tab)
+        return -1;
+    for (uint64_t k = 0; k < g->n; k++) {
+        uint64_t j = SLOT(mix(mix(mix(mix(0, g->time[k] / g->bucket_ns), g->pid[k]), g->tid[k]),
+                              g->sid[k]),
+                          tcap);
+        while (tab[j])
+            j = SLOT(j + 1, tcap);
+        tab[j] = (uint32_t)k + 1;
     }
+    free(g->tab);
+    g->tab = tab;
+    g->tcap = tcap;
+    g->cap = cap;
+    return 0;
+}
+
+uint64_t fp_live_groups_add(struct fp_live_groups *g, const uint8_t *is_sample,
+                            const uint32_t *stack_ids, const uint64_t *time, const uint32_t *pid,
+                            const uint32_t *tid, uint64_t n)
+{
+    if (n > UINT32_MAX || groups_reserve(g, g->n + n))
+        return UINT64_MAX;
+    uint64_t added = 0, bns = g->bucket_ns, tcap = g->tcap;
     for (uint64_t k = 0; k < n; k++) {
         if (!is_sample[k] || stack_ids[k] == UINT32_MAX)
             continue;
-        uint64_t b = time[k] / bucket_ns;
-        uint64_t h = mix(mix(mix(mix(0, b), pid[k]), tid[k]), stack_ids[k]);
-        uint64_t j = SLOT(h, cap);
+        added++;
+        uint64_t b = time[k] / bns;
+        uint64_t j = SLOT(mix(mix(mix(mix(0, b), pid[k]), tid[k]), stack_ids[k]), tcap);
         for (;;) {
-            uint32_t g = tab[j];
-            if (!g) {
-                tab[j] = (uint32_t)ng + 1;
-                g_time[ng] = time[k];
-                g_pid[ng] = pid[k];
-                g_tid[ng] = tid[k];
-                g_sid[ng] = stack_ids[k];
-                g_count[ng] = 1;
-                ng++;
+            uint32_t e = g->tab[j];
+            if (!e) {
+                uint64_t x = g->n++;
+                g->tab[j] = (uint32_t)x + 1;
+                g->time[x] = time[k];
+                g->pid[x] = pid[k];
+                g->tid[x] = tid[k];
+                g->sid[x] = stack_ids[k];
+                g->count[x] = 1;
                 break;
             }
-            g--;
-            if (g_sid[g] == stack_ids[k] && g_pid[g] == pid[k] && g_tid[g] == tid[k] &&
-                g_time[g] / bucket_ns == b) {
-                g_count[g]++;
-                if (time[k] > g_time[g])
-                    g_time[g] = time[k]; /* the store's last_seen_ns is the newest */
+            e--;
+            if (g->sid[e] == stack_ids[k] && g->pid[e] == pid[k] && g->tid[e] == tid[k] &&
+                g->time[e] / bns == b) {
+                g->count[e]++;
+                if (time[k] > g->time[e])
+                    g->time[e] = time[k];
                 break;
             }
-            j = SLOT(j + 1, cap);
+            j = SLOT(j + 1, tcap);
         }
     }
-    free(tab);
-    return ng;
+    return added;
+}
+
+void fp_live_groups_take(struct fp_live_groups *g, uint64_t *g_time, uint32_t *g_pid,
+                         uint32_t *g_tid, uint32_t *g_sid, uint64_t *g_count)
+{
+    uint64_t n = g->n;
+    if (n) {
+        memcpy(g_time, g->time, n * 8), memcpy(g_count, g->count, n * 8);
+        memcpy(g_pid, g->pid, n * 4), memcpy(g_tid, g->tid, n * 4), memcpy(g_sid, g->sid, n * 4);
+        memset(g->tab, 0, g->tcap * sizeof *g->tab);
+    }
+    g->n = 0;
 }

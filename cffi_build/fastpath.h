@@ -216,7 +216,7 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
 /* ---- the live step (daemon/unwindd/livefast.py): ring chunks instead of a file.
  * Cost: fp_live_index O(records); fp_live_order_round O(new records log queued + queued);
  * fp_live_run like fp_unwind_run plus O(log mappings) per sample to place it;
- * fp_live_group O(samples) expected. */
+ * fp_live_groups_add O(samples) expected. */
 
 #define FP_RUN_NEED_PLACE 3   /* no space for *need_pid, or the sample's user pc is outside every
                                * mapping of it: the caller places it (LiveTable.place), then
@@ -268,10 +268,23 @@ int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *da
                 uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid, uint32_t *need_tid,
                 uint32_t *touched, uint64_t *touched_t, uint64_t *ntouched);
 
-/* Group the samples k (is_sample[k], stack_ids[k] != UINT32_MAX) by (time / bucket_ns, pid,
- * tid, stack id): g_* (room for n) get each group's newest time, key and count. Returns the
- * number of groups, UINT64_MAX on allocation failure. */
-uint64_t fp_live_group(const uint8_t *is_sample, const uint32_t *stack_ids, const uint64_t *time,
-                       const uint32_t *pid, const uint32_t *tid, uint64_t n, uint64_t bucket_ns,
-                       uint64_t *g_time, uint32_t *g_pid, uint32_t *g_tid, uint32_t *g_sid,
-                       uint64_t *g_count);
+/* Per-(time / bucket_ns, pid, tid, stack id) sample counts accumulated across rounds until
+ * the caller takes them (the daemon stores them every ~100 ms, not every round: a group of a
+ * busy stack recurs in most rounds of a bucket and costs a Python store update each time).
+ * Groups keep first-seen order; each keeps its newest time (the store's last_seen_ns). */
+struct fp_live_groups;
+/* NULL on allocation failure or a zero bucket_ns. */
+struct fp_live_groups *fp_live_groups_new(uint64_t bucket_ns);
+void fp_live_groups_free(struct fp_live_groups *g);
+/* Count the samples k < n with is_sample[k] and stack_ids[k] != UINT32_MAX; returns how many,
+ * or UINT64_MAX on allocation failure, with nothing added (room for n new groups is made
+ * first). O(n) expected. */
+uint64_t fp_live_groups_add(struct fp_live_groups *g, const uint8_t *is_sample,
+                            const uint32_t *stack_ids, const uint64_t *time, const uint32_t *pid,
+                            const uint32_t *tid, uint64_t n);
+/* Groups held now. */
+uint64_t fp_live_groups_len(const struct fp_live_groups *g);
+/* Copy every group out (room for fp_live_groups_len each), in first-seen order, and empty g
+ * (its memory is kept for the next rounds). O(groups + table). */
+void fp_live_groups_take(struct fp_live_groups *g, uint64_t *g_time, uint32_t *g_pid,
+                         uint32_t *g_tid, uint32_t *g_sid, uint64_t *g_count);

@@ -54,7 +54,8 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> set[int]:
 
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
-           cache: CacheConfig | None = None) -> LiveProfiler:  # fmt: skip
+           cache: CacheConfig | None = None, flush_interval: float = 0.0
+           ) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache)
     ticks = iter(range(1, 1 << 40))
@@ -62,11 +63,16 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
     store = StackStore(bucket_ns=100_000_000)
     prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
-                        native=native)  # fmt: skip
+                        native=native, flush_interval=flush_interval)  # fmt: skip
     assert (prof.fast is not None) == native
     prof.start()
     for _ in range(len(drains)):
         prof.step()
+    if flush_interval:  # the steps held their counts: flush() stores them, and only them
+        before = prof.store.stats.samples
+        held = sum(prof.flush().depths.values())
+        assert held > 0 and prof.store.stats.samples == before + held
+        assert sum(prof.flush().depths.values()) == 0
     prof.close()
     return prof
 
@@ -112,6 +118,12 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for k in cs:
         assert cf[k] == cs[k], k
     assert fast.pipeline.orderer.stats.queued == 0
+    # the daemon's mode: counts held across steps (flush_interval), stored by flush()/close()
+    held = replay(cap, True, tmp_path, flush_interval=3600)
+    assert contents(held) == contents(slow)
+    ch = counts(held)
+    for k in cs:
+        assert ch[k] == cs[k], k
 
 
 def test_native_step_feeds_stream_subscribers(

@@ -533,7 +533,7 @@ def test_drain_into_writes_whole_records_in_place() -> None:
                 pos += n
         assert drained == pending and calls >= 4
         assert dec.stats.error_count == 0 and dec.stats.records["SAMPLE"] >= 50
-        with pytest.raises(ValueError, match="64|65536"):
+        with pytest.raises(ValueError, match=r"64|65536"):
             session.drain_into(bytearray(4096))
 
 

@@ -97,6 +97,7 @@ class LiveProfiler:
         live: LiveTable | None = None,
         bootstrap: bool = True,
         native: bool = False,
+        flush_interval: float = 0.0,
     ) -> None:
         self.session = session
         self.engine = engine
@@ -120,7 +121,7 @@ class LiveProfiler:
         if native and on_records is None and supported(session.event_format):
             spaces = native_max_spaces(self.live.config.max_processes)
             self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
-                                   max_spaces=spaces)  # fmt: skip
+                                   max_spaces=spaces, flush_interval=flush_interval)  # fmt: skip
 
     @classmethod
     def open(
@@ -134,6 +135,7 @@ class LiveProfiler:
         proc_root: str = "/proc",
         bootstrap: bool = True,
         native: bool = False,
+        flush_interval: float = 0.0,
     ) -> LiveProfiler:
         session = PerfSession.open(target, config or SamplingConfig())
         try:
@@ -142,7 +144,7 @@ class LiveProfiler:
             if engine.live is None:
                 live = LiveTable(engine.table, ProcFS(proc_root), live_config)
             return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap,
-                       native=native)  # fmt: skip
+                       native=native, flush_interval=flush_interval)  # fmt: skip
         except BaseException:
             session.close()
             raise
@@ -175,6 +177,21 @@ class LiveProfiler:
             out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES)
             return out
         return self._process(drain_round(self.session, self.pipeline, self._pin))
+
+    def flush(self) -> StepInfo:
+        """Store the native step's counts held since its last flush (see ``flush_interval``):
+        call before reading the store. The depths and pids of what it stored."""
+        return self.fast.flush_counts() if self.fast is not None else StepInfo()
+
+    @property
+    def flush_interval(self) -> float:
+        """Seconds the native step may hold sample counts before storing them (0: none)."""
+        return self.fast.flush_interval if self.fast is not None else 0.0
+
+    @flush_interval.setter
+    def flush_interval(self, seconds: float) -> None:
+        if self.fast is not None:
+            self.fast.flush_interval = seconds
 
     def _pin(self, rec: Record) -> None:
         if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:

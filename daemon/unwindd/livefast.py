@@ -47,6 +47,7 @@ new frames), plus O(samples) only with stream subscribers.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -99,7 +100,9 @@ _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t") 
 
 @dataclass
 class StepInfo:
-    """What one step stored, for metrics: samples, their depths, the pids seen."""
+    """For metrics: the samples one step processed; the depths and pids of the samples it (or
+    a ``flush_counts``) stored. Natively unwound samples are counted when their round runs
+    and stored, with their depths and pids, when their counts are flushed."""
 
     samples: int = 0
     depths: Counter[int] = field(default_factory=Counter)
@@ -130,6 +133,7 @@ class NativeStep:
         max_stacks: int = 1 << 16,
         max_spaces: int = 4096,
         max_deferred: int = 4096,
+        flush_interval: float = 0.0,
     ) -> None:
         self.pipeline = pipeline
         self.engine = engine
@@ -142,6 +146,14 @@ class NativeStep:
         self.lay = layout_of(fmt)
         self.max_stacks = max_stacks
         self.max_spaces = max_spaces
+        # Counts reach the store at most this long after their round (0: every round); the
+        # daemon uses its tick and flushes before every read of the store.
+        self.flush_interval = flush_interval
+        self._flushed_at = time.monotonic()
+        acc = lib.fp_live_groups_new(store.bucket_ns)
+        if acc == ffi.NULL:
+            raise MemoryError("fp_live_groups_new")
+        self._acc = ffi.gc(acc, lib.fp_live_groups_free)
         orderer = ffi.gc(lib.fp_live_order_new(pipeline.orderer.max_queued),
                          lib.fp_live_order_free)  # fmt: skip
         if orderer == ffi.NULL:
@@ -190,9 +202,6 @@ class NativeStep:
         self._stack_ids = ffi.new("uint32_t[]", cap)
         self._idx = ffi.new("uint32_t[]", cap)
         self._touched, self._touched_t = ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
-        self._g = (ffi.new("uint64_t[]", cap), ffi.new("uint32_t[]", cap),
-                   ffi.new("uint32_t[]", cap), ffi.new("uint32_t[]", cap),
-                   ffi.new("uint64_t[]", cap))  # fmt: skip
         self._ident = ffi.new("uint32_t[]", list(range(cap)))
 
     # -- context and the caches mirroring it
@@ -253,6 +262,7 @@ class NativeStep:
             if n <= want - _MAX_RECORD:
                 break
         if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
+            self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         out, info = self._round(cpus, bounds, False)
         if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
@@ -367,8 +377,13 @@ class NativeStep:
         live.end_batch()
         self.unpin(applied)
         self._carry_round(cbuf, recs, keep, nkeep, objs)
-        # -- aggregate and store
-        groups = self._groups(is_sample, stack_ids, cols, d, info)
+        # -- aggregate (stored by flush_counts: every round, or every flush_interval seconds)
+        if d:
+            added = int(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1], cols[3],
+                                               cols[4], d))  # fmt: skip
+            if added == _NO_STOP:
+                raise MemoryError("fp_live_groups_add")
+            info.samples += added
         for s in due_out:
             info.samples += 1
             info.depths[len(s.frames)] += 1
@@ -399,7 +414,8 @@ class NativeStep:
                     )
         if due_out:
             self.store.add(due_out)  # calls the subscribers with them
-        self.store.add_counts(groups)
+        if flush or time.monotonic() - self._flushed_at >= self.flush_interval:
+            self.flush_counts(info)
         if out:
             for cb in list(subs):
                 cb(out)
@@ -626,15 +642,20 @@ class NativeStep:
             stacks.append((kframes + uframes if kframes else uframes, comm,
                            _STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
 
-    def _groups(self, is_sample: bytes, stack_ids: Any, cols: list[Any], d: int,
-                info: StepInfo) -> list[CountGroup]:  # fmt: skip
-        if not d:
-            return []
-        gt, gp, gtid, gs, gc = self._g
-        ng = int(lib.fp_live_group(cols[0], stack_ids, cols[1], cols[3], cols[4], d,
-                                   self.store.bucket_ns, gt, gp, gtid, gs, gc))  # fmt: skip
-        if ng == _NO_STOP:
-            raise MemoryError("fp_live_group")
+    def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
+        """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
+        one call per (bucket, pid, tid, stack) group, not per round) and count them in the
+        engine stats; their depths and pids go to ``info`` (samples were counted when the
+        rounds added them). The service calls it before it reads the store. O(groups)."""
+        info = info if info is not None else StepInfo()
+        self._flushed_at = time.monotonic()
+        acc = self._acc
+        ng = int(lib.fp_live_groups_len(acc))
+        if not ng:
+            return info
+        gt, gc = ffi.new("uint64_t[]", ng), ffi.new("uint64_t[]", ng)
+        gp, gtid, gs = (ffi.new("uint32_t[]", ng) for _ in range(3))
+        lib.fp_live_groups_take(acc, gt, gp, gtid, gs, gc)
         es = self.engine.stats
         stacks = self._stacks
         out: list[CountGroup] = []
@@ -647,8 +668,8 @@ class NativeStep:
             es.by_status[status] += c
             es.kernel_frames += nk * c
             es.user_frames += nu * c
-            info.samples += c
             info.depths[len(fr)] += c
             info.pids.add(pid)
         es.frames = es.kernel_frames + es.user_frames
-        return out
+        self.store.add_counts(out)
+        return info

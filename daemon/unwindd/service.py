@@ -72,6 +72,7 @@ from .httpapi import (
     error_response,
 )
 from .live import LiveProfiler
+from .livefast import StepInfo
 from .metrics import Measurements, UnwinddCollector
 from .sdnotify import Notifier
 from .stackfmt import UnwoundSample
@@ -415,6 +416,7 @@ class Daemon:
         store.max_entries = s.max_entries
         store.max_bytes = s.max_bytes  # a smaller cap evicts oldest buckets at the next add
         store.max_buckets = max(1, s.retention_seconds // s.bucket_seconds)
+        self.profiler.flush_interval = self.config.daemon.tick_ms / 1000
         logging.getLogger().setLevel(self.config.daemon.log_level.upper())
         try:
             self._apply_socket_perms()
@@ -467,15 +469,23 @@ class Daemon:
             log.debug("slow step: %.3f s for %d samples (cold binaries?)", dt, info.samples)
         if info.samples:
             m.sample_seconds.observe(dt / info.samples, info.samples)
-            depth = m.depth
-            for d, c in info.depths.items():
-                depth.observe(d, c)
-            # Learn each new pid's uid while it is alive, so visibility still works after it
-            # exits (one /proc read per pid per uid_cache_seconds).
-            for pid in info.pids:
-                if pid > 0:
-                    self._proc_facts(pid)
+        self._observe_stored(info)
         return self.profiler.pipeline.stats.by_type.total() != before
+
+    def _observe_stored(self, info: StepInfo) -> None:
+        """Metrics of samples that reached the store: depths, and each new pid's uid learnt
+        while it is alive, so visibility still works after it exits (one /proc read per pid
+        per uid_cache_seconds)."""
+        depth = self.m.depth
+        for d, c in info.depths.items():
+            depth.observe(d, c)
+        for pid in info.pids:
+            if pid > 0:
+                self._proc_facts(pid)
+
+    def _flush(self) -> None:
+        """Counts the sampler holds (see open_profiler_for) into the store, before a read."""
+        self._observe_stored(self.profiler.flush())
 
     def _fanout(self, samples: Sequence[UnwoundSample]) -> None:
         for sc in self._streams:
@@ -567,6 +577,7 @@ class Daemon:
             writer.transport.abort()
 
     def _api_request(self, req: Request, peer: Peer) -> Response | StreamStart:
+        self._flush()
         cacheable = req.method == "GET" and req.path in _CACHED_PATHS
         key = (req.target, peer.uid)
         now = time.monotonic()
@@ -602,6 +613,7 @@ class Daemon:
             return hit[1]
         if self._query_pool is None:
             self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-query")
+        self._flush()
         snap = self.profiler.store.snapshot()
 
         def run() -> Response | StreamStart:
@@ -628,6 +640,7 @@ class Daemon:
             return error_response(404, "try /metrics")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        self._flush()
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
 
     async def _stream(
@@ -765,7 +778,10 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
                        max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
-    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True)
+    # Counts reach the store once per tick (and before every read of it: Daemon._flush), not
+    # every drain: a busy stack's group recurs in most drains of a bucket.
+    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
+                             flush_interval=cfg.daemon.tick_ms / 1000)  # fmt: skip
 
 
 def setup_logging(level: str) -> None:

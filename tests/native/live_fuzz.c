@@ -94,7 +94,29 @@ struct step {
     uint64_t record_time;
     uint64_t nstacks_seen, nframes_seen;
     uint64_t samples_new, samples_grouped, samples_held;
+    struct fp_live_groups *acc; /* counts accumulated across rounds (NativeStep.flush_counts) */
+    uint64_t samples_added;     /* into acc since its last take */
 };
+
+/* NativeStep.flush_counts: every group held names a stack of the current context, the counts
+ * sum to what the rounds added, and acc is empty after. */
+static void take_groups(struct step *s)
+{
+    uint64_t ng = fp_live_groups_len(s->acc);
+    uint64_t *gt = xmalloc(ng * 8), *gc = xmalloc(ng * 8);
+    uint32_t *gp = xmalloc(ng * 4), *gtid = xmalloc(ng * 4), *gs = xmalloc(ng * 4);
+    fp_live_groups_take(s->acc, gt, gp, gtid, gs, gc);
+    uint64_t got = 0;
+    for (uint64_t g = 0; g < ng; g++) {
+        CHECK(gc[g] >= 1 && gs[g] < fp_nstacks(s->ctx));
+        got += gc[g];
+    }
+    CHECK(ng <= s->samples_added && got == s->samples_added);
+    CHECK(fp_live_groups_len(s->acc) == 0);
+    s->samples_grouped += got;
+    s->samples_added = 0;
+    free(gt), free(gc), free(gp), free(gtid), free(gs);
+}
 
 static void free_snaps(struct step *s)
 {
@@ -109,8 +131,10 @@ static void free_snaps(struct step *s)
 
 static void new_ctx(struct step *s)
 {
-    if (s->ctx)
+    if (s->ctx) {
+        take_groups(s); /* their stack ids are this context's */
         fp_ctx_free(s->ctx);
+    }
     free_snaps(s);
     uint32_t depth = (rnd() % 4) ? 128 : 1 + (uint32_t)(rnd() % 8);
     s->ctx = fp_ctx_new(UNW_ARCH_X86_64, depth);
@@ -534,25 +558,15 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
     s->cflags = cfl, s->ctime = ct, s->ccpu = cc, s->cvalid = cva;
     /* -- aggregate */
     if (d) {
-        uint64_t *gt = xmalloc(d * 8), *gc = xmalloc(d * 8);
-        uint32_t *gp = xmalloc(d * 4), *gtid = xmalloc(d * 4), *gs = xmalloc(d * 4);
-        uint64_t bucket = (rnd() % 4) ? 100000000 : 1 + rnd() % (rnd() % 2 ? 1000 : UINT64_MAX);
-        uint64_t ng = fp_live_group(is_sample, stack_ids, ctime, cpid, ctid, d, bucket, gt, gp,
-                                    gtid, gs, gc);
-        CHECK(ng <= d);
-        uint64_t want = 0, got = 0;
+        uint64_t want = 0;
         for (uint64_t k = 0; k < d; k++)
             want += is_sample[k] && stack_ids[k] != HELD;
-        for (uint64_t g = 0; g < ng; g++) {
-            CHECK(gc[g] >= 1 && gs[g] < fp_nstacks(s->ctx));
-            got += gc[g];
-        }
-        CHECK(got == want);
-        s->samples_grouped += got;
-        CHECK(fp_live_group(is_sample, stack_ids, ctime, cpid, ctid, d, 0, gt, gp, gtid, gs,
-                            gc) == UINT64_MAX);
-        free(gt), free(gc), free(gp), free(gtid), free(gs);
+        uint64_t added = fp_live_groups_add(s->acc, is_sample, stack_ids, ctime, cpid, ctid, d);
+        CHECK(added == want);
+        s->samples_added += added;
     }
+    if (flush || rnd() % 3 == 0)
+        take_groups(s);
     free(is_sample), free(ctime), free(cperiod), free(cpid), free(ctid), free(ccpu);
     free(stack_ids);
     free(perm), free(keep), free(late), free(idx);
@@ -573,11 +587,17 @@ static void step_init(struct step *s, const struct fp_layout *lay, int absurd)
     CHECK(s->o);
     s->max_stacks = (rnd() % 2) ? 1 + (uint32_t)(rnd() % 50) : 1u << 16;
     s->max_spaces = (rnd() % 2) ? 1 + (uint32_t)(rnd() % 8) : 4096;
+    CHECK(fp_live_groups_new(0) == NULL);
+    uint64_t bucket = (rnd() % 4) ? 100000000 : 1 + rnd() % (rnd() % 2 ? 1000 : UINT64_MAX - 1);
+    s->acc = fp_live_groups_new(bucket);
+    CHECK(s->acc);
     new_ctx(s);
 }
 
 static void step_free(struct step *s)
 {
+    take_groups(s);
+    fp_live_groups_free(s->acc);
     fp_live_order_free(s->o);
     fp_ctx_free(s->ctx);
     free_snaps(s);
