@@ -179,19 +179,9 @@ class LiveProfiler:
         return self._process(drain_round(self.session, self.pipeline, self._pin))
 
     def flush(self) -> StepInfo:
-        """Store the native step's counts held since its last flush (see ``flush_interval``):
-        call before reading the store. The depths and pids of what it stored."""
+        """Store the native step's counts held since its last flush (its ``flush_interval``):
+        call before reading the store. The depths of what it stored."""
         return self.fast.flush_counts() if self.fast is not None else StepInfo()
-
-    @property
-    def flush_interval(self) -> float:
-        """Seconds the native step may hold sample counts before storing them (0: none)."""
-        return self.fast.flush_interval if self.fast is not None else 0.0
-
-    @flush_interval.setter
-    def flush_interval(self, seconds: float) -> None:
-        if self.fast is not None:
-            self.fast.flush_interval = seconds
 
     def _pin(self, rec: Record) -> None:
         if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:

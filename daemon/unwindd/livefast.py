@@ -100,9 +100,9 @@ _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t") 
 
 @dataclass
 class StepInfo:
-    """For metrics: the samples one step processed; the depths and pids of the samples it (or
-    a ``flush_counts``) stored. Natively unwound samples are counted when their round runs
-    and stored, with their depths and pids, when their counts are flushed."""
+    """For metrics: the samples one step processed and their pids; the depths of the samples
+    it (or a ``flush_counts``) stored. Natively unwound samples are counted, with their pids,
+    when their round runs and stored, with their depths, when their counts are flushed."""
 
     samples: int = 0
     depths: Counter[int] = field(default_factory=Counter)
@@ -348,7 +348,7 @@ class NativeStep:
                 dec.stats.errors[_END_ERRORS[end]] += 1
         nsamples = n - ncarry - new_other
         if nsamples:
-            self._count_new_samples(recs, ncarry, n, nsamples)
+            self._count_new_samples(recs, ncarry, n, nsamples, info)
         # -- order
         perm, late, keep, ost = self._perm, self._late, self._keep, self._ost
         if lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, u64 + 3,
@@ -421,8 +421,11 @@ class NativeStep:
                 cb(out)
         return due_out + out, info
 
-    def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int) -> None:
-        """decode/StreamStats.observe's counts for the good SAMPLEs among recs[a, b)."""
+    def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int,
+                           info: StepInfo) -> None:  # fmt: skip
+        """decode/StreamStats.observe's counts for the good SAMPLEs among recs[a, b); their
+        pids go to ``info`` as they leave the ring (the daemon learns each pid's uid while it
+        is alive, which a flush a second later could miss)."""
         dec, s = self.pipeline.decoder, self.pipeline.stats
         dec.stats.records["SAMPLE"] += nsamples
         s.by_type["SAMPLE"] += nsamples
@@ -436,6 +439,7 @@ class NativeStep:
             pids = [p for f, p in zip(flags, pids, strict=True) if f]
             cpus = [c for f, c in zip(flags, cpus, strict=True) if f]
         s.samples_by_pid.update(pids)  # Counter.update of an iterable: counted in C
+        info.pids.update(pids)
         for cpu, c in Counter(cpus).items():
             per = s.by_cpu_type.get(cpu)
             if per is None:
@@ -645,8 +649,9 @@ class NativeStep:
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
         one call per (bucket, pid, tid, stack) group, not per round) and count them in the
-        engine stats; their depths and pids go to ``info`` (samples were counted when the
-        rounds added them). The service calls it before it reads the store. O(groups)."""
+        engine stats; their depths go to ``info`` (samples were counted when the
+        rounds added them, their pids as they left the ring). The service calls it before it
+        reads the store. O(groups)."""
         info = info if info is not None else StepInfo()
         self._flushed_at = time.monotonic()
         acc = self._acc
@@ -669,7 +674,6 @@ class NativeStep:
             es.kernel_frames += nk * c
             es.user_frames += nu * c
             info.depths[len(fr)] += c
-            info.pids.add(pid)
         es.frames = es.kernel_frames + es.user_frames
         self.store.add_counts(out)
         return info

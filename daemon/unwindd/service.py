@@ -87,6 +87,9 @@ _READ_CHUNK = 65536
 # share one answer: a burst of dashboards or scripts costs one pass over the store, not one
 # each. Status is never cached (it is cheap and reload tests read it back at once).
 _ANSWER_TTL = 0.5
+# The longest the native step holds sample counts before storing them (a read flushes first):
+# bounds the engine stats' lag and the C group table (<= one entry per sample held).
+_FLUSH_SECONDS = 1.0
 _CACHED_PATHS = frozenset({"/v1/stacks", "/v1/top", "/v1/processes"})
 _UID_CACHE_MAX = 65536
 
@@ -416,7 +419,6 @@ class Daemon:
         store.max_entries = s.max_entries
         store.max_bytes = s.max_bytes  # a smaller cap evicts oldest buckets at the next add
         store.max_buckets = max(1, s.retention_seconds // s.bucket_seconds)
-        self.profiler.flush_interval = self.config.daemon.tick_ms / 1000
         logging.getLogger().setLevel(self.config.daemon.log_level.upper())
         try:
             self._apply_socket_perms()
@@ -473,9 +475,9 @@ class Daemon:
         return self.profiler.pipeline.stats.by_type.total() != before
 
     def _observe_stored(self, info: StepInfo) -> None:
-        """Metrics of samples that reached the store: depths, and each new pid's uid learnt
-        while it is alive, so visibility still works after it exits (one /proc read per pid
-        per uid_cache_seconds)."""
+        """Metrics of samples that reached the store (depths), and each new sampled pid's uid
+        learnt while it is alive, so visibility still works after it exits (one /proc read
+        per pid per uid_cache_seconds)."""
         depth = self.m.depth
         for d, c in info.depths.items():
             depth.observe(d, c)
@@ -778,10 +780,10 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
                        max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
-    # Counts reach the store once per tick (and before every read of it: Daemon._flush), not
-    # every drain: a busy stack's group recurs in most drains of a bucket.
+    # Counts reach the store once a second and before every read of it (Daemon._flush), not
+    # every drain: a busy stack's group recurs in most of the ~30-70 drains a second at 1000 Hz.
     return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
-                             flush_interval=cfg.daemon.tick_ms / 1000)  # fmt: skip
+                             flush_interval=_FLUSH_SECONDS)  # fmt: skip
 
 
 def setup_logging(level: str) -> None:
