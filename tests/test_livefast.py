@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from captured import Replayed
 from unwindd.elfcache import CacheConfig
-from unwindd.engine import StackEngine
+from unwindd.engine import CFI_INLINE_MAX_BYTES, StackEngine
 from unwindd.live import LiveProfiler
 from unwindd.livetable import LiveTable
 from unwindd.perfcore import PerfSession, SamplingConfig, Target
@@ -54,10 +54,12 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> set[int]:
 
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
-           cache: CacheConfig | None = None, flush_interval: float = 0.0
-           ) -> LiveProfiler:  # fmt: skip
+           cache: CacheConfig | None = None, flush_interval: float = 0.0,
+           inline_max: int = -1) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
-    engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache)
+    # inline_max -1 (default): every binary to the worker, however small (the deferral tests)
+    engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
+                                cfi_inline_max_bytes=inline_max)  # fmt: skip
     ticks = iter(range(1, 1 << 40))
     procfs = ProcFS(str(tmp / "empty-proc"))
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
@@ -146,6 +148,26 @@ def test_native_step_feeds_stream_subscribers(
     prof.close()
     assert len(got) == store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"] > 0
     assert all(s.frames for s in got)
+
+
+def test_small_binaries_compile_on_the_loop(
+    workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    """With the daemon's default size cut (CFI_INLINE_MAX_BYTES), a small binary's samples do
+    not wait for the worker (which would unwind them in Python later): fewer samples deferred
+    than when every binary goes to the worker, and the same stacks as the slow step."""
+    cap = tmp_path / "chunks.pickle"
+    capture(cap, [(workloads["c_o2"].argv[0], "200")])
+    (tmp_path / "empty-proc").mkdir()
+    slow = replay(cap, False, tmp_path)
+    worker = replay(cap, True, tmp_path, prefetch=True)
+    loop = replay(cap, True, tmp_path, prefetch=True, inline_max=CFI_INLINE_MAX_BYTES)
+    assert worker.fast is not None and loop.fast is not None
+    pre = loop.engine.cfi_prefetch
+    assert pre is not None and pre.inline > 0
+    assert loop.fast.stats_deferred < worker.fast.stats_deferred
+    assert contents(loop) == contents(slow)
+    assert loop.engine.stats.by_status == slow.engine.stats.by_status
 
 
 def test_deferred_samples_hold_their_binaries(
