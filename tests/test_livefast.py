@@ -55,11 +55,11 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> set[int]:
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
-           inline_max: int = -1) -> LiveProfiler:  # fmt: skip
+           inline_max: int = -1, cfi_dir: Path | None = None) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
     # inline_max -1 (default): every binary to the worker, however small (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
-                                cfi_inline_max_bytes=inline_max)  # fmt: skip
+                                cfi_inline_max_bytes=inline_max, cfi_cache_dir=cfi_dir)  # fmt: skip
     ticks = iter(range(1, 1 << 40))
     procfs = ProcFS(str(tmp / "empty-proc"))
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
@@ -163,11 +163,22 @@ def test_small_binaries_compile_on_the_loop(
     worker = replay(cap, True, tmp_path, prefetch=True)
     loop = replay(cap, True, tmp_path, prefetch=True, inline_max=CFI_INLINE_MAX_BYTES)
     assert worker.fast is not None and loop.fast is not None
-    pre = loop.engine.cfi_prefetch
-    assert pre is not None and pre.inline > 0
+    pre, wpre = loop.engine.cfi_prefetch, worker.engine.cfi_prefetch
+    assert pre is not None and wpre is not None and pre.inline > 0 and wpre.inline == 0
+    assert pre.started < wpre.started  # binaries sent to the worker
     assert loop.fast.stats_deferred < worker.fast.stats_deferred
     assert contents(loop) == contents(slow)
     assert loop.engine.stats.by_status == slow.engine.stats.by_status
+    # no size cut, but tables on disk (the daemon's cache dir): loaded on the loop as well
+    cfi_dir = tmp_path / "cfi"
+    first = replay(cap, True, tmp_path, prefetch=True, inline_max=0, cfi_dir=cfi_dir)
+    again = replay(cap, True, tmp_path, prefetch=True, inline_max=0, cfi_dir=cfi_dir)
+    assert first.fast is not None and again.fast is not None
+    fpre, apre = first.engine.cfi_prefetch, again.engine.cfi_prefetch
+    assert fpre is not None and apre is not None and any(cfi_dir.iterdir())
+    assert apre.started < fpre.started and apre.inline > 0
+    assert again.fast.stats_deferred < first.fast.stats_deferred
+    assert contents(again) == contents(slow)
 
 
 def test_deferred_samples_hold_their_binaries(

@@ -444,6 +444,11 @@ class CfiStore:
     def path_for(self, build_id: bytes) -> str:
         return os.path.join(self.cache_dir, build_id.hex() + ".cfi")
 
+    def has(self, build_id: bytes | None) -> bool:
+        """A table for build_id is on disk (one stat; whether it loads is get_or_compile's
+        business): loading it is a read and a check, not a compile."""
+        return build_id is not None and os.path.exists(self.path_for(build_id))
+
     def get_or_compile(
         self, build_id: bytes | None, elf_path: str, debug_path: str | None = None
     ) -> CfiTable:

@@ -120,17 +120,20 @@ class CfiPrefetcher:
     fd number is reused once its entry is gone. At most ``max_pending`` results wait (oldest
     dropped: they only cost a recompile).
 
-    A binary of at most ``inline_max_bytes`` is not sent to the worker: ``ready`` says yes and
-    the loop compiles (or loads) it when ``cfi()`` asks, ~1-10 ms (libc: ~2 ms). A sample that
+    A binary of at most ``inline_max_bytes``, or whose table ``cached(build_id)`` says is on
+    disk, is not sent to the worker: ``ready`` says yes and the loop compiles or loads it when
+    ``cfi()`` asks, ~1-10 ms (libc: ~2 ms; a stored table: one read). A sample that
     waits for the worker is unwound later by the engine's Python path (~0.2 ms a sample, 100x
     the native one), so on a machine that runs many new small binaries (builds, tests) the
     wait cost far more than the compile it spared the loop.
     """
 
     def __init__(self, compile: Callable[[str, str | None, bytes | None], object],
-                 max_pending: int = 256, inline_max_bytes: int = 0) -> None:  # fmt: skip
+                 max_pending: int = 256, inline_max_bytes: int = 0,
+                 cached: Callable[[bytes | None], bool] | None = None) -> None:  # fmt: skip
         self._compile = compile
         self.inline_max_bytes = inline_max_bytes
+        self._cached = cached
         self._futures: OrderedDict[tuple[object, ...], Future[object]] = OrderedDict()
         # entry uid -> (its key, its future): ready() asked again for an entry still compiling
         # (every sample of a process waiting for its binaries asks for each of them) costs a
@@ -139,7 +142,7 @@ class CfiPrefetcher:
         self._pool: ThreadPoolExecutor | None = None
         self.max_pending = max_pending
         self.started = 0  # compiles run in the worker
-        self.inline = 0  # asks answered "compile on the loop": the binary is small
+        self.inline = 0  # asks answered "on the loop": the binary is small or its table stored
         self.used = 0  # of which picked up by the factory
 
     def __call__(self, path: str, debug: str | None, build_id: bytes | None) -> object:
@@ -161,9 +164,11 @@ class CfiPrefetcher:
         key = _file_key(path, debug, bid)
         if key is None:
             return True  # cannot stat it: cfi() will fail fast on the loop too
-        if cast(int, key[5]) <= self.inline_max_bytes:
+        if cast(int, key[5]) <= self.inline_max_bytes or (
+            self._cached is not None and self._cached(bid)
+        ):
             self.inline += 1
-            return True  # small: compiled on the loop (see the class doc)
+            return True  # small or stored: compiled or loaded on the loop (see the class doc)
         f = self._futures.get(key)
         if f is None:
             if self._pool is None:
@@ -254,8 +259,9 @@ class StackEngine:
         ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``); with
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
-        than ``cfi_inline_max_bytes`` compile in a worker (``CfiPrefetcher``). OSError if a
-        directory cannot be made."""
+        than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
+        (``CfiPrefetcher``; negative: every binary, stored or not). OSError if a directory
+        cannot be made."""
         from . import unwinder as unw
         from .cfi import CfiStore, CfiTable
         from .symbolize import SymbolStore
@@ -270,7 +276,9 @@ class StackEngine:
 
         pre = None
         if prefetch_cfi:
-            pre = CfiPrefetcher(factory, inline_max_bytes=cfi_inline_max_bytes)
+            pre = CfiPrefetcher(factory, inline_max_bytes=cfi_inline_max_bytes,
+                                cached=store.has if store is not None and cfi_inline_max_bytes >= 0
+                                else None)  # fmt: skip
         cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory,
                          symbol_factory=symbols)  # fmt: skip
         table = ProcessTable(cache, unwinder=unw)
