@@ -44,14 +44,13 @@ from .elfcache import ElfCache, ElfEntry
 from .engine import StackEngine
 from .livefast import NativeStep, StepInfo, supported
 from .livetable import LiveTable, LiveTableConfig
-from .perfcore import PerfSession, SamplingConfig, Target
+from .perfcore import MAX_RECORD_SIZE, PerfSession, SamplingConfig, Target
 from .procscan import ProcFS
 from .proctable import PROT_EXEC
 from .records import Mmap2, Record
 from .stackfmt import UnwoundSample
 from .stackstore import StackStore
 
-_MAX_RECORD = 1 << 16
 _DRAIN_BYTES = 4 << 20  # drain_round's max_bytes
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
 _NATIVE_MAX_SPACES = 4096  # livefast.NativeStep's default
@@ -81,7 +80,7 @@ def drain_round(
                     on_record(rec)
                 pipeline.orderer.push(rec)
         # see capture.drain_round: a pass that left a record's room emptied every ring
-        if sum(len(b) for _, b in chunks) <= max_bytes - _MAX_RECORD:
+        if sum(len(b) for _, b in chunks) <= max_bytes - MAX_RECORD_SIZE:
             break
     return pipeline.end_round()
 

@@ -14,7 +14,8 @@ Invariants:
   (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept
   in C across rounds (``fp_live_order_round``); records still queued after a round are copied
   into the next round's buffer (each sample's bytes are copied once more, ~1 memcpy per
-  sample), decoded side-band objects ride along by index.
+  sample), decoded side-band objects ride along by index. Rings are drained straight into the
+  round's buffer after the carry (``PerfSession.drain_into``).
 - Side-band records are applied in delivered order between runs of samples, exactly as
   ``StackEngine.feed`` does (COMM -> ``set_comm``; ``table.apply``; ``live.observe``).
 - Placement: the C pid table holds, per pid, the engine's current snapshot (modules + mapping
@@ -37,12 +38,16 @@ Invariants:
   by identity first). Engine stats are counted per group (``unsymbolized`` per new (snapshot,
   frames), as ``user_frames`` does; ``batches`` counts native runs).
 - ``UnwoundSample`` objects are built only when the store has subscribers (the live stream).
+- Counts: each round's samples are counted per (bucket, pid, tid, stack) in C
+  (``fp_live_groups_add``) and reach the store (``flush_counts`` -> ``StackStore.add_counts``)
+  every round, or every ``flush_interval`` seconds and on demand, and always before the
+  context (whose stack ids they name) is dropped and at close.
 - Memory: the C context (stacks, frames, spaces) and the Python caches that mirror it are
   dropped whole when they pass ``max_stacks`` stacks or ``max_spaces`` snapshots (a cold
   context only costs re-naming), so they are bounded under process churn.
 
-Cost per step: O(records) native; Python O(side-band records + unplaceable samples + groups +
-new frames), plus O(samples) only with stream subscribers.
+Cost per step: O(records) native; Python O(side-band records + unplaceable samples + new
+frames), plus O(groups) per flush and O(samples) only with stream subscribers.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
 from .livetable import LiveTable
+from .perfcore import MAX_RECORD_SIZE
 from .records import Comm, Fork, Lost, Record, Sample
 from .stackfmt import Frame, UnwoundSample
 from .stackstore import CountGroup, StackStore
@@ -80,9 +86,6 @@ def _marks(rec: Record) -> _Marked:
     t, cpu = rec.time, rec.cpu
     flags = (0 if t is None else _TIMED) | (0 if cpu is None else _HAS_CPU)
     return rec, t or 0, cpu or 0, flags
-
-
-_MAX_RECORD = 1 << 16  # perf_event_header.size is a u16
 
 
 class DrainSource(Protocol):
@@ -147,7 +150,7 @@ class NativeStep:
         self.max_stacks = max_stacks
         self.max_spaces = max_spaces
         # Counts reach the store at most this long after their round (0: every round); the
-        # daemon uses its tick and flushes before every read of the store.
+        # daemon holds them up to a second and flushes before every read of the store.
         self.flush_interval = flush_interval
         self._flushed_at = time.monotonic()
         acc = lib.fp_live_groups_new(store.bucket_ns)
@@ -249,7 +252,7 @@ class NativeStep:
         for _ in range(max_passes):
             # Room for what the rings hold now plus one record that may land meanwhile: the
             # arena grows to the largest round, as a bytes-per-drain buffer would.
-            want = min(max_bytes, source.pending_bytes() + _MAX_RECORD)
+            want = min(max_bytes, source.pending_bytes() + MAX_RECORD_SIZE)
             self._reserve(end, end + want)
             got = source.drain_into(memoryview(self._arenas[self._cur])[end : end + want])
             n = 0
@@ -259,7 +262,7 @@ class NativeStep:
                 bounds.append(end)
                 cpus.append(cpu)
             # capture.drain_round: a pass that left a record's room emptied every ring
-            if n <= want - _MAX_RECORD:
+            if n <= want - MAX_RECORD_SIZE:
                 break
         if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
             self.flush_counts()  # its groups name stacks of the context being dropped
