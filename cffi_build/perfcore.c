@@ -232,8 +232,91 @@ static void ring_copy(unsigned char *dst, const unsigned char *data, uint64_t da
         memcpy(dst + first, data, len - first);
 }
 
-/* Copy whole records from one ring into out[0, cap). Returns bytes copied. */
-static size_t drain_one(pc_ring *r, unsigned char *out, size_t cap)
+/* The layout of a SAMPLE record's user stack copy (perfcore.h, PC_BASE_SAMPLE_TYPE |
+ * REGS_USER | STACK_USER; kernel/events/core.c perf_output_sample): ip, pid/tid, time,
+ * cpu/res, period (8 bytes each after the header), then { nr; ips[nr] }, { abi; regs[nregs]
+ * when abi != 0 }, { size; data[size]; dyn_size when size != 0 }, and nothing after (samples
+ * carry no sample_id trailer). For the record of len bytes at ring position pos: 1 and *field
+ * (offset of the size u64), *keep (dyn_size rounded up to 8) and *dyn if its copy can be cut;
+ * 0 if not (no stack, nothing to cut, or fields that do not add up: copied whole). O(1). */
+static int sample_cut(const unsigned char *data, uint64_t data_size, uint64_t pos, size_t len,
+                      uint32_t nregs, size_t *field, uint64_t *keep, uint64_t *dyn)
+{
+    uint64_t v;
+    size_t o = 8 + 5 * 8; /* header, ip, pid/tid, time, cpu/res, period */
+    if (o + 8 > len)
+        return 0;
+    ring_copy((unsigned char *)&v, data, data_size, pos + o, 8); /* callchain nr */
+    if (v > (len - o - 8) / 8)
+        return 0;
+    o += 8 + 8 * (size_t)v;
+    if (o + 8 > len)
+        return 0;
+    ring_copy((unsigned char *)&v, data, data_size, pos + o, 8); /* regs abi */
+    o += 8 + (v ? 8 * (size_t)nregs : 0);
+    if (o + 16 > len)
+        return 0;
+    uint64_t size;
+    ring_copy((unsigned char *)&size, data, data_size, pos + o, 8);
+    if (size == 0 || (size & 7) || size != len - o - 16)
+        return 0; /* no stack, or not exactly { size; data[size]; dyn_size } to the end */
+    ring_copy((unsigned char *)dyn, data, data_size, pos + o + 8 + size, 8);
+    if (*dyn > size)
+        return 0;
+    *keep = (*dyn + 7) & ~(uint64_t)7;
+    if (*keep == size)
+        return 0;
+    *field = o;
+    return 1;
+}
+
+uint32_t pc_trim_nregs(uint64_t sample_type, uint64_t regs_mask)
+{
+    if (sample_type != (PC_BASE_SAMPLE_TYPE | PERF_SAMPLE_REGS_USER | PERF_SAMPLE_STACK_USER))
+        return PC_NO_TRIM;
+    return (uint32_t)__builtin_popcountll(regs_mask);
+}
+
+/* The cut record at dst: its first field + 8 + keep bytes are in place; fix the sizes and put
+ * dyn_size after the kept bytes. Returns the cut record's length. */
+static size_t finish_cut(unsigned char *dst, size_t field, uint64_t keep, uint64_t dyn)
+{
+    size_t n = field + 8 + (size_t)keep + 8;
+    uint16_t hsize = (uint16_t)n; /* n < the original size, a u16 */
+    memcpy(dst + offsetof(struct perf_event_header, size), &hsize, 2);
+    memcpy(dst + field, &keep, 8);
+    memcpy(dst + field + 8 + keep, &dyn, 8);
+    return n;
+}
+
+size_t pc_trim_records(unsigned char *buf, size_t len, uint32_t nregs)
+{
+    size_t src = 0, dst = 0;
+    while (src + sizeof(struct perf_event_header) <= len) {
+        struct perf_event_header hdr;
+        memcpy(&hdr, buf + src, sizeof hdr);
+        if (hdr.size < sizeof hdr || hdr.size > len - src)
+            break;
+        size_t field, n = hdr.size;
+        uint64_t keep, dyn;
+        /* a plain buffer is a ring that never wraps: data_size a power of two > len */
+        if (nregs != PC_NO_TRIM && hdr.type == PERF_RECORD_SAMPLE &&
+            sample_cut(buf, (uint64_t)1 << 62, src, hdr.size, nregs, &field, &keep, &dyn)) {
+            memmove(buf + dst, buf + src, field + 8 + (size_t)keep);
+            n = finish_cut(buf + dst, field, keep, dyn);
+        } else {
+            memmove(buf + dst, buf + src, n);
+        }
+        src += hdr.size;
+        dst += n;
+    }
+    memmove(buf + dst, buf + src, len - src); /* a torn tail stays as it was */
+    return dst + (len - src);
+}
+
+/* Copy whole records from one ring into out[0, cap) (SAMPLEs cut as pc_drain_trim says unless
+ * nregs is PC_NO_TRIM). Returns bytes written. */
+static size_t drain_one(pc_ring *r, unsigned char *out, size_t cap, uint32_t nregs)
 {
     struct perf_event_mmap_page *pg = r->meta;
     uint64_t head = ring_load_head(pg);
@@ -263,8 +346,16 @@ static size_t drain_one(pc_ring *r, unsigned char *out, size_t cap)
         }
         if (hdr.size > cap - done)
             break; /* output full: leave this and later records for the next drain */
-        ring_copy(out + done, r->data, r->data_size, tail, hdr.size);
-        done += hdr.size;
+        size_t field;
+        uint64_t keep, dyn;
+        if (nregs != PC_NO_TRIM && hdr.type == PERF_RECORD_SAMPLE &&
+            sample_cut(r->data, r->data_size, tail, hdr.size, nregs, &field, &keep, &dyn)) {
+            ring_copy(out + done, r->data, r->data_size, tail, field + 8 + (size_t)keep);
+            done += finish_cut(out + done, field, keep, dyn);
+        } else {
+            ring_copy(out + done, r->data, r->data_size, tail, hdr.size);
+            done += hdr.size;
+        }
         tail += hdr.size;
         r->records++;
     }
@@ -277,8 +368,8 @@ static size_t drain_one(pc_ring *r, unsigned char *out, size_t cap)
     return done;
 }
 
-int64_t pc_drain(pc_ring *rings, size_t nrings, size_t start, unsigned char *out, size_t out_cap,
-                 uint64_t *sizes)
+int64_t pc_drain_trim(pc_ring *rings, size_t nrings, size_t start, unsigned char *out,
+                      size_t out_cap, uint64_t *sizes, uint32_t nregs)
 {
     if ((nrings && (!rings || !sizes)) || (out_cap && !out))
         return -EINVAL;
@@ -292,9 +383,15 @@ int64_t pc_drain(pc_ring *rings, size_t nrings, size_t start, unsigned char *out
         pc_ring *r = &rings[i];
         if (!r->meta || !r->data || r->data_size == 0 || (r->data_size & (r->data_size - 1)))
             continue;
-        size_t n = drain_one(r, out + total, out_cap - total);
+        size_t n = drain_one(r, out + total, out_cap - total, nregs);
         sizes[i] = n;
         total += n;
     }
     return (int64_t)total;
+}
+
+int64_t pc_drain(pc_ring *rings, size_t nrings, size_t start, unsigned char *out, size_t out_cap,
+                 uint64_t *sizes)
+{
+    return pc_drain_trim(rings, nrings, start, out, out_cap, sizes, PC_NO_TRIM);
 }

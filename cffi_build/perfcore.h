@@ -78,3 +78,21 @@ uint64_t pc_pending_total(const pc_ring *rings, size_t nrings);
  * Returns the total bytes written to out (<= out_cap), or -EINVAL on bad arguments. */
 int64_t pc_drain(pc_ring *rings, size_t nrings, size_t start, unsigned char *out, size_t out_cap,
                  uint64_t *sizes);
+
+/* pc_drain, and each SAMPLE record of pc_sample_type's layout with REGS_USER (nregs registers)
+ * and STACK_USER is written with its user stack copy cut to dyn_size rounded up to 8: the
+ * kernel always reserves the requested size, but only dyn_size bytes hold the stack (often a
+ * quarter of it), and every later copy and read of the record pays for the rest. The cut
+ * record decodes the same except for its size fields (stack size = the kept bytes). A record
+ * that does not parse as that layout is copied whole (its decoder judges it). Only the kept
+ * bytes are copied out of the ring. nregs PC_NO_TRIM: pc_drain. */
+#define PC_NO_TRIM 0xFFFFFFFFu
+/* The nregs pc_drain_trim needs for records of this sample_type and user regs mask (one of
+ * pc_open's layouts with REGS_USER and STACK_USER), else PC_NO_TRIM. */
+uint32_t pc_trim_nregs(uint64_t sample_type, uint64_t regs_mask);
+int64_t pc_drain_trim(pc_ring *rings, size_t nrings, size_t start, unsigned char *out,
+                      size_t out_cap, uint64_t *sizes, uint32_t nregs);
+
+/* The same cut applied in place to buf[0, len) holding whole records back to back (tests and
+ * captured drains): returns the new length, records compacted to the front. */
+size_t pc_trim_records(unsigned char *buf, size_t len, uint32_t nregs);

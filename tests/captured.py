@@ -33,11 +33,19 @@ class Replayed:
         return sum(len(b) for _, b in self._drains[0]) if self._drains else 0
 
     def drain_into(self, out: Any) -> list[tuple[int, int]]:
-        """The next captured drain, written into ``out`` as PerfSession.drain_into does (the
-        caller sized it from pending_bytes, so it always fits)."""
-        got = self.drain()
+        """The next captured drain, written into ``out`` as PerfSession.drain_into does, each
+        sample's stack copy cut the same way (pc_trim_records); the caller sized ``out`` from
+        pending_bytes, so it always fits."""
+        from unwindd._perfcore import ffi, lib
+
+        nregs = lib.pc_trim_nregs(self.event_format.sample_type,
+                                  self.event_format.sample_regs_user)  # fmt: skip
         pos = 0
-        for _, b in got:
-            out[pos : pos + len(b)] = b
-            pos += len(b)
-        return [(cpu, len(b)) for cpu, b in got]
+        sizes: list[tuple[int, int]] = []
+        for cpu, b in self.drain():
+            buf = bytearray(b)
+            n = int(lib.pc_trim_records(ffi.from_buffer(buf), len(buf), nregs))
+            out[pos : pos + n] = buf[:n]
+            pos += n
+            sizes.append((cpu, n))
+        return sizes

@@ -500,23 +500,29 @@ def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
     session.close()  # idempotent
 
 
-def test_drain_into_writes_whole_records_in_place() -> None:
+def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
     """drain_into (the live step's path): records land in the caller's buffer slice, back to
     back in the returned (cpu, size) order, nothing outside the slice is written, and what
-    does not fit stays queued; pending_bytes is the sum of pending()."""
+    does not fit stays queued; pending_bytes is the sum of pending(). Samples come out with
+    their user stack copy cut to the bytes the kernel filled (fewer written than consumed)."""
     config = SamplingConfig(frequency=999, ring_pages=256)
-    with PerfSession.open(Target(pids=(os.getpid(),)), config) as session:
+    # a C program: its stack from sp up is a few KiB, less than the 8 KiB copy reserved
+    child = subprocess.Popen([str(busy), "wait-spin", "300"], stdin=subprocess.PIPE,
+                             stdout=subprocess.DEVNULL)  # fmt: skip
+    with PerfSession.open(Target(pids=(child.pid,)), config) as session:
         session.enable()
-        end = time.thread_time() + 0.15
-        while time.thread_time() < end:
-            pass
+        assert child.stdin is not None
+        child.stdin.write(b"x")
+        child.stdin.close()
+        assert child.wait(30) == 0
         session.disable()
         pending = session.pending_bytes()
         assert pending == sum(session.pending()) and pending > 3 * 65536, pending
         dec = records.RecordDecoder([session.event_format])
         arena = bytearray(b"\xa5" * (3 * 65536))
-        drained = calls = 0
+        consumed = written = calls = cut = 0
         while True:
+            before = session.pending_bytes()
             got = session.drain_into(memoryview(arena)[4096 : 4096 + 65536])
             if not got:
                 break
@@ -525,14 +531,24 @@ def test_drain_into_writes_whole_records_in_place() -> None:
             assert total <= 65536 and all(n > 0 for _, n in got)
             assert arena[:4096] == b"\xa5" * 4096  # before the slice: untouched
             assert arena[4096 + 65536 :] == b"\xa5" * (len(arena) - 4096 - 65536)
-            drained += total
-            assert session.pending_bytes() == pending - drained
+            consumed += before - session.pending_bytes()
+            written += total
+            assert written <= consumed and session.pending_bytes() == pending - consumed
             pos = 4096
             for _, n in got:
-                assert sum(1 for _ in dec.decode(bytes(arena[pos : pos + n]))) > 0
+                recs = list(dec.decode(bytes(arena[pos : pos + n])))
+                assert recs
+                # each user stack copy cut to what the kernel filled (pc_drain_trim)
+                for s in recs:
+                    if isinstance(s, records.Sample) and s.stack_size:
+                        assert s.dyn_size <= s.stack_size < s.dyn_size + 8
+                        assert len(s.stack) == s.dyn_size
+                        cut += s.stack_size < config.stack_size
                 pos += n
-        assert drained == pending and calls >= 4
-        assert dec.stats.error_count == 0 and dec.stats.records["SAMPLE"] >= 50
+        assert consumed == pending and calls >= 2
+        samples = dec.stats.records["SAMPLE"]
+        assert dec.stats.error_count == 0 and samples >= 50
+        assert cut >= samples // 2 and written < consumed, (cut, samples, written, consumed)
         with pytest.raises(ValueError, match=r"64|65536"):
             session.drain_into(bytearray(4096))
 

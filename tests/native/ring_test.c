@@ -271,6 +271,131 @@ static void test_random(void)
 #undef RND
 }
 
+/* A SAMPLE of pc_open's REGS_USER | STACK_USER layout (nregs registers), or one broken in
+ * one of its stack fields (kind 1: dyn_size > size; 2: a size that does not end the record;
+ * 3: no stack), or another record type (4). Returns its size. */
+static size_t make_sample(unsigned char *dst, uint64_t *seed, uint32_t nregs, int kind)
+{
+    uint64_t w[64];
+    size_t n = 0;
+    w[n++] = 0; /* header, below */
+    for (int i = 0; i < 5; i++)
+        w[n++] = (uint64_t)rnd(seed) << 32 | rnd(seed); /* ip, pid/tid, time, cpu, period */
+    uint64_t nr = rnd(seed) % 4;
+    w[n++] = nr;
+    for (uint64_t i = 0; i < nr; i++)
+        w[n++] = 0xffffffff81000000ull + rnd(seed);
+    uint64_t abi = (rnd(seed) % 4) ? 2 : 0;
+    w[n++] = abi;
+    if (abi)
+        for (uint32_t i = 0; i < nregs; i++)
+            w[n++] = rnd(seed);
+    uint64_t size = kind == 3 ? 0 : 8 * (1 + rnd(seed) % 20);
+    uint64_t dyn = size ? rnd(seed) % (size + 1) : 0;
+    if (kind == 1)
+        dyn = size + 1 + rnd(seed) % 8;
+    w[n++] = size + (kind == 2 ? 8 : 0);
+    for (uint64_t i = 0; i < size / 8; i++)
+        w[n++] = (uint64_t)rnd(seed) << 32 | rnd(seed);
+    if (size)
+        w[n++] = dyn;
+    struct perf_event_header h = {.type = kind == 4 ? PERF_RECORD_MMAP2 : PERF_RECORD_SAMPLE,
+                                  .misc = 2, .size = (uint16_t)(8 * n)};
+    memcpy(&w[0], &h, 8);
+    memcpy(dst, w, 8 * n);
+    return 8 * n;
+}
+
+/* The cut of pc_trim_records, checked field by field against the record it came from. */
+static void check_cut(const unsigned char *orig, size_t olen, const unsigned char *cut,
+                      size_t clen, uint32_t nregs)
+{
+    uint64_t v;
+    size_t o = 48;
+    memcpy(&v, orig + o, 8);
+    o += 8 + 8 * v;
+    memcpy(&v, orig + o, 8);
+    o += 8 + (v ? 8 * nregs : 0);
+    uint64_t size, dyn;
+    memcpy(&size, orig + o, 8);
+    CHECK(size && o + 16 + size == olen);
+    memcpy(&dyn, orig + olen - 8, 8);
+    uint64_t keep = (dyn + 7) & ~(uint64_t)7;
+    CHECK(dyn <= size && keep < size && clen == o + 16 + keep);
+    struct perf_event_header h;
+    memcpy(&h, cut, 8);
+    CHECK(h.size == clen && memcmp(cut, orig, 6) == 0); /* type and misc kept */
+    CHECK(memcmp(cut + 8, orig + 8, o - 8) == 0); /* everything before the stack */
+    memcpy(&v, cut + o, 8);
+    CHECK(v == keep);
+    CHECK(memcmp(cut + o + 8, orig + o + 8, keep) == 0); /* the kept stack bytes */
+    memcpy(&v, cut + o + 8 + keep, 8);
+    CHECK(v == dyn);
+}
+
+/* pc_drain_trim out of wrapping rings gives exactly pc_trim_records of what was produced;
+ * every cut record keeps all but the unfilled stack bytes, broken ones come out whole. */
+static void test_trim(void)
+{
+    uint64_t seed = 0x2545F4914F6CDD1DULL;
+    const uint32_t nregs = 3;
+    CHECK(pc_trim_nregs(0, 0) == PC_NO_TRIM);
+    for (int round = 0; round < 200; round++) {
+        uint64_t size = 512u << (rnd(&seed) % 4); /* 512..4096 */
+        fake_ring f;
+        fake_init(&f, size, ((uint64_t)rnd(&seed) << 32 | rnd(&seed)) & ~(uint64_t)7);
+        unsigned char produced[16384], expect[16384], got[16384];
+        size_t np = 0, ng = 0, cut = 0;
+        for (int step = 0; step < 40; step++) {
+            unsigned char rec[1024];
+            int kind = (rnd(&seed) % 3) ? 0 : 1 + (int)(rnd(&seed) % 4);
+            size_t rs = make_sample(rec, &seed, nregs, kind);
+            uint64_t used = f.meta->data_head - f.meta->data_tail;
+            if (used + rs <= size && np + rs <= sizeof(produced)) {
+                memcpy(produced + np, rec, rs);
+                produce(&f, rec, rs);
+                np += rs;
+            }
+            size_t cap = 64 + rnd(&seed) % 1024;
+            unsigned char *out = malloc(cap);
+            uint64_t sz;
+            int64_t n = pc_drain_trim(&f.ring, 1, 0, out, cap, &sz, nregs);
+            CHECK(n >= 0 && (uint64_t)n == sz && (size_t)n <= cap);
+            memcpy(got + ng, out, (size_t)n);
+            ng += (size_t)n;
+            free(out);
+        }
+        uint64_t sz;
+        int64_t n;
+        while ((n = pc_drain_trim(&f.ring, 1, 0, got + ng, sizeof(got) - ng, &sz, nregs)) > 0)
+            ng += (size_t)n;
+        CHECK(f.ring.errors == 0 && f.meta->data_tail == f.meta->data_head);
+        /* the same cut, in place on the produced bytes */
+        memcpy(expect, produced, np);
+        size_t ne = pc_trim_records(expect, np, nregs);
+        CHECK(ne == ng && memcmp(expect, got, ng) == 0);
+        CHECK(pc_trim_records(expect, ne, PC_NO_TRIM) == ne); /* no cut: unchanged */
+        CHECK(memcmp(expect, got, ng) == 0);
+        /* record by record: cut ones checked against their original, others byte-equal */
+        size_t po = 0, pc = 0;
+        while (po < np) {
+            struct perf_event_header ho, hc;
+            memcpy(&ho, produced + po, 8);
+            memcpy(&hc, got + pc, 8);
+            if (hc.size != ho.size) {
+                check_cut(produced + po, ho.size, got + pc, hc.size, nregs);
+                cut++;
+            } else {
+                CHECK(memcmp(produced + po, got + pc, ho.size) == 0);
+            }
+            po += ho.size;
+            pc += hc.size;
+        }
+        CHECK(pc == ng && (np == 0 || cut > 0));
+        fake_free(&f);
+    }
+}
+
 /* A real kernel ring: 4 data pages and 8 KiB stack copies wrap within a few samples. Drain with
  * a small output so the output-full path runs on real records too. */
 static void test_real_ring(void)
@@ -343,6 +468,7 @@ int main(int argc, char **argv)
     test_corrupt();
     test_multi();
     test_random();
+    test_trim();
     if (real)
         test_real_ring();
     printf("ok %d\n", checks);
