@@ -506,9 +506,11 @@ def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
     does not fit stays queued; pending_bytes is the sum of pending(). Samples come out with
     their user stack copy cut to the bytes the kernel filled (fewer written than consumed)."""
     config = SamplingConfig(frequency=999, ring_pages=256)
-    # a C program: its stack from sp up is a few KiB, less than the 8 KiB copy reserved
+    # a C program with an empty environment: its stack from sp up (frames, then argv, envp,
+    # auxv and their strings) is ~1 KiB, less than the 8 KiB copy reserved (with the test
+    # runner's environment it can pass 8 KiB: nothing left to cut)
     child = subprocess.Popen([str(busy), "wait-spin", "300"], stdin=subprocess.PIPE,
-                             stdout=subprocess.DEVNULL)  # fmt: skip
+                             stdout=subprocess.DEVNULL, env={})  # fmt: skip
     with PerfSession.open(Target(pids=(child.pid,)), config) as session:
         session.enable()
         assert child.stdin is not None
@@ -556,7 +558,7 @@ def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
 def test_fds_are_pollable(busy: pathlib.Path) -> None:
     import select
 
-    config = SamplingConfig(frequency=999, ring_pages=16)  # watermark = 16 KiB: ~2 samples
+    config = SamplingConfig(frequency=999, ring_pages=16)  # watermark = 32 KiB: ~4 samples
     with PerfSession.open(Target(all_cpus=True), config) as session:
         poller = select.poll()
         for fd in session.fds:

@@ -102,7 +102,7 @@ class Snapshot:
 
 # With prefetch_cfi, binaries up to this size are compiled on the loop all the same: measured
 # here ~1-2.5 ms per MB of file (libc 1.9 MB: 3.7 ms; libcrypto 4.7 MB: 11 ms), so <= ~10 ms
-# of a step, well inside the ring's headroom (a quarter ring is ~30 ms at 1000 Hz).
+# of a step, well inside the ring's headroom (half a 1 MiB ring is ~60 ms at 1000 Hz).
 CFI_INLINE_MAX_BYTES = 4 << 20
 
 

@@ -162,10 +162,10 @@ class NativeStep:
         if orderer == ffi.NULL:
             raise MemoryError("fp_live_order_new")
         self.orderer = orderer
-        # Two arenas, reused for the life of the step: the round's records are copied once into
-        # the current one (the carry already at its head), the carry gathered into the other,
-        # and they swap. A fresh buffer per round cost a zero-fill or a page-faulting mmap per
-        # round (~a quarter ring of samples each, 74 rounds/s at 1000 Hz): ~8 % of the daemon's
+        # Two arenas, reused for the life of the step: the rings are drained into the current
+        # one (the carry already at its head), the carry gathered into the other, and they
+        # swap. A fresh buffer per round cost a zero-fill or a page-faulting mmap per round
+        # (then ~a quarter ring of samples each, 74 rounds/s at 1000 Hz): ~8 % of the daemon's
         # CPU in clear_page_erms. Each grows to the largest round seen (at most the ring bytes
         # of one drain round plus one carry), never shrinks.
         self._arenas = [bytearray(1 << 20), bytearray(1 << 20)]
