@@ -2,6 +2,7 @@
 same run, plus lost samples and /v1/stacks query latency while sampling.
 
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
+                                  [--repeat N] [--before DIR]
 
 For each frequency, with a steady load (one C workload looping per CPU):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
@@ -12,6 +13,11 @@ For each frequency, with a steady load (one C workload looping per CPU):
   with that query load, keys prefixed ``q_``);
 - perf record -a -F F --call-graph dwarf,STACK for the same window, CPU from wait4's rusage,
   samples and lost from ``perf report --stats`` (it only writes; it does not unwind).
+With ``--repeat N`` each frequency is measured N times, the runs alternated (unwindd, the
+``--before`` build, perf record, then again), and the medians printed last: on a shared,
+noisy machine only measurements taken side by side compare. ``--before DIR``: also an older
+unwindd from ``PYTHONPATH=DIR`` (e.g. ``pip install --no-deps --target DIR`` of an older
+checkout), its sampling window only.
 Root is needed (system-wide sampling).
 """
 
@@ -54,13 +60,15 @@ def http(sock: str, target: str) -> bytes:
     return buf.partition(b"\r\n\r\n")[2]
 
 
-def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, float]:
+def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: str | None = None,
+                 with_queries: bool = True) -> dict[str, float]:  # fmt: skip
     sock = str(tmp / f"d{freq}.sock")
     cfg = tmp / f"d{freq}.toml"
     cfg.write_text(f'[sampling]\nfrequency = {freq}\nstack_size = {stack}\nring_pages = 256\n'
                    f'[api]\nsocket = "{sock}"\n[metrics]\nenabled = false\n')  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     d = subprocess.Popen([sys.executable, "-m", "unwindd.cli", "run", "--config", str(cfg)],
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+                         stderr=subprocess.DEVNULL, env=env)  # fmt: skip
     try:
         while not os.path.exists(sock):
             time.sleep(0.05)
@@ -69,7 +77,7 @@ def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, 
         # queries. Window 2, the same length with the query load: its latencies, and what the
         # queries add on top.
         out: dict[str, float] = {}
-        for label, queries in (("", False), ("q_", True)):
+        for label, queries in (("", False), ("q_", True))[: 2 if with_queries else 1]:
             s0 = json.loads(http(sock, "/v1/status"))
             c0, t0 = cpu_seconds(d.pid), time.monotonic()
             lat: dict[str, list[float]] = {"stacks": [], "top": []}
@@ -125,6 +133,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--freqs", default="99,1000")
     ap.add_argument("--stack-size", type=int, default=8192)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
@@ -136,11 +146,21 @@ def main() -> None:
                 for _ in range(os.cpu_count() or 1)]
         try:
             for f in (int(x) for x in args.freqs.split(",")):
-                d = bench_daemon(f, args.seconds, args.stack_size, tmp)
-                p = bench_perf(f, args.seconds, args.stack_size, tmp)
-                print(f"F={f} unwindd: {json.dumps({k: round(v, 2) for k, v in d.items()})}")
-                print(f"F={f} perf:    {json.dumps({k: round(v, 2) for k, v in p.items()})}")
-                sys.stdout.flush()
+                per: dict[str, list[float]] = {}
+                for _ in range(args.repeat):
+                    runs = {"unwindd": bench_daemon(f, args.seconds, args.stack_size, tmp)}
+                    if args.before is not None:
+                        runs["before"] = bench_daemon(f, args.seconds, args.stack_size, tmp,
+                                                      str(args.before), False)
+                    runs["perf"] = bench_perf(f, args.seconds, args.stack_size, tmp)
+                    for name, r in runs.items():
+                        per.setdefault(name, []).append(r["us_per_sample"])
+                        shown = json.dumps({k: round(v, 2) for k, v in r.items()})
+                        print(f"F={f} {name + ':':8s} {shown}")
+                    sys.stdout.flush()
+                if args.repeat > 1:
+                    med = {k: round(statistics.median(v), 2) for k, v in per.items()}
+                    print(f"F={f} medians of {args.repeat}, us CPU per sample: {json.dumps(med)}")
         finally:
             for pr in load:  # each loop is its own process group: the shell and its child
                 os.killpg(pr.pid, signal.SIGKILL)
