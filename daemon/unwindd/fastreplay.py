@@ -279,6 +279,11 @@ class _Replay:
         # its kernel callchain's index in _kchains; kernel names are added in _finish, so the
         # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind
         self._folded: list[tuple[tuple[str, ...], int]] = []
+        # ... and per unique stack its user part's names joined by NULs (stackfmt's
+        # render_folded_nul sorts such keys as fast as strings); True once a name is seen to
+        # hold a NUL itself, which makes _finish sort the tuples instead
+        self._folded_nul: list[str] = []
+        self._nul_name = False
         self._kchain_ids: dict[bytes, int] = {}
         self._kchains: list[tuple[int, ...]] = []  # each one's kernel ips (engine.kernel_ips)
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
@@ -297,7 +302,8 @@ class _Replay:
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
-        self._folds: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned user parts
+        # interned user parts: each one's tuple and NUL-joined names
+        self._folds: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {}
         self.runs = 0
 
     # -- the whole file
@@ -632,6 +638,7 @@ class _Replay:
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
         nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
         folded_out, rendered, folds = self._folded, self._rendered, self._folds
+        folded_nul = self._folded_nul
         kchain_ids, kchains = self._kchain_ids, self._kchains
         fo = ko = 0
         for j in range(cnt):
@@ -673,7 +680,13 @@ class _Replay:
             stacks.append((comm, status, len(ids), nk))
             if folded:
                 up = (comm or "[unknown]", *map(text_of, reversed(ids)))
-                folded_out.append((folds.setdefault(up, up), ki))
+                upj = folds.get(up)
+                if upj is None:
+                    upj = folds[up] = (up, "\0".join(up))
+                    if upj[1].count("\0") != len(up) - 1:
+                        self._nul_name = True
+                folded_out.append((upj[0], ki))
+                folded_nul.append(upj[1])
             elif fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
             else:
@@ -771,25 +784,34 @@ class _Replay:
     def _finish(self) -> None:
         """Final per-stack counts: engine stats, and the folded output."""
         es = self.engine.stats
-        counts = ffi.new("uint64_t[]", max(1, len(self._stacks)))
+        nst = len(self._stacks)
+        counts = ffi.new("uint64_t[]", max(1, nst))
         lib.fp_stack_counts(self.ctx, counts)
-        folded: Counter[tuple[str, ...]] = Counter()
-        kparts: list[tuple[str, ...]] = []
-        if self.fmt == "folded":  # kernel names, outermost first, once per callchain (each
-            # ip named once by the engine, rendered once by _render_kernel)
-            kf, render = self.engine.kernel_frame, self._render_kernel
-            kparts = [tuple([render(kf(ip)) for ip in reversed(ips)]) for ips in self._kchains]
-        for sid, (count, (_comm, status, nu, nk)) in enumerate(
-            zip(_u(counts, "Q")[: len(self._stacks)], self._stacks, strict=True)
-        ):
+        counts_l = _u(counts, "Q")[:nst].tolist()
+        for count, (_comm, status, nu, nk) in zip(counts_l, self._stacks, strict=True):
             es.samples += count
             es.by_status[status] += count
             es.kernel_frames += nk * count
             es.user_frames += nu * count
-            if self.fmt == "folded":
-                up, ki = self._folded[sid]
-                folded[up + kparts[ki]] += count
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
-        if self.fmt == "folded":
+        if self.fmt != "folded":
+            return
+        # kernel names, outermost first, once per callchain (each ip named once by the engine,
+        # rendered once by _render_kernel)
+        kf, render = self.engine.kernel_frame, self._render_kernel
+        kparts = [tuple([render(kf(ip)) for ip in reversed(ips)]) for ips in self._kchains]
+        knul = ["".join(["\0" + t for t in kp]) for kp in kparts]
+        if self._nul_name or any(k.count("\0") != len(kp) for k, kp in zip(knul, kparts)):
+            folded: Counter[tuple[str, ...]] = Counter()
+            for count, (up, ki) in zip(counts_l, self._folded, strict=True):
+                folded[up + kparts[ki]] += count
             self.out.write(stackfmt.render_folded(folded))
+            return
+        # stacks by their NUL-joined names: one string concatenation and dict update a stack
+        joined: dict[str, int] = {}
+        get = joined.get
+        for count, upj, (_up, ki) in zip(counts_l, self._folded_nul, self._folded, strict=True):
+            key = upj + knul[ki]
+            joined[key] = get(key, 0) + count
+        stackfmt.write_folded_nul(joined, self.out.write)
