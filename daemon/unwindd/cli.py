@@ -13,10 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import select
-import signal
 import sys
 import time
 from collections import Counter
@@ -27,7 +24,8 @@ from typing import TYPE_CHECKING, TextIO
 from . import __version__, stackfmt
 
 # Imports are per command: `unwindd replay` (the fast path) must not pay for the capture,
-# output, config or service stacks it does not run (~40 ms of a ~0.4 s cold replay start).
+# output, config or service stacks it does not run (~40 ms of a ~0.4 s cold replay start),
+# nor for json/select/signal (~3 ms), which only the other commands and formats use.
 if TYPE_CHECKING:
     from .capture import StreamPipeline
     from .engine import StackEngine
@@ -131,6 +129,8 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
+    import json
+
     from .config import ConfigError, load_config
 
     try:
@@ -191,6 +191,8 @@ class _Output:
             self.engine = StackEngine.create()
 
     def __call__(self, recs: list[Record]) -> None:
+        import json
+
         w = self.out.write
         if self.fmt == "records":
             from .output import record_to_json
@@ -206,6 +208,8 @@ class _Output:
         """Write unwound samples (from the engine here, or from a LiveProfiler)."""
         if not samples:
             return
+        import json
+
         w = self.out.write
         if self.fmt == "jsonl":
             for u in samples:
@@ -295,6 +299,8 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     on_tick = None
     if args.status_interval:
         on_tick = _status_printer(prof.pipeline, started, args.status_interval)
+    import select
+
     poller = select.poll()
     for fd in prof.fds:
         poller.register(fd, select.POLLIN)
@@ -394,6 +400,8 @@ def _status_printer(pipeline: StreamPipeline, started: float, every: float) -> C
 
 
 def _install_stop_handlers() -> Callable[[], bool]:
+    import signal
+
     stopped = False
 
     def handler(signum: int, frame: FrameType | None) -> None:

@@ -61,11 +61,12 @@ class _Cxx:
 
 def _cdll(soname: str, name: str) -> ctypes.CDLL:
     import ctypes
-    import ctypes.util
 
     try:
         return ctypes.CDLL(soname)
     except OSError:
+        import ctypes.util  # (subprocess, shutil...: ~6 ms, only when the soname fails)
+
         found = ctypes.util.find_library(name)
         if found is None:
             raise

@@ -45,7 +45,7 @@ the output does not depend on it).
 
 from __future__ import annotations
 
-import json
+import gc
 import mmap
 import os
 from array import array
@@ -208,10 +208,18 @@ def replay(
         # 0.035 s vs 0.06-0.08 s in the index alone, plus the unwinder's stack pages).
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                        prot=mmap.PROT_READ)  # fmt: skip
+    # No cyclic GC while replaying: what a replay allocates (names, stacks, snapshots, ELF
+    # entries) lives until it ends, so the collections its allocation counts trigger only
+    # traverse live objects (~2-3% of a replay's CPU, ~15 ms on the issue-3 file); its cyclic
+    # garbage (exceptions caught on error paths) waits at most until it returns.
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
         return _Replay(data, mm, lay, fmt, out, engine, stream_stats, order_stats,
                        max_queued).run()  # fmt: skip
     finally:
+        if gc_was_on:
+            gc.enable()
         try:
             mm.close()
         except BufferError:  # a cdata view still alive (an exception unwinding): GC closes it
@@ -275,15 +283,19 @@ class _Replay:
         # per unique stack: (comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
-        # folded: per unique stack, its comm and user frames' names (outermost first) and
-        # its kernel callchain's index in _kchains; kernel names are added in _finish, so the
-        # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind
-        self._folded: list[tuple[tuple[str, ...], int]] = []
-        # ... and per unique stack its user part's names joined by NULs (stackfmt's
-        # render_folded_nul sorts such keys as fast as strings); True once a name is seen to
-        # hold a NUL itself, which makes _finish sort the tuples instead
+        # folded: per unique stack ...
+        # its kernel callchain's index in _kchains, and its comm and user frames' names
+        # (outermost first) joined by NULs (stackfmt.write_folded_nul sorts such keys as
+        # strings); kernel names are added in _finish, so the kallsyms load
+        # (Symbolizer.preload_kernel) overlaps the whole unwind
+        self._folded_k: list[int] = []
         self._folded_nul: list[str] = []
+        # True once a name (comm, frame text) is seen to hold a NUL itself (before any stack
+        # using it is added): _finish then sorts tuples of names, those of the stacks added
+        # since kept here by stack id, the earlier ones split from their NUL-joined names
         self._nul_name = False
+        self._folded_tup: dict[int, tuple[str, ...]] = {}
+        self._comm_nul: list[str] = []  # per comm id: its folded name ("[unknown]" if empty)
         self._kchain_ids: dict[bytes, int] = {}
         self._kchains: list[tuple[int, ...]] = []  # each one's kernel ips (engine.kernel_ips)
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
@@ -302,8 +314,7 @@ class _Replay:
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
-        # interned user parts: each one's tuple and NUL-joined names
-        self._folds: dict[tuple[str, ...], tuple[tuple[str, ...], str]] = {}
+        self._folds: dict[str, str] = {}  # interned user parts (NUL-joined)
         self.runs = 0
 
     # -- the whole file
@@ -528,6 +539,9 @@ class _Replay:
                 if cid is None:
                     cid = self._comm_ids[comm] = len(self._comms)
                     self._comms.append(comm)
+                    self._comm_nul.append(comm or "[unknown]")
+                    if "\0" in comm:
+                        self._nul_name = True
                 if lib.fp_set_comm(self.ctx, pid, tid, cid) != 0:
                     raise MemoryError("fp_set_comm")
             else:
@@ -601,6 +615,8 @@ class _Replay:
             f = engine.frame_at(snap.key[0], snap, ip)
             t = self._render((f,))
             t = texts.setdefault(t, t)
+            if "\0" in t:
+                self._nul_name = True
             text.append(t)
             unsym.append(f.sym is None)
             if f.sym is None:
@@ -637,8 +653,8 @@ class _Replay:
         text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
         nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
-        folded_out, rendered, folds = self._folded, self._rendered, self._folds
-        folded_nul = self._folded_nul
+        folded_k, rendered, folds = self._folded_k, self._rendered, self._folds
+        folded_nul, comm_nul = self._folded_nul, self._comm_nul
         kchain_ids, kchains = self._kchain_ids, self._kchains
         fo = ko = 0
         for j in range(cnt):
@@ -679,14 +695,12 @@ class _Replay:
                             engine.stats.unsymbolized += sum(map(unsym_of, ids))
             stacks.append((comm, status, len(ids), nk))
             if folded:
-                up = (comm or "[unknown]", *map(text_of, reversed(ids)))
-                upj = folds.get(up)
-                if upj is None:
-                    upj = folds[up] = (up, "\0".join(up))
-                    if upj[1].count("\0") != len(up) - 1:
-                        self._nul_name = True
-                folded_out.append((upj[0], ki))
-                folded_nul.append(upj[1])
+                names = [comm_nul[comm_ids[j]], *map(text_of, reversed(ids))]
+                if self._nul_name:
+                    self._folded_tup[len(folded_nul)] = tuple(names)
+                up = "\0".join(names)
+                folded_nul.append(folds.setdefault(up, up))
+                folded_k.append(ki)
             elif fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
             else:
@@ -729,6 +743,8 @@ class _Replay:
             u = UnwoundSample(None, None, None, None, "", None, "", frames)
             return stackfmt.folded_key(u)[1]
         if self.fmt == "jsonl":
+            import json  # (a folded replay does not import it: ~2 ms)
+
             u = UnwoundSample(None, None, None, None, "", None, "", frames)
             return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
         return (f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
@@ -752,6 +768,8 @@ class _Replay:
         if fmt == "folded":
             return lambda a, b: None
         if fmt == "jsonl":
+            import json
+
             dumps = json.dumps
 
             def emit(a: int, b: int) -> None:
@@ -800,18 +818,27 @@ class _Replay:
         # kernel names, outermost first, once per callchain (each ip named once by the engine,
         # rendered once by _render_kernel)
         kf, render = self.engine.kernel_frame, self._render_kernel
-        kparts = [tuple([render(kf(ip)) for ip in reversed(ips)]) for ips in self._kchains]
+        kname: dict[int, str] = {}  # by ip: callchains repeat ~5x each ip
+        kparts = [
+            tuple([kname[ip] if ip in kname else kname.setdefault(ip, render(kf(ip)))
+                   for ip in reversed(ips)])
+            for ips in self._kchains
+        ]  # fmt: skip
         knul = ["".join(["\0" + t for t in kp]) for kp in kparts]
         if self._nul_name or any(k.count("\0") != len(kp) for k, kp in zip(knul, kparts)):
             folded: Counter[tuple[str, ...]] = Counter()
-            for count, (up, ki) in zip(counts_l, self._folded, strict=True):
+            tup = self._folded_tup
+            for sid, (count, upj, ki) in enumerate(
+                zip(counts_l, self._folded_nul, self._folded_k, strict=True)
+            ):
+                up = tup.get(sid) or tuple(upj.split("\0"))
                 folded[up + kparts[ki]] += count
             self.out.write(stackfmt.render_folded(folded))
             return
         # stacks by their NUL-joined names: one string concatenation and dict update a stack
         joined: dict[str, int] = {}
         get = joined.get
-        for count, upj, (_up, ki) in zip(counts_l, self._folded_nul, self._folded, strict=True):
+        for count, upj, ki in zip(counts_l, self._folded_nul, self._folded_k, strict=True):
             key = upj + knul[ki]
             joined[key] = get(key, 0) + count
         stackfmt.write_folded_nul(joined, self.out.write)
