@@ -80,6 +80,11 @@ int fp_index(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
              struct fp_rec **recs, uint64_t *nrec, uint64_t *other, int *end,
              uint64_t *stopped_at);
 
+/* mapfile.c: fill the page tables of [p, p + len), a read-only file mapping starting at p, so
+ * the replay's reads do not fault page by page; reads only. 0 (madvise), 1 (pages touched one
+ * by one), -1 (bad arguments). Called without the GIL (cffi), from a thread of its own. */
+int fp_prefault(const uint8_t *p, uint64_t len);
+
 struct fp_order_stats {
     uint64_t pushed, delivered, queued, late, max_lateness_ns, rounds, forced_flushes, untimed;
 };

@@ -46,7 +46,6 @@ the output does not depend on it).
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 from array import array
 from bisect import bisect_left
@@ -61,6 +60,7 @@ from ._unwcore import ffi, lib
 from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine, kernel_ips
+from .mapfile import MappedFile
 from .ordering import OrderStats
 from .perfdata import PerfData
 from .proctable import PROT_EXEC, Mapping
@@ -79,7 +79,6 @@ _END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE):
 _STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))  # by UNW_* value
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _CALLCHAIN = int(SampleType.CALLCHAIN)
 # fp_ctx_par's min_run for new contexts; None: the C default (fastpath.c PAR_MIN). Tests set 1
 # (unwind every run with the worker thread) or 0 (one thread) to compare the two.
@@ -181,10 +180,32 @@ def replay(
     stream_stats: StreamStats | None = None,
     order_stats: OrderStats | None = None,
     max_queued: int = 1_000_000,
+    mapped: MappedFile | None = None,
 ) -> FastResult:
     """Replay ``data`` (opened from ``path``) to ``out`` in ``fmt`` (folded, jsonl or
     perf-script); counts go to ``data``'s decoder and errors, ``stream_stats``, ``order_stats``
-    and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the slow path must."""
+    and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the slow path must.
+    ``mapped``: ``path`` already mapped (the CLI maps it before its imports, its page tables
+    filling meanwhile); the replay closes it, whatever happens."""
+    try:
+        return _replay(data, path, fmt, out, engine, stream_stats, order_stats, max_queued,
+                       mapped)  # fmt: skip
+    finally:
+        if mapped is not None:
+            mapped.close()
+
+
+def _replay(
+    data: PerfData,
+    path: str | os.PathLike[str],
+    fmt: str,
+    out: TextIO,
+    engine: StackEngine | None,
+    stream_stats: StreamStats | None,
+    order_stats: OrderStats | None,
+    max_queued: int,
+    mapped: MappedFile | None,
+) -> FastResult:
     if fmt not in ("folded", "jsonl", "perf-script"):
         raise Unsupported(f"format {fmt}")
     if data.pipe_mode:
@@ -199,15 +220,22 @@ def replay(
     lay = layout_of(dec.formats[0])
     if lay.i_tid < 0 or lay.i_time < 0:
         raise Unsupported("samples without TID/TIME")
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise Unsupported("empty file")
-        # MAP_POPULATE: the replay reads every page (headers, then stack copies); faulting
-        # them in as one batch costs about a third of taking ~2 faults per record (673 MB:
-        # 0.035 s vs 0.06-0.08 s in the index alone, plus the unwinder's stack pages).
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE,
-                       prot=mmap.PROT_READ)  # fmt: skip
+    # The page tables filled first (mapfile.c): the replay reads every page (headers, then
+    # stack copies), and faulting them in as one batch costs about a third of taking ~2
+    # faults per record (673 MB: 0.035 s vs 0.06-0.08 s in the index alone, plus the
+    # unwinder's stack pages). A mapping from the caller may still be filling: waited for.
+    if mapped is None:
+        try:
+            mapped = MappedFile(path)
+        except ValueError:
+            raise Unsupported("empty file") from None
+        try:
+            mapped.prefault()
+        except BaseException:
+            mapped.close()
+            raise
+    else:
+        mapped.wait()
     # No cyclic GC while replaying: what a replay allocates (names, stacks, snapshots, ELF
     # entries) lives until it ends, so the collections its allocation counts trigger only
     # traverse live objects (~2-3% of a replay's CPU, ~15 ms on the issue-3 file); its cyclic
@@ -215,22 +243,19 @@ def replay(
     gc_was_on = gc.isenabled()
     gc.disable()
     try:
-        return _Replay(data, mm, lay, fmt, out, engine, stream_stats, order_stats,
+        return _Replay(data, mapped, lay, fmt, out, engine, stream_stats, order_stats,
                        max_queued).run()  # fmt: skip
     finally:
         if gc_was_on:
             gc.enable()
-        try:
-            mm.close()
-        except BufferError:  # a cdata view still alive (an exception unwinding): GC closes it
-            pass
+        mapped.close()  # (a view still exported, an exception unwinding: GC unmaps)
 
 
 class _Replay:
     def __init__(
         self,
         data: PerfData,
-        mm: mmap.mmap,
+        mapped: MappedFile,
         lay: Any,
         fmt: str,
         out: TextIO,
@@ -247,11 +272,13 @@ class _Replay:
         self.sstats = stream_stats if stream_stats is not None else StreamStats()
         self.ostats = order_stats if order_stats is not None else OrderStats()
         self.max_queued = max_queued
+        mm = mapped.mm
         start = min(data.data_offset, len(mm))
         self.length = min(data.data_size, len(mm) - start)
         self._whole = ffi.from_buffer(mm)
         self.buf = self._whole + start
         self.mm = mm
+        self.mapped = mapped
         self.start = start
         self.ctx = ffi.gc(lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth),
                           lib.fp_ctx_free)  # fmt: skip
@@ -429,6 +456,12 @@ class _Replay:
             if isinstance(rpid, int) and 0 <= rpid < 1 << 32:
                 lib.fp_forget_space(self.ctx, rpid)
                 self._unhold(rpid)
+        # Nothing reads the file any more (names, counts and output come from the context):
+        # unmapped on a thread while the output is built (munmap of 673 MB: ~0.015 s).
+        mv.release()
+        ffi.release(self._whole)
+        self.buf = ffi.NULL
+        self.mapped.close(background=True)
         self._finish()
         return FastResult(nsamples, len(self._stacks), self.runs, side + skipped,
                           int(lib.fp_ctx_par_stats(self.ctx)))
