@@ -19,7 +19,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "unwcore.h"
 FAST_HEADER = HERE / "fastpath.h"  # the native replay path (fastpath.c), same module
 SOURCES = [HERE / "cfi.c", HERE / "unwind.c", HERE / "fastpath.c", HERE / "symtab.c",
-           HERE / "sideband.c", HERE / "mapfile.c"]
+           HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())

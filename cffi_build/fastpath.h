@@ -203,6 +203,21 @@ uint32_t fp_stacks_export(const struct fp_ctx *c, uint32_t from, uint32_t to, ui
                           uint32_t *fids, uint64_t *kc);
 void fp_stack_counts(const struct fp_ctx *c, uint64_t *out);
 
+/* fold.c, by code: the folded text of every stack so far. comm_rank[comm id], frame_rank[frame
+ * id] and krank[i] (of kips[i], the distinct kernel ips, ascending) rank each name in the
+ * order the text sorts names in. fp_fold_new: 0, -1 (memory) or -2 (an id or ip without a
+ * rank); *out is freed with fp_fold_free. fp_fold_text renders the next lines that fit in
+ * buf[0, cap), name r being names[name_off[r], name_off[r + 1]): bytes written (0 once all
+ * are), -(bytes needed) if the next line alone does not fit, INT64_MIN for a bad rank. */
+struct fp_fold;
+int fp_fold_new(const struct fp_ctx *c, const uint32_t *comm_rank, uint32_t ncomm,
+                const uint32_t *frame_rank, uint32_t nframes, const uint64_t *kips,
+                const uint32_t *krank, uint64_t nkips, struct fp_fold **out);
+uint64_t fp_fold_lines(const struct fp_fold *f);
+int64_t fp_fold_text(struct fp_fold *f, const uint8_t *names, const uint64_t *name_off,
+                     uint32_t nnames, uint8_t *buf, uint64_t cap);
+void fp_fold_free(struct fp_fold *f);
+
 /* Distinct user frames (space, pc, exact) of all stacks (by code: see fp_ctx_by_code), ids
  * dense from 0: a frame is named from pc if exact (leaf, or right after a signal trampoline),
  * else from pc - 1. */

@@ -310,19 +310,9 @@ class _Replay:
         # per unique stack: (comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
-        # folded: per unique stack ...
-        # its kernel callchain's index in _kchains, and its comm and user frames' names
-        # (outermost first) joined by NULs (stackfmt.write_folded_nul sorts such keys as
-        # strings); kernel names are added in _finish, so the kallsyms load
-        # (Symbolizer.preload_kernel) overlaps the whole unwind
-        self._folded_k: list[int] = []
-        self._folded_nul: list[str] = []
-        # True once a name (comm, frame text) is seen to hold a NUL itself (before any stack
-        # using it is added): _finish then sorts tuples of names, those of the stacks added
-        # since kept here by stack id, the earlier ones split from their NUL-joined names
-        self._nul_name = False
-        self._folded_tup: dict[int, tuple[str, ...]] = {}
-        self._comm_nul: list[str] = []  # per comm id: its folded name ("[unknown]" if empty)
+        # folded: the distinct kernel callchains' kernel ips (engine.kernel_ips), named in
+        # _finish, so the kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind;
+        # the folded text itself is made in C from the frames' names (fold.c)
         self._kchain_ids: dict[bytes, int] = {}
         self._kchains: list[tuple[int, ...]] = []  # each one's kernel ips (engine.kernel_ips)
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
@@ -341,7 +331,6 @@ class _Replay:
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
-        self._folds: dict[str, str] = {}  # interned user parts (NUL-joined)
         self.runs = 0
 
     # -- the whole file
@@ -572,9 +561,6 @@ class _Replay:
                 if cid is None:
                     cid = self._comm_ids[comm] = len(self._comms)
                     self._comms.append(comm)
-                    self._comm_nul.append(comm or "[unknown]")
-                    if "\0" in comm:
-                        self._nul_name = True
                 if lib.fp_set_comm(self.ctx, pid, tid, cid) != 0:
                     raise MemoryError("fp_set_comm")
             else:
@@ -648,8 +634,6 @@ class _Replay:
             f = engine.frame_at(snap.key[0], snap, ip)
             t = self._render((f,))
             t = texts.setdefault(t, t)
-            if "\0" in t:
-                self._nul_name = True
             text.append(t)
             unsym.append(f.sym is None)
             if f.sym is None:
@@ -686,8 +670,7 @@ class _Replay:
         text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
         nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
-        folded_k, rendered, folds = self._folded_k, self._rendered, self._folds
-        folded_nul, comm_nul = self._folded_nul, self._comm_nul
+        rendered = self._rendered
         kchain_ids, kchains = self._kchain_ids, self._kchains
         fo = ko = 0
         for j in range(cnt):
@@ -727,16 +710,9 @@ class _Replay:
                             seen.add(key)
                             engine.stats.unsymbolized += sum(map(unsym_of, ids))
             stacks.append((comm, status, len(ids), nk))
-            if folded:
-                names = [comm_nul[comm_ids[j]], *map(text_of, reversed(ids))]
-                if self._nul_name:
-                    self._folded_tup[len(folded_nul)] = tuple(names)
-                up = "\0".join(names)
-                folded_nul.append(folds.setdefault(up, up))
-                folded_k.append(ki)
-            elif fmt == "jsonl":
+            if fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
-            else:
+            elif not folded:  # (folded: the text is made in _write_folded)
                 rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 
     def _count_pairs(self) -> None:
@@ -846,32 +822,53 @@ class _Replay:
             es.user_frames += nu * count
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
-        if self.fmt != "folded":
-            return
-        # kernel names, outermost first, once per callchain (each ip named once by the engine,
-        # rendered once by _render_kernel)
+        if self.fmt == "folded":
+            self._write_folded()
+
+    def _write_folded(self) -> None:
+        """The folded text, made in C (fold.c) from the names ranked here: every distinct
+        name (comms, frame texts, kernel frames named now, once per ip) sorted as Python
+        sorts str, so C's order of rank sequences is render_folded's order of name tuples;
+        names cross as UTF-8 with surrogates passed through, so decoding gives back the
+        same str. Written in pieces of ~256 KiB (one buffer reused: a ~7 MB text built whole
+        page-faults fresh memory, ~5 us a page on a VM)."""
         kf, render = self.engine.kernel_frame, self._render_kernel
-        kname: dict[int, str] = {}  # by ip: callchains repeat ~5x each ip
-        kparts = [
-            tuple([kname[ip] if ip in kname else kname.setdefault(ip, render(kf(ip)))
-                   for ip in reversed(ips)])
-            for ips in self._kchains
-        ]  # fmt: skip
-        knul = ["".join(["\0" + t for t in kp]) for kp in kparts]
-        if self._nul_name or any(k.count("\0") != len(kp) for k, kp in zip(knul, kparts)):
-            folded: Counter[tuple[str, ...]] = Counter()
-            tup = self._folded_tup
-            for sid, (count, upj, ki) in enumerate(
-                zip(counts_l, self._folded_nul, self._folded_k, strict=True)
-            ):
-                up = tup.get(sid) or tuple(upj.split("\0"))
-                folded[up + kparts[ki]] += count
-            self.out.write(stackfmt.render_folded(folded))
-            return
-        # stacks by their NUL-joined names: one string concatenation and dict update a stack
-        joined: dict[str, int] = {}
-        get = joined.get
-        for count, upj, ki in zip(counts_l, self._folded_nul, self._folded_k, strict=True):
-            key = upj + knul[ki]
-            joined[key] = get(key, 0) + count
-        stackfmt.write_folded_nul(joined, self.out.write)
+        kips = sorted(set().union(*self._kchains))
+        knames = [render(kf(ip)) for ip in kips]
+        comms = [c or "[unknown]" for c in self._comms]
+        names = sorted({*comms, *self._frame_text, *knames})
+        rank = {n: r for r, n in enumerate(names)}
+        comm_rank = array("I", [rank[c] for c in comms] or [0])
+        frame_rank = array("I", [rank[t] for t in self._frame_text] or [0])
+        krank = array("I", [rank[t] for t in knames] or [0])
+        kip_arr = array("Q", kips or [0])
+        blobs = [n.encode("utf-8", "surrogatepass") for n in names]
+        offs = array("Q", [0])
+        for b in blobs:
+            offs.append(offs[-1] + len(b))
+        blob = b"".join(blobs) or b"\0"
+        p_fold = ffi.new("struct fp_fold **")
+        rc = lib.fp_fold_new(self.ctx, ffi.from_buffer("uint32_t[]", comm_rank), len(comms),
+                             ffi.from_buffer("uint32_t[]", frame_rank), len(self._frame_text),
+                             ffi.from_buffer("uint64_t[]", kip_arr),
+                             ffi.from_buffer("uint32_t[]", krank), len(kips), p_fold)  # fmt: skip
+        if rc == -1:
+            raise MemoryError("fp_fold_new")
+        if rc != 0:
+            raise RuntimeError(f"fp_fold_new: a frame, comm or kernel ip without a name ({rc})")
+        fold = ffi.gc(p_fold[0], lib.fp_fold_free)
+        c_blob, c_offs = ffi.from_buffer(blob), ffi.from_buffer("uint64_t[]", offs)
+        cap = 256 << 10
+        buf = ffi.new("uint8_t[]", cap)
+        w = self.out.write
+        while True:
+            n = int(lib.fp_fold_text(fold, c_blob, c_offs, len(names), buf, cap))
+            if n == 0:
+                break
+            if n < 0:
+                if n == -(1 << 63):
+                    raise RuntimeError("fp_fold_text: bad name rank")
+                cap = -n
+                buf = ffi.new("uint8_t[]", cap)
+                continue
+            w(ffi.buffer(buf, n)[:].decode("utf-8", "surrogatepass"))
