@@ -415,7 +415,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
                     "-pthread", *flags, str(ROOT / "tests" / "native" / "fp_fuzz.c"),
                     str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c"),
-                    "-o", str(exe)],
+                    str(CORE / "fold.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs)]  # fmt: skip
@@ -428,6 +428,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     # the worker thread unwound samples (fp_ctx_par_stress on half the threaded replays): the
     # threaded path ran, not only its one-thread fallback
     assert int(proc.stdout.split()[5]) > 0, proc.stdout
+    assert int(proc.stdout.split()[7]) > 0, proc.stdout  # fold.c rendered lines (by code)
     return proc
 
 

@@ -11,7 +11,9 @@
  * agree). Every replay runs twice, on one thread and with the parallel unwind (fp_ctx_par, any
  * prefix length): the stops, ids, stacks, frames and pairs must be the same. Built with small
  * PAR_BLOCK / PAR_NBLOCKS / PAR_SEG (test_fastreplay.py), so the ring wraps and segments end
- * inside runs; under ThreadSanitizer too. Prints "ok N".
+ * inside runs; under ThreadSanitizer too. By code, the stacks are also folded (fold.c) with
+ * random name ranks and rendered through random small buffers: the lines must be distinct,
+ * sorted by their rank sequences, and their counts must add up to the samples. Prints "ok N".
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +26,156 @@
 #include "harness.h"
 
 static uint64_t sym_asks; /* FP_RUN_NEED_SYMS answered (by function) */
+static uint64_t fold_lines; /* folded lines rendered (fold.c) */
+
+static int cmp_u64(const void *x, const void *y)
+{
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* fold.c on context c (by code): names are the ranks themselves spelled in base 26 ("a",
+ * "b", .., "ba", ..: one letter more per 26x), so a line can be parsed back to its ranks; the
+ * ranks of comms, frames and kernel ips are drawn at random (so distinct stacks can share
+ * names and merge). Checks the errors for an unranked frame and a bad rank too. */
+static void fold_check(struct fp_ctx *c, uint64_t samples)
+{
+    uint32_t nst = fp_nstacks(c), nfr = fp_nframes(c), ncomm = 1;
+    uint64_t nk = 0, capk = 16;
+    uint64_t *kips = malloc(capk * 8);
+    int any_user = 0;
+    CHECK(kips);
+    for (uint32_t i = 0; i < nst; i++) {
+        struct fp_stack s;
+        CHECK(fp_stack(c, i, &s) == 0);
+        if (s.comm_id >= ncomm)
+            ncomm = s.comm_id + 1;
+        uint64_t nk0 = nk;
+        int in_k = 0;
+        for (uint32_t j = 0; j < s.nkc; j++) {
+            uint64_t v = s.kc[j];
+            if (v >= (uint64_t)-4095) {
+                in_k = v == (uint64_t)-128;
+            } else if (in_k) {
+                if (nk == capk) {
+                    capk *= 2;
+                    kips = realloc(kips, capk * 8);
+                    CHECK(kips);
+                }
+                kips[nk++] = v;
+            }
+        }
+        if (s.npcs && !(s.regs_none && nk > nk0)) /* kernel_only: no user frames */
+            any_user = 1;
+    }
+    qsort(kips, nk, 8, cmp_u64);
+    uint64_t nd = 0;
+    for (uint64_t i = 0; i < nk; i++)
+        if (!nd || kips[nd - 1] != kips[i])
+            kips[nd++] = kips[i];
+    uint32_t nnames = 1 + (uint32_t)(rnd() % 40);
+    uint32_t *cr = malloc(4 * (size_t)ncomm), *fr = malloc(4 * ((size_t)nfr + 1));
+    uint32_t *kr = malloc(4 * (nd + 1));
+    CHECK(cr && fr && kr);
+    for (uint32_t i = 0; i < ncomm; i++)
+        cr[i] = (uint32_t)(rnd() % nnames);
+    for (uint32_t i = 0; i < nfr; i++)
+        fr[i] = (uint32_t)(rnd() % nnames);
+    for (uint64_t i = 0; i < nd; i++)
+        kr[i] = (uint32_t)(rnd() % nnames);
+    char *names = malloc(8 * (size_t)nnames);
+    uint64_t *off = malloc(8 * ((size_t)nnames + 1));
+    CHECK(names && off);
+    off[0] = 0;
+    for (uint32_t r = 0; r < nnames; r++) {
+        char t[8];
+        int n = 0;
+        uint32_t v = r;
+        do {
+            t[n++] = (char)('a' + v % 26);
+            v /= 26;
+        } while (v);
+        for (int i = 0; i < n; i++)
+            names[off[r] + (uint64_t)i] = t[n - 1 - i];
+        off[r + 1] = off[r] + (uint64_t)n;
+    }
+    struct fp_fold *f;
+    /* a frame without a rank (none is ranked): refused iff a stack names a user frame */
+    int rc = fp_fold_new(c, cr, ncomm, fr, 0, kips, kr, nd, &f);
+    CHECK(rc == (any_user ? -2 : 0));
+    if (!rc)
+        fp_fold_free(f);
+    /* a kernel ip without a rank (none is ranked): refused iff a stack has kernel frames */
+    rc = fp_fold_new(c, cr, ncomm, fr, nfr, kips, kr, 0, &f);
+    CHECK(rc == (nd ? -2 : 0));
+    if (!rc)
+        fp_fold_free(f);
+    CHECK(fp_fold_new(c, cr, ncomm, fr, nfr, kips, kr, nd, &f) == 0 && f);
+    uint64_t lines = fp_fold_lines(f);
+    CHECK(lines <= nst && (nst == 0) == (lines == 0));
+    uint64_t cap = 1 + rnd() % 200, total = 0, got = 0;
+    uint8_t *buf = malloc(cap);
+    CHECK(buf);
+    uint32_t prev[8192], cur[8192];
+    uint32_t nprev = 0;
+    int have_prev = 0;
+    for (;;) {
+        int64_t w = fp_fold_text(f, (const uint8_t *)names, off, nnames, buf, cap);
+        if (w == 0)
+            break;
+        CHECK(w != INT64_MIN);
+        if (w < 0) { /* one line needs more room: exactly what it asked for is enough */
+            cap = (uint64_t)-w;
+            buf = realloc(buf, cap);
+            CHECK(buf);
+            continue;
+        }
+        CHECK((uint64_t)w <= cap && buf[w - 1] == '\n');
+        uint64_t i = 0;
+        while (i < (uint64_t)w) { /* each line: names joined by ';', ' ', count, '\n' */
+            uint32_t n = 0;
+            for (;;) {
+                uint32_t v = 0;
+                CHECK(buf[i] >= 'a' && buf[i] <= 'z');
+                while (buf[i] >= 'a' && buf[i] <= 'z')
+                    v = v * 26 + (uint32_t)(buf[i++] - 'a');
+                CHECK(n < 8192);
+                cur[n++] = v;
+                if (buf[i] != ';')
+                    break;
+                i++;
+            }
+            CHECK(buf[i++] == ' ');
+            uint64_t cnt = 0;
+            while (buf[i] >= '0' && buf[i] <= '9')
+                cnt = cnt * 10 + (uint64_t)(buf[i++] - '0');
+            CHECK(buf[i++] == '\n' && cnt >= 1);
+            total += cnt;
+            got++;
+            if (have_prev) { /* strictly after the previous line (a prefix sorts first) */
+                uint32_t m = n < nprev ? n : nprev, j = 0;
+                while (j < m && cur[j] == prev[j])
+                    j++;
+                CHECK(j < m ? cur[j] > prev[j] : n > nprev);
+            }
+            memcpy(prev, cur, 4 * (size_t)n);
+            nprev = n;
+            have_prev = 1;
+        }
+    }
+    CHECK(fp_fold_text(f, (const uint8_t *)names, off, nnames, buf, cap) == 0);
+    CHECK(got == lines && total == samples);
+    fold_lines += got;
+    fp_fold_free(f);
+    if (nst) { /* a rank past the names (every line starts with its comm's): refused */
+        for (uint32_t i = 0; i < ncomm; i++)
+            cr[i] = nnames;
+        CHECK(fp_fold_new(c, cr, ncomm, fr, nfr, kips, kr, nd, &f) == 0);
+        CHECK(fp_fold_text(f, (const uint8_t *)names, off, nnames, buf, cap) == INT64_MIN);
+        fp_fold_free(f);
+    }
+    free(buf), free(names), free(off), free(cr), free(fr), free(kr), free(kips);
+}
 static uint64_t worker_samples; /* unwound by the parallel unwind's worker thread */
 
 struct triple {
@@ -280,6 +432,10 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
                 CHECK(all[i].a != all[i - 1].a || all[i].b != all[i - 1].b);
         }
         free(all);
+        uint64_t samples = 0;
+        for (uint32_t i = 0; i < nst; i++)
+            samples += counts[i];
+        fold_check(c, samples);
     }
     free(comm), free(space), free(npcs), free(nkcs), free(status), free(rn), free(fids);
     free(kc), free(counts);
@@ -330,7 +486,8 @@ int main(int argc, char **argv)
         free(b);
     }
     free(data);
-    printf("ok %llu sym_asks %llu worker_samples %llu\n", checks, (unsigned long long)sym_asks,
-           (unsigned long long)worker_samples);
+    printf("ok %llu sym_asks %llu worker_samples %llu fold_lines %llu\n", checks,
+           (unsigned long long)sym_asks, (unsigned long long)worker_samples,
+           (unsigned long long)fold_lines);
     return 0;
 }
