@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 from unwindd.stackfmt import Frame, UnwoundSample, fold, perf_script, render_folded, to_json
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
@@ -41,6 +44,32 @@ def test_folded_is_outermost_first_with_kernel_marked() -> None:
         "sh;__libc_start_call_main;[dash];__strchr_evex;asm_sysvec_apic_timer_interrupt_[k] 2\n"
     )
     assert fold([SAMPLE], by_period=True)[next(iter(folded))] == 10101010
+
+
+def _folded_by_tuples(folded: Counter[tuple[str, ...]]) -> str:
+    """The reference: lines in the order of the key tuples (what render_folded promises)."""
+    return "".join(f"{';'.join(k)} {n}\n" for k, n in sorted(folded.items()))
+
+
+def test_render_folded_orders_as_tuples() -> None:
+    """render_folded sorts NUL-joined strings: the order must be the tuples' wherever a
+    name is a prefix of another, a stack a prefix of another, or a name sorts below ';'."""
+    names = ["a", "a0", "a;", "a b", "ab", "", "[k]_[k]", "é", "\udcff", "z" * 3]
+    rnd = random.Random(7)
+    folded: Counter[tuple[str, ...]] = Counter()
+    for _ in range(400):
+        k = tuple(rnd.choice(names) for _ in range(rnd.randrange(1, 5)))
+        folded[k] += rnd.randrange(1, 9)
+    assert render_folded(folded) == _folded_by_tuples(folded)
+
+
+def test_render_folded_with_nul_in_a_name_falls_back() -> None:
+    """A name holding a NUL would merge ("a\0b",) with ("a", "b") and mis-order: such input
+    is sorted as tuples (the text then holds the NUL as it is)."""
+    for folded in (Counter({("a\0b",): 1, ("a", "b"): 2}),
+                   Counter({("x", "a\0"): 1, ("x", "a"): 2, ("x", "a", ""): 3})):  # fmt: skip
+        assert render_folded(folded) == _folded_by_tuples(folded)
+        assert render_folded(folded).count("\n") == len(folded)
 
 
 def test_json_has_every_field() -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,25 +156,10 @@ def render_folded(folded: Counter[tuple[str, ...]]) -> str:
     return "".join(f"{';'.join(k)} {n}\n" for k, n in sorted(folded.items()))
 
 
-def write_folded_nul(folded: dict[str, int], write: Callable[[str], object]) -> None:
-    """``render_folded`` of stacks given as their names joined by NULs, written in pieces of
-    256 lines; no name may hold a NUL itself (the caller checks its names once each, not per
-    stack). Why pieces: a ~7 MB text built whole costs a page fault per fresh 4 KiB page, for
-    the join, the replace and the encoding each (~5 us a page on a VM: ~30 ms); pieces of
-    ~0.3 MB reuse the same few pages."""
-    keys = _nul_sorted(folded)
-    for i in range(0, len(keys), 256):
-        write("".join([f"{k} {folded[k]}\n" for k in keys[i : i + 256]]).replace("\0", ";"))
-
-
 def _nul_lines(folded: dict[str, int]) -> str:
-    return "".join([f"{k} {folded[k]}\n" for k in _nul_sorted(folded)])
-
-
-def _nul_sorted(folded: dict[str, int]) -> list[str]:
     """Why NUL-joined keys: sorting the joined strings orders the stacks exactly as their
     tuples of names (NUL is below every other code point, and a stack that is a prefix of
     another sorts first either way), and comparing two strings is one memcmp where comparing
     two tuples of ~50 names is ~50 rich comparisons (~7k deep stacks: ~40 ms as tuples, ~15
     as strings)."""
-    return sorted(folded)
+    return "".join([f"{k} {folded[k]}\n" for k in sorted(folded)])
