@@ -218,6 +218,20 @@ int64_t fp_fold_text(struct fp_fold *f, const uint8_t *names, const uint64_t *na
                      uint32_t nnames, uint8_t *buf, uint64_t cap);
 void fp_fold_free(struct fp_fold *f);
 
+/* fold.c, the engine's counts of the stacks so far without a Python pass over them:
+ * fp_fold_stats: samples by_status[UNW_*], by_status[FP_FOLD_NSTATUS - 1] kernel_only (no
+ * user registers, kernel frames), first[k] the first stack of each (UINT32_MAX: none), and
+ * the user and kernel frames of all samples; 0, or -1 on a bad status. fp_kernel_ips: the
+ * distinct kernel ips of all stacks ascending in out, their number; a number > cap is the
+ * room needed (out then unordered). fp_stacks_unsym: per stack of [from, to), its user frames
+ * (none for kernel_only) whose frame id is flagged in unsym[0, nframes). */
+#define FP_FOLD_NSTATUS 9
+int fp_fold_stats(const struct fp_ctx *c, uint64_t *by_status, uint32_t *first,
+                  uint64_t *user_frames, uint64_t *kernel_frames);
+uint64_t fp_kernel_ips(const struct fp_ctx *c, uint64_t *out, uint64_t cap);
+void fp_stacks_unsym(const struct fp_ctx *c, uint32_t from, uint32_t to, const uint8_t *unsym,
+                     uint32_t nframes, uint32_t *out);
+
 /* Distinct user frames (space, pc, exact) of all stacks (by code: see fp_ctx_by_code), ids
  * dense from 0: a frame is named from pc if exact (leaf, or right after a signal trampoline),
  * else from pc - 1. */

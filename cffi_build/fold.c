@@ -32,6 +32,12 @@
 #define CTX_MAX ((uint64_t)-4095)   /* PERF_CONTEXT_MAX as u64 (abi.CONTEXT_MAX) */
 #define CTX_KERNEL ((uint64_t)-128) /* PERF_CONTEXT_KERNEL (abi.CONTEXT_KERNEL) */
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
 struct fold_ent {
     uint64_t off;   /* its ranks: seq[off, off + len) */
     uint64_t hash, count;
@@ -107,21 +113,33 @@ static int64_t kip_index(const uint64_t *kips, uint64_t n, uint64_t ip)
     return lo < n && kips[lo] == ip ? (int64_t)lo : -1;
 }
 
-/* Add stack st (counted count) to f: 0, -1 (memory), -2 (an id or ip the caller did not rank) */
-static int fold_add(struct fp_fold *f, const struct fp_stack *st, const uint32_t *comm_rank,
-                    uint32_t ncomm, const uint32_t *frame_rank, uint32_t nframes,
-                    const uint64_t *kips, const uint32_t *krank, uint64_t nkips)
+/* The stack's kernel ip count (engine.kernel_ips) and user frame count as the engine counts
+ * them: none when its sample had no user registers and it has kernel frames (kernel_only). */
+static void stack_counts(const struct fp_stack *st, uint64_t *nk, uint32_t *nu, int *konly)
 {
-    uint64_t nk = 0;
+    uint64_t n = 0;
     int in_k = 0;
     for (uint32_t i = 0; i < st->nkc; i++) {
         uint64_t v = st->kc[i];
         if (v >= CTX_MAX)
             in_k = v == CTX_KERNEL;
         else if (in_k)
-            nk++;
+            n++;
     }
-    uint32_t nu = (st->regs_none && nk) ? 0 : st->npcs;
+    *nk = n;
+    *konly = st->regs_none && n;
+    *nu = *konly ? 0 : st->npcs;
+}
+
+/* Add stack st (counted count) to f: 0, -1 (memory), -2 (an id or ip the caller did not rank) */
+static int fold_add(struct fp_fold *f, const struct fp_stack *st, const uint32_t *comm_rank,
+                    uint32_t ncomm, const uint32_t *frame_rank, uint32_t nframes,
+                    const uint64_t *kips, const uint32_t *krank, uint64_t nkips)
+{
+    uint64_t nk;
+    uint32_t nu;
+    int in_k;
+    stack_counts(st, &nk, &nu, &in_k);
     if (nk > UINT32_MAX - 1 - (uint64_t)nu)
         return -2;
     uint32_t len = 1 + nu + (uint32_t)nk;
@@ -265,4 +283,83 @@ int64_t fp_fold_text(struct fp_fold *f, const uint8_t *names, const uint64_t *na
         buf[w++] = '\n';
     }
     return (int64_t)w;
+}
+
+int fp_fold_stats(const struct fp_ctx *c, uint64_t *by_status, uint32_t *first,
+                  uint64_t *user_frames, uint64_t *kernel_frames)
+{
+    for (int k = 0; k < FP_FOLD_NSTATUS; k++) {
+        by_status[k] = 0;
+        first[k] = UINT32_MAX;
+    }
+    *user_frames = *kernel_frames = 0;
+    uint32_t n = fp_nstacks(c);
+    for (uint32_t id = 0; id < n; id++) {
+        struct fp_stack st;
+        if (fp_stack(c, id, &st))
+            return -1;
+        uint64_t nk;
+        uint32_t nu;
+        int konly;
+        stack_counts(&st, &nk, &nu, &konly);
+        int k = konly ? FP_FOLD_NSTATUS - 1 : st.status;
+        if (k >= FP_FOLD_NSTATUS - 1 && !konly)
+            return -1;
+        by_status[k] += st.count;
+        if (first[k] == UINT32_MAX)
+            first[k] = id;
+        *user_frames += (uint64_t)nu * st.count;
+        *kernel_frames += nk * st.count;
+    }
+    return 0;
+}
+
+uint64_t fp_kernel_ips(const struct fp_ctx *c, uint64_t *out, uint64_t cap)
+{
+    /* every kernel ip of every stack into out while it fits, then sorted and made distinct
+     * in place; the count needed if it does not fit (the caller calls again with room) */
+    uint64_t n = 0;
+    uint32_t ns = fp_nstacks(c);
+    for (uint32_t id = 0; id < ns; id++) {
+        struct fp_stack st;
+        if (fp_stack(c, id, &st))
+            continue;
+        int in_k = 0;
+        for (uint32_t i = 0; i < st.nkc; i++) {
+            uint64_t v = st.kc[i];
+            if (v >= CTX_MAX) {
+                in_k = v == CTX_KERNEL;
+            } else if (in_k) {
+                if (n < cap)
+                    out[n] = v;
+                n++;
+            }
+        }
+    }
+    if (n > cap)
+        return n;
+    qsort(out, n, sizeof *out, cmp_u64);
+    uint64_t d = 0;
+    for (uint64_t i = 0; i < n; i++)
+        if (!d || out[d - 1] != out[i])
+            out[d++] = out[i];
+    return d;
+}
+
+void fp_stacks_unsym(const struct fp_ctx *c, uint32_t from, uint32_t to, const uint8_t *unsym,
+                     uint32_t nframes, uint32_t *out)
+{
+    for (uint32_t id = from; id < to; id++) {
+        struct fp_stack st;
+        uint32_t k = 0;
+        if (!fp_stack(c, id, &st)) {
+            uint64_t nk;
+            uint32_t nu;
+            int konly;
+            stack_counts(&st, &nk, &nu, &konly);
+            for (uint32_t i = 0; i < nu; i++)
+                k += st.fids[i] < nframes && unsym[st.fids[i]];
+        }
+        out[id - from] = k;
+    }
 }

@@ -59,7 +59,7 @@ from . import stackfmt
 from ._unwcore import ffi, lib
 from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine, kernel_ips
+from .engine import Snapshot, StackEngine
 from .mapfile import MappedFile
 from .ordering import OrderStats
 from .perfdata import PerfData
@@ -307,20 +307,19 @@ class _Replay:
         self._unheld: set[int] = set()  # sids whose last pid let go since the last naming
         self._comms: list[str] = []
         self._comm_ids: dict[str, int] = {}
-        # per unique stack: (comm, status, user frame count, kernel frame count)
+        self._nstk = 0  # unique stacks seen (added by _symbolize_new)
+        # jsonl/perf-script, per unique stack: (comm, status, user frame count, kernel frame
+        # count) and its rendering. Folded keeps nothing per stack here: its counts and text
+        # come from C at the end (fold.c), kernel frames then named once per ip, so the
+        # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind.
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
-        # folded: the distinct kernel callchains' kernel ips (engine.kernel_ips), named in
-        # _finish, so the kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind;
-        # the folded text itself is made in C from the frames' names (fold.c)
-        self._kchain_ids: dict[bytes, int] = {}
-        self._kchains: list[tuple[int, ...]] = []  # each one's kernel ips (engine.kernel_ips)
         # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
         # 200 processes is 200 ids): its rendering in self.fmt, interned, so that memory grows
         # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
-        self._unsym: list[bool] = []  # per distinct user frame: no symbol
+        self._unsym = bytearray()  # per distinct user frame: 1 if it has no symbol
         self._unsym_ids: set[int] = set()  # the frame ids with no symbol
         # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
         # bounded by the distinct callchains of the file
@@ -452,7 +451,7 @@ class _Replay:
         self.buf = ffi.NULL
         self.mapped.close(background=True)
         self._finish()
-        return FastResult(nsamples, len(self._stacks), self.runs, side + skipped,
+        return FastResult(nsamples, self._nstk, self.runs, side + skipped,
                           int(lib.fp_ctx_par_stats(self.ctx)))
 
     def _skip_data_mmaps(
@@ -641,12 +640,25 @@ class _Replay:
                 counted += 1
         # frame_at counted its unnamed frames; the slow path counts per new (snapshot, pcs): redo
         engine.stats.unsymbolized -= counted
-        first, nst = len(self._stacks), int(lib.fp_nstacks(ctx))
+        first, nst = self._nstk, int(lib.fp_nstacks(ctx))
         if nst > first:
-            self._add_stacks(first, nst)
+            (self._add_code_stacks if self.by_code else self._add_stacks)(first, nst)
+            self._nstk = nst
         if self.by_code:
             self._count_pairs()
         self._release_snapshots()
+
+    def _add_code_stacks(self, first: int, nst: int) -> None:
+        """By code (folded): of stacks [first, nst) only their unnamed frames are counted here
+        (for _count_pairs), in C over the per-frame flags; O(1) Python per run, not per stack."""
+        cnt = nst - first
+        if not self._unsym_ids:
+            self._nunsym.extend(bytes(cnt))
+            return
+        out = ffi.new("uint32_t[]", cnt)
+        lib.fp_stacks_unsym(self.ctx, first, nst, ffi.from_buffer(self._unsym), len(self._unsym),
+                            out)  # fmt: skip
+        self._nunsym.extend(_u(out, "I")[:cnt].tolist())
 
     def _add_stacks(self, first: int, nst: int) -> None:
         """Stacks [first, nst), exported from C in one call: their kernel frames (once per
@@ -666,12 +678,11 @@ class _Replay:
         comm_ids, spaces = _u(a_comm, "I")[:cnt], _u(a_space, "I")[:cnt]
         npcs_l, nkc_l = _u(a_npcs, "I")[:cnt], _u(a_nkc, "I")[:cnt]
         status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
-        fmt, folded = self.fmt, self.fmt == "folded"
+        fmt = self.fmt
         text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
         unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
-        nunsym, stacks, seen = self._nunsym, self._stacks, self._seen
+        stacks, seen = self._stacks, self._seen
         rendered = self._rendered
-        kchain_ids, kchains = self._kchain_ids, self._kchains
         fo = ko = 0
         for j in range(cnt):
             n, k = npcs_l[j], nkc_l[j]
@@ -679,21 +690,12 @@ class _Replay:
             ko += k
             ids = fids[fo : fo + n]
             fo += n
-            nunsym.append(0)
-            if folded:  # kernel frames are named in _finish; here only their ips kept
-                krendered: list[str] = []
-                ki = kchain_ids.get(kkey, -1)
-                if ki < 0:
-                    ki = kchain_ids[kkey] = len(kchains)
-                    kchains.append(tuple(kernel_ips(_u_bytes(kkey))))
-                nk = len(kchains[ki])
-            else:
-                ktext = ktexts.get(kkey)
-                if ktext is None:  # kernel frames and their renderings, once per callchain
-                    kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
-                    ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
-                krendered = ktext[1]
-                nk = len(krendered)
+            ktext = ktexts.get(kkey)
+            if ktext is None:  # kernel frames and their renderings, once per callchain
+                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
+                ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
+            krendered = ktext[1]
+            nk = len(krendered)
             comm = comms[comm_ids[j]]
             if rn_l[j] and nk:
                 status, ids = "kernel_only", []
@@ -702,17 +704,14 @@ class _Replay:
                 # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
                 # one need remembering
                 if unsym_ids and not unsym_ids.isdisjoint(ids):
-                    if self.by_code:
-                        nunsym[-1] = sum(map(unsym_of, ids))  # counted per pair, below
-                    else:
-                        key = spaces[j].to_bytes(4, "little") + _ids_bytes(ids)
-                        if key not in seen:
-                            seen.add(key)
-                            engine.stats.unsymbolized += sum(map(unsym_of, ids))
+                    key = spaces[j].to_bytes(4, "little") + _ids_bytes(ids)
+                    if key not in seen:
+                        seen.add(key)
+                        engine.stats.unsymbolized += sum(map(unsym_of, ids))
             stacks.append((comm, status, len(ids), nk))
             if fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
-            elif not folded:  # (folded: the text is made in _write_folded)
+            else:
                 rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 
     def _count_pairs(self) -> None:
@@ -811,15 +810,28 @@ class _Replay:
     def _finish(self) -> None:
         """Final per-stack counts: engine stats, and the folded output."""
         es = self.engine.stats
-        nst = len(self._stacks)
-        counts = ffi.new("uint64_t[]", max(1, nst))
-        lib.fp_stack_counts(self.ctx, counts)
-        counts_l = _u(counts, "Q")[:nst].tolist()
-        for count, (_comm, status, nu, nk) in zip(counts_l, self._stacks, strict=True):
-            es.samples += count
-            es.by_status[status] += count
-            es.kernel_frames += nk * count
-            es.user_frames += nu * count
+        if self.by_code:  # (folded) counted in C over its stacks, statuses in first-seen order
+            by = ffi.new("uint64_t[]", lib.FP_FOLD_NSTATUS)
+            first = ffi.new("uint32_t[]", lib.FP_FOLD_NSTATUS)
+            uf, kf = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+            if lib.fp_fold_stats(self.ctx, by, first, uf, kf) != 0:
+                raise RuntimeError("fp_fold_stats: a stack with a bad status")
+            names = (*_STATUS_NAMES, "kernel_only")
+            for _, k in sorted((first[k], k) for k in range(len(names)) if by[k]):
+                es.samples += by[k]
+                es.by_status[names[k]] += by[k]
+            es.user_frames += uf[0]
+            es.kernel_frames += kf[0]
+        else:
+            nst = len(self._stacks)
+            counts = ffi.new("uint64_t[]", max(1, nst))
+            lib.fp_stack_counts(self.ctx, counts)
+            for count, (_comm, status, nu, nk) in zip(_u(counts, "Q")[:nst], self._stacks,
+                                                      strict=True):  # fmt: skip
+                es.samples += count
+                es.by_status[status] += count
+                es.kernel_frames += nk * count
+                es.user_frames += nu * count
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
         if self.fmt == "folded":
@@ -833,7 +845,14 @@ class _Replay:
         same str. Written in pieces of ~256 KiB (one buffer reused: a ~7 MB text built whole
         page-faults fresh memory, ~5 us a page on a VM)."""
         kf, render = self.engine.kernel_frame, self._render_kernel
-        kips = sorted(set().union(*self._kchains))
+        cap = 4096
+        while True:
+            a_kips = ffi.new("uint64_t[]", cap)
+            nk = int(lib.fp_kernel_ips(self.ctx, a_kips, cap))
+            if nk <= cap:
+                break
+            cap = nk
+        kips = _u(a_kips, "Q")[:nk].tolist()
         knames = [render(kf(ip)) for ip in kips]
         comms = [c or "[unknown]" for c in self._comms]
         names = sorted({*comms, *self._frame_text, *knames})

@@ -73,6 +73,51 @@ static void fold_check(struct fp_ctx *c, uint64_t samples)
     for (uint64_t i = 0; i < nk; i++)
         if (!nd || kips[nd - 1] != kips[i])
             kips[nd++] = kips[i];
+    /* fp_kernel_ips: the room it needs when short of it, then the same distinct ips */
+    uint64_t *kx = malloc(8 * (nk + 1));
+    CHECK(kx);
+    CHECK(nk == 0 || fp_kernel_ips(c, kx, nk - 1) == nk);
+    CHECK(fp_kernel_ips(c, kx, nk) == nd && !memcmp(kx, kips, 8 * nd));
+    free(kx);
+    /* fp_fold_stats and fp_stacks_unsym against the same counts taken here */
+    uint64_t by[FP_FOLD_NSTATUS], uf, kf, want_by[FP_FOLD_NSTATUS] = {0}, want_uf = 0, want_kf = 0;
+    uint32_t first[FP_FOLD_NSTATUS], want_first[FP_FOLD_NSTATUS];
+    uint8_t *flag = malloc((size_t)nfr + 1);
+    uint32_t *nun = malloc(4 * ((size_t)nst + 1));
+    CHECK(flag && nun);
+    for (uint32_t i = 0; i < nfr; i++)
+        flag[i] = (uint8_t)(rnd() % 3 == 0);
+    for (int k = 0; k < FP_FOLD_NSTATUS; k++)
+        want_first[k] = UINT32_MAX;
+    uint32_t from = nst ? (uint32_t)(rnd() % nst) : 0;
+    fp_stacks_unsym(c, from, nst, flag, nfr, nun);
+    for (uint32_t i = 0; i < nst; i++) {
+        struct fp_stack s;
+        CHECK(fp_stack(c, i, &s) == 0);
+        uint64_t k = 0;
+        int in_k = 0;
+        for (uint32_t j = 0; j < s.nkc; j++) {
+            if (s.kc[j] >= (uint64_t)-4095)
+                in_k = s.kc[j] == (uint64_t)-128;
+            else
+                k += in_k;
+        }
+        int konly = s.regs_none && k;
+        uint32_t nu = konly ? 0 : s.npcs, st = konly ? FP_FOLD_NSTATUS - 1 : s.status, u = 0;
+        for (uint32_t j = 0; j < nu; j++)
+            u += flag[s.fids[j]];
+        if (i >= from)
+            CHECK(nun[i - from] == u);
+        want_by[st] += s.count;
+        if (want_first[st] == UINT32_MAX)
+            want_first[st] = i;
+        want_uf += nu * s.count;
+        want_kf += k * s.count;
+    }
+    CHECK(fp_fold_stats(c, by, first, &uf, &kf) == 0);
+    CHECK(!memcmp(by, want_by, sizeof by) && !memcmp(first, want_first, sizeof first));
+    CHECK(uf == want_uf && kf == want_kf);
+    free(flag), free(nun);
     uint32_t nnames = 1 + (uint32_t)(rnd() % 40);
     uint32_t *cr = malloc(4 * (size_t)ncomm), *fr = malloc(4 * ((size_t)nfr + 1));
     uint32_t *kr = malloc(4 * (nd + 1));
