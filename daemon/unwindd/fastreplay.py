@@ -52,7 +52,6 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
 from typing import Any, TextIO
 
 from . import stackfmt
@@ -99,6 +98,16 @@ def _u_bytes(b: bytes) -> list[int]:
 def _ids_bytes(ids: list[int]) -> bytes:
     """Frame ids packed as fp_stack's u32 array."""
     return array("I", ids).tobytes()
+
+
+def _count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
+    """(value, occurrences) of the vals[k] with flag[k], in first-seen order."""
+    n = len(flag)
+    keys, counts = ffi.new("uint32_t[]", max(1, n)), ffi.new("uint64_t[]", max(1, n))
+    d = int(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, keys, counts))
+    if d == (1 << 64) - 1:
+        raise MemoryError("fp_count_flagged")
+    return list(zip(_u(keys, "I")[:d].tolist(), _u(counts, "Q")[:d].tolist(), strict=True))
 
 
 class Unsupported(Exception):
@@ -330,6 +339,11 @@ class _Replay:
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
+        # out-parameters of the per-run calls, made once (ffi.new zeroes: ~100 runs a file)
+        self._pair_bufs = (ffi.new("uint32_t[]", 4096), ffi.new("uint32_t[]", 4096),
+                           ffi.new("uint64_t[]", 4096))  # fmt: skip
+        self._frame_out = (ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *"))
+        self._run_out = (ffi.new("uint64_t *"), ffi.new("uint32_t *"), ffi.new("uint32_t *"))
         self.runs = 0
 
     # -- the whole file
@@ -525,22 +539,21 @@ class _Replay:
         if not nsamples:
             return
         s.by_type["SAMPLE"] += nsamples
-        # compress: the samples' pids (cpus) without a tuple per record (~2.5x less than
-        # counting (flag, pid) pairs); first-seen order is the same
-        for pid, c in Counter(compress(pids, is_sample)).items():
+        # the samples' pids (cpus), counted in C in first-seen order (what Counter over them
+        # gives, without an int object per record: ~10 ms less for 80k samples)
+        for pid, c in _count_flagged(is_sample, pids):
             s.samples_by_pid[pid] += c
         if cpus is None:
             per = s.by_cpu_type.setdefault(None, Counter())
             per["SAMPLE"] += nsamples
             return
-        for cpu, c in Counter(compress(cpus, is_sample)).items():
+        for cpu, c in _count_flagged(is_sample, cpus):
             s.by_cpu_type.setdefault(cpu, Counter())["SAMPLE"] += c
 
     # -- native runs
 
     def _run(self, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
-        stopped = ffi.new("uint64_t *")
-        need_pid, need_tid = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+        stopped, need_pid, need_tid = self._run_out
         k = a
         while True:
             self.runs += 1
@@ -624,7 +637,7 @@ class _Replay:
         ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
         engine, ctx = self.engine, self.ctx
         text, unsym, texts = self._frame_text, self._unsym, self._texts
-        sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
+        sp, pc, ex = self._frame_out
         counted = 0
         for fid in range(len(text), int(lib.fp_nframes(ctx))):
             lib.fp_frame(ctx, fid, sp, pc, ex)
@@ -719,9 +732,8 @@ class _Replay:
         pcs) key (StackEngine.user_frames): count them once per new (space, pcs hash) among
         the new (space, stack, pcs hash) triples whose stack has an unnamed frame."""
         n = self._npairs
-        chunk = 4096
-        spaces, stacks = ffi.new("uint32_t[]", chunk), ffi.new("uint32_t[]", chunk)
-        hashes = ffi.new("uint64_t[]", chunk)
+        spaces, stacks, hashes = self._pair_bufs
+        chunk = len(spaces)
         nunsym, seen, es = self._nunsym, self._seen, self.engine.stats
         while True:
             got = int(lib.fp_pairs(self.ctx, n, spaces, stacks, hashes, chunk))
