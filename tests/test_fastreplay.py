@@ -254,6 +254,50 @@ def test_cli_cfi_cache_dir(files: dict[str, Path], tmp_path: Path) -> None:
     assert outs[0] == outs[1] == outs[2] == outs[3] and outs[0].count(b"\n") > 3
 
 
+def test_mapped_file_background_index(files: dict[str, Path]) -> None:
+    """mapfile.MappedFile: the index made on its thread (after the page-table fill) is the
+    one fp_index makes on the caller's, handed out once and only for the same layout and
+    section; the replay given the mapping gives the same output as one that maps itself."""
+    from unwindd.mapfile import MappedFile
+
+    path = files["forkexec"]
+    data = PerfData.open(path)
+    lay = fastreplay.native_layout(data)
+    m = MappedFile(path)
+    m.start_prefault()
+    m.start_index(data)
+    start = min(data.data_offset, m.size)
+    length = min(data.data_size, m.size - start)
+    assert m.take_index(lay, start, length + 8) is None  # other bounds: not this index
+    m.close()
+    m = MappedFile(path)
+    m.start_prefault()
+    m.start_index(data)
+    idx = m.take_index(lay, start, length)
+    assert idx is not None and m.take_index(lay, start, length) is None  # once
+    buf = ffi.from_buffer(m.mm)
+    ref = fastreplay._Index(lay, ffi.cast("uint8_t *", buf) + start, length)
+    size = ffi.sizeof("struct fp_rec")
+    assert (idx.n, idx.other, idx.end, idx.stopped_at) == (ref.n, ref.other, ref.end,
+                                                           ref.stopped_at) and idx.n > 10
+    assert ffi.buffer(idx.recs, idx.n * size)[:] == ffi.buffer(ref.recs, ref.n * size)[:]
+    ffi.release(buf)
+    m.close()
+    m.close()  # idempotent
+    outs = []
+    for mapped in (None, MappedFile(path)):
+        if mapped is not None:
+            mapped.start_prefault()
+            mapped.start_index(data)
+        d = PerfData.open(path)
+        out = io.StringIO()
+        fastreplay.replay(d, path, "folded", out, mapped=mapped)
+        d.close()
+        outs.append(out.getvalue())
+    assert outs[0] == outs[1] and outs[0].count("\n") > 3
+    data.close()
+
+
 def test_unsupported_falls_back(files: dict[str, Path]) -> None:
     data = PerfData.open(files["threads"])
     with pytest.raises(fastreplay.Unsupported):

@@ -436,6 +436,8 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         except (PerfDataError, OSError) as e:
             return _fail(f"{args.file}: {e}")
         if fast and not args.slow_path:
+            if mapped is not None:  # indexed while the replay's modules are imported
+                mapped.start_index(data)
             cache = _replay_cache_dir(args)
             done = _fast_replay(data, args.file, args.format, out, cache, mapped)
             mapped = None  # the replay closed it

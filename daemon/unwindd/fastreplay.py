@@ -59,17 +59,17 @@ from ._unwcore import ffi, lib
 from .abi import RecordType, SampleType
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
-from .mapfile import MappedFile
+from .mapfile import MappedFile, Unsupported, _Index, layout_of, native_layout
 from .ordering import OrderStats
 from .perfdata import PerfData
 from .proctable import PROT_EXEC, Mapping
-from .records import FinishedRound, Mmap2, Record, _SampleLayout
+from .records import FinishedRound, Mmap2, Record
 from .stackfmt import Frame, UnwoundSample
 from .streamstats import StreamStats
 from .symbolize import SymbolTable
 from .unwinder import UnwindStatus
 
-__all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]
+__all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]  # (re-exported)
 
 # Index = FP_ERR_* (fastpath.h); names = records.RecordDecoder._sample's reasons.
 SAMPLE_ERRORS = ("", "short_body", "bad_callchain_nr", "bad_raw_size", "bad_branch_nr",
@@ -110,8 +110,6 @@ def _count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
     return list(zip(_u(keys, "I")[:d].tolist(), _u(counts, "Q")[:d].tolist(), strict=True))
 
 
-class Unsupported(Exception):
-    """The native path does not take this input; use the slow path."""
 
 
 @dataclass
@@ -138,45 +136,10 @@ def mark_record(r: Any, rec: Record) -> None:
     r.flags = flags
 
 
-def layout_of(fmt: Any) -> Any:
-    """The ``struct fp_layout`` of an ``EventFormat``: records._SampleLayout's numbers."""
-    lay = _SampleLayout.of(fmt)
-    c = ffi.new("struct fp_layout *")
-    c.sample_type = lay.sample_type
-    c.regs_mask = lay.regs_mask % (1 << 64)
-    c.nprefix = lay.prefix.size // 8
-    c.i_ip, c.i_tid, c.i_time, c.i_cpu, c.i_period = (
-        lay.i_ip, lay.i_tid, lay.i_time, lay.i_cpu, lay.i_period,
-    )  # fmt: skip
-    c.read_group = int(lay.read_group)
-    c.read_times = lay.read_times
-    c.read_per_value = lay.read_per_value
-    c.branch_hw_index = lay.branch_hw_index
-    c.branch_counters = lay.branch_counters
-    c.nregs = lay.regs.size // 8
-    return c
-
-
 def _u(buf: Any, fmt: str) -> memoryview:
     mv: Any = memoryview(ffi.buffer(buf)).cast("B")
     out: memoryview = mv.cast(fmt)
     return out
-
-
-class _Index:
-    """fp_index of a buffer: the records array (freed with the object) and how it ended."""
-
-    def __init__(self, lay: Any, buf: Any, length: int) -> None:
-        pp = ffi.new("struct fp_rec **")
-        n, other, stop = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        end = ffi.new("int *")
-        if lib.fp_index(lay, buf, length, pp, n, other, end, stop) != 0:
-            raise MemoryError("fp_index")
-        self.recs = ffi.gc(pp[0], lib.unw_free)
-        self.n = int(n[0])
-        self.other = int(other[0])
-        self.end = int(end[0])
-        self.stopped_at = int(stop[0])
 
 
 def replay(
@@ -217,18 +180,7 @@ def _replay(
 ) -> FastResult:
     if fmt not in ("folded", "jsonl", "perf-script"):
         raise Unsupported(f"format {fmt}")
-    if data.pipe_mode:
-        raise Unsupported("pipe mode")
-    dec = data.decoder
-    # Several attrs (perf -a adds a dummy event) are fine when they lay SAMPLEs out alike: then
-    # the event id that picks a format (records.RecordDecoder._format_for_sample) cannot matter.
-    shapes = {(f.sample_type, f.sample_regs_user, f.read_format, f.branch_sample_type)
-              for f in dec.formats}  # fmt: skip
-    if len(shapes) != 1:
-        raise Unsupported("event formats with different SAMPLE layouts")
-    lay = layout_of(dec.formats[0])
-    if lay.i_tid < 0 or lay.i_time < 0:
-        raise Unsupported("samples without TID/TIME")
+    lay = native_layout(data)
     # The page tables filled first (mapfile.c): the replay reads every page (headers, then
     # stack copies), and faulting them in as one batch costs about a third of taking ~2
     # faults per record (673 MB: 0.035 s vs 0.06-0.08 s in the index alone, plus the
@@ -351,7 +303,9 @@ class _Replay:
     def run(self) -> FastResult:
         if self.lay.sample_type & _CALLCHAIN:
             self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
-        idx = _Index(self.lay, self.buf, self.length)
+        idx = self.mapped.take_index(self.lay, self.start, self.length)
+        if idx is None:
+            idx = _Index(self.lay, self.buf, self.length)
         if idx.stopped_at != _NO_STOP:
             raise Unsupported(f"record type > 255 at data offset {idx.stopped_at}")
         n = idx.n
