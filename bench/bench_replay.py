@@ -17,7 +17,9 @@ same file:
 - with ``--slow``: ``unwindd replay FILE --format folded --slow-path`` (the Python reference);
 - ``--format folded --no-cache``: compiled CFI not loaded from the cache dir (a first replay);
 - with ``--before DIR``: ``--format folded`` with ``PYTHONPATH=DIR`` (an older checkout's
-  ``daemon/``, e.g. from ``git archive``), for a before/after measured in the same run.
+  ``daemon/``, e.g. from ``git archive``), for a before/after measured in the same run; it
+  gets a cache dir of its own (``UNWINDD_CACHE_DIR``, warmed by one untimed run), as symbol
+  tables on disk are stamped with the code that wrote them.
 
 and prints a Markdown table for BENCHMARKS.md. Every command's stdout goes to /dev/null-like
 capture, so terminal speed is not measured. Times are the median of ``--repeat`` runs (the
@@ -224,7 +226,13 @@ def main() -> int:
     if args.before is not None:
         name = f"unwindd replay --format folded (before: PYTHONPATH={args.before})"
         rows.append((name, [*unwindd, "--format", "folded"]))
-        envs[name] = {**os.environ, "PYTHONPATH": str(args.before)}
+        # A cache dir of its own, warmed by one untimed run: symbol-table files are stamped
+        # with the code that wrote them (symbolize._code_stamp), so two builds sharing one dir
+        # discard and rebuild each other's tables at every alternation (~0.1 s each).
+        before_cache = tempfile.mkdtemp(prefix="unwindd-before-cache-")
+        envs[name] = {**os.environ, "PYTHONPATH": str(args.before),
+                      "UNWINDD_CACHE_DIR": before_cache}  # fmt: skip
+        timed([*unwindd, "--format", "folded"], 1, envs[name])
     if args.slow:
         rows.append(("unwindd replay --format folded --slow-path",
                      [*unwindd, "--format", "folded", "--slow-path"]))  # fmt: skip
