@@ -629,6 +629,11 @@ def test_store_roundtrip_and_corruption(tmp_path: pathlib.Path) -> None:
         assert c.blob == a.blob
         assert store.stats["corrupt"] == n
         assert pathlib.Path(path).read_bytes() == data  # rewritten
+    # lookup: the stored table (a hit) or None, never a compile
+    hits, compiled = store.stats["hits"], store.stats["compiled"]
+    found = store.lookup(bid)
+    assert found is not None and found.blob == a.blob and store.stats["hits"] == hits + 1
+    assert store.lookup(bytes(20)) is None and store.stats["compiled"] == compiled
     # no build-id: compiled, nothing written
     before = set(os.listdir(tmp_path / "cache"))
     store.get_or_compile(None, LIBC)

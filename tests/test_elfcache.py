@@ -14,6 +14,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from unwindd import elfcache
 from unwindd.elfcache import CacheConfig, ElfCache, ElfReader
 from unwindd.proctable import ProcessTable
 
@@ -248,6 +249,34 @@ class FakeCfi:
     def __init__(self, path: str, debug: str | None) -> None:
         self.path, self.debug = path, debug
         self.nbytes = 100_000
+
+
+def test_cfi_lookup_skips_debug_search_and_factory() -> None:
+    """A table the lookup finds by build-id is taken before any debug-file search and without
+    the factory; a lookup miss goes to the factory with the debug path, as without one."""
+    looked: list[bytes] = []
+    calls: list[str | None] = []
+
+    def factory(path: str, debug: str | None, build_id: bytes | None) -> FakeCfi:
+        calls.append(debug)
+        return FakeCfi(path, debug)
+
+    hit = FakeCfi("stored", None)
+    for found in (hit, None):
+        looked.clear()
+        calls.clear()
+
+        def lookup(build_id: bytes, found: FakeCfi | None = found) -> FakeCfi | None:
+            looked.append(build_id)
+            return found
+
+        cache = ElfCache(cfi_factory=factory, cfi_lookup=lookup)
+        e = cache.acquire(None, "/bin/true")
+        assert e.build_id and e.cfi() is (hit if found else e.cfi()) and looked == [e.build_id]
+        if found is not None:
+            assert calls == [] and e._debug is elfcache._NOT_LOADED
+        else:
+            assert calls == [e.debug_path()]
 
 
 def test_cfi_factory_lru_and_stats() -> None:

@@ -449,6 +449,14 @@ class CfiStore:
         business): loading it is a read and a check, not a compile."""
         return build_id is not None and os.path.exists(self.path_for(build_id))
 
+    def lookup(self, build_id: bytes) -> CfiTable | None:
+        """The table stored for ``build_id`` (a hit), or None: what ``get_or_compile``
+        returns without compiling, for a caller that has not found the debug file yet."""
+        table = self._load(self.path_for(build_id)) if build_id else None
+        if table is not None:
+            self.stats["hits"] += 1
+        return table
+
     def get_or_compile(
         self, build_id: bytes | None, elf_path: str, debug_path: str | None = None
     ) -> CfiTable:

@@ -279,8 +279,11 @@ class StackEngine:
             pre = CfiPrefetcher(factory, inline_max_bytes=cfi_inline_max_bytes,
                                 cached=store.has if store is not None and cfi_inline_max_bytes >= 0
                                 else None)  # fmt: skip
+        # a stored table by build-id before the debug file is looked for (not with the
+        # daemon's prefetcher, whose compiles are keyed by the debug file too)
+        lookup = store.lookup if store is not None and pre is None else None
         cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory,
-                         symbol_factory=symbols)  # fmt: skip
+                         symbol_factory=symbols, cfi_lookup=lookup)  # fmt: skip
         table = ProcessTable(cache, unwinder=unw)
         engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
                      batch_size=batch_size)  # fmt: skip
