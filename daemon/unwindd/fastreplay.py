@@ -713,9 +713,8 @@ class _Replay:
     def _render(self, frames: tuple[Frame, ...]) -> str:
         """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""
         (f,) = frames
-        if self.fmt == "folded":
-            u = UnwoundSample(None, None, None, None, "", None, "", frames)
-            return stackfmt.folded_key(u)[1]
+        if self.fmt == "folded":  # folded_key's name of the frame (no comm, no sample object)
+            return stackfmt.folded_names(frames)[0]
         if self.fmt == "jsonl":
             import json  # (a folded replay does not import it: ~2 ms)
 
@@ -810,7 +809,7 @@ class _Replay:
         names cross as UTF-8 with surrogates passed through, so decoding gives back the
         same str. Written in pieces of ~256 KiB (one buffer reused: a ~7 MB text built whole
         page-faults fresh memory, ~5 us a page on a VM)."""
-        kf, render = self.engine.kernel_frame, self._render_kernel
+        kf = self.engine.kernel_frame
         cap = 4096
         while True:
             a_kips = ffi.new("uint64_t[]", cap)
@@ -819,7 +818,8 @@ class _Replay:
                 break
             cap = nk
         kips = _u(a_kips, "Q")[:nk].tolist()
-        knames = [render(kf(ip)) for ip in kips]
+        # one folded_names call for all: it names frames outermost first, so reversed twice
+        knames = list(stackfmt.folded_names(tuple(map(kf, reversed(kips)))))
         comms = [c or "[unknown]" for c in self._comms]
         names = sorted({*comms, *self._frame_text, *knames})
         rank = {n: r for r, n in enumerate(names)}
