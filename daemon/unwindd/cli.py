@@ -448,6 +448,9 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             mapped = None  # the replay closed it
             if done:
                 return 0
+            import gc
+
+            gc.enable()  # the slow path builds an object per record: collected as usual
     finally:
         if mapped is not None:
             mapped.close()
