@@ -241,6 +241,23 @@ def test_cli_uses_fast_path_and_matches(files: dict[str, Path], tmp_path: Path) 
     assert outs[0] == outs[1] and outs[0].count(b"\n") > 3
 
 
+def test_cli_exits_at_once_after_output(files: dict[str, Path]) -> None:
+    """cli.entry ends a native replay with os._exit once the output is flushed: the whole
+    output still arrives (same as --slow-path, which exits normally), the status is 0, and a
+    reader that goes away early is no error (no traceback)."""
+    path = str(files["python"])
+    cmd = [sys.executable, "-m", "unwindd.cli", "replay", path, "--format", "folded"]
+    fast = subprocess.run(cmd, capture_output=True, check=True)
+    slow = subprocess.run([*cmd, "--slow-path"], capture_output=True, check=True)
+    assert fast.stdout == slow.stdout and fast.stdout.count(b"\n") > 3 and fast.stderr == b""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.read(10)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait() == 0 and b"Traceback" not in err, err
+
+
 def test_cli_cfi_cache_dir(files: dict[str, Path], tmp_path: Path) -> None:
     """The second replay loads compiled CFI from --cache-dir (same output); --no-cache and an
     unusable cache dir still replay."""

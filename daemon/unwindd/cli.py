@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from . import __version__, stackfmt
 
@@ -447,6 +447,8 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             done = _fast_replay(data, args.file, args.format, out, cache, mapped)
             mapped = None  # the replay closed it
             if done:
+                global _exit_at_once
+                _exit_at_once = out is sys.stdout
                 return 0
             import gc
 
@@ -517,6 +519,27 @@ def _fast_replay(
     return True
 
 
+# Set when a native replay has written and flushed all of its output to stdout: the command
+# then ends the process at once (``entry``), skipping the interpreter's teardown, which frees
+# every object of the replay one by one (~20-40 ms for the issue-3 file, ~5% of the replay)
+# and has nothing left to do: no atexit handlers, cache files are complete (renamed into
+# place), and the daemon threads left (page-table fill, unmap, kallsyms) hold nothing.
+_exit_at_once = False
+
+
+def entry() -> NoReturn:
+    """The ``unwindd`` command (and ``python -m unwindd.cli``): ``main``, then exit."""
+    rc = main()
+    if _exit_at_once:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except BrokenPipeError:
+            pass  # (main already flushed the output: nothing of ours was pending)
+        os._exit(rc)
+    sys.exit(rc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in (None, "run"):
@@ -538,4 +561,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
