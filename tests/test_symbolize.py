@@ -211,6 +211,41 @@ def test_cxx_demangles_like_cxxfilt(work: dict[str, Path]) -> None:
     assert "ns::Box<long>::spin" in names and "main" in names
 
 
+def test_native_demangler_equals_ctypes_path() -> None:
+    """demangle.py's native __cxa_demangle (cxxdemangle.c) gives what its ctypes fallback
+    gives, on libstdc++'s own mangled symbols (thousands) and on names that do not demangle;
+    a demangler whose buffer starts at 8 bytes (most names: the grow-and-retry path) too."""
+    import ctypes
+
+    from unwindd import demangle as dm
+
+    lib = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
+    nm = subprocess.run(["nm", "-D", lib], capture_output=True, text=True).stdout
+    names = [ln.split()[-1] for ln in nm.splitlines() if ln.split()[-1].startswith("_Z")]
+    names += ["_Z", "_Zfoo", "_ZN3foo", "_ZN" + "3abc" * 200 + "E"]
+    assert len(names) > 1000
+    dm._cxx.load()
+    assert dm._cxx.fn is not None and dm._cxx.free is not None
+    small = dm._Native()
+    small.cap = 8
+    grown = longest = 0
+    for n in names:
+        status = ctypes.c_int(0)
+        ptr = dm._cxx.fn(n.encode(), None, None, ctypes.byref(status))
+        want = None
+        if ptr:
+            if status.value == 0:
+                want = ctypes.string_at(ptr).decode("utf-8", "replace")
+            dm._cxx.free(ptr)
+        assert dm._native(n.encode()) == (True, want), n
+        cap = small.cap
+        assert small(n.encode()) == (True, want), n
+        grown += small.cap > cap
+        longest = max(longest, len(want.encode()) if want else 0)
+    # grown to each longer name met, to exactly the longest (the 200-part one: ~1000 bytes)
+    assert grown >= 2 and small.cap == longest > 900
+
+
 @pytest.mark.parametrize(
     ("mangled", "want"),
     [
