@@ -19,7 +19,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "unwcore.h"
 FAST_HEADER = HERE / "fastpath.h"  # the native replay path (fastpath.c), same module
 SOURCES = [HERE / "cfi.c", HERE / "unwind.c", HERE / "fastpath.c", HERE / "symtab.c",
-           HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c", HERE / "cxxdemangle.c"]
+           HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c", HERE / "libcall.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())
@@ -33,7 +33,7 @@ ffibuilder.set_source(
     include_dirs=[str(HERE)],
     # -pthread: fastpath.c's parallel unwind runs a worker thread (pthreads)
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
-    extra_link_args=["-pthread", "-ldl"],  # (-ldl: cxxdemangle.c's dlopen before glibc 2.34)
+    extra_link_args=["-pthread", "-ldl"],  # (-ldl: libcall.c's dlopen before glibc 2.34)
     depends=[str(HERE / "unwcore.h"), str(HERE / "unwcore_int.h"), str(FAST_HEADER)],
 )
 

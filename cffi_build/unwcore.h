@@ -224,10 +224,12 @@ struct unw_ksym {
 int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *out,
                            uint64_t cap);
 
-/* cxxdemangle.c: libstdc++'s __cxa_demangle of the NUL-terminated name into out[0, cap)
- * (not NUL-terminated): its length; -1 no libstdc++ (or no __cxa_demangle in it), -2 the name
- * does not demangle, -3 - n the result needs n bytes (cap was short). */
+/* libcall.c: libstdc++'s __cxa_demangle of the NUL-terminated name into out[0, cap) (not
+ * NUL-terminated): its length; -1 no libstdc++ (or no __cxa_demangle in it), -2 the name does
+ * not demangle, -3 - n the result needs n bytes (cap was short). unw_malloc_trim: glibc's
+ * malloc_trim(0) (none if dry), 0; -1 without glibc. */
 int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap);
+int unw_malloc_trim(int dry);
 
 /* ------------------------------------------------------------------ side-band (sideband.c) */
 

@@ -212,7 +212,7 @@ def test_cxx_demangles_like_cxxfilt(work: dict[str, Path]) -> None:
 
 
 def test_native_demangler_equals_ctypes_path() -> None:
-    """demangle.py's native __cxa_demangle (cxxdemangle.c) gives what its ctypes fallback
+    """demangle.py's native __cxa_demangle (cffi_build/libcall.c) gives what its ctypes fallback
     gives, on libstdc++'s own mangled symbols (thousands) and on names that do not demangle;
     a demangler whose buffer starts at 8 bytes (most names: the grow-and-retry path) too."""
     import ctypes

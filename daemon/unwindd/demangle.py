@@ -78,7 +78,7 @@ _cxx = _Cxx()
 
 
 class _Native:
-    """``__cxa_demangle`` through the native module (cffi_build/cxxdemangle.c): the same
+    """``__cxa_demangle`` through the native module (cffi_build/libcall.c): the same
     function as the ctypes path, without ctypes' import (~5 ms) and per-call cost."""
 
     def __init__(self) -> None:

@@ -386,18 +386,16 @@ _ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry over
 
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` (malloc_trim(3): since 2.8 it releases the free pages of
-    every arena, not just the top of the main heap), or None without glibc."""
-    import ctypes
+    every arena, not just the top of the main heap), or None without glibc. Called through
+    the native module (cffi_build/libcall.c), not ctypes: importing ctypes was ~5 ms of every
+    replay's start."""
+    from ._unwcore import lib
 
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    if lib.unw_malloc_trim(1) != 0:  # (dry: is there one)
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
 
     def trim() -> None:
-        fn(0)
+        lib.unw_malloc_trim(0)
 
     return trim
 

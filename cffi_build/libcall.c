@@ -1,0 +1,70 @@
+/* libcall.c: the libc and libstdc++ functions the Python side would otherwise reach through
+ * ctypes: libstdc++'s __cxa_demangle (demangle.py; found with dlopen/dlsym on first use) and
+ * glibc's malloc_trim (elfcache.py).
+ *
+ * Why: ctypes costs a replay ~5 ms to import and ~5 us of argument marshalling a call (C++
+ * demangling: ~8 ms for the issue-3 file); the native module is loaded anyway and a cffi
+ * call costs well under a microsecond. The same functions of the same libraries are called,
+ * so the results are the same (demangle.py keeps ctypes as its fallback where no libstdc++
+ * is found here).
+ *
+ * Invariants: unw_cxa_demangle reads the NUL-terminated name and writes at most cap bytes of
+ * out; it frees what __cxa_demangle returns; the library is looked up once per process
+ * (pthread_once: callers may run on several threads, cffi releasing the GIL).
+ * Cost: one __cxa_demangle call and one copy of its result; malloc_trim(0) as glibc's.
+ */
+#include <dlfcn.h>
+#include <malloc.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "unwcore.h"
+
+typedef char *(*cxa_demangle_fn)(const char *, char *, size_t *, int *);
+static cxa_demangle_fn cxa;
+static pthread_once_t cxa_once = PTHREAD_ONCE_INIT;
+
+static void cxa_load(void)
+{
+    /* the soname, as demangle.py's ctypes path tries first; never unloaded */
+    void *h = dlopen("libstdc++.so.6", RTLD_LAZY | RTLD_LOCAL);
+    if (h)
+        cxa = (cxa_demangle_fn)dlsym(h, "__cxa_demangle");
+}
+
+int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap)
+{
+    pthread_once(&cxa_once, cxa_load);
+    if (!cxa)
+        return -1;
+    int status = 0;
+    char *s = cxa(name, NULL, NULL, &status);
+    if (!s)
+        return -2;
+    if (status != 0) {
+        free(s);
+        return -2;
+    }
+    size_t n = strlen(s);
+    if (n > cap || n > (size_t)INT64_MAX - 3) {
+        free(s);
+        return -3 - (int64_t)n;
+    }
+    memcpy(out, s, n);
+    free(s);
+    return (int64_t)n;
+}
+
+int unw_malloc_trim(int dry)
+{
+#ifdef __GLIBC__
+    if (!dry)
+        malloc_trim(0);
+    return 0;
+#else
+    (void)dry;
+    return -1;
+#endif
+}
