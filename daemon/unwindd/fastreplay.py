@@ -3,7 +3,8 @@
 The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed -> stackfmt) builds
 a Python object per record and per sample; this module crosses into C once per data section
 (index), once per file (ordering) and once per run of samples between two side-band records
-(unwind + aggregate, ``cffi_build/fastpath.c``), and symbolizes each unique stack once.
+(unwind + aggregate, ``cffi_build/fastpath.c``), and symbolizes each unique frame once; folded
+output is merged, sorted and rendered in C (``cffi_build/fold.c``) from names ranked here.
 
 Invariants:
 - Same answer as the slow path, which stays the reference (tests/test_fastreplay.py compares
@@ -18,7 +19,8 @@ Invariants:
   counted where the slow path counts them: data (non-exec) MMAP2s overlapping no executable
   range of the file, after their pid's first (``cffi_build/sideband.c`` states the proof), and
   data MMAP2s over nothing the pid's space maps (``_data_mmap_is_noop``). Deep CPython
-  recursion makes ~50k of them per second of profile.
+  recursion makes ~50k of them per second of profile. FINISHED_ROUND records (one a round)
+  are marked and counted in bulk: decoding one yields nothing else.
 - Same counts: ``DecodeStats`` (records by type, errors), ``PerfData.errors``, ``StreamStats``,
   ``OrderStats`` and the engine's per-status sample and frame counts. (``EngineStats.batches``
   counts native runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique
@@ -27,7 +29,9 @@ Invariants:
   (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized HEADER_ATTR
   records,
   record types > 255): the caller then runs the slow path.
-- Memory: the file is mmap'd read-only; stacks are read in place. Per record 56 bytes of index
+- Memory: the file is mmap'd read-only (``mapfile.MappedFile``, possibly mapped, filled and
+  indexed by the CLI before this module is imported); stacks are read in place. Per record 56
+  bytes of index
   plus 4 of order; per unique stack its key words and its rendered frames. Folded output
   aggregates by function (``fp_ctx_by_code(ctx, 2)``: a frame is its binary and the symbol
   region of its ELF vaddr in the table ``frame_at`` names it from, handed to C once per
@@ -36,8 +40,10 @@ Invariants:
   only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held between
   ordering and applying them (decoded again, ``RecordDecoder.redecode``).
 
-Cost: O(records) native work plus O(table-changing side-band records + unique stacks) Python
-work for folded output; jsonl/perf-script add one string format per sample (~2-4 us). A long
+Cost: O(records) native work plus O(table-changing side-band records + unique frames + runs)
+Python work for folded output (its stacks never cross into Python: counts from
+``fp_fold_stats``, text from ``fp_fold_text``); jsonl/perf-script add O(unique stacks) and one
+string format per sample (~2-4 us). A long
 run's samples are unwound by the calling thread and a worker thread the C context owns while
 the machine has a CPU to spare (``fp_ctx_par``; the stacks are interned in sample order, so
 the output does not depend on it).
@@ -110,7 +116,6 @@ def _count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
     if d == (1 << 64) - 1:
         raise MemoryError("fp_count_flagged")
     return list(zip(_u(keys, "I")[:d].tolist(), _u(counts, "Q")[:d].tolist(), strict=True))
-
 
 
 
