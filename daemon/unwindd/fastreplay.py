@@ -171,7 +171,7 @@ def replay(
                        mapped)  # fmt: skip
     finally:
         if mapped is not None:
-            mapped.close()
+            mapped.close(background=True)  # (no wait: nothing reads it any more)
 
 
 def _replay(
@@ -216,7 +216,10 @@ def _replay(
     finally:
         if gc_was_on:
             gc.enable()
-        mapped.close()  # (a view still exported, an exception unwinding: GC unmaps)
+        # unmapped on a thread (the run did so already unless an exception came first), not
+        # waited for: nothing reads it any more, and the caller has output to finish (~15 ms
+        # of munmap for 673 MB); a view still exported (an exception unwinding): GC unmaps
+        mapped.close(background=True)
 
 
 class _Replay:
@@ -365,6 +368,9 @@ class _Replay:
             else:
                 objs[i] = rec
             mark_record(r, rec)
+            # (a view left bound after the loop would keep the mapping exported, and its
+            # unmap after the runs would fail: mmap.close refuses while views exist)
+            del body
         if rounds:
             name = _FINISHED_ROUND_NAME  # what decode_one and StreamStats.observe count
             dec.stats.records[name] += rounds
