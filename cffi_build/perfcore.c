@@ -278,14 +278,17 @@ uint32_t pc_trim_nregs(uint64_t sample_type, uint64_t regs_mask)
 }
 
 /* The cut record at dst: its first field + 8 + keep bytes are in place; fix the sizes and put
- * dyn_size after the kept bytes. Returns the cut record's length. */
+ * dyn_size after the kept bytes. Nothing kept (dyn_size 0: the kernel's nofault copy of the
+ * user stack failed, e.g. in exec): the record ends at a zero size, with no dyn_size, as the
+ * kernel writes a sample without a stack (perf_output_sample_ustack). Returns its length. */
 static size_t finish_cut(unsigned char *dst, size_t field, uint64_t keep, uint64_t dyn)
 {
-    size_t n = field + 8 + (size_t)keep + 8;
+    size_t n = field + 8 + (keep ? (size_t)keep + 8 : 0);
     uint16_t hsize = (uint16_t)n; /* n < the original size, a u16 */
     memcpy(dst + offsetof(struct perf_event_header, size), &hsize, 2);
     memcpy(dst + field, &keep, 8);
-    memcpy(dst + field + 8 + keep, &dyn, 8);
+    if (keep)
+        memcpy(dst + field + 8 + keep, &dyn, 8);
     return n;
 }
 
