@@ -12,6 +12,7 @@ machine; nothing here is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pathlib
@@ -505,16 +506,13 @@ def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
     session.close()  # idempotent
 
 
-def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
-    """drain_into (the live step's path): records land in the caller's buffer slice, back to
-    back in the returned (cpu, size) order, nothing outside the slice is written, and what
-    does not fit stays queued; pending_bytes is the sum of pending(). Samples come out with
-    their user stack copy cut to the bytes the kernel filled (fewer written than consumed)."""
-    config = SamplingConfig(frequency=999, ring_pages=256)
-    # a C program with an empty environment: its stack from sp up (frames, then argv, envp,
-    # auxv and their strings) is ~1 KiB, less than the 8 KiB copy reserved (with the test
-    # runner's environment it can pass 8 KiB: nothing left to cut)
-    child = subprocess.Popen([str(busy), "wait-spin", "300"], stdin=subprocess.PIPE,
+@contextlib.contextmanager
+def busy_run(busy: pathlib.Path, config: SamplingConfig, ms: int) -> Iterator[PerfSession]:
+    """A pid session on ``busy wait-spin MS`` run to its end, disabled, its records still in
+    the rings. The child has an empty environment: its stack from sp up (frames, then argv,
+    envp, auxv and their strings) is ~1 KiB, less than the 8 KiB copy reserved (with the test
+    runner's environment it can pass 8 KiB: nothing left to cut)."""
+    child = subprocess.Popen([str(busy), "wait-spin", str(ms)], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, env={})  # fmt: skip
     with PerfSession.open(Target(pids=(child.pid,)), config) as session:
         session.enable()
@@ -523,6 +521,16 @@ def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
         child.stdin.close()
         assert child.wait(30) == 0
         session.disable()
+        yield session
+
+
+def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
+    """drain_into (the live step's path): records land in the caller's buffer slice, back to
+    back in the returned (cpu, size) order, nothing outside the slice is written, and what
+    does not fit stays queued; pending_bytes is the sum of pending(). Samples come out with
+    their user stack copy cut to the bytes the kernel filled (fewer written than consumed)."""
+    config = SamplingConfig(frequency=999, ring_pages=256)
+    with busy_run(busy, config, 300) as session:
         pending = session.pending_bytes()
         assert pending == sum(session.pending()) and pending > 3 * 65536, pending
         dec = records.RecordDecoder([session.event_format])
@@ -567,15 +575,7 @@ def test_cut_of_a_sample_whose_stack_copy_failed(busy: pathlib.Path) -> None:
     from unwindd._perfcore import ffi, lib
 
     config = SamplingConfig(frequency=999, ring_pages=64)
-    child = subprocess.Popen([str(busy), "wait-spin", "100"], stdin=subprocess.PIPE,
-                             stdout=subprocess.DEVNULL, env={})  # fmt: skip
-    with PerfSession.open(Target(pids=(child.pid,)), config) as session:
-        session.enable()
-        assert child.stdin is not None
-        child.stdin.write(b"x")
-        child.stdin.close()
-        assert child.wait(30) == 0
-        session.disable()
+    with busy_run(busy, config, 100) as session:
         chunks = session.drain()
         fmt = session.event_format
     data = b"".join(c for _, c in chunks)
