@@ -57,7 +57,7 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
            inline_max: int = -1, cfi_dir: Path | None = None) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
-    # inline_max -1 (default): every binary to the worker, however small (the deferral tests)
+    # inline_max -1 (default) and no cfi_dir: every binary to the worker (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
                                 cfi_inline_max_bytes=inline_max, cfi_cache_dir=cfi_dir)  # fmt: skip
     ticks = iter(range(1, 1 << 40))

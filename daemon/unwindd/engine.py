@@ -260,8 +260,7 @@ class StackEngine:
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
-        (``CfiPrefetcher``; negative: every binary, stored or not). OSError if a directory
-        cannot be made."""
+        (``CfiPrefetcher``). OSError if a directory cannot be made."""
         from . import unwinder as unw
         from .cfi import CfiStore, CfiTable
         from .symbolize import SymbolStore
@@ -277,8 +276,7 @@ class StackEngine:
         pre = None
         if prefetch_cfi:
             pre = CfiPrefetcher(factory, inline_max_bytes=cfi_inline_max_bytes,
-                                cached=store.has if store is not None and cfi_inline_max_bytes >= 0
-                                else None)  # fmt: skip
+                                cached=store.has if store is not None else None)  # fmt: skip
         # a stored table by build-id before the debug file is looked for (not with the
         # daemon's prefetcher, whose compiles are keyed by the debug file too)
         lookup = store.lookup if store is not None and pre is None else None
