@@ -458,11 +458,10 @@ class NativeStep:
             self._carry_len, self._carry_objs = 0, {}
             return
         size = int(lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.NULL))
-        other = 1 - self._cur
-        if size > len(self._arenas[other]):
-            self._arenas[other] = bytearray(max(size, 2 * len(self._arenas[other])))
-        lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(self._arenas[other]))
-        self._cur, self._carry_len = other, size
+        self._cur = 1 - self._cur  # (cbuf still holds the round's arena)
+        self._reserve(0, size)
+        lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(self._arenas[self._cur]))
+        self._carry_len = size
         if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs)
             slot = {i: j for j, i in enumerate(_u(keep, "I", nkeep).tolist())}
             self._carry_objs = {slot[i]: got for i, got in objs.items()}
