@@ -1984,22 +1984,24 @@ int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *da
             break;
         }
         if (!(force_first && k == from)) {
+            /* The view fp_live_index stored (struct fp_rec), not a second parse; the one word
+             * read is checked to lie inside the record (a caller's rec could be anything). */
             const uint8_t *body = data + r->off + 8;
-            struct sample_view v;
-            if (parse_sample(lay, body, r->size - 8u, &v)) {
-                rc = FP_RUN_ERROR;
-                break;
-            }
+            uint64_t blen = r->size >= 8 ? r->size - 8u : 0;
             /* place(): the idle task and samples without user registers pass unchecked */
             int32_t spid = (int32_t)r->pid;
-            if (spid > 0 && v.regs_abi != 0 && lay->nregs) {
-                uint64_t pc = 0;
-                if (ip_bit < 64 && (lay->regs_mask >> ip_bit & 1)) {
-                    uint64_t idx = __builtin_popcountll(lay->regs_mask & ((1ull << ip_bit) - 1));
-                    pc = ld64(body + v.regs_off + 8 * idx);
-                } else if (lay->i_ip >= 0) {
-                    pc = ld64(body + 8 * (uint64_t)lay->i_ip);
+            if (spid > 0 && r->regs_abi != 0 && lay->nregs) {
+                uint64_t at = UINT64_MAX;
+                if (ip_bit < 64 && (lay->regs_mask >> ip_bit & 1))
+                    at = r->regs_off +
+                         8 * (uint64_t)__builtin_popcountll(lay->regs_mask & ((1ull << ip_bit) - 1));
+                else if (lay->i_ip >= 0)
+                    at = 8 * (uint64_t)lay->i_ip;
+                if (at != UINT64_MAX && at + 8 > blen) {
+                    rc = FP_RUN_ERROR;
+                    break;
                 }
+                uint64_t pc = at == UINT64_MAX ? 0 : ld64(body + at);
                 if (!in_ranges(sp, pc)) {
                     *need_pid = r->pid;
                     rc = FP_RUN_NEED_PLACE;
