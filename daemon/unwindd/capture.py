@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .ordering import RoundOrderer
-from .records import EventFormat, Record, RecordDecoder
+from .records import MAX_RECORD_SIZE, EventFormat, Record, RecordDecoder
 from .streamstats import StreamStats
-
-_MAX_RECORD = 1 << 16
 
 
 @dataclass
@@ -123,6 +121,6 @@ def drain_round(
         # The drain stops a ring only when its next record would not fit; records are at most
         # 64 KiB (perf_event_header.size is a u16), so a pass that left that much room emptied
         # every ring up to the head it read.
-        if sum(len(b) for _, b in chunks) <= max_bytes - _MAX_RECORD:
+        if sum(len(b) for _, b in chunks) <= max_bytes - MAX_RECORD_SIZE:
             break
     return pipeline.end_round()

@@ -264,10 +264,13 @@ class NativeStep:
             # capture.drain_round: a pass that left a record's room emptied every ring
             if n <= want - MAX_RECORD_SIZE:
                 break
+        flushed = None
         if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
-            self.flush_counts()  # its groups name stacks of the context being dropped
+            flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         out, info = self._round(cpus, bounds, False)
+        if flushed is not None:
+            info.depths.update(flushed.depths)
         if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
             more, info2 = self._round([], [0, self._carry_len], True)
             late = self._undefer(True)  # deferred during that last round

@@ -45,9 +45,7 @@ EVENTS: dict[str, tuple[int, int]] = {
 }
 
 MAX_STACK_SIZE = int(lib.PC_MAX_STACK_USER)
-# perf_event_header.size is a u16, so no record is larger than this; a drain buffer at least this
-# big can always take the next record of an otherwise empty output.
-MAX_RECORD_SIZE = 1 << 16
+MAX_RECORD_SIZE = records.MAX_RECORD_SIZE
 MAX_RING_PAGES = 1 << 20
 
 

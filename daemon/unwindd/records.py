@@ -59,6 +59,9 @@ _MMAP2_PROT = struct.Struct("<II")  # prot, flags
 _FORK = struct.Struct("<IIIIQ")  # pid, ppid, tid, ptid, time
 
 HEADER_SIZE = 8
+# perf_event_header.size is a u16, so no record is larger than this: a buffer at least this big
+# can always take the next record of an otherwise empty output.
+MAX_RECORD_SIZE = 1 << 16
 _T = TypeVar("_T")
 _T_SAMPLE = int(RecordType.SAMPLE)
 _T_FINISHED_ROUND = int(RecordType.FINISHED_ROUND)

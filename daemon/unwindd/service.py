@@ -579,7 +579,6 @@ class Daemon:
             writer.transport.abort()
 
     def _api_request(self, req: Request, peer: Peer) -> Response | StreamStart:
-        self._flush()
         cacheable = req.method == "GET" and req.path in _CACHED_PATHS
         key = (req.target, peer.uid)
         now = time.monotonic()
@@ -588,6 +587,7 @@ class Daemon:
             if hit is not None and hit[0] > now:
                 self.api.requests[req.path] += 1
                 return hit[1]
+        self._flush()
         res = self.api.handle(req, peer)
         if cacheable and isinstance(res, Response) and res.status == 200:
             if len(self._answers) >= 64:
