@@ -63,7 +63,7 @@ from . import abi
 from ._unwcore import ffi, lib
 from .cfi import ARCH_X86_64
 from .engine import Snapshot, StackEngine
-from .fastreplay import _END_ERRORS, _STATUS_NAMES, layout_of
+from .fastreplay import _END_ERRORS, _STATUS_NAMES, _count_flagged, layout_of
 from .livetable import LiveTable
 from .perfcore import MAX_RECORD_SIZE
 from .records import Comm, Fork, Lost, Record, Sample
@@ -438,15 +438,12 @@ class NativeStep:
         k = b - a
         cols = self._cols
         lib.fp_columns(recs, self._ident + a, k, *cols)
-        pids: Any = _u(cols[3], "I", k)
-        cpus: Any = _u(cols[5], "I", k)
-        if nsamples != k:  # side-band or bad records among them: the good SAMPLEs only
-            flags = bytes(ffi.buffer(cols[0], k))
-            pids = [p for f, p in zip(flags, pids, strict=True) if f]
-            cpus = [c for f, c in zip(flags, cpus, strict=True) if f]
-        s.samples_by_pid.update(pids)  # Counter.update of an iterable: counted in C
-        info.pids.update(pids)
-        for cpu, c in Counter(cpus).items():
+        flags = bytes(ffi.buffer(cols[0], k))  # the good SAMPLEs (not side-band, not bad)
+        by_pid = _count_flagged(flags, _u(cols[3], "I", k))  # counted in C, first-seen order
+        for pid, c in by_pid:
+            s.samples_by_pid[pid] += c
+        info.pids.update(pid for pid, _ in by_pid)
+        for cpu, c in _count_flagged(flags, _u(cols[5], "I", k)):
             per = s.by_cpu_type.get(cpu)
             if per is None:
                 per = s.by_cpu_type[cpu] = Counter()
