@@ -221,7 +221,6 @@ class NativeStep:
         self._comm_ids: dict[str, int] = {}
         self._frames: list[Frame] = []  # per fp frame id
         self._unsym: list[bool] = []
-        self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._seen: set[bytes] = set()
@@ -624,16 +623,14 @@ class NativeStep:
         if nst <= len(self._stacks):
             return
         st = ffi.new("struct fp_stack *")
-        stacks, kstacks, comms, seen = self._stacks, self._kstacks, self._comms, self._seen
+        stacks, comms, seen = self._stacks, self._comms, self._seen
+        kernel_frames = self.engine.kernel_frames  # cached by callchain there
         # map over the id lists: C-level loops, a new process's stacks are mostly new ones
         frame_of, unsym_of = frames.__getitem__, unsym.__getitem__
         for sid in range(len(stacks), nst):
             lib.fp_stack(ctx, sid, st)
             nkc, npcs = st.nkc, st.npcs
-            callchain = tuple(ffi.unpack(st.kc, nkc)) if nkc else ()
-            kframes = kstacks.get(callchain)
-            if kframes is None:
-                kframes = kstacks[callchain] = self.engine.kernel_frames(callchain) if nkc else ()
+            kframes = kernel_frames(tuple(ffi.unpack(st.kc, nkc))) if nkc else ()
             comm = comms[st.comm_id]
             if st.regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
