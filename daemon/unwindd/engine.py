@@ -135,14 +135,16 @@ class CfiPrefetcher:
         self.inline_max_bytes = inline_max_bytes
         self._cached = cached
         self._futures: OrderedDict[tuple[object, ...], Future[object]] = OrderedDict()
-        # entry uid -> (its key, its future): ready() asked again for an entry still compiling
-        # (every sample of a process waiting for its binaries asks for each of them) costs a
-        # dict hit, not an os.stat and a debug-file lookup; at most max_pending, oldest dropped
-        self._asked: OrderedDict[int, tuple[tuple[object, ...], Future[object]]] = OrderedDict()
+        # entry uid -> (its key, its future; None if left to the loop): ready() asked again for
+        # an entry still compiling (every sample of a process waiting for its binaries asks for
+        # each of them) costs a dict hit, not an os.stat and a debug-file lookup; at most
+        # max_pending, oldest dropped
+        self._asked: OrderedDict[int, tuple[tuple[object, ...], Future[object] | None]]
+        self._asked = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self.max_pending = max_pending
         self.started = 0  # compiles run in the worker
-        self.inline = 0  # asks answered "on the loop": the binary is small or its table stored
+        self.inline = 0  # binaries left to the loop: small, or their table stored
         self.used = 0  # of which picked up by the factory
 
     def __call__(self, path: str, debug: str | None, build_id: bytes | None) -> object:
@@ -158,8 +160,11 @@ class CfiPrefetcher:
         if not entry.usable or _cfi_loaded(entry):
             return True
         asked = self._asked.get(entry.uid)
-        if asked is not None and self._futures.get(asked[0]) is asked[1]:
-            return asked[1].done()  # uids are never reused; the key is still the live one
+        if asked is not None:  # uids are never reused
+            if asked[1] is None:
+                return True  # answered "on the loop" before; cfi() has not been asked yet
+            if self._futures.get(asked[0]) is asked[1]:
+                return asked[1].done()  # the key is still the live one
         path, debug, bid = entry.fd_path, entry.debug_path(), entry.build_id
         key = _file_key(path, debug, bid)
         if key is None:
@@ -167,8 +172,11 @@ class CfiPrefetcher:
         if cast(int, key[5]) <= self.inline_max_bytes or (
             self._cached is not None and self._cached(bid)
         ):
+            # small or stored: compiled or loaded on the loop (see the class doc); remembered,
+            # so the next asks (each placement of a process mapping it) cost no stat
             self.inline += 1
-            return True  # small or stored: compiled or loaded on the loop (see the class doc)
+            self._remember(entry.uid, key, None)
+            return True
         f = self._futures.get(key)
         if f is None:
             if self._pool is None:
@@ -181,10 +189,13 @@ class CfiPrefetcher:
             self.started += 1
             while len(self._futures) > self.max_pending:
                 self._futures.popitem(last=False)
-        self._asked[entry.uid] = (key, f)
+        self._remember(entry.uid, key, f)
+        return f.done()
+
+    def _remember(self, uid: int, key: tuple[object, ...], f: Future[object] | None) -> None:
+        self._asked[uid] = (key, f)
         while len(self._asked) > self.max_pending:
             self._asked.popitem(last=False)
-        return f.done()
 
     def close(self) -> None:
         if self._pool is not None:
