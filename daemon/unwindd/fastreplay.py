@@ -166,51 +166,28 @@ def replay(
     and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the slow path must.
     ``mapped``: ``path`` already mapped (the CLI maps it before its imports, its page tables
     filling meanwhile); the replay closes it, whatever happens."""
-    try:
-        return _replay(data, path, fmt, out, engine, stream_stats, order_stats, max_queued,
-                       mapped)  # fmt: skip
-    finally:
-        if mapped is not None:
-            mapped.close(background=True)  # (no wait: nothing reads it any more)
-
-
-def _replay(
-    data: PerfData,
-    path: str | os.PathLike[str],
-    fmt: str,
-    out: TextIO,
-    engine: StackEngine | None,
-    stream_stats: StreamStats | None,
-    order_stats: OrderStats | None,
-    max_queued: int,
-    mapped: MappedFile | None,
-) -> FastResult:
-    if fmt not in ("folded", "jsonl", "perf-script"):
-        raise Unsupported(f"format {fmt}")
-    lay = native_layout(data)
-    # The page tables filled first (mapfile.c): the replay reads every page (headers, then
-    # stack copies), and faulting them in as one batch costs about a third of taking ~2
-    # faults per record (673 MB: 0.035 s vs 0.06-0.08 s in the index alone, plus the
-    # unwinder's stack pages). A mapping from the caller may still be filling: waited for.
-    if mapped is None:
-        try:
-            mapped = MappedFile(path)
-        except ValueError:
-            raise Unsupported("empty file") from None
-        try:
-            mapped.prefault()
-        except BaseException:
-            mapped.close()
-            raise
-    else:
-        mapped.wait()
-    # No cyclic GC while replaying: what a replay allocates (names, stacks, snapshots, ELF
-    # entries) lives until it ends, so the collections its allocation counts trigger only
-    # traverse live objects (~2-3% of a replay's CPU, ~15 ms on the issue-3 file); its cyclic
-    # garbage (exceptions caught on error paths) waits at most until it returns.
     gc_was_on = gc.isenabled()
-    gc.disable()
     try:
+        if fmt not in ("folded", "jsonl", "perf-script"):
+            raise Unsupported(f"format {fmt}")
+        lay = native_layout(data)
+        # The page tables filled first (mapfile.c): the replay reads every page (headers, then
+        # stack copies), and faulting them in as one batch costs about a third of taking ~2
+        # faults per record (673 MB: 0.035 s vs 0.06-0.08 s in the index alone, plus the
+        # unwinder's stack pages). A mapping from the caller may still be filling: waited for.
+        if mapped is None:
+            try:
+                mapped = MappedFile(path)
+            except ValueError:
+                raise Unsupported("empty file") from None
+            mapped.prefault()
+        else:
+            mapped.wait()
+        # No cyclic GC while replaying: what a replay allocates (names, stacks, snapshots, ELF
+        # entries) lives until it ends, so the collections its allocation counts trigger only
+        # traverse live objects (~2-3% of a replay's CPU, ~15 ms on the issue-3 file); its
+        # cyclic garbage (exceptions caught on error paths) waits at most until it returns.
+        gc.disable()
         return _Replay(data, mapped, lay, fmt, out, engine, stream_stats, order_stats,
                        max_queued).run()  # fmt: skip
     finally:
@@ -219,7 +196,8 @@ def _replay(
         # unmapped on a thread (the run did so already unless an exception came first), not
         # waited for: nothing reads it any more, and the caller has output to finish (~15 ms
         # of munmap for 673 MB); a view still exported (an exception unwinding): GC unmaps
-        mapped.close(background=True)
+        if mapped is not None:
+            mapped.close(background=True)
 
 
 class _Replay:
@@ -292,9 +270,9 @@ class _Replay:
         self._texts: dict[str, str] = {}
         self._unsym = bytearray()  # per distinct user frame: 1 if it has no symbol
         self._unsym_ids: set[int] = set()  # the frame ids with no symbol
-        # kernel callchain (raw u64s) -> its frames and their renderings in self.fmt, leaf first;
-        # bounded by the distinct callchains of the file
-        self._ktext: dict[bytes, tuple[tuple[Frame, ...], list[str]]] = {}
+        # kernel callchain (raw u64s) -> its frames' renderings in self.fmt, leaf first; bounded
+        # by the distinct callchains of the file
+        self._ktext: dict[bytes, list[str]] = {}
         self._kframe_text: dict[Frame, str] = {}
         # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
         # of ~36 (ids past 256 are separate int objects); by code, C keeps the pairs instead
@@ -681,11 +659,10 @@ class _Replay:
             ko += k
             ids = fids[fo : fo + n]
             fo += n
-            ktext = ktexts.get(kkey)
-            if ktext is None:  # kernel frames and their renderings, once per callchain
+            krendered = ktexts.get(kkey)
+            if krendered is None:  # kernel frames rendered once per callchain
                 kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
-                ktext = ktexts[kkey] = (kframes, [self._render_kernel(f) for f in kframes])
-            krendered = ktext[1]
+                krendered = ktexts[kkey] = [self._render_kernel(f) for f in kframes]
             nk = len(krendered)
             comm = comms[comm_ids[j]]
             if rn_l[j] and nk:
