@@ -505,9 +505,7 @@ def _fast_replay(
 
     assert isinstance(data, PerfData)
     try:
-        engine = (StackEngine.create(cfi_cache_dir=os.path.join(cache_dir, "cfi"),
-                                     sym_cache_dir=os.path.join(cache_dir, "sym"))
-                  if cache_dir is not None else StackEngine.create())  # fmt: skip
+        engine = StackEngine.create(cache_dir=cache_dir)
     except OSError:  # a cache dir cannot be made: replay without them
         engine = StackEngine.create()
     try:

@@ -104,6 +104,8 @@ class Snapshot:
 # here ~1-2.5 ms per MB of file (libc 1.9 MB: 3.7 ms; libcrypto 4.7 MB: 11 ms), so <= ~10 ms
 # of a step, well inside the ring's headroom (half a 1 MiB ring is ~60 ms at 1000 Hz).
 CFI_INLINE_MAX_BYTES = 4 << 20
+# StackEngine.create(cache_dir=): where in it the CFI and the symbol tables are kept
+CACHE_SUBDIRS = ("cfi", "sym")
 
 
 class CfiPrefetcher:
@@ -265,8 +267,10 @@ class StackEngine:
         sym_cache_dir: str | None = None,
         prefetch_cfi: bool = False,
         cfi_inline_max_bytes: int = CFI_INLINE_MAX_BYTES,
+        cache_dir: str | None = None,
     ) -> StackEngine:
-        """The engine with the real ELF cache, CFI compiler and native unwinder. With
+        """The engine with the real ELF cache, CFI compiler and native unwinder. ``cache_dir``
+        (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``. With
         ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``); with
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
@@ -275,6 +279,9 @@ class StackEngine:
         from . import unwinder as unw
         from .cfi import CfiStore, CfiTable
         from .symbolize import SymbolStore
+
+        if cache_dir is not None:
+            cfi_cache_dir, sym_cache_dir = (os.path.join(cache_dir, d) for d in CACHE_SUBDIRS)
 
         store = CfiStore(cfi_cache_dir) if cfi_cache_dir is not None else None
         symbols = SymbolStore(sym_cache_dir) if sym_cache_dir is not None else None

@@ -738,7 +738,7 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
     and the default dir not writable: the user's cache dir; a dir that cannot be made is
     logged and the daemon runs without one."""
     from .elfcache import CacheConfig, prune_cache_dir, user_cache_dir
-    from .engine import StackEngine
+    from .engine import CACHE_SUBDIRS, StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
                    max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
@@ -749,14 +749,13 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
         root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
     # measured here: 9.1 MB of CFI and 8.0 MB of symbol files for ~150 binaries (the daemon's
     # cache), 6.7 / 3.6 MB for the replay bench's 95: split the bound 60 / 40
-    for sub, share in (("cfi", 0.6), ("sym", 0.4)):
+    for sub, share in zip(CACHE_SUBDIRS, (0.6, 0.4), strict=True):
         n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
         if n:
             log.info("cache dir %s/%s: removed %d files (%d bytes) past its bound", root, sub, n,
                      freed)  # fmt: skip
     try:
-        return make(cfi_cache_dir=os.path.join(root, "cfi"),
-                    sym_cache_dir=os.path.join(root, "sym"))  # fmt: skip
+        return make(cache_dir=root)
     except OSError as e:  # the directory cannot be made: run without it, and say so
         log.warning("cache dir %s unusable (%s): CFI and symbols are not persisted", root, e)
         return make()
