@@ -1554,7 +1554,12 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
         if (seg > to)
             seg = to;
         uint64_t end = seg; /* one at a time up to here */
-        if (c->par_min && seg - k >= c->par_min) {
+        /* No readiness scan (two probes a sample) when its answer could not be used: no
+         * worker, or a busy verdict's one-thread stretch, which this segment counts down. */
+        int par_off = (!c->par && c->par_failed) || (c->par && c->par->serial_left);
+        if (par_off && c->par && seg - k >= c->par_min)
+            par_turn(c->par, seg - k);
+        if (c->par_min && seg - k >= c->par_min && !par_off) {
             const struct space_ent *sp;
             const struct comm_ent *ce;
             uint32_t np, nt;
