@@ -417,11 +417,14 @@ def _install_stop_handlers() -> Callable[[], bool]:
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     fast = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
     mapped = None
+    import gc
+
+    gc_was_on = gc.isenabled()
     if fast and not args.slow_path:
         # A one-shot native replay keeps what it allocates (modules, names, stacks) until it
         # exits: cyclic GC passes (~1-2% of its CPU, from its imports on) find nothing to free.
-        import gc
-
+        # Back on below: the slow path builds an object per record, and a caller of main()
+        # keeps its own setting.
         gc.disable()
         # Mapped first, its page tables filled on a thread (mapfile.py) while the replay's
         # modules are imported and the header parsed (~0.05 s of each on the issue-3 file).
@@ -450,10 +453,9 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
                 global _exit_at_once
                 _exit_at_once = out is sys.stdout
                 return 0
-            import gc
-
-            gc.enable()  # the slow path builds an object per record: collected as usual
     finally:
+        if gc_was_on:
+            gc.enable()
         if mapped is not None:
             mapped.close()
     from .capture import StreamPipeline
