@@ -113,19 +113,32 @@ static int64_t kip_index(const uint64_t *kips, uint64_t n, uint64_t ip)
     return lo < n && kips[lo] == ip ? (int64_t)lo : -1;
 }
 
+/* The next kernel ip of st's callchain from *i on (engine.kernel_ips: entries after a
+ * PERF_CONTEXT_KERNEL marker, up to the next marker), *in_k the walk's state (start 0):
+ * 1 and *ip, or 0 at the end. */
+static int next_kip(const struct fp_stack *st, uint32_t *i, int *in_k, uint64_t *ip)
+{
+    while (*i < st->nkc) {
+        uint64_t v = st->kc[(*i)++];
+        if (v >= CTX_MAX) {
+            *in_k = v == CTX_KERNEL;
+        } else if (*in_k) {
+            *ip = v;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* The stack's kernel ip count (engine.kernel_ips) and user frame count as the engine counts
  * them: none when its sample had no user registers and it has kernel frames (kernel_only). */
 static void stack_counts(const struct fp_stack *st, uint64_t *nk, uint32_t *nu, int *konly)
 {
-    uint64_t n = 0;
+    uint64_t n = 0, ip;
+    uint32_t i = 0;
     int in_k = 0;
-    for (uint32_t i = 0; i < st->nkc; i++) {
-        uint64_t v = st->kc[i];
-        if (v >= CTX_MAX)
-            in_k = v == CTX_KERNEL;
-        else if (in_k)
-            n++;
-    }
+    while (next_kip(st, &i, &in_k, &ip))
+        n++;
     *nk = n;
     *konly = st->regs_none && n;
     *nu = *konly ? 0 : st->npcs;
@@ -156,17 +169,14 @@ static int fold_add(struct fp_fold *f, const struct fp_stack *st, const uint32_t
         s[1 + i] = frame_rank[fid];
     }
     uint32_t *k = s + 1 + nu + nk; /* kernel ips leaf first too: filled from the end */
+    uint64_t ip;
+    uint32_t i = 0;
     in_k = 0;
-    for (uint32_t i = 0; i < st->nkc; i++) {
-        uint64_t v = st->kc[i];
-        if (v >= CTX_MAX) {
-            in_k = v == CTX_KERNEL;
-        } else if (in_k) {
-            int64_t x = kip_index(kips, nkips, v);
-            if (x < 0)
-                return -2;
-            *--k = krank[x];
-        }
+    while (next_kip(st, &i, &in_k, &ip)) {
+        int64_t x = kip_index(kips, nkips, ip);
+        if (x < 0)
+            return -2;
+        *--k = krank[x];
     }
     uint64_t h = 0x9e3779b97f4a7c15ull ^ len;
     for (uint32_t i = 0; i < len; i++)
@@ -324,16 +334,13 @@ uint64_t fp_kernel_ips(const struct fp_ctx *c, uint64_t *out, uint64_t cap)
         struct fp_stack st;
         if (fp_stack(c, id, &st))
             continue;
+        uint64_t ip;
+        uint32_t i = 0;
         int in_k = 0;
-        for (uint32_t i = 0; i < st.nkc; i++) {
-            uint64_t v = st.kc[i];
-            if (v >= CTX_MAX) {
-                in_k = v == CTX_KERNEL;
-            } else if (in_k) {
-                if (n < cap)
-                    out[n] = v;
-                n++;
-            }
+        while (next_kip(&st, &i, &in_k, &ip)) {
+            if (n < cap)
+                out[n] = ip;
+            n++;
         }
     }
     if (n > cap)
