@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -86,22 +87,36 @@ def record_perf_data(
     """``perf record -e cpu-clock -F freq --call-graph dwarf,stack`` of ``argv``.
 
     File mode writes with ``-o file``; pipe mode with ``-o -`` redirected into the file, so
-    the result is the byte stream a live pipe would carry."""
+    the result is the byte stream a live pipe would carry.
+
+    Retried with backoff (~2 min in all) when perf aborts on a build-id: perf 6.1 record dies
+    ("assertion failed at util/build-id.c:1010", then a smashed stack: a build-id longer than
+    20 bytes) while any process on the machine has a perf event open with ``attr.build_id``
+    (our daemon's build-id tests; other users of this shared machine): MMAP2 records of perf's
+    own events then arrive flagged PERF_RECORD_MISC_MMAP_BUILD_ID with inode data in the union
+    (see ``EventFormat.build_id_mmap``). Nothing about the workload is wrong, so wait for the
+    machine to be quiet; any other failure raises at once."""
     path = tmp_path / (name or ("pipe.data" if pipe else "perf.data"))
-    if pipe:
-        with path.open("wb") as out:
+    attempts = 7
+    for i in range(attempts):
+        if pipe:
+            with path.open("wb") as out:
+                proc = subprocess.run(
+                    _record_argv("-", argv, freq, stack, extra), stdout=out, stderr=subprocess.PIPE
+                )
+        else:
             proc = subprocess.run(
-                _record_argv("-", argv, freq, stack, extra), stdout=out, stderr=subprocess.PIPE
+                _record_argv(str(path), argv, freq, stack, extra),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
             )
-    else:
-        proc = subprocess.run(
-            _record_argv(str(path), argv, freq, stack, extra),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"perf record failed ({proc.returncode}): {proc.stderr.decode()}")
-    return path
+        if proc.returncode == 0:
+            return path
+        err = proc.stderr.decode(errors="replace")
+        if "build-id" not in err or i == attempts - 1:
+            raise RuntimeError(f"perf record failed ({proc.returncode}): {err}")
+        time.sleep(2.0 * 2**i if i < 5 else 30.0)
+    raise AssertionError("unreachable")
 
 
 @contextmanager

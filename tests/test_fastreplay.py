@@ -28,7 +28,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Workload
+from perfutil import record_perf_data
 from unwindd import cli, fastreplay
 from unwindd._unwcore import ffi, lib
 from unwindd.capture import StreamPipeline
@@ -52,36 +52,21 @@ CORE = ROOT / "cffi_build"
 FORMATS = ("folded", "jsonl", "perf-script")
 
 
-def _record(argv: Any, dest: Path, name: str, extra: tuple[str, ...] = ()) -> Path:
-    """perf record, retried while another process's build-id perf event corrupts perf's MMAP2
-    records (see test_unwind_oracle._record)."""
-    from perfutil import record_perf_data
-
-    for i in range(7):
-        try:
-            return record_perf_data(dest, argv, name=f"{name}.data", extra=extra)
-        except RuntimeError as e:
-            if "build-id" not in str(e) or i == 6:
-                raise
-            time.sleep(2.0 * 2**i if i < 5 else 30.0)
-    raise AssertionError("unreachable")
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("fastreplay")
     w: dict[str, Workload] = oracle.build_workloads(tmp / "w")
     out = {}
     for name in ("forkexec", "dlopen", "threads", "signal", "python"):
-        out[name] = _record(w[name].argv, tmp, name)
+        out[name] = record_perf_data(tmp, w[name].argv, name=f"{name}.data")
     busy = [sys.executable, "-c", "import os\nos.fork()\nx=0\nfor i in range(3_000_000): x+=i"]
-    out["system"] = _record(busy, tmp, "system", extra=("-a",))
+    out["system"] = record_perf_data(tmp, busy, name="system.data", extra=("-a",))
     # Deep recursion: CPython mmaps/munmaps frame chunks, so most records are data MMAP2s (the
     # ones sideband.c lets the fast path skip), interleaved with samples.
     deep = [sys.executable, "-c", "import sys\nsys.setrecursionlimit(10000)\n"
             "def f(n): return 0 if n == 0 else (f(n - 1) + n) % 7\n"
             "for i in range(1500): f(100 + i % 200)"]  # fmt: skip
-    out["mmapstorm"] = _record(deep, tmp, "mmapstorm")
+    out["mmapstorm"] = record_perf_data(tmp, deep, name="mmapstorm.data")
     # One process, one stripped library mapped twice (dlopen + dlmopen): the same code frames
     # at two addresses, unnamed, so the unsymbolized count (per address space and pcs) tells
     # aggregation by code apart from aggregation by address.
@@ -91,7 +76,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                  ["strip", str(lib_so)],
                  ["gcc", "-O2", "-o", str(exe), str(src / "dlmtwice.c"), "-ldl"]):  # fmt: skip
         subprocess.run(argv, check=True, capture_output=True)
-    out["dlmtwice"] = _record([str(exe), str(lib_so)], tmp, "dlmtwice")
+    out["dlmtwice"] = record_perf_data(tmp, [str(exe), str(lib_so)], name="dlmtwice.data")
     return out
 
 

@@ -9,7 +9,6 @@ workload; a failure message shows the worst differing stacks side by side.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -27,25 +26,9 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
     return oracle.build_workloads(tmp_path_factory.mktemp("workloads"))
 
 
-def _record(workload: Workload, dest: Path, attempts: int = 7) -> Path:
-    """``oracle.record``, retried with backoff (~2 min in all): perf 6.1 record aborts
-    ("assertion failed at util/build-id.c:1010", a build-id longer than 20 bytes) while another
-    process on the machine has a perf event open with ``attr.build_id`` (our own daemon's tests):
-    MMAP2 records of perf's events then arrive flagged PERF_RECORD_MISC_MMAP_BUILD_ID with inode
-    data in the union. Nothing about the workload is wrong, so wait for the machine to be quiet."""
-    for i in range(attempts):
-        try:
-            return oracle.record(workload, dest)
-        except RuntimeError as e:
-            if "build-id" not in str(e) or i == attempts - 1:
-                raise
-            time.sleep(2.0 * 2**i if i < 5 else 30.0)
-    raise AssertionError("unreachable")
-
-
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_unwind_matches_perf(workloads: dict[str, Workload], name: str, tmp_path: Path) -> None:
-    path = _record(workloads[name], tmp_path)
+    path = oracle.record(workloads[name], tmp_path)
     script = oracle.perf_script(path)
     ours = oracle.unwindd_stacks(path)
     lacking = [s for s in ours if "frames" not in s or "time_ns" not in s]
