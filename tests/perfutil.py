@@ -24,7 +24,8 @@ from typing import IO
 PERF = shutil.which("perf") or "perf"
 
 # A process that forks once; parent and child both spin through two real call frames for
-# ``argv[1]`` seconds, so a recording has two pids with user stacks worth unwinding.
+# ``argv[1]`` seconds of their own CPU time (so a loaded machine stretches the run instead of
+# thinning its samples), so a recording has two pids with user stacks worth unwinding.
 BUSY_C = r"""
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -37,8 +38,8 @@ static __attribute__((noinline)) void mid(unsigned long n) { leaf(n); }
 static void spin(double secs)
 {
     struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    do { mid(100000); clock_gettime(CLOCK_MONOTONIC, &b); }
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &a);
+    do { mid(100000); clock_gettime(CLOCK_THREAD_CPUTIME_ID, &b); }
     while ((b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) / 1e9 < secs);
 }
 int main(int argc, char **argv)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from perfutil import perf_script_samples, perf_stats, record_perf_data
+from procutil import wait_perf_fds
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
 
@@ -104,7 +105,9 @@ def test_replay_records_are_time_ordered(perf_file: Path) -> None:
 
 
 def test_record_pid_records_see_child(tmp_path: Path) -> None:
-    # The child waits on a pipe until unwindd has its session open, then spins and exits.
+    # The child waits on a pipe until unwindd has its session open, then spins 0.4 s of its
+    # own CPU time (the samples a loaded machine gives it do not thin out) and exits; record
+    # is stopped with SIGINT once the child is gone (its last drain keeps what the rings hold).
     r, w = os.pipe()
     child = subprocess.Popen(
         [
@@ -112,8 +115,8 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
             "-c",
             "import os, sys, time\n"
             "os.read(int(sys.argv[1]), 1)\n"
-            "end = time.time() + 0.8\n"
-            "while time.time() < end: pass\n",
+            "end = time.thread_time() + 0.4\n"
+            "while time.thread_time() < end: pass\n",
             str(r),
         ],
         pass_fds=(r,),
@@ -126,9 +129,13 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
             "--pid",
             str(child.pid),
             "--duration",
-            "2",
+            "60",
             "-F",
             "499",
+            # 1 MiB rings: the default 256 KiB holds ~60 ms of samples at 499 Hz, and the
+            # JSON printing between drains fell behind under load: the child's EXIT was lost
+            "--ring-pages",
+            "256",
             "--format",
             "records",
         ],
@@ -136,10 +143,15 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(0.5)  # let record open its events (the child is blocked in read())
+    # record has its events open once it holds one perf fd per CPU (it enables them next; a
+    # sleep here raced a slow start under load: the child could be gone before record began)
+    wait_perf_fds(rec.pid, len(os.sched_getaffinity(0)), rec)
+    time.sleep(0.1)
     os.write(w, b"x")
     os.close(w)
-    child.wait(timeout=10)
+    child.wait(timeout=60)
+    time.sleep(0.2)
+    rec.send_signal(signal.SIGINT)
     out, err = rec.communicate(timeout=30)
     assert rec.returncode == 0, err
     recs = [json.loads(line) for line in out.splitlines()]
@@ -147,7 +159,8 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
     assert len(samples) >= 50, (len(samples), err)
     assert {x["pid"] for x in samples} == {child.pid}
     exits = [x for x in recs if x["type"] == "EXIT" and x["pid"] == child.pid]
-    assert exits and max(x["time"] for x in samples) <= exits[-1]["time"]
+    assert exits and max(x["time"] for x in samples) <= exits[-1]["time"], (recs[-3:], err)
+    assert not [x for x in recs if x["type"] == "LOST"], err
 
 
 def test_record_all_stops_cleanly_on_sigterm() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from procutil import wait_mapped
 from unwindd import elfcache
 from unwindd.elfcache import CacheConfig, ElfCache, ElfReader
 from unwindd.proctable import ProcessTable
@@ -42,19 +42,6 @@ def spawn(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         p.kill()
         p.wait()
-
-
-def wait_mapped(pid: int, needle: str) -> str:
-    """The maps text once an *executable* mapping naming ``needle`` is in it. Waiting for the
-    name alone raced ld.so: it maps a library's first (read-only) segment, then the text
-    segment, so the name shows up before the mapping the process table keeps (CI saw a libc
-    refcount of 2 for 3 processes)."""
-    for _ in range(200):
-        maps = Path(f"/proc/{pid}/maps").read_text()
-        if any(needle in line and "x" in line.split(maxsplit=2)[1] for line in maps.splitlines()):
-            return maps
-        time.sleep(0.01)
-    raise AssertionError(f"{needle} never mapped in {pid}")
 
 
 @pytest.fixture(scope="module")

@@ -647,7 +647,10 @@ def test_pid_target_covers_existing_threads() -> None:
     try:
         tid = int(proc.stdout.readline())
         assert tid != proc.pid
-        with PerfSession.open(Target(pids=(proc.pid,)), SamplingConfig(frequency=999)) as session:
+        # 1 MiB rings: the default 256 KiB holds ~30 samples, so a descheduled drain loop
+        # could lose the thread's EXIT record
+        config = SamplingConfig(frequency=999, ring_pages=256)
+        with PerfSession.open(Target(pids=(proc.pid,)), config) as session:
             assert len(session.fds) == len(online_cpus())  # still one ring per CPU
             session.enable()
             proc.stdin.write(b"g")

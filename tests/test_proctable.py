@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from perfutil import build_busy, record_perf_data
+from procutil import wait_mapped
 from unwindd.abi import MISC_COMM_EXEC, MISC_MMAP_DATA, MISC_USER
 from unwindd.elfcache import ElfCache
 from unwindd.perfdata import PerfData
@@ -220,13 +221,7 @@ def test_real_maps_self_and_child() -> None:
         assert (m.start, m.end) == (int(lo, 16), int(hi, 16))
     p = subprocess.Popen(["sleep", "30"])
     try:
-        import time
-
-        for _ in range(200):
-            text = Path(f"/proc/{p.pid}/maps").read_text()
-            if "libc.so.6" in text:
-                break
-            time.sleep(0.01)
+        text = wait_mapped(p.pid, "libc.so.6")
         cache = ElfCache()
         sp = ProcessTable(cache).load_proc_maps(p.pid, text)
         names = {m.filename for m in sp.mappings}

@@ -3,7 +3,7 @@
  * copy against ground truth: for a sample taken inside spin(), sp <= &magic < sp + dyn_size and
  * the copied stack holds MAGIC at &magic - sp.
  *
- *   busy spin MS         spin MS milliseconds, exit 0
+ *   busy spin MS         spin MS milliseconds of CPU time, exit 0
  *   busy wait-spin MS    read one byte from stdin first (the test's "session is open" signal)
  *   busy wait-fork MS    read one byte, fork; the grandchild spins MS ms; wait for it
  */
@@ -19,10 +19,13 @@
 
 static volatile uint64_t sink;
 
+/* The spinning thread's CPU time, not the wall clock: a per-task cpu-clock event samples the
+ * time the task runs, so MS ms of it give the same number of samples however loaded the
+ * machine is (a wall-clock spin on a busy shared machine got a fraction of them). */
 static double now_ms(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
