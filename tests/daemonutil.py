@@ -155,6 +155,22 @@ class DaemonProc:
         assert status == 200, body
         return json.loads(body)
 
+    def wait_settled(self, pid: int, timeout: float = 30) -> int:
+        """Once ``pid`` (exited) has all its samples stored: the same nonzero count in two
+        reads of /v1/processes 0.6 s apart (past the answer cache's 0.5 s). A fixed sleep
+        raced the daemon's step under load: records are ordered two rounds late, and a step
+        loading cold binaries (other sessions' new programs) holds them longer."""
+        deadline = time.monotonic() + timeout
+        last = -1
+        while True:
+            procs = {p["pid"]: p for p in self.json("/v1/processes")["processes"]}
+            n = procs[pid]["samples"] if pid in procs else 0
+            if n and n == last:
+                return n
+            assert time.monotonic() < deadline, f"pid {pid}'s samples never settled: {n}"
+            last = n
+            time.sleep(0.6)
+
     def metrics(self) -> str:
         with socket.create_connection(("127.0.0.1", self.port), timeout=10) as s:
             s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")

@@ -590,9 +590,9 @@ def test_random_corruption_never_crashes(ld_eh: tuple[bytes, int], data: st.Data
     buf = bytearray(raw[: data.draw(st.integers(64, 4096))])
     for _ in range(data.draw(st.integers(1, 40))):
         buf[data.draw(st.integers(0, len(buf) - 1))] = data.draw(st.integers(0, 255))
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time: a preempted example on a loaded machine is not slow
     t = CfiTable.from_sections(bytes(buf), addr)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.thread_time() - t0 < 1.0
     for row in t.rows()[:50]:
         t.lookup(row.pc)
 

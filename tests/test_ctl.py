@@ -26,7 +26,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc, 
         d.wait_message("READY=1")
         proc = subprocess.Popen(wl.argv, stdout=subprocess.DEVNULL)
         assert proc.wait(60) == 0
-        time.sleep(0.4)
+        d.wait_settled(proc.pid)
         yield d, proc.pid, wl
     finally:
         assert d.stop() == 0

@@ -86,12 +86,15 @@ def test_procfs_real_self_and_a_child() -> None:
     assert kthreadd is not None and kthreadd.flags & PF_KTHREAD
     t0 = time.monotonic_ns()
     child = subprocess.Popen(["sleep", "5"])
+    t1 = time.monotonic_ns()
     try:
         st = fs.stat(child.pid)
         assert st is not None
-        # the start time derived from our monotonic clock matches the kernel's to a tick
-        est = ticks_from_monotonic(t0, fs.boot_offset_ns(), fs.clk_tck)
-        assert abs(st.start_time - est) <= 2, (st.start_time, est)
+        # the start time derived from our monotonic clock matches the kernel's to a tick:
+        # the fork happened between t0 and t1 (a loaded machine can stretch that gap)
+        boot, tck = fs.boot_offset_ns(), fs.clk_tck
+        lo, hi = ticks_from_monotonic(t0, boot, tck), ticks_from_monotonic(t1, boot, tck)
+        assert lo - 1 <= st.start_time <= hi + 1, (st.start_time, lo, hi)
     finally:
         child.kill()
         child.wait()
@@ -99,11 +102,16 @@ def test_procfs_real_self_and_a_child() -> None:
 
 
 def test_full_scan_cost_is_bounded() -> None:
-    """The bootstrap's /proc cost on this machine, per process (printed for BENCHMARKS.md)."""
+    """The bootstrap's /proc cost on this machine, per process (printed for BENCHMARKS.md): the
+    best of three scans in this thread's CPU time (kernel time included), so a preempted scan
+    on a loaded machine is not taken for a slow one; the bound catches a scan gone quadratic."""
     fs = ProcFS()
-    t0 = time.perf_counter()
-    infos = list(fs.scan())
-    dt = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.thread_time()
+        infos = list(fs.scan())
+        times.append(time.thread_time() - t0)
+    dt = min(times)
     n = len(infos)
     per = dt / max(n, 1)
     print(f"scan: {n} processes, {sum(len(i.maps) for i in infos)} exec mappings, "

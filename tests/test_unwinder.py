@@ -511,9 +511,9 @@ def test_garbage_never_crashes(
     if ip_base is not None:
         named["ip"] = ip_base + regs[8] % 0x80000
     s = sample(stack, **named)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time: a preempted example on a loaded machine is not slow
     r = run(libc_space, s, depth)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.thread_time() - t0 < 0.5
     assert len(r.pcs) <= depth and r.pcs[:1] == (named["ip"],) if stack else True
 
 
