@@ -30,12 +30,15 @@ from dataclasses import dataclass
 import pytest
 from unwindd import abi, records
 from unwindd.perfcore import (
+    MAX_RING_PAGES,
     PerfOpenError,
     PerfSession,
     SamplingConfig,
     Target,
+    auto_ring_pages,
     online_cpus,
     parse_cpu_list,
+    ring_pages_cap,
 )
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -210,7 +213,8 @@ def test_bad_stack_size_is_refused_before_any_syscall(stack_size: int) -> None:
     [
         (SamplingConfig(event="cycles"), "unknown event 'cycles'"),
         (SamplingConfig(ring_pages=3), "ring_pages"),
-        (SamplingConfig(ring_pages=0), "ring_pages"),
+        (SamplingConfig(ring_pages=-1), "ring_pages"),
+        (SamplingConfig(ring_pages=1 << 21), "ring_pages"),
         (SamplingConfig(frequency=0), "frequency"),
         (SamplingConfig(period=0), "period"),
         (SamplingConfig(regs_mask=1 << 64), "regs_mask"),
@@ -219,6 +223,41 @@ def test_bad_stack_size_is_refused_before_any_syscall(stack_size: int) -> None:
 def test_bad_config(config: SamplingConfig, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         PerfSession.open(Target(all_cpus=True), config)
+
+
+def test_auto_ring_pages() -> None:
+    """ring_pages 0 sizes a ring so its half holds 125 ms of a busy CPU's samples (each the
+    whole stack_size plus ~512 bytes), a power of two, at least 16 pages and 4 samples,
+    capped by the mlock budget (perf_event_mlock_kb per CPU less the header page)."""
+    assert auto_ring_pages(99, 8192, mlock_kb=516) == (64, 64)  # 2*99*8704/8 = 215 KB
+    assert auto_ring_pages(999, 8192, mlock_kb=516) == (128, 1024)  # capped
+    assert auto_ring_pages(999, 8192, mlock_kb=8192) == (1024, 1024)
+    assert auto_ring_pages(1, 0, mlock_kb=516) == (16, 16)  # the floor
+    assert auto_ring_pages(1, 65528, mlock_kb=516) == (128, 128)  # 4 samples of ~64.5 KiB
+    assert auto_ring_pages(10**6, 65528, mlock_kb=1 << 30)[1] == MAX_RING_PAGES
+    assert ring_pages_cap(mlock_kb=516) == 128 and ring_pages_cap(mlock_kb=4) == 1
+    assert ring_pages_cap(page=65536, mlock_kb=516) == 4  # 8 pages less the header: 7 -> 4
+    for freq in (1, 50, 99, 250, 999, 4000):
+        for stack in (0, 512, 8192, 65528):
+            pages, wanted = auto_ring_pages(freq, stack, mlock_kb=1 << 30)
+            assert pages == wanted and pages & (pages - 1) == 0
+            rec = stack + 512
+            half = pages * 4096 // 2
+            assert half >= min(freq * rec * 0.125, MAX_RING_PAGES * 2048) and pages >= 16
+            assert pages == 16 or half < 2 * max(freq * rec * 0.125, 2 * rec)  # the smallest
+
+
+def test_auto_ring_pages_in_a_real_session() -> None:
+    """The session opens with the auto size resolved (what the watermark and mmap used), and
+    keeps an operator's size as chosen."""
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=99)) as s:
+        assert s.config.ring_pages == auto_ring_pages(99, 8192)[0]
+        assert s.ring_pages_wanted == auto_ring_pages(99, 8192)[1]
+    config = SamplingConfig(frequency=999, stack_size=4096)
+    with PerfSession.open(Target(all_cpus=True), config) as s:
+        assert (s.config.ring_pages, s.ring_pages_wanted) == auto_ring_pages(999, 4096)
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=8)) as s:
+        assert (s.config.ring_pages, s.ring_pages_wanted) == (8, 8)
 
 
 @pytest.mark.parametrize(

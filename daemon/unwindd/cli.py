@@ -155,8 +155,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ring-pages",
         type=int,
-        default=64,
-        help="ring buffer data pages per CPU, a power of two (64)",
+        default=0,
+        help="ring buffer data pages per CPU, a power of two; 0 (the default): sized from "
+        "--frequency and --stack-size (64 at 99 Hz with 8 KiB stacks, at most what "
+        "kernel.perf_event_mlock_kb locks without CAP_IPC_LOCK)",
     )
 
 

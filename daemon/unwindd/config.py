@@ -55,8 +55,9 @@ def _one_of(*choices: str) -> Callable[[Any], str | None]:
     return check
 
 
-def _power_of_two(v: Any) -> str | None:
-    return None if 0 < v <= 1 << 16 and not v & (v - 1) else "must be a power of two <= 65536"
+def _auto_or_power_of_two(v: Any) -> str | None:
+    ok = 0 <= v <= 1 << 16 and not v & (v - 1)
+    return None if ok else "must be 0 (auto) or a power of two <= 65536"
 
 
 def _stack_size(v: Any) -> str | None:
@@ -106,7 +107,7 @@ class SamplingSection:
     event: str = _key("cpu-clock", live=False, check=_one_of("cpu-clock", "task-clock"))
     frequency: int = _key(99, live=False, check=_positive)
     stack_size: int = _key(8192, live=False, check=_stack_size)
-    ring_pages: int = _key(64, live=False, check=_power_of_two)
+    ring_pages: int = _key(0, live=False, check=_auto_or_power_of_two)
 
 
 @dataclass(frozen=True, slots=True)

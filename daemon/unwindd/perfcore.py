@@ -26,7 +26,7 @@ import errno
 import os
 import resource
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -48,6 +48,43 @@ MAX_STACK_SIZE = int(lib.PC_MAX_STACK_USER)
 MAX_RECORD_SIZE = records.MAX_RECORD_SIZE
 MAX_RING_PAGES = 1 << 20
 
+# What a sample costs in the ring besides its user stack copy: the header and sample fields,
+# 17 x86_64 user registers, the stack size and dyn_size words and a kernel callchain of a few
+# dozen entries. The kernel reserves the whole stack_size per sample whatever it fills.
+_SAMPLE_OVERHEAD = 512
+# Time the half ring left after the wake-up (the daemon is woken at half full) must cover.
+_HEADROOM_S = 0.125
+
+
+def ring_pages_cap(page: int = 4096, mlock_kb: int | None = None) -> int:
+    """The largest ring (data pages, a power of two) the kernel locks for perf without
+    CAP_IPC_LOCK: kernel.perf_event_mlock_kb per CPU less the header page (128 pages at the
+    default 516 KiB; kernel/events/core.c perf_mmap charges the rest to RLIMIT_MEMLOCK)."""
+    if mlock_kb is None:
+        try:
+            mlock_kb = int(_read_sysctl("perf_event_mlock_kb"))
+        except ValueError:
+            mlock_kb = 516  # the kernel's default
+    cap = 1
+    while cap * 2 <= max(1, mlock_kb * 1024 // page - 1):
+        cap *= 2
+    return cap
+
+
+def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096,
+                    mlock_kb: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """(pages, wanted): data pages per ring for a CPU sampled at ``frequency`` with
+    ``stack_size`` stacks when the operator did not choose. ``wanted`` is the power of two
+    whose half holds ``_HEADROOM_S`` of a fully busy CPU's samples (and at least 4 of them,
+    and never under 16 pages); ``pages`` is that, capped by ``ring_pages_cap``. 99 Hz with
+    8 KiB stacks gives 64 pages (the old fixed default); 999 Hz wants 1024 and gets 128."""
+    rec = stack_size + _SAMPLE_OVERHEAD
+    need = max(2 * frequency * rec * _HEADROOM_S, 4 * rec, 16 * page)
+    wanted = 1
+    while wanted * page < need and wanted < MAX_RING_PAGES:
+        wanted *= 2
+    return min(wanted, ring_pages_cap(page, mlock_kb)), wanted
+
 
 class PerfOpenError(OSError):
     """perf_event_open, its ioctls or the ring mmap failed; ``errno`` is the kernel's answer and
@@ -61,7 +98,9 @@ class SamplingConfig:
     period: int | None = None
     stack_size: int = 8192  # bytes of user stack per sample: 0..65528, multiple of 8
     regs_mask: int = abi.X86_64_REGS_MASK
-    ring_pages: int = 64  # data pages per ring, a power of two
+    # data pages per ring, a power of two; 0: sized from frequency and stack_size when the
+    # session opens (auto_ring_pages)
+    ring_pages: int = 0
     # Ask for build-id MMAP2 records (falls back to the inode form). Off by default: while a
     # build-id event is open, the kernel leaks PERF_RECORD_MISC_MMAP_BUILD_ID into every other
     # perf user's MMAP2 records (kernel/events/core.c perf_event_mmap_output sets the bit on
@@ -86,8 +125,22 @@ class SamplingConfig:
         if not 0 <= self.regs_mask < 1 << 64:
             raise ValueError(f"regs_mask must be a 64-bit mask, got {self.regs_mask:#x}")
         rp = self.ring_pages
-        if not 0 < rp <= MAX_RING_PAGES or rp & (rp - 1):
-            raise ValueError(f"ring_pages must be a power of two in 1..{MAX_RING_PAGES}, got {rp}")
+        if not 0 <= rp <= MAX_RING_PAGES or rp & (rp - 1):
+            raise ValueError(
+                f"ring_pages must be 0 (auto) or a power of two in 1..{MAX_RING_PAGES}, got {rp}"
+            )
+
+    def resolved(self, page: int = 4096) -> tuple[SamplingConfig, int]:
+        """(this config with concrete ``ring_pages``, the pages wanted): ``ring_pages`` 0 is
+        ``auto_ring_pages`` (a fixed period has no rate to size by: the mlock cap); a chosen
+        size is wanted as is."""
+        if self.ring_pages:
+            return self, self.ring_pages
+        if self.period is not None:
+            cap = ring_pages_cap(page)
+            return replace(self, ring_pages=cap), cap
+        pages, wanted = auto_ring_pages(self.frequency, self.stack_size, page)
+        return replace(self, ring_pages=pages), wanted
 
     def describe(self) -> str:
         rate = f"period={self.period}" if self.period is not None else f"{self.frequency} Hz"
@@ -222,6 +275,8 @@ class PerfSession:
     event_format: records.EventFormat
     build_id_mmap2: bool
     skipped_cpus: list[int]
+    config: SamplingConfig  # as opened: ring_pages concrete
+    ring_pages_wanted: int  # what auto sizing wanted (> config.ring_pages when capped)
 
     def __init__(
         self,
@@ -232,6 +287,8 @@ class PerfSession:
         event_format: records.EventFormat,
         build_id_mmap2: bool,
         skipped_cpus: list[int],
+        config: SamplingConfig,
+        ring_pages_wanted: int,
     ) -> None:
         """Use ``PerfSession.open``; this takes ownership of already opened native state."""
         self._rings = rings
@@ -251,6 +308,8 @@ class PerfSession:
         self._trim = int(lib.pc_trim_nregs(event_format.sample_type, event_format.sample_regs_user))
         self.build_id_mmap2 = build_id_mmap2
         self.skipped_cpus = skipped_cpus
+        self.config = config
+        self.ring_pages_wanted = ring_pages_wanted
 
     # -- opening
 
@@ -274,6 +333,7 @@ class PerfSession:
             raise ValueError("no CPUs to open")
         etype, econfig = EVENTS[config.event]
         page = os.sysconf("SC_PAGE_SIZE")
+        config, wanted = config.resolved(page)
 
         def attr(sideband: bool, inherit: bool) -> Any:
             c = ffi.new("pc_attr_config *")
@@ -419,7 +479,7 @@ class PerfSession:
             name=config.event,
             build_id_mmap=all(granted) and config.build_id,
         )
-        return cls(rings, ring_cpus, fds, all_fds, fmt, all(granted), skipped)
+        return cls(rings, ring_cpus, fds, all_fds, fmt, all(granted), skipped, config, wanted)
 
     # -- control
 

@@ -286,6 +286,8 @@ class Daemon:
             "reloads": self.reloads,
             "reload_errors": self.reload_errors[-5:],
             "pending_restart": self.pending_restart,
+            "rings": {"cpus": len(p.session.fds), "pages": p.session.config.ring_pages,
+                      "wanted_pages": p.session.ring_pages_wanted},
             "config_source": self.config.source,
             "config": self.config.to_json(),
         }  # fmt: skip
@@ -312,10 +314,26 @@ class Daemon:
                      cfg.sampling.frequency, self.socket_path,
                      f"; metrics http://{self._metrics_url()}/metrics"
                      if self.metrics_address else "")  # fmt: skip
+            self._log_rings(cfg)
             await self._stop.wait()
         finally:
             await self._shutdown()
         return 0
+
+    def _log_rings(self, cfg: Config) -> None:
+        """The ring size in use; a warning when auto sizing was capped by the mlock limit (a
+        busy CPU's samples then fill half a ring in less than perfcore._HEADROOM_S)."""
+        s = self.profiler.session
+        pages, wanted = s.config.ring_pages, s.ring_pages_wanted
+        how = "set" if cfg.sampling.ring_pages else "auto"
+        log.info("rings: %d pages per CPU (%s)", pages, how)
+        if pages < wanted:
+            log.warning("rings: %d pages per CPU would suit %d Hz with %d-byte stacks; "
+                        "kernel.perf_event_mlock_kb caps them at %d without CAP_IPC_LOCK "
+                        "(watch unwindd_lost_records_total; raise the sysctl, or set "
+                        "[sampling] ring_pages and grant CAP_IPC_LOCK or LimitMEMLOCK)",
+                        wanted, cfg.sampling.frequency, cfg.sampling.stack_size,
+                        pages)  # fmt: skip
 
     def _metrics_url(self) -> str:
         assert self.metrics_address is not None
