@@ -23,6 +23,7 @@ from captured import Replayed
 from unwindd.elfcache import CacheConfig
 from unwindd.engine import CFI_INLINE_MAX_BYTES, StackEngine
 from unwindd.live import LiveProfiler
+from unwindd.livefast import NativeStep
 from unwindd.livetable import LiveTable
 from unwindd.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.procscan import ProcFS
@@ -151,14 +152,33 @@ def test_native_step_feeds_stream_subscribers(
 
 
 def test_small_binaries_compile_on_the_loop(
-    workloads: dict[str, Workload], tmp_path: Path
+    workloads: dict[str, Workload], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the daemon's default size cut (CFI_INLINE_MAX_BYTES), a small binary's samples do
-    not wait for the worker (which would unwind them in Python later): fewer samples deferred
-    than when every binary goes to the worker, and the same stacks as the slow step."""
+    not wait for the worker (which would unwind them in Python later): none of the
+    workload's samples (a small C program and libc) is deferred, fewer binaries go to the
+    worker than when every binary does, and the stacks are the slow step's. Counted on the
+    workload's pids: the capture is machine-wide, and how many of other processes' samples
+    wait for big binaries' compiles depends on the worker's timing (a total compared
+    across two replays failed under load, 396 vs 370)."""
+    deferred: Counter[tuple[int, int]] = Counter()  # (id of the NativeStep, pid)
+    real_defer = NativeStep._defer
+
+    def counting(self: NativeStep, s: Any) -> bool:
+        held = real_defer(self, s)
+        if held:
+            deferred[id(self), s.pid] += 1
+        return held
+
+    monkeypatch.setattr(NativeStep, "_defer", counting)
     cap = tmp_path / "chunks.pickle"
-    capture(cap, [(workloads["c_o2"].argv[0], "200")])
+    pids = capture(cap, [(workloads["c_o2"].argv[0], "200")])
     (tmp_path / "empty-proc").mkdir()
+
+    def of_workload(prof: LiveProfiler) -> int:
+        assert prof.fast is not None
+        return sum(deferred[id(prof.fast), pid] for pid in pids)
+
     slow = replay(cap, False, tmp_path)
     worker = replay(cap, True, tmp_path, prefetch=True)
     loop = replay(cap, True, tmp_path, prefetch=True, inline_max=CFI_INLINE_MAX_BYTES)
@@ -166,7 +186,14 @@ def test_small_binaries_compile_on_the_loop(
     pre, wpre = loop.engine.cfi_prefetch, worker.engine.cfi_prefetch
     assert pre is not None and wpre is not None and pre.inline > 0 and wpre.inline == 0
     assert pre.started < wpre.started  # binaries sent to the worker
-    assert loop.fast.stats_deferred < worker.fast.stats_deferred
+    for prof in (worker, loop):  # the hook saw every deferral
+        assert prof.fast is not None
+        assert sum(n for (k, _), n in deferred.items() if k == id(prof.fast)) == (
+            prof.fast.stats_deferred)
+    # (with every binary on the worker, the workload's first samples wait: not asserted, as
+    # a preempted replay can find the compile done; printed)
+    print(f"workload samples deferred: worker {of_workload(worker)}, loop {of_workload(loop)}")
+    assert of_workload(loop) == 0
     assert contents(loop) == contents(slow)
     assert loop.engine.stats.by_status == slow.engine.stats.by_status
     # no size cut, but tables on disk (the daemon's cache dir): loaded on the loop as well
@@ -177,7 +204,7 @@ def test_small_binaries_compile_on_the_loop(
     fpre, apre = first.engine.cfi_prefetch, again.engine.cfi_prefetch
     assert fpre is not None and apre is not None and any(cfi_dir.iterdir())
     assert apre.started < fpre.started and apre.inline > 0
-    assert again.fast.stats_deferred < first.fast.stats_deferred
+    assert of_workload(again) == 0
     assert contents(again) == contents(slow)
 
 
