@@ -122,6 +122,7 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
         pass_fds=(r,),
     )
     os.close(r)
+    out_file = (tmp_path / "records.jsonl").open("w")
     rec = subprocess.Popen(
         [
             *UNWINDD,
@@ -132,14 +133,13 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
             "60",
             "-F",
             "499",
-            # 1 MiB rings: the default 256 KiB holds ~60 ms of samples at 499 Hz, and the
-            # JSON printing between drains fell behind under load: the child's EXIT was lost
-            "--ring-pages",
-            "256",
             "--format",
             "records",
         ],
-        stdout=subprocess.PIPE,
+        # a file, not a pipe: nobody reads a pipe until communicate(), and once its 64 KiB
+        # were full record blocked in write() while the child's samples overflowed the rings
+        # (the child's EXIT was lost)
+        stdout=out_file,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -152,7 +152,9 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
     child.wait(timeout=60)
     time.sleep(0.2)
     rec.send_signal(signal.SIGINT)
-    out, err = rec.communicate(timeout=30)
+    _, err = rec.communicate(timeout=30)
+    out_file.close()
+    out = (tmp_path / "records.jsonl").read_text()
     assert rec.returncode == 0, err
     recs = [json.loads(line) for line in out.splitlines()]
     samples = [x for x in recs if x["type"] == "SAMPLE"]
