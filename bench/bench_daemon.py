@@ -2,7 +2,7 @@
 same run, plus lost samples and /v1/stacks query latency while sampling.
 
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
-                                  [--repeat N] [--before DIR]
+                                  [--repeat N] [--before DIR] [--ring-pages 256|0|64,0,256]
 
 For each frequency, with a steady load (one C workload looping per CPU):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
@@ -61,10 +61,11 @@ def http(sock: str, target: str) -> bytes:
 
 
 def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: str | None = None,
-                 with_queries: bool = True) -> dict[str, float]:  # fmt: skip
+                 with_queries: bool = True, ring_pages: int = 256) -> dict[str, float]:  # fmt: skip
     sock = str(tmp / f"d{freq}.sock")
     cfg = tmp / f"d{freq}.toml"
-    cfg.write_text(f'[sampling]\nfrequency = {freq}\nstack_size = {stack}\nring_pages = 256\n'
+    rings = f"ring_pages = {ring_pages}\n" if ring_pages else ""  # 0: the daemon's auto size
+    cfg.write_text(f'[sampling]\nfrequency = {freq}\nstack_size = {stack}\n{rings}'
                    f'[api]\nsocket = "{sock}"\n[metrics]\nenabled = false\n')  # fmt: skip
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     d = subprocess.Popen([sys.executable, "-m", "unwindd.cli", "run", "--config", str(cfg)],
@@ -96,6 +97,9 @@ def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: s
                 f"{label}lost": s1["lost"] - s0["lost"] + s1["lost_samples"] - s0["lost_samples"],
                 f"{label}us_per_sample": (c1 - c0) / max(samples, 1) * 1e6,
             })  # fmt: skip
+            # since start, warm-up included: its cold ELF loads stall steps the most
+            out["lost_since_start"] = s1["lost"] + s1["lost_samples"]
+            out["ring_pages"] = s1.get("rings", {}).get("pages", 0)
             for name, xs in lat.items():
                 if xs:
                     xs.sort()
@@ -135,6 +139,9 @@ def main() -> None:
     ap.add_argument("--stack-size", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
+    ap.add_argument("--ring-pages", default="256",
+                    help="the daemon's [sampling] ring_pages; 0: its auto size; a comma list "
+                    "runs each (alternated), named unwindd@N")  # fmt: skip
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as td:
         tmp = Path(td)
@@ -148,7 +155,12 @@ def main() -> None:
             for f in (int(x) for x in args.freqs.split(",")):
                 per: dict[str, list[float]] = {}
                 for _ in range(args.repeat):
-                    runs = {"unwindd": bench_daemon(f, args.seconds, args.stack_size, tmp)}
+                    sizes = [int(x) for x in args.ring_pages.split(",")]
+                    runs = {}
+                    for rp in sizes:
+                        name = "unwindd" if len(sizes) == 1 else f"unwindd@{rp}"
+                        runs[name] = bench_daemon(f, args.seconds, args.stack_size, tmp,
+                                                  ring_pages=rp)  # fmt: skip
                     if args.before is not None:
                         runs["before"] = bench_daemon(f, args.seconds, args.stack_size, tmp,
                                                       str(args.before), False)

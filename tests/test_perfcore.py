@@ -26,10 +26,12 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-from unwindd import abi, records
+from unwindd import abi, perfcore, records
 from unwindd.perfcore import (
+    AUTO_MAX_PAGES,
     MAX_RING_PAGES,
     PerfOpenError,
     PerfSession,
@@ -226,38 +228,72 @@ def test_bad_config(config: SamplingConfig, pattern: str) -> None:
 
 
 def test_auto_ring_pages() -> None:
-    """ring_pages 0 sizes a ring so its half holds 125 ms of a busy CPU's samples (each the
-    whole stack_size plus ~512 bytes), a power of two, at least 16 pages and 4 samples,
-    capped by the mlock budget (perf_event_mlock_kb per CPU less the header page)."""
-    assert auto_ring_pages(99, 8192, mlock_kb=516) == (64, 64)  # 2*99*8704/8 = 215 KB
-    assert auto_ring_pages(999, 8192, mlock_kb=516) == (128, 1024)  # capped
-    assert auto_ring_pages(999, 8192, mlock_kb=8192) == (1024, 1024)
-    assert auto_ring_pages(1, 0, mlock_kb=516) == (16, 16)  # the floor
-    assert auto_ring_pages(1, 65528, mlock_kb=516) == (128, 128)  # 4 samples of ~64.5 KiB
-    assert auto_ring_pages(10**6, 65528, mlock_kb=1 << 30)[1] == MAX_RING_PAGES
-    assert ring_pages_cap(mlock_kb=516) == 128 and ring_pages_cap(mlock_kb=4) == 1
-    assert ring_pages_cap(page=65536, mlock_kb=516) == 4  # 8 pages less the header: 7 -> 4
+    """ring_pages 0 wants a ring whose half holds 125 ms of a busy CPU's samples (each the
+    whole stack_size plus ~512 bytes), a power of two, at least 16 pages and 4 samples; the
+    cap is the locked-memory budget per CPU (perf_event_mlock_kb each, plus RLIMIT_MEMLOCK
+    shared, less each ring's header page; none with CAP_IPC_LOCK), at most AUTO_MAX_PAGES."""
+    assert auto_ring_pages(99, 8192) == 64  # 2*99*8704/8 = 215 KB
+    assert auto_ring_pages(999, 8192) == 1024
+    assert auto_ring_pages(1, 0) == 16  # the floor
+    assert auto_ring_pages(1, 65528) == 128  # 4 samples of ~64.5 KiB
+    assert auto_ring_pages(10**6, 65528) == MAX_RING_PAGES
     for freq in (1, 50, 99, 250, 999, 4000):
         for stack in (0, 512, 8192, 65528):
-            pages, wanted = auto_ring_pages(freq, stack, mlock_kb=1 << 30)
-            assert pages == wanted and pages & (pages - 1) == 0
+            pages = auto_ring_pages(freq, stack)
             rec = stack + 512
             half = pages * 4096 // 2
-            assert half >= min(freq * rec * 0.125, MAX_RING_PAGES * 2048) and pages >= 16
+            assert pages & (pages - 1) == 0 and pages >= 16
+            assert half >= freq * rec * 0.125 and half >= 2 * rec
             assert pages == 16 or half < 2 * max(freq * rec * 0.125, 2 * rec)  # the smallest
+    kb, mib = 1024, 1 << 20
+    assert ring_pages_cap(4096, 2, 516, 0, False) == 128  # 129 pages a CPU, less the header
+    assert ring_pages_cap(4096, 2, 516, 8 * mib, False) == AUTO_MAX_PAGES == 256
+    assert ring_pages_cap(4096, 64, 516, 8 * mib, False) == 128  # 8 MiB over 64 CPUs: +32
+    assert ring_pages_cap(4096, 64, 516, 64 * mib, False) == 256
+    assert ring_pages_cap(4096, 64, 4, 0, False) == 1
+    assert ring_pages_cap(4096, 64, 4, 0, True) == AUTO_MAX_PAGES  # CAP_IPC_LOCK: no budget
+    assert ring_pages_cap(65536, 2, 516, 0, False) == 4  # 8 pages less the header: 7 -> 4
+    assert ring_pages_cap(4096, 1, 516 * kb // kb, 0, False) == 128
+    sized = SamplingConfig(frequency=999).resolved(4096, 128)
+    assert (sized[0].ring_pages, sized[1]) == (128, 1024)
+    assert SamplingConfig(frequency=99).resolved(4096, 128)[0].ring_pages == 64
+    assert SamplingConfig(period=10**6).resolved(4096, 32)[0].ring_pages == 32
+    assert SamplingConfig(ring_pages=8).resolved(4096, 128) == (SamplingConfig(ring_pages=8), 8)
 
 
-def test_auto_ring_pages_in_a_real_session() -> None:
-    """The session opens with the auto size resolved (what the watermark and mmap used), and
-    keeps an operator's size as chosen."""
+def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session opens with the auto size resolved (what the watermark and mmap used),
+    keeps an operator's size as chosen, and halves an auto size the kernel will not lock."""
+    ncpu = len(online_cpus())
+    cap = perfcore._system_ring_cap(4096, ncpu)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=99)) as s:
-        assert s.config.ring_pages == auto_ring_pages(99, 8192)[0]
-        assert s.ring_pages_wanted == auto_ring_pages(99, 8192)[1]
-    config = SamplingConfig(frequency=999, stack_size=4096)
-    with PerfSession.open(Target(all_cpus=True), config) as s:
-        assert (s.config.ring_pages, s.ring_pages_wanted) == auto_ring_pages(999, 4096)
+        assert (s.config.ring_pages, s.ring_pages_wanted) == (min(64, cap), 64)
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
+        assert (s.config.ring_pages, s.ring_pages_wanted) == (min(1024, cap), 1024)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=8)) as s:
         assert (s.config.ring_pages, s.ring_pages_wanted) == (8, 8)
+    # the kernel refuses (EPERM) rings over 32 pages: auto halves down to 32, a set size fails
+    real_lib = perfcore.lib
+    real_map = real_lib.pc_ring_map
+    sizes: list[int] = []
+
+    class Lib:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_lib, name)
+
+        @staticmethod
+        def pc_ring_map(ring: Any, fd: int, cpu: int, pages: int) -> int:
+            sizes.append(pages)
+            return -errno.EPERM if pages > 32 else int(real_map(ring, fd, cpu, pages))
+
+    monkeypatch.setattr(perfcore, "lib", Lib())
+    monkeypatch.setattr(perfcore, "_system_ring_cap", lambda page, n: 256)
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
+        assert (s.config.ring_pages, s.ring_pages_wanted) == (32, 1024)
+    assert sizes[:3] == [256, 128, 64] and set(sizes[3:]) == {32}
+    with pytest.raises(perfcore.RingMapError, match="64 data pages") as e:
+        PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=64))
+    assert e.value.errno == errno.EPERM
 
 
 @pytest.mark.parametrize(

@@ -54,41 +54,72 @@ MAX_RING_PAGES = 1 << 20
 _SAMPLE_OVERHEAD = 512
 # Time the half ring left after the wake-up (the daemon is woken at half full) must cover.
 _HEADROOM_S = 0.125
+# The largest ring auto sizing picks: 1 MiB per CPU (64 MiB on a 64-CPU machine). At 1000 Hz
+# with 8 KiB stacks it lost nothing in bench_daemon's windows where 128 pages lost 2-3.5 %
+# and 64 pages 18 % (BENCHMARKS.md).
+AUTO_MAX_PAGES = 256
+_CAP_IPC_LOCK = 14  # include/uapi/linux/capability.h
 
 
-def ring_pages_cap(page: int = 4096, mlock_kb: int | None = None) -> int:
-    """The largest ring (data pages, a power of two) the kernel locks for perf without
-    CAP_IPC_LOCK: kernel.perf_event_mlock_kb per CPU less the header page (128 pages at the
-    default 516 KiB; kernel/events/core.c perf_mmap charges the rest to RLIMIT_MEMLOCK)."""
-    if mlock_kb is None:
-        try:
-            mlock_kb = int(_read_sysctl("perf_event_mlock_kb"))
-        except ValueError:
-            mlock_kb = 516  # the kernel's default
+def ring_pages_cap(page: int, ncpus: int, mlock_kb: int, memlock: int, ipc_lock: bool) -> int:
+    """The largest ring (data pages, a power of two, at most ``AUTO_MAX_PAGES``) that ``ncpus``
+    rings can each have and still be locked: kernel/events/core.c perf_mmap lets a user lock
+    ``mlock_kb`` (kernel.perf_event_mlock_kb) per online CPU for perf, charges the rest to
+    the process's RLIMIT_MEMLOCK (``memlock`` bytes), and checks neither with CAP_IPC_LOCK.
+    Each ring also maps its header page. Other perf users of the same uid share the budget,
+    so this is an upper bound: ``PerfSession.open`` halves an auto size on EPERM."""
+    if ipc_lock:
+        return AUTO_MAX_PAGES
+    per_cpu = (mlock_kb * 1024 * ncpus + memlock) // max(1, ncpus) // page - 1
     cap = 1
-    while cap * 2 <= max(1, mlock_kb * 1024 // page - 1):
+    while cap * 2 <= min(per_cpu, AUTO_MAX_PAGES):
         cap *= 2
     return cap
 
 
-def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096,
-                    mlock_kb: int | None = None) -> tuple[int, int]:  # fmt: skip
-    """(pages, wanted): data pages per ring for a CPU sampled at ``frequency`` with
-    ``stack_size`` stacks when the operator did not choose. ``wanted`` is the power of two
-    whose half holds ``_HEADROOM_S`` of a fully busy CPU's samples (and at least 4 of them,
-    and never under 16 pages); ``pages`` is that, capped by ``ring_pages_cap``. 99 Hz with
-    8 KiB stacks gives 64 pages (the old fixed default); 999 Hz wants 1024 and gets 128."""
+def _system_ring_cap(page: int, ncpus: int) -> int:
+    """``ring_pages_cap`` for this process on this machine."""
+    try:
+        mlock_kb = int(_read_sysctl("perf_event_mlock_kb"))
+    except ValueError:
+        mlock_kb = 516  # the kernel's default
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    memlock = 1 << 62 if soft == resource.RLIM_INFINITY else soft
+    return ring_pages_cap(page, ncpus, mlock_kb, memlock, _has_capability(_CAP_IPC_LOCK))
+
+
+def _has_capability(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096) -> int:
+    """Data pages per ring wanted for a CPU sampled at ``frequency`` with ``stack_size``
+    stacks when the operator did not choose: the power of two whose half holds
+    ``_HEADROOM_S`` of a fully busy CPU's samples (and at least 4 of them, and never under 16
+    pages). 99 Hz with 8 KiB stacks wants 64 pages (the old fixed default), 999 Hz 1024;
+    ``SamplingConfig.resolved`` caps it (``ring_pages_cap``)."""
     rec = stack_size + _SAMPLE_OVERHEAD
     need = max(2 * frequency * rec * _HEADROOM_S, 4 * rec, 16 * page)
     wanted = 1
     while wanted * page < need and wanted < MAX_RING_PAGES:
         wanted *= 2
-    return min(wanted, ring_pages_cap(page, mlock_kb)), wanted
+    return wanted
 
 
 class PerfOpenError(OSError):
     """perf_event_open, its ioctls or the ring mmap failed; ``errno`` is the kernel's answer and
     the message says what to change."""
+
+
+class RingMapError(PerfOpenError):
+    """The mmap of a CPU's ring failed (EPERM: past the locked-memory budget)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +161,16 @@ class SamplingConfig:
                 f"ring_pages must be 0 (auto) or a power of two in 1..{MAX_RING_PAGES}, got {rp}"
             )
 
-    def resolved(self, page: int = 4096) -> tuple[SamplingConfig, int]:
+    def resolved(self, page: int, cap: int) -> tuple[SamplingConfig, int]:
         """(this config with concrete ``ring_pages``, the pages wanted): ``ring_pages`` 0 is
-        ``auto_ring_pages`` (a fixed period has no rate to size by: the mlock cap); a chosen
-        size is wanted as is."""
+        ``auto_ring_pages`` within ``cap`` (a fixed period has no rate to size by: ``cap``);
+        a chosen size is kept and wanted as is."""
         if self.ring_pages:
             return self, self.ring_pages
         if self.period is not None:
-            cap = ring_pages_cap(page)
             return replace(self, ring_pages=cap), cap
-        pages, wanted = auto_ring_pages(self.frequency, self.stack_size, page)
-        return replace(self, ring_pages=pages), wanted
+        wanted = auto_ring_pages(self.frequency, self.stack_size, page)
+        return replace(self, ring_pages=min(wanted, cap)), wanted
 
     def describe(self) -> str:
         rate = f"period={self.period}" if self.period is not None else f"{self.frequency} Hz"
@@ -325,15 +355,31 @@ class PerfSession:
         """Open one ring per online CPU (or per CPU in ``cpus``) for ``target``.
 
         Offline CPUs (ENODEV/ENOENT) are skipped and listed in ``skipped_cpus``; if none opens,
-        PerfOpenError. The events start disabled: call ``enable``."""
+        PerfOpenError. The events start disabled: call ``enable``. ``config.ring_pages`` 0
+        (auto) is sized by ``SamplingConfig.resolved``, and halved while the kernel refuses to
+        lock the rings (EPERM: other perf users of this uid share the mlock budget), down to
+        16 pages."""
         target.validate()
         config.validate()
         cpu_list = list(cpus) if cpus is not None else online_cpus()
         if not cpu_list:
             raise ValueError("no CPUs to open")
-        etype, econfig = EVENTS[config.event]
         page = os.sysconf("SC_PAGE_SIZE")
-        config, wanted = config.resolved(page)
+        cap = _system_ring_cap(page, len(cpu_list)) if not config.ring_pages else 0
+        sized, wanted = config.resolved(page, cap)
+        while True:
+            try:
+                return cls._open(target, sized, wanted, cpu_list, proc_root, page)
+            except RingMapError as e:
+                if config.ring_pages or e.errno != errno.EPERM or sized.ring_pages <= 16:
+                    raise
+                sized = replace(sized, ring_pages=sized.ring_pages // 2)
+
+    @classmethod
+    def _open(cls, target: Target, config: SamplingConfig, wanted: int, cpu_list: list[int],
+              proc_root: str, page: int) -> PerfSession:  # fmt: skip
+        """``open`` with ``config.ring_pages`` concrete; a failed map raises RingMapError."""
+        etype, econfig = EVENTS[config.event]
 
         def attr(sideband: bool, inherit: bool) -> Any:
             c = ffi.new("pc_attr_config *")
@@ -396,7 +442,7 @@ class PerfSession:
             nonlocal nrings
             rc = int(lib.pc_ring_map(ffi.addressof(rings, nrings), fd, cpu, config.ring_pages))
             if rc < 0:
-                raise PerfOpenError(
+                raise RingMapError(
                     -rc,
                     f"mmap of the cpu {cpu} ring ({config.ring_pages} data pages) failed: "
                     f"{os.strerror(-rc)}; lower ring_pages or raise "

@@ -74,6 +74,7 @@ from .httpapi import (
 from .live import LiveProfiler
 from .livefast import StepInfo
 from .metrics import Measurements, UnwinddCollector
+from .perfcore import AUTO_MAX_PAGES
 from .sdnotify import Notifier
 from .stackfmt import UnwoundSample
 
@@ -321,19 +322,19 @@ class Daemon:
         return 0
 
     def _log_rings(self, cfg: Config) -> None:
-        """The ring size in use; a warning when auto sizing was capped by the mlock limit (a
-        busy CPU's samples then fill half a ring in less than perfcore._HEADROOM_S)."""
+        """The ring size in use; a warning when auto sizing got less than it wanted (a busy
+        CPU's samples then fill half a ring in less than perfcore._HEADROOM_S)."""
         s = self.profiler.session
         pages, wanted = s.config.ring_pages, s.ring_pages_wanted
         how = "set" if cfg.sampling.ring_pages else "auto"
         log.info("rings: %d pages per CPU (%s)", pages, how)
         if pages < wanted:
-            log.warning("rings: %d pages per CPU would suit %d Hz with %d-byte stacks; "
-                        "kernel.perf_event_mlock_kb caps them at %d without CAP_IPC_LOCK "
-                        "(watch unwindd_lost_records_total; raise the sysctl, or set "
-                        "[sampling] ring_pages and grant CAP_IPC_LOCK or LimitMEMLOCK)",
-                        wanted, cfg.sampling.frequency, cfg.sampling.stack_size,
-                        pages)  # fmt: skip
+            log.warning("rings: %d pages per CPU would suit %d Hz with %d-byte stacks; auto "
+                        "sizing stops at %d (at most %d, and what the locked-memory budget "
+                        "allows: kernel.perf_event_mlock_kb, LimitMEMLOCK, CAP_IPC_LOCK); "
+                        "watch unwindd_lost_records_total, or set [sampling] ring_pages",
+                        wanted, cfg.sampling.frequency, cfg.sampling.stack_size, pages,
+                        AUTO_MAX_PAGES)  # fmt: skip
 
     def _metrics_url(self) -> str:
         assert self.metrics_address is not None
