@@ -265,7 +265,7 @@ def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> N
     """The session opens with the auto size resolved (what the watermark and mmap used),
     keeps an operator's size as chosen, and halves an auto size the kernel will not lock."""
     ncpu = len(online_cpus())
-    cap = perfcore._system_ring_cap(4096, ncpu)
+    cap = perfcore.system_ring_cap(4096, ncpu)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=99)) as s:
         assert (s.config.ring_pages, s.ring_pages_wanted) == (min(64, cap), 64)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
@@ -287,7 +287,7 @@ def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> N
             return -errno.EPERM if pages > 32 else int(real_map(ring, fd, cpu, pages))
 
     monkeypatch.setattr(perfcore, "lib", Lib())
-    monkeypatch.setattr(perfcore, "_system_ring_cap", lambda page, n: 256)
+    monkeypatch.setattr(perfcore, "system_ring_cap", lambda page, n: 256)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
         assert (s.config.ring_pages, s.ring_pages_wanted) == (32, 1024)
     assert sizes[:3] == [256, 128, 64] and set(sizes[3:]) == {32}

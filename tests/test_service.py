@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, dechunk, held, metric_values, raw_http, release
 from pprofcheck import check_valid, decode
-from unwindd.perfcore import _system_ring_cap, auto_ring_pages, online_cpus
+from unwindd.perfcore import auto_ring_pages, online_cpus, system_ring_cap
 from workloads.build import Workload, build_workloads
 
 CHAIN = ["spin", "c", "b", "a", "main"]
@@ -116,7 +116,7 @@ def test_rings_sized_from_the_frequency_by_default(tmp_path: Path) -> None:
         assert d.stop() == 0
     # the daemon runs as this test process does (same uid, capabilities and limits)
     ncpu = len(online_cpus())
-    pages, wanted = min(1024, _system_ring_cap(4096, ncpu)), auto_ring_pages(999, 8192)
+    pages, wanted = min(1024, system_ring_cap(4096, ncpu)), auto_ring_pages(999, 8192)
     assert rings == {"cpus": ncpu, "pages": pages, "wanted_pages": wanted}
     log = d.log.read_text()
     assert f"rings: {pages} pages per CPU (auto)" in log, log

@@ -157,8 +157,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="ring buffer data pages per CPU, a power of two; 0 (the default): sized from "
-        "--frequency and --stack-size (64 at 99 Hz with 8 KiB stacks, at most what "
-        "kernel.perf_event_mlock_kb locks without CAP_IPC_LOCK)",
+        "--frequency and --stack-size (64 at 99 Hz with 8 KiB stacks, at most 256 and what the "
+        "locked-memory budget allows)",
     )
 
 

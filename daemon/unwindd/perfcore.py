@@ -15,6 +15,9 @@ Invariants:
 - ``event_format`` is computed from the same C function that builds the attr
   (``pc_sample_type``), so the decoder's idea of the layout cannot drift from the kernel's.
 - A failed ``open`` closes and unmaps everything it had opened before raising.
+- Ring size: ``SamplingConfig.ring_pages`` 0 (the default) is resolved when the session opens
+  (``auto_ring_pages`` within ``system_ring_cap``, halved on EPERM); the session keeps the
+  config it opened with (``config``) and what auto sizing wanted (``ring_pages_wanted``).
 
 Cost: ``open`` is O(CPUs x tasks) syscalls plus one mmap per CPU; ``drain`` is one cffi call
 (~0.3 us) plus one ``bytes`` copy per ring that had data, independent of the record count.
@@ -77,7 +80,7 @@ def ring_pages_cap(page: int, ncpus: int, mlock_kb: int, memlock: int, ipc_lock:
     return cap
 
 
-def _system_ring_cap(page: int, ncpus: int) -> int:
+def system_ring_cap(page: int, ncpus: int) -> int:
     """``ring_pages_cap`` for this process on this machine."""
     try:
         mlock_kb = int(_read_sysctl("perf_event_mlock_kb"))
@@ -365,7 +368,7 @@ class PerfSession:
         if not cpu_list:
             raise ValueError("no CPUs to open")
         page = os.sysconf("SC_PAGE_SIZE")
-        cap = _system_ring_cap(page, len(cpu_list)) if not config.ring_pages else 0
+        cap = system_ring_cap(page, len(cpu_list)) if not config.ring_pages else 0
         sized, wanted = config.resolved(page, cap)
         while True:
             try:
