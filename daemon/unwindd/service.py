@@ -601,18 +601,12 @@ class Daemon:
         cacheable = req.method == "GET" and req.path in _CACHED_PATHS
         key = (req.target, peer.uid)
         now = time.monotonic()
-        if cacheable:
-            hit = self._answers.get(key)
-            if hit is not None and hit[0] > now:
-                self.api.requests[req.path] += 1
-                return hit[1]
+        if cacheable and (hit := self._cached_answer(req, key, now)) is not None:
+            return hit
         self._flush()
         res = self.api.handle(req, peer)
-        if cacheable and isinstance(res, Response) and res.status == 200:
-            if len(self._answers) >= 64:
-                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
-            if len(self._answers) < 64:
-                self._answers[key] = (now + _ANSWER_TTL, res)
+        if cacheable:
+            self._remember_answer(key, res, now)
         full = len(self._streams) >= self.config.api.max_stream_clients
         if isinstance(res, StreamStart) and full:
             self.rejected["too_many_streams"] += 1
@@ -627,11 +621,8 @@ class Daemon:
         """``_api_request`` for a store query: the cache on the loop, the query itself on the
         worker thread against a snapshot (see the module doc)."""
         key = (req.target, peer.uid)
-        now = time.monotonic()
-        hit = self._answers.get(key)
-        if hit is not None and hit[0] > now:
-            self.api.requests[req.path] += 1
-            return hit[1]
+        if (hit := self._cached_answer(req, key, time.monotonic())) is not None:
+            return hit
         if self._query_pool is None:
             self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-query")
         self._flush()
@@ -646,13 +637,28 @@ class Daemon:
                 snap.close()
 
         res = await asyncio.get_running_loop().run_in_executor(self._query_pool, run)
-        now = time.monotonic()
-        if isinstance(res, Response) and res.status == 200:
-            if len(self._answers) >= 64:
-                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
-            if len(self._answers) < 64:
-                self._answers[key] = (now + _ANSWER_TTL, res)
+        self._remember_answer(key, res, time.monotonic())
         return res
+
+    def _cached_answer(self, req: Request, key: tuple[str, int | None],
+                       now: float) -> Response | None:  # fmt: skip
+        """The answer to the same query from the same uid, if younger than _ANSWER_TTL."""
+        hit = self._answers.get(key)
+        if hit is None or hit[0] <= now:
+            return None
+        self.api.requests[req.path] += 1
+        return hit[1]
+
+    def _remember_answer(self, key: tuple[str, int | None], res: Response | StreamStart,
+                         now: float) -> None:  # fmt: skip
+        """Keep a 200 answer for _ANSWER_TTL; at most 64 answers (expired ones go first, then
+        new ones are not kept until some expire)."""
+        if not isinstance(res, Response) or res.status != 200:
+            return
+        if len(self._answers) >= 64:
+            self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
+        if len(self._answers) < 64:
+            self._answers[key] = (now + _ANSWER_TTL, res)
 
     def _metrics_request(self, req: Request, peer: Peer) -> Response | StreamStart:
         if req.method != "GET":
