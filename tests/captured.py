@@ -13,9 +13,14 @@ class Replayed:
     """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
 
     def __init__(self, fmt: Any, drains: list[list[tuple[int, bytes]]]) -> None:
+        from unwindd.perfcore import SamplingConfig
+
         self.event_format = fmt
         self._drains = list(drains)
         self.fds: list[int] = []
+        # as PerfSession has them (the daemon's status and start-up log read them); no rings
+        self.config = SamplingConfig(ring_pages=1)
+        self.ring_pages_wanted = 1
 
     def enable(self) -> None:
         pass

@@ -90,13 +90,13 @@ def record_perf_data(
     File mode writes with ``-o file``; pipe mode with ``-o -`` redirected into the file, so
     the result is the byte stream a live pipe would carry.
 
-    Retried with backoff (~2 min in all) when perf aborts on a build-id: perf 6.1 record dies
-    ("assertion failed at util/build-id.c:1010", then a smashed stack: a build-id longer than
-    20 bytes) while any process on the machine has a perf event open with ``attr.build_id``
-    (our daemon's build-id tests; other users of this shared machine): MMAP2 records of perf's
-    own events then arrive flagged PERF_RECORD_MISC_MMAP_BUILD_ID with inode data in the union
-    (see ``EventFormat.build_id_mmap``). Nothing about the workload is wrong, so wait for the
-    machine to be quiet; any other failure raises at once."""
+    Retried with backoff (~1.5 min of sleeps in all) when perf aborts on a build-id: perf 6.1
+    record dies ("assertion failed at util/build-id.c:1010", then a smashed stack: a build-id
+    longer than 20 bytes) while any process on the machine has a perf event open with
+    ``attr.build_id`` (our daemon's build-id tests; other users of this shared machine): MMAP2
+    records of perf's own events then arrive flagged PERF_RECORD_MISC_MMAP_BUILD_ID with inode
+    data in the union (see ``EventFormat.build_id_mmap``). Nothing about the workload is
+    wrong, so wait for the machine to be quiet; any other failure raises at once."""
     path = tmp_path / (name or ("pipe.data" if pipe else "perf.data"))
     attempts = 7
     for i in range(attempts):

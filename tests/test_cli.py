@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from perfutil import perf_script_samples, perf_stats, record_perf_data
 from procutil import wait_perf_fds
+from unwindd.perfcore import online_cpus
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
 
@@ -145,7 +146,7 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
     )
     # record has its events open once it holds one perf fd per CPU (it enables them next; a
     # sleep here raced a slow start under load: the child could be gone before record began)
-    wait_perf_fds(rec.pid, len(os.sched_getaffinity(0)), rec)
+    wait_perf_fds(rec.pid, len(online_cpus()), rec)
     time.sleep(0.1)
     os.write(w, b"x")
     os.close(w)

@@ -32,7 +32,6 @@ import pytest
 from unwindd import abi, perfcore, records
 from unwindd.perfcore import (
     AUTO_MAX_PAGES,
-    MAX_RING_PAGES,
     PerfOpenError,
     PerfSession,
     SamplingConfig,
@@ -228,34 +227,36 @@ def test_bad_config(config: SamplingConfig, pattern: str) -> None:
 
 
 def test_auto_ring_pages() -> None:
-    """ring_pages 0 wants a ring whose half holds 125 ms of a busy CPU's samples (each the
-    whole stack_size plus ~512 bytes), a power of two, at least 16 pages and 4 samples; the
-    cap is the locked-memory budget per CPU (perf_event_mlock_kb each, plus RLIMIT_MEMLOCK
-    shared, less each ring's header page; none with CAP_IPC_LOCK), at most AUTO_MAX_PAGES."""
-    assert auto_ring_pages(99, 8192) == 64  # 2*99*8704/8 = 215 KB
-    assert auto_ring_pages(999, 8192) == 1024
-    assert auto_ring_pages(1, 0) == 16  # the floor
-    assert auto_ring_pages(1, 65528) == 128  # 4 samples of ~64.5 KiB
-    assert auto_ring_pages(10**6, 65528) == MAX_RING_PAGES
+    """ring_pages 0 takes a ring whose half holds 60 ms of a busy CPU's samples (each the
+    whole stack_size plus ~512 bytes) and at least 2 of them, a power of two from 64 to 256
+    pages; the cap is the locked-memory budget per CPU (perf_event_mlock_kb in whole pages
+    each, plus RLIMIT_MEMLOCK shared, less each ring's header page; none with CAP_IPC_LOCK),
+    at least 16 pages (below that the map fails with the kernel's error)."""
+    assert auto_ring_pages(99, 8192) == 64
+    assert auto_ring_pages(499, 8192) == 128
+    assert auto_ring_pages(999, 8192) == auto_ring_pages(1000, 8192) == 256
+    assert auto_ring_pages(1, 0) == 64 and auto_ring_pages(10**6, 65528) == AUTO_MAX_PAGES
+    assert auto_ring_pages(1, 65528) == 128  # half must hold 2 samples of ~64.5 KiB
     for freq in (1, 50, 99, 250, 999, 4000):
         for stack in (0, 512, 8192, 65528):
             pages = auto_ring_pages(freq, stack)
             rec = stack + 512
             half = pages * 4096 // 2
-            assert pages & (pages - 1) == 0 and pages >= 16
-            assert half >= freq * rec * 0.125 and half >= 2 * rec
-            assert pages == 16 or half < 2 * max(freq * rec * 0.125, 2 * rec)  # the smallest
-    kb, mib = 1024, 1 << 20
+            assert pages & (pages - 1) == 0 and 64 <= pages <= AUTO_MAX_PAGES
+            assert pages == AUTO_MAX_PAGES or half >= max(freq * rec * 0.06, rec)
+            assert pages == 64 or half < 2 * max(freq * rec * 0.06, 2 * rec)  # the smallest
+    mib = 1 << 20
     assert ring_pages_cap(4096, 2, 516, 0, False) == 128  # 129 pages a CPU, less the header
-    assert ring_pages_cap(4096, 2, 516, 8 * mib, False) == AUTO_MAX_PAGES == 256
+    assert ring_pages_cap(4096, 2, 516, 255 * 4096, False) == 128  # 1 page short of 256
+    assert ring_pages_cap(4096, 2, 516, 256 * 4096, False) == 256
     assert ring_pages_cap(4096, 64, 516, 8 * mib, False) == 128  # 8 MiB over 64 CPUs: +32
     assert ring_pages_cap(4096, 64, 516, 64 * mib, False) == 256
-    assert ring_pages_cap(4096, 64, 4, 0, False) == 1
+    assert ring_pages_cap(4096, 64, 4, 0, False) == 16  # nothing fits: the retry floor
     assert ring_pages_cap(4096, 64, 4, 0, True) == AUTO_MAX_PAGES  # CAP_IPC_LOCK: no budget
-    assert ring_pages_cap(65536, 2, 516, 0, False) == 4  # 8 pages less the header: 7 -> 4
-    assert ring_pages_cap(4096, 1, 516 * kb // kb, 0, False) == 128
+    assert ring_pages_cap(4096, 2, 517, 0, False) == 128  # whole pages: 517 KiB is 129
+    assert ring_pages_cap(65536, 2, 516, 64 * 65536, False) == 32  # 8 + 32 - 1 -> 32
     sized = SamplingConfig(frequency=999).resolved(4096, 128)
-    assert (sized[0].ring_pages, sized[1]) == (128, 1024)
+    assert (sized[0].ring_pages, sized[1]) == (128, 256)
     assert SamplingConfig(frequency=99).resolved(4096, 128)[0].ring_pages == 64
     assert SamplingConfig(period=10**6).resolved(4096, 32)[0].ring_pages == 32
     assert SamplingConfig(ring_pages=8).resolved(4096, 128) == (SamplingConfig(ring_pages=8), 8)
@@ -264,12 +265,13 @@ def test_auto_ring_pages() -> None:
 def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session opens with the auto size resolved (what the watermark and mmap used),
     keeps an operator's size as chosen, and halves an auto size the kernel will not lock."""
-    ncpu = len(online_cpus())
-    cap = perfcore.system_ring_cap(4096, ncpu)
-    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=99)) as s:
-        assert (s.config.ring_pages, s.ring_pages_wanted) == (min(64, cap), 64)
-    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
-        assert (s.config.ring_pages, s.ring_pages_wanted) == (min(1024, cap), 1024)
+    ncpu, page = len(online_cpus()), os.sysconf("SC_PAGE_SIZE")
+    cap = perfcore.system_ring_cap(page, ncpu)
+    for freq in (99, 999):
+        want = auto_ring_pages(freq, 8192, page)
+        with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=freq)) as s:
+            # as root here (CAP_IPC_LOCK) the budget is not checked, so no EPERM halving
+            assert (s.config.ring_pages, s.ring_pages_wanted) == (min(want, cap), want)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=8)) as s:
         assert (s.config.ring_pages, s.ring_pages_wanted) == (8, 8)
     # the kernel refuses (EPERM) rings over 32 pages: auto halves down to 32, a set size fails
@@ -289,7 +291,7 @@ def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(perfcore, "lib", Lib())
     monkeypatch.setattr(perfcore, "system_ring_cap", lambda page, n: 256)
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
-        assert (s.config.ring_pages, s.ring_pages_wanted) == (32, 1024)
+        assert (s.config.ring_pages, s.ring_pages_wanted) == (32, 256)
     assert sizes[:3] == [256, 128, 64] and set(sizes[3:]) == {32}
     with pytest.raises(perfcore.RingMapError, match="64 data pages") as e:
         PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=64))

@@ -105,9 +105,9 @@ def test_top_and_status(daemon: DaemonProc, workload_pid: int) -> None:
 
 
 def test_rings_sized_from_the_frequency_by_default(tmp_path: Path) -> None:
-    """No ring_pages in the config: the rings are sized for the frequency and stack size,
-    within the locked-memory budget and AUTO_MAX_PAGES, and the daemon says so (a warning
-    when it got less than it wanted: 999 Hz with 8 KiB stacks wants 1024 pages)."""
+    """No ring_pages in the config: the rings are sized for the frequency and stack size
+    (256 pages at 999 Hz with 8 KiB stacks) within the locked-memory budget, and the daemon
+    says so (a warning only when the budget gave less)."""
     d = DaemonProc(tmp_path, frequency=999, ring_pages=None)
     try:
         d.wait_message("READY=1")
@@ -115,8 +115,9 @@ def test_rings_sized_from_the_frequency_by_default(tmp_path: Path) -> None:
     finally:
         assert d.stop() == 0
     # the daemon runs as this test process does (same uid, capabilities and limits)
-    ncpu = len(online_cpus())
-    pages, wanted = min(1024, system_ring_cap(4096, ncpu)), auto_ring_pages(999, 8192)
+    ncpu, page = len(online_cpus()), os.sysconf("SC_PAGE_SIZE")
+    wanted = auto_ring_pages(999, 8192, page)
+    pages = min(wanted, system_ring_cap(page, ncpu))
     assert rings == {"cpus": ncpu, "pages": pages, "wanted_pages": wanted}
     log = d.log.read_text()
     assert f"rings: {pages} pages per CPU (auto)" in log, log
@@ -238,7 +239,13 @@ def test_slow_client_times_out_without_stalling(daemon: DaemonProc) -> None:
     s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")  # never finished
     t0 = time.monotonic()
     before = daemon.json("/v1/status")["samples"]
-    answered = time.monotonic() - t0
+    # others are answered meanwhile: the stalled request has not been answered (408) yet when
+    # the status reply is in (a daemon serving one client at a time would have timed the
+    # stalled one out first; a "< 1 s" bound here failed on a loaded machine)
+    s.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        s.recv(1, socket.MSG_PEEK)
+    s.setblocking(True)
     s.settimeout(10)
     buf = b""
     while chunk := s.recv(4096):
@@ -247,10 +254,6 @@ def test_slow_client_times_out_without_stalling(daemon: DaemonProc) -> None:
     s.close()
     assert buf.startswith(b"HTTP/1.1 408"), buf
     assert 1.0 < waited < 10.0  # request_timeout = 1.5 in the test config
-    # others are answered meanwhile: before the stalled request timed out (a daemon serving
-    # one client at a time would have answered only after the 408; a speed bound here failed
-    # on a loaded machine)
-    assert answered < waited, (answered, waited)
     assert daemon.json("/v1/status")["samples"] > before  # still sampling
 
 

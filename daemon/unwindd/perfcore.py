@@ -55,26 +55,33 @@ MAX_RING_PAGES = 1 << 20
 # 17 x86_64 user registers, the stack size and dyn_size words and a kernel callchain of a few
 # dozen entries. The kernel reserves the whole stack_size per sample whatever it fills.
 _SAMPLE_OVERHEAD = 512
-# Time the half ring left after the wake-up (the daemon is woken at half full) must cover.
-_HEADROOM_S = 0.125
-# The largest ring auto sizing picks: 1 MiB per CPU (64 MiB on a 64-CPU machine). At 1000 Hz
-# with 8 KiB stacks it lost nothing in bench_daemon's windows where 128 pages lost 2-3.5 %
-# and 64 pages 18 % (BENCHMARKS.md).
+# Time the half ring left after the wake-up (the daemon is woken at half full) must cover:
+# 256 pages at 1000 Hz with 8 KiB stacks (~60 ms) lost nothing in bench_daemon's windows,
+# where 128 pages lost 2-3.5 % and 64 pages 4-18 % (BENCHMARKS.md).
+_HEADROOM_S = 0.06
+# The smallest ring auto sizing picks (the old fixed default: 99 Hz with 8 KiB stacks keeps
+# it), and the smallest an EPERM retry goes down to.
+AUTO_MIN_PAGES = 64
+RETRY_MIN_PAGES = 16
+# The largest ring auto sizing picks: 1 MiB per CPU (64 MiB on a 64-CPU machine).
 AUTO_MAX_PAGES = 256
 _CAP_IPC_LOCK = 14  # include/uapi/linux/capability.h
 
 
-def ring_pages_cap(page: int, ncpus: int, mlock_kb: int, memlock: int, ipc_lock: bool) -> int:
-    """The largest ring (data pages, a power of two, at most ``AUTO_MAX_PAGES``) that ``ncpus``
-    rings can each have and still be locked: kernel/events/core.c perf_mmap lets a user lock
-    ``mlock_kb`` (kernel.perf_event_mlock_kb) per online CPU for perf, charges the rest to
-    the process's RLIMIT_MEMLOCK (``memlock`` bytes), and checks neither with CAP_IPC_LOCK.
-    Each ring also maps its header page. Other perf users of the same uid share the budget,
-    so this is an upper bound: ``PerfSession.open`` halves an auto size on EPERM."""
-    if ipc_lock:
+def ring_pages_cap(page: int, ncpus: int, mlock_kb: int, memlock: int, unlimited: bool) -> int:
+    """The largest ring (data pages, a power of two, ``RETRY_MIN_PAGES`` to ``AUTO_MAX_PAGES``)
+    that ``ncpus`` rings can each have and still be locked, after kernel/events/core.c
+    perf_mmap: a user may lock ``mlock_kb`` (kernel.perf_event_mlock_kb, in whole pages) per
+    online CPU for perf, the rest is charged to the process's RLIMIT_MEMLOCK (``memlock``
+    bytes), and neither is checked when ``unlimited`` (CAP_IPC_LOCK, or perf_event_paranoid
+    -1). Each ring is charged its header page too. Other perf users of the same uid share the
+    budget, so this is an upper bound (``PerfSession.open`` halves an auto size on EPERM);
+    below ``RETRY_MIN_PAGES`` the map is left to fail with the kernel's error."""
+    if unlimited:
         return AUTO_MAX_PAGES
-    per_cpu = (mlock_kb * 1024 * ncpus + memlock) // max(1, ncpus) // page - 1
-    cap = 1
+    budget = mlock_kb * 1024 // page * ncpus + memlock // page
+    per_cpu = budget // max(1, ncpus) - 1
+    cap = RETRY_MIN_PAGES
     while cap * 2 <= min(per_cpu, AUTO_MAX_PAGES):
         cap *= 2
     return cap
@@ -85,13 +92,16 @@ def system_ring_cap(page: int, ncpus: int) -> int:
     try:
         mlock_kb = int(_read_sysctl("perf_event_mlock_kb"))
     except ValueError:
-        mlock_kb = 516  # the kernel's default
+        mlock_kb = 512 + page // 1024  # the kernel's default: 512 KiB and a header page
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     memlock = 1 << 62 if soft == resource.RLIM_INFINITY else soft
-    return ring_pages_cap(page, ncpus, mlock_kb, memlock, _has_capability(_CAP_IPC_LOCK))
+    unlimited = _has_capability(_CAP_IPC_LOCK) or _read_sysctl("perf_event_paranoid") == "-1"
+    return ring_pages_cap(page, ncpus, mlock_kb, memlock, unlimited)
 
 
 def _has_capability(bit: int) -> bool:
+    """Whether this process holds capability ``bit`` (CapEff; in the host's user namespace
+    only if it runs there, as the daemon does)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -103,17 +113,17 @@ def _has_capability(bit: int) -> bool:
 
 
 def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096) -> int:
-    """Data pages per ring wanted for a CPU sampled at ``frequency`` with ``stack_size``
-    stacks when the operator did not choose: the power of two whose half holds
-    ``_HEADROOM_S`` of a fully busy CPU's samples (and at least 4 of them, and never under 16
-    pages). 99 Hz with 8 KiB stacks wants 64 pages (the old fixed default), 999 Hz 1024;
-    ``SamplingConfig.resolved`` caps it (``ring_pages_cap``)."""
+    """Data pages per ring for a CPU sampled at ``frequency`` with ``stack_size`` stacks
+    when the operator did not choose: the power of two whose half holds ``_HEADROOM_S`` of a
+    fully busy CPU's samples and at least 2 of them, from ``AUTO_MIN_PAGES`` to
+    ``AUTO_MAX_PAGES``. 99 Hz with 8 KiB stacks: 64 pages; 1000 Hz: 256 (~60 ms);
+    ``SamplingConfig.resolved`` also caps it by the locked-memory budget (``ring_pages_cap``)."""
     rec = stack_size + _SAMPLE_OVERHEAD
-    need = max(2 * frequency * rec * _HEADROOM_S, 4 * rec, 16 * page)
-    wanted = 1
-    while wanted * page < need and wanted < MAX_RING_PAGES:
-        wanted *= 2
-    return wanted
+    need = max(2 * frequency * rec * _HEADROOM_S, 4 * rec)
+    pages = AUTO_MIN_PAGES
+    while pages * page < need and pages < AUTO_MAX_PAGES:
+        pages *= 2
+    return pages
 
 
 class PerfOpenError(OSError):
@@ -361,7 +371,7 @@ class PerfSession:
         PerfOpenError. The events start disabled: call ``enable``. ``config.ring_pages`` 0
         (auto) is sized by ``SamplingConfig.resolved``, and halved while the kernel refuses to
         lock the rings (EPERM: other perf users of this uid share the mlock budget), down to
-        16 pages."""
+        ``RETRY_MIN_PAGES``."""
         target.validate()
         config.validate()
         cpu_list = list(cpus) if cpus is not None else online_cpus()
@@ -374,7 +384,8 @@ class PerfSession:
             try:
                 return cls._open(target, sized, wanted, cpu_list, proc_root, page)
             except RingMapError as e:
-                if config.ring_pages or e.errno != errno.EPERM or sized.ring_pages <= 16:
+                if (config.ring_pages or e.errno != errno.EPERM
+                        or sized.ring_pages <= RETRY_MIN_PAGES):  # fmt: skip
                     raise
                 sized = replace(sized, ring_pages=sized.ring_pages // 2)
 

@@ -74,7 +74,6 @@ from .httpapi import (
 from .live import LiveProfiler
 from .livefast import StepInfo
 from .metrics import Measurements, UnwinddCollector
-from .perfcore import AUTO_MAX_PAGES
 from .sdnotify import Notifier
 from .stackfmt import UnwoundSample
 
@@ -329,12 +328,12 @@ class Daemon:
         how = "set" if cfg.sampling.ring_pages else "auto"
         log.info("rings: %d pages per CPU (%s)", pages, how)
         if pages < wanted:
-            log.warning("rings: %d pages per CPU would suit %d Hz with %d-byte stacks; auto "
-                        "sizing stops at %d (at most %d, and what the locked-memory budget "
-                        "allows: kernel.perf_event_mlock_kb, LimitMEMLOCK, CAP_IPC_LOCK); "
-                        "watch unwindd_lost_records_total, or set [sampling] ring_pages",
-                        wanted, cfg.sampling.frequency, cfg.sampling.stack_size, pages,
-                        AUTO_MAX_PAGES)  # fmt: skip
+            log.warning("rings: %d pages per CPU would suit %d Hz with %d-byte stacks, but the "
+                        "locked-memory budget allows %d (kernel.perf_event_mlock_kb per CPU "
+                        "plus LimitMEMLOCK, none with CAP_IPC_LOCK; other perf users of this "
+                        "uid share it): watch unwindd_lost_records_total, or raise the budget",
+                        wanted, cfg.sampling.frequency, cfg.sampling.stack_size,
+                        pages)  # fmt: skip
 
     def _metrics_url(self) -> str:
         assert self.metrics_address is not None
