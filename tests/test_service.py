@@ -241,7 +241,7 @@ def test_slow_client_times_out_without_stalling(daemon: DaemonProc) -> None:
     before = daemon.json("/v1/status")["samples"]
     # others are answered meanwhile: the stalled request has not been answered (408) yet when
     # the status reply is in (a daemon serving one client at a time would have timed the
-    # stalled one out first; a "< 1 s" bound here failed on a loaded machine)
+    # stalled one out first; a "< 1 s" bound here could fail on a loaded machine)
     s.setblocking(False)
     with pytest.raises(BlockingIOError):
         s.recv(1, socket.MSG_PEEK)
