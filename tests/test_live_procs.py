@@ -436,6 +436,8 @@ def run_churn(
     def note(name: str, v: int) -> None:
         peak[name] = max(peak.get(name, 0), v)
 
+    snaps_before = [0]  # the native context's snapshots after the previous step
+
     def check() -> None:
         # the caps' own rules, after every step: the table holds at most max_processes spaces
         # plus the pids it may not drop yet (samples held for a rescan or deferred for a CFI
@@ -465,7 +467,16 @@ def run_churn(
         sizes = engine.cache_sizes()
         note("engine_entries", sizes["snapshots"] + sizes["stacks"] + sizes["frames"])
         assert prof.fast is not None
-        note("native_snaps", len(prof.fast._snaps))
+        n = len(prof.fast._snaps)
+        note("native_snaps", n)
+        # what one step added: the context is dropped before a step once past its bound, so
+        # a step ends with at most the bound plus what it added (a loaded machine makes
+        # steps long, and one step then adds many processes' snapshots)
+        grew = n - snaps_before[0] if n >= snaps_before[0] else n
+        if n < snaps_before[0]:
+            peak["native_resets"] = peak.get("native_resets", 0) + 1
+        note("native_snaps_step", grew)
+        snaps_before[0] = n
         note("native_stacks", len(prof.fast._stacks))
         note("pinned", len(prof._pinned))
 
@@ -545,8 +556,11 @@ def test_state_stays_within_caps_under_churn(tmp_path: Path) -> None:
     full = peak["cache_bytes"] >= 0.9 * caps["cache_bytes"]
     assert full or r["cache_evictions"] >= 1, r
     assert peak["comms"] <= 4 * (caps["spaces"] + peak["pinned_pids"]), peak
-    # the native step's context is dropped whole past its bound (a step may add a round)
-    assert peak["native_snaps"] <= 2 * caps["native_spaces"], peak
+    # the native step's context is dropped whole past its bound, before a step: at most the
+    # bound plus one step's additions (2x the bound when idle; 275 of a 256 "2x" bound was
+    # seen under load), and it was dropped (3,000 processes, a bound of 128)
+    assert peak["native_snaps"] <= caps["native_spaces"] + peak["native_snaps_step"], peak
+    assert peak.get("native_resets", 0) >= 1, peak
     # the blips unwind to their chain (the slow path's test grades the full chains)
     b = r["blips"]
     assert b["graded"] >= 50 and b["good"] >= 0.95 * b["graded"], (b, r["blip_bad"])
