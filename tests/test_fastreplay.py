@@ -379,7 +379,8 @@ def test_indexer_matches_decoder_on_truncations(section: tuple[Any, RecordDecode
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150, deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(st.data())
 def test_indexer_matches_decoder_on_mutations(section: tuple[Any, RecordDecoder, bytes],
