@@ -98,8 +98,10 @@ def test_top_and_status(daemon: DaemonProc, workload_pid: int) -> None:
     st = daemon.json("/v1/status")
     assert st["version"] == "0.1.0" and st["samples"] >= top["samples"]
     assert st["processes"] >= 1 and st["cache"]["entries"] >= 1
-    lost = metric_values(daemon.metrics(), "unwindd_lost_records_total")
+    text = daemon.metrics()
+    lost = metric_values(text, "unwindd_lost_records_total")
     assert sum(lost.values()) >= st["lost"]  # metrics are read later: never fewer
+    assert metric_values(text, "unwindd_ring_pages") == {"": 256.0}
     assert st["config"]["sampling"]["frequency"] == 499 and st["uptime_s"] > 0
     assert st["rings"] == {"cpus": len(online_cpus()), "pages": 256, "wanted_pages": 256}
 

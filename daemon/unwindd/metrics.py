@@ -200,6 +200,8 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.connections),
         Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
              lambda d: d.uptime()),
+        Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",
+             lambda d: d.profiler.session.config.ring_pages),
     ]  # fmt: skip
 
 
