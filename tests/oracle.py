@@ -22,12 +22,18 @@ measured on this machine and relied on below:
   the ``nop`` glibc puts before it, which perf names ``[unknown]``.
 - C++ names are demangled **without parameter lists** (perf demangles with DMGL_NO_OPTS unless
   ``-v``): ``oracle::Worker::thrower``, not ``oracle::Worker::thrower(int) const``; this equals
-  ``c++filt -p``. Versioned dynamic symbols keep their suffix: ``__libc_start_main@@GLIBC_2.34``.
+  ``c++filt -p -i``. Versioned dynamic symbols keep their suffix: ``__libc_start_main@@GLIBC_2.34``.
 
-Comparison rules (``compare``): samples match by (pid, tid, time_ns) exactly; only user frames
-count (kernel frames, and unwindd's inlined frames, are dropped on both sides, since perf runs
-with ``--no-inline``); names compare after ``normalize_name``. The cost is linear in frames
-plus one ``c++filt`` call per distinct mangled name.
+Comparison rules (``compare``): samples match by (pid, tid, time_ns) exactly, and a sample
+on one side only is reported (``missing``, ``extra``); only user frames count (kernel frames,
+and unwindd's inlined frames, are dropped on both sides, since perf runs with ``--no-inline``);
+every frame's ip must equal perf's (callers at return address - 1 on both sides); names
+compare after ``normalize_name``. Where perf has no answer the binary is asked (binfacts.py):
+perf's ``[unknown]`` takes our name only if the file has that symbol there, and our unknown
+only if it has none; a stack longer than perf's is right only where perf stopped short of the
+stack's base and ours goes on, through real call sites, to ``_start`` or ``clone``/``clone3``.
+The cost is linear in frames plus one ``c++filt`` call per distinct mangled name and one
+pyelftools parse per binary asked about.
 """
 
 from __future__ import annotations
@@ -40,14 +46,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import binfacts
 from perfutil import PERF, record_perf_data
 from workloads.build import Workload, build_workloads
 
 __all__ = [
+    "ELF_FACTS",
     "KERNEL_START",
+    "STACK_BASES",
     "AddressSpaces",
+    "BinaryFacts",
     "FrameDiff",
     "MapEntry",
     "OracleFrame",
@@ -339,7 +349,7 @@ _QUALS = re.compile(r"\)((?:\s*(?:const|volatile|&&|&|noexcept))*)\s*$")
 
 @cache
 def _demangle(name: str) -> str:
-    proc = subprocess.run(["c++filt", "-p"], input=name, capture_output=True, text=True)
+    proc = subprocess.run(["c++filt", "-p", "-i"], input=name, capture_output=True, text=True)
     out = proc.stdout.strip()
     return out if proc.returncode == 0 and out else name
 
@@ -369,7 +379,8 @@ def _strip_params(name: str) -> str:
 
 def normalize_name(name: str | None) -> str | None:
     """The name perf would print for ``name``: no symbol version (``@@GLIBC_2.34``), demangled
-    the way perf does (``c++filt -p``: no parameter lists)."""
+    the way perf does (``c++filt -p -i``: no parameter lists, and ``std::string`` rather than
+    its verbose ``std::basic_string<char, ...>`` expansion)."""
     if name is None or name in ("", "[unknown]"):
         return None
     name = _VERSION.sub("", name)
@@ -381,6 +392,29 @@ def normalize_name(name: str | None) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # comparison
 
+# The frames a stack's base is made of (glibc's x86_64 start.S and clone3.S; perf prints the
+# same names): an unwind that ends on one of these has reached the bottom of the stack.
+STACK_BASES = frozenset({"_start", "clone", "clone3", "__clone3"})
+
+
+class BinaryFacts(Protocol):
+    """What the file says at a file offset (binfacts.py reads it; tests may stand in)."""
+
+    def names_at(self, path: str, off: int) -> frozenset[str]: ...
+
+    def follows_call(self, path: str, off: int) -> bool: ...
+
+
+class ElfFacts:
+    def names_at(self, path: str, off: int) -> frozenset[str]:
+        return binfacts.names_at(path, off)
+
+    def follows_call(self, path: str, off: int) -> bool:
+        return binfacts.follows_call(path, off)
+
+
+ELF_FACTS = ElfFacts()
+
 
 @dataclass(frozen=True, slots=True)
 class FrameDiff:
@@ -388,7 +422,9 @@ class FrameDiff:
 
     key: tuple[int, int, int]
     comm: str
-    reason: str  # "missing" | "ours shorter" | "ip" | "name" | "ours unknown"
+    # "missing" | "ours shorter" | "ours longer" | "ip" | "name" | "ours unknown"
+    # | "name not in binary"
+    reason: str
     index: int | None
     perf_frame: OracleFrame | None
     ours_frame: Mapping[str, Any] | None
@@ -400,10 +436,9 @@ class FrameDiff:
 class Report:
     total: int = 0  # samples perf printed
     matched: int = 0
-    ours_longer: int = 0  # matched samples where perf stopped first
-    named_where_perf_unknown: int = 0  # frames, counted as matches
-    ip_exact: int = 0  # matched caller frames whose ip equals perf's
-    ip_minus_one: int = 0  # matched caller frames where perf printed ours - 1
+    ours_longer: int = 0  # matched samples where perf stopped short of the base and ours went on
+    named_where_perf_unknown: int = 0  # frames, each a symbol the binary has there
+    caller_frames: int = 0  # matched frames below the leaf, each at perf's exact ip
     mismatched: list[FrameDiff] = field(default_factory=list)
     extra: list[tuple[int, int, int]] = field(default_factory=list)  # ours only
 
@@ -421,8 +456,8 @@ class Report:
         return (
             f"{self.matched}/{self.total} matched ({self.match_ratio:.2%}), ours longer "
             f"{self.ours_longer}, named where perf [unknown] {self.named_where_perf_unknown}, "
-            f"caller ips exact/-1 {self.ip_exact}/{self.ip_minus_one}, mismatched "
-            f"{len(self.mismatched)} {self.reasons()}, ours-only samples {len(self.extra)}"
+            f"caller frames {self.caller_frames}, mismatched {len(self.mismatched)} "
+            f"{self.reasons()}, ours-only samples {len(self.extra)}"
         )
 
     def render(self, n: int = 5) -> str:
@@ -478,15 +513,18 @@ def compare(
     oracle: Iterable[OracleSample],
     ours: Iterable[Mapping[str, Any]],
     spaces: AddressSpaces | None = None,
+    facts: BinaryFacts = ELF_FACTS,
 ) -> Report:
     """Judge ``ours`` (unwindd jsonl samples) against perf's unwind of the same file.
 
     ``spaces`` converts our absolute ips to perf's mapping-relative form (see the module
-    docstring); without it our ips are taken to be in perf's form already. Rules: frame i of
-    the user stack matches when the ips agree (for callers, i > 0, perf may print our return
-    address minus 1) and the normalized names agree, where perf's ``[unknown]`` accepts any
-    name of ours but our unknown never matches perf's name. perf stopping first is a match
-    ("ours longer"); us stopping first is a mismatch."""
+    docstring); without it our ips are taken to be in perf's form already. ``facts`` answers
+    for the binary where perf has no answer. Rules: frame i of the user stack matches when
+    the ips are equal and the normalized names are equal; where perf prints ``[unknown]``, our
+    name must be one the binary has at that address, and our unknown is right only where the
+    binary has none. Us stopping first is a mismatch; going on past perf's last frame is a
+    match only where perf's last frame is not a stack base and every frame we add sits after
+    a call in its binary, the last one a stack base (``STACK_BASES``)."""
     by_key: dict[tuple[int, int, int], Mapping[str, Any]] = {}
     for s in ours:
         by_key[(int(s["pid"]), int(s["tid"]), int(s["time_ns"]))] = s
@@ -500,7 +538,7 @@ def compare(
             rep.mismatched.append(FrameDiff(ps.key, ps.comm, "missing", None, None, None,
                                             ps.user_frames))  # fmt: skip
             continue
-        diff = _compare_stack(ps, os_, spaces, rep)
+        diff = _compare_stack(ps, os_, spaces, facts, rep)
         if diff is None:
             rep.matched += 1
         else:
@@ -510,7 +548,11 @@ def compare(
 
 
 def _compare_stack(
-    ps: OracleSample, os_: Mapping[str, Any], spaces: AddressSpaces | None, rep: Report
+    ps: OracleSample,
+    os_: Mapping[str, Any],
+    spaces: AddressSpaces | None,
+    facts: BinaryFacts,
+    rep: Report,
 ) -> FrameDiff | None:
     pf = ps.user_frames
     of = _ours_user_frames(os_)
@@ -519,33 +561,40 @@ def _compare_stack(
         return FrameDiff(ps.key, ps.comm, reason, i, pf[i] if i < len(pf) else None,
                          of[i] if i < len(of) else None, pf, of)  # fmt: skip
 
-    exact = minus_one = named = 0
+    def perf_ip(o: Mapping[str, Any]) -> int:
+        ip = _ours_ip(o)
+        return ip if spaces is None else spaces.to_perf_ip(ps.pid, ps.time_ns, ip)
+
+    named = 0
     for i, p in enumerate(pf):
         if i >= len(of):
             return diff("ours shorter", i)
         o = of[i]
-        ip = _ours_ip(o)
-        if spaces is not None:
-            ip = spaces.to_perf_ip(ps.pid, ps.time_ns, ip)
-        if ip == p.ip:
-            exact += i > 0
-        elif i > 0 and ip - 1 == p.ip:
-            minus_one += 1
-        else:
+        if perf_ip(o) != p.ip:
             return diff("ip", i)
         pn = normalize_name(p.sym)
         on = normalize_name(o.get("sym"))
-        if pn is None:
+        if pn is None:  # perf has no name: the binary says what is there
+            held = {normalize_name(n) for n in facts.names_at(p.dso, p.ip)}
+            if on is None and held:
+                return diff("ours unknown", i)
+            if on is not None and on not in held:
+                return diff("name not in binary", i)
             named += on is not None
         elif on is None:
             return diff("ours unknown", i)
         elif pn != on:
             return diff("name", i)
-    rep.ip_exact += exact
-    rep.ip_minus_one += minus_one
-    rep.named_where_perf_unknown += named
     if len(of) > len(pf):
+        last = normalize_name(of[-1].get("sym"))
+        if not pf or normalize_name(pf[-1].sym) in STACK_BASES or last not in STACK_BASES:
+            return diff("ours longer", len(pf))
+        for i in range(len(pf), len(of)):
+            if not facts.follows_call(str(of[i].get("dso") or ""), perf_ip(of[i])):
+                return diff("ours longer", i)
         rep.ours_longer += 1
+    rep.named_where_perf_unknown += named
+    rep.caller_frames += max(len(pf) - 1, 0)
     return None
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import binfacts
 import oracle
 import pytest
 from elftools.elf.elffile import ELFFile
@@ -393,28 +394,44 @@ def _ours(pid: int, tid: int, t: int, *frames: tuple[int, str | None]) -> dict[s
 PERF_STACK = ((0x1254, "spin"), (0x12A5, "c"), (0x27304, "__libc_start_main@@GLIBC_2.34"))
 
 
-def _one(ours: dict[str, Any], perf: OracleSample | None = None) -> oracle.Report:
-    return compare([perf or _perf(1, 1, 100, *PERF_STACK)], [ours])
+class FakeFacts:
+    """A binary's answers given as data: symbols by file offset, call sites by file offset."""
+
+    def __init__(self, names: dict[int, str] | None = None, calls: set[int] | None = None):
+        self.names = names or {}
+        self.calls = calls or set()
+
+    def names_at(self, path: str, off: int) -> frozenset[str]:
+        return frozenset({self.names[off]}) if off in self.names else frozenset()
+
+    def follows_call(self, path: str, off: int) -> bool:
+        return off in self.calls
 
 
-def test_compare_exact_and_return_address_conventions() -> None:
-    # ours gives return addresses, perf printed them minus 1
-    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x12A6, "c"), (0x27305, "__libc_start_main")))
-    assert rep.matched == 1 and rep.ip_minus_one == 2 and rep.ip_exact == 0
-    # ours gives the same ips perf printed
+def _one(
+    ours: dict[str, Any], perf: OracleSample | None = None, facts: FakeFacts | None = None
+) -> oracle.Report:
+    return compare([perf or _perf(1, 1, 100, *PERF_STACK)], [ours], facts=facts or FakeFacts())
+
+
+def test_compare_ips_must_be_exact() -> None:
     rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x12A5, "c"), (0x27304, "__libc_start_main")))
-    assert rep.matched == 1 and rep.ip_exact == 2 and rep.match_ratio == 1.0
+    assert rep.matched == 1 and rep.caller_frames == 2 and rep.match_ratio == 1.0
+    # callers at their return address (perf's ip + 1): not the same frames
+    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x12A6, "c"), (0x27305, "__libc_start_main")))
+    (d,) = rep.mismatched
+    assert (d.reason, d.index) == ("ip", 1) and rep.caller_frames == 0
 
 
 def test_compare_leaf_must_be_exact() -> None:
-    rep = _one(_ours(1, 1, 100, (0x1255, "spin"), (0x12A6, "c"), (0x27305, "__libc_start_main")))
+    rep = _one(_ours(1, 1, 100, (0x1255, "spin"), (0x12A5, "c"), (0x27304, "__libc_start_main")))
     assert rep.matched == 0
     (d,) = rep.mismatched
     assert (d.reason, d.index) == ("ip", 0)
 
 
 def test_compare_ip_mismatch_reports_first_frame() -> None:
-    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x12B0, "c"), (0x27305, "__libc_start_main")))
+    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x12B0, "c"), (0x27304, "__libc_start_main")))
     (d,) = rep.mismatched
     assert (d.reason, d.index) == ("ip", 1)
     assert d.perf_frame is not None and d.perf_frame.ip == 0x12A5
@@ -426,18 +443,28 @@ def test_compare_ip_mismatch_reports_first_frame() -> None:
 
 def test_compare_version_suffix_on_either_side() -> None:
     perf = _perf(1, 1, 100, (0x1254, "spin"), (0x27304, "__libc_start_main"))
-    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x27305, "__libc_start_main@@GLIBC_2.34")),
+    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x27304, "__libc_start_main@@GLIBC_2.34")),
                perf)  # fmt: skip
     assert rep.matched == 1
 
 
 def test_compare_unknown_rules() -> None:
     perf = _perf(1, 1, 100, (0x1254, "spin"), (0x3C04F, None))
-    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x3C050, "__restore_rt")), perf)
-    assert rep.matched == 1 and rep.named_where_perf_unknown == 1  # better, not different
-    rep = _one(_ours(1, 1, 100, (0x1254, "spin"), (0x3C050, None)), perf)
-    assert rep.matched == 1 and rep.named_where_perf_unknown == 0  # both unknown
-    rep = _one(_ours(1, 1, 100, (0x1254, None), (0x3C050, None)), perf)
+    named = _ours(1, 1, 100, (0x1254, "spin"), (0x3C04F, "__restore_rt"))
+    nameless = _ours(1, 1, 100, (0x1254, "spin"), (0x3C04F, None))
+    # the binary has a symbol there that perf did not print: naming it is better, not different
+    has = FakeFacts({0x3C04F: "__restore_rt"})
+    rep = _one(named, perf, has)
+    assert rep.matched == 1 and rep.named_where_perf_unknown == 1
+    (d,) = _one(nameless, perf, has).mismatched
+    assert (d.reason, d.index) == ("ours unknown", 1)  # both missed a name the file has
+    # the binary has no symbol there: unknown is right, any name of ours is made up
+    assert _one(nameless, perf).matched == 1
+    (d,) = _one(named, perf).mismatched
+    assert (d.reason, d.index) == ("name not in binary", 1)
+    (d,) = _one(named, perf, FakeFacts({0x3C04F: "other"})).mismatched
+    assert (d.reason, d.index) == ("name not in binary", 1)
+    rep = _one(_ours(1, 1, 100, (0x1254, None), (0x3C04F, None)), perf)
     (d,) = rep.mismatched
     assert (d.reason, d.index) == ("ours unknown", 0)  # we lost a name perf has
 
@@ -447,19 +474,38 @@ def test_compare_name_mismatch_and_demangling() -> None:
         1, 1, 100, (0x1132, "oracle::Worker::thrower"), (0x1764, "oracle::Worker::catcher")
     )
     ok = _ours(1, 1, 100, (0x1132, "_ZNK6oracle6Worker7throwerEi"),
-               (0x1765, "oracle::Worker::catcher(int) const"))  # fmt: skip
+               (0x1764, "oracle::Worker::catcher(int) const"))  # fmt: skip
     assert _one(ok, perf).matched == 1
-    bad = _ours(1, 1, 100, (0x1132, "oracle::Worker::thrower"), (0x1765, "oracle::Worker::run"))
+    bad = _ours(1, 1, 100, (0x1132, "oracle::Worker::thrower"), (0x1764, "oracle::Worker::run"))
     (d,) = _one(bad, perf).mismatched
     assert (d.reason, d.index) == ("name", 1)
 
 
-def test_compare_ours_longer_and_shorter() -> None:
-    longer = _ours(1, 1, 100, (0x1254, "spin"), (0x12A6, "c"), (0x27305, "__libc_start_main"),
-                   (0x1141, "_start"))  # fmt: skip
-    rep = _one(longer)
+SHORT = _perf(1, 1, 100, (0x1254, "spin"), (0x12A5, "c"))  # perf stopped above the base
+CALLS = FakeFacts(calls={0x27304, 0x1140})
+
+
+def test_compare_ours_longer_only_down_to_the_base() -> None:
+    longer = _ours(1, 1, 100, (0x1254, "spin"), (0x12A5, "c"), (0x27304, "__libc_start_main"),
+                   (0x1140, "_start"))  # fmt: skip
+    rep = _one(longer, SHORT, CALLS)
     assert rep.matched == 1 and rep.ours_longer == 1
-    shorter = _ours(1, 1, 100, (0x1254, "spin"), (0x12A6, "c"))
+    # perf reached a base already: anything of ours past it is made up
+    based = _perf(1, 1, 100, (0x1254, "spin"), (0x12A5, "c"), (0x27304, "__libc_start_main"),
+                  (0x1140, "_start"))  # fmt: skip
+    past = _ours(1, 1, 100, *((f.ip, f.sym) for f in based.frames), (0x1100, "_start"))
+    (d,) = _one(past, based, FakeFacts(calls={0x1100})).mismatched
+    assert (d.reason, d.index) == ("ours longer", 4)
+    # ours must end on a base
+    (d,) = _one(_ours(1, 1, 100, *PERF_STACK), SHORT, CALLS).mismatched
+    assert (d.reason, d.index) == ("ours longer", 2)
+    # every added frame must sit right after a call in its binary
+    (d,) = _one(longer, SHORT, FakeFacts(calls={0x27304})).mismatched
+    assert (d.reason, d.index) == ("ours longer", 3)
+
+
+def test_compare_ours_shorter() -> None:
+    shorter = _ours(1, 1, 100, (0x1254, "spin"), (0x12A5, "c"))
     rep = _one(shorter)
     (d,) = rep.mismatched
     assert (d.reason, d.index, d.ours_frame) == ("ours shorter", 2, None)
@@ -493,8 +539,8 @@ def test_compare_converts_absolute_ips_with_address_spaces() -> None:
     sp = AddressSpaces()
     sp.add_mmap(MapEntry(10, 1, 0x555500001000, 0x1000, 0x1000, "/bin/w"))
     sp.add_mmap(MapEntry(10, 1, 0x7F0000026000, 0x156000, 0x26000, "/lib/libc.so.6"))
-    ours = _ours(1, 1, 100, (0x555500001254, "spin"), (0x5555000012A6, "c"),
-                 (0x7F0000027305, "__libc_start_main"))  # fmt: skip
+    ours = _ours(1, 1, 100, (0x555500001254, "spin"), (0x5555000012A5, "c"),
+                 (0x7F0000027304, "__libc_start_main"))  # fmt: skip
     perf = [_perf(1, 1, 100, *PERF_STACK)]
     assert compare(perf, [ours], sp).matched == 1
     assert compare(perf, [ours]).matched == 0  # absolute ips without the maps: no match
@@ -507,3 +553,37 @@ def test_render_is_compact() -> None:
     text = rep.render(3)
     assert rep.match_ratio == 0.0 and "... and 47 more" in text
     assert len(text.splitlines()) < 40
+
+
+# ---------------------------------------------------------------------------------------------
+# binfacts, judged by perf: what perf names, the file has there; perf's callers follow calls
+
+
+def test_binfacts_agree_with_perf(recorded: dict[str, tuple[Path, PerfScript]]) -> None:
+    named = calls = 0
+    for name, (_, script) in recorded.items():
+        for s in script.samples:
+            frames = s.user_frames
+            for i, f in enumerate(frames):
+                if not f.dso.startswith("/") or (f.sym or "").endswith("@plt"):
+                    continue  # [unknown], [vdso]: no file; perf makes up PLT stubs' names
+                held = {normalize_name(n) for n in binfacts.names_at(f.dso, f.ip)}
+                if f.sym is None:
+                    assert not held, (name, f, held)  # perf found nothing: nor is there any
+                else:
+                    assert normalize_name(f.sym) in held, (name, f, held)
+                    named += 1
+                # a caller's ip is its return address - 1, except the signal trampoline
+                # (perf's [unknown] __restore_rt - 1) and the frame the signal interrupted
+                tramp = name == "signal" and None in (f.sym, frames[i - 1].sym)
+                if i > 0 and not tramp:
+                    assert binfacts.follows_call(f.dso, f.ip), (name, i, frames)
+                    calls += 1
+    assert named > 1000 and calls > 1000, (named, calls)
+
+
+def test_binfacts_without_a_file(tmp_path: Path) -> None:
+    assert not binfacts.follows_call(str(tmp_path / "absent"), 0x10)
+    assert binfacts.names_at("[unknown]", 0xBB7) == frozenset()
+    restore = binfacts.names_at(LIBC, 0x3C050)  # from libc6-dbg's separate debug file
+    assert "__restore_rt" in restore

@@ -3,12 +3,17 @@
 For each workload in tests/workloads/: record it with ``perf record --call-graph dwarf``, take
 perf's unwind (``perf script``, with the mappings it saw, so our absolute ips can be put in
 perf's mapping-relative form) and ours (``unwindd replay --format jsonl``), and require the
-same user frames for at least 99% of samples. ``pytest -s`` prints one summary line per
-workload; a failure message shows the worst differing stacks side by side.
+same samples, and the same user frames for every sample but at most ``MAX_MISMATCHED`` per
+workload, each shown as a warning in the run's summary (on a clean tree none is seen).
+``oracle.compare`` says what "the same" means: the ips exactly, the names where perf has one,
+the binary's own symbols where it has none, and a longer stack only down to the stack's base.
+``pytest -s`` prints one summary line per workload; a failure message shows the worst
+differing stacks side by side.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +21,7 @@ import oracle
 import pytest
 from oracle import Workload
 
-MIN_MATCH = 0.99
+MAX_MISMATCHED = 2
 
 WORKLOADS = ["c_o2", "c_o3", "cxx", "threads", "dlopen", "signal", "python", "forkexec"]
 
@@ -43,4 +48,7 @@ def test_unwind_matches_perf(workloads: dict[str, Workload], name: str, tmp_path
         f"unwind_status {dict(statuses)}"
     )
     assert rep.total > 0
-    assert rep.match_ratio >= MIN_MATCH, f"[{name}] {path}\n{rep.render(8)}"
+    assert not rep.extra, f"[{name}] samples perf did not print: {rep.extra[:5]}"
+    assert len(rep.mismatched) <= MAX_MISMATCHED, f"[{name}] {path}\n{rep.render(8)}"
+    if rep.mismatched:
+        warnings.warn(f"[{name}] within the budget: {rep.render(MAX_MISMATCHED)}", stacklevel=1)
