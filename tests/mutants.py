@@ -13,16 +13,21 @@ mutation the script
 3. builds the native extensions in place (``python3 setup.py build_ext --inplace``: cffi
    writes ``_perfcore.abi3.so`` and ``_unwcore.abi3.so`` into ``<scratch>/daemon/unwindd/``),
 4. runs the named tests from the scratch copy's own ``tests/`` with ``PYTHONPATH`` set to just
-   ``<scratch>/daemon``. PYTHONPATH comes before site-packages, so the scratch package shadows
+   ``<scratch>/daemon`` (an inherited PYTHONPATH is replaced, not extended). PYTHONPATH comes
+   before site-packages (the installed package is a plain, non-editable one), so the scratch
+   package shadows
    the installed one in pytest and in every subprocess the tests start (they pass
    ``os.environ`` on: ``python -m unwindd.cli`` in tests/oracle.py and tests/daemonutil.py;
    test_perfcore/test_perfdata set PYTHONPATH from ``unwindd.__file__``, which is the scratch
    copy's). Before testing, a check run proves it: ``unwindd``, both extension modules and a
    child interpreter's ``unwindd`` must all load from the scratch copy.
 
-Before any mutation, a baseline run of the union of the selected mutations' tests on an
-unmutated scratch copy (built the same way) must pass; a mutation whose tests failed there is
-reported BASELINE-FAILED, since its result would mean nothing.
+Before any mutation, the union of the selected mutations' tests runs on an unmutated scratch
+copy built the same way (the baseline). A mutation any of whose tests failed there is reported
+BASELINE-FAILED and not run, since its result would mean nothing; the others still run.
+Each pytest run gets its own --basetemp and session; its process group is killed when it ends
+(a mutant may leave a test's daemon behind). The scratch copies and logs live in
+``$TMPDIR/unwindd-mut-*`` and are removed at the end unless --keep.
 
 Results:
   CAUGHT           some named test failed (or errored) with the mutation applied: good.
@@ -39,7 +44,7 @@ Run (as root, like the suite: the tests open perf events), from anywhere:
   python3 tests/mutants.py --check                 # only verify every snippet still applies
   python3 tests/mutants.py -k drop-last-frame      # one mutation (repeat -k for more)
   python3 tests/mutants.py -k bogus-trailing-frame --tests tests/test_unwind_oracle.py
-  python3 tests/mutants.py                         # all of them (slow: an hour or more)
+  python3 tests/mutants.py                         # all of them: slow, see --list
 It is a script, not a test module: pytest collects only ``test_*.py`` (pyproject sets no
 ``python_files``), so ``pytest tests`` never runs it. The machine is shared: one build and one
 pytest run at a time.
