@@ -1,0 +1,642 @@
+#!/usr/bin/env python3
+"""Mutation check: does the test suite notice the bugs a restructuring could bring in?
+
+Each entry of ``MUTATIONS`` is one deliberate bug (a name, exact source snippets and their
+replacements, and the pytest node ids or files that should catch it). For each selected
+mutation the script
+
+1. copies the repository to a scratch directory (the working-tree contents of ``git ls-files
+   --cached --others --exclude-standard``: uncommitted edits and new files are included, build
+   artefacts, caches and other ignored files are not),
+2. applies the mutation (every snippet must occur exactly once in its file, else the script
+   stops before doing anything: the list cannot rot silently),
+3. builds the native extensions in place (``python3 setup.py build_ext --inplace``: cffi
+   writes ``_perfcore.abi3.so`` and ``_unwcore.abi3.so`` into ``<scratch>/daemon/unwindd/``),
+4. runs the named tests from the scratch copy's own ``tests/`` with ``PYTHONPATH`` set to just
+   ``<scratch>/daemon`` (an inherited PYTHONPATH is replaced, not extended). PYTHONPATH comes
+   before site-packages (the installed package is a plain, non-editable one), so the scratch
+   package shadows
+   the installed one in pytest and in every subprocess the tests start (they pass
+   ``os.environ`` on: ``python -m unwindd.cli`` in tests/oracle.py and tests/daemonutil.py;
+   test_perfcore/test_perfdata set PYTHONPATH from ``unwindd.__file__``, which is the scratch
+   copy's). Before testing, a check run proves it: ``unwindd``, both extension modules and a
+   child interpreter's ``unwindd`` must all load from the scratch copy.
+
+Before any mutation, the union of the selected mutations' tests runs on an unmutated scratch
+copy built the same way (the baseline). A mutation any of whose tests failed there is reported
+BASELINE-FAILED and not run, since its result would mean nothing; the others still run.
+Each pytest run gets its own --basetemp and session; its process group is killed when it ends
+(a mutant may leave a test's daemon behind). The scratch copies and logs live in
+``$TMPDIR/unwindd-mut-*`` and are removed at the end unless --keep.
+
+Results:
+  CAUGHT           some named test failed (or errored) with the mutation applied: good.
+  MISSED           every named test passed with the bug in place: the tests are too weak.
+  TIMEOUT          the tests did not finish within --timeout (a hang); counted as caught.
+  BASELINE-FAILED  a named test already failed on the unmutated copy: no verdict.
+  ERROR            the mutant did not build, or pytest could not run the tests (e.g. a node
+                   id that no longer exists): fix the list.
+The script prints a table (mutation, result, seconds, failed tests) and exits 1 if any
+mutation was not CAUGHT/TIMEOUT, 2 if the list itself is stale.
+
+Run (as root, like the suite: the tests open perf events), from anywhere:
+  python3 tests/mutants.py --list                  # the mutations and their tests
+  python3 tests/mutants.py --check                 # only verify every snippet still applies
+  python3 tests/mutants.py -k drop-last-frame      # one mutation (repeat -k for more)
+  python3 tests/mutants.py -k bogus-trailing-frame --tests tests/test_unwind_oracle.py
+  python3 tests/mutants.py                         # all of them: slow, see --list
+It is a script, not a test module: pytest collects only ``test_*.py`` (pyproject sets no
+``python_files``), so ``pytest tests`` never runs it. The machine is shared: one build and one
+pytest run at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True, slots=True)
+class Edit:
+    """Replace ``old`` (which must occur exactly once) by ``new`` in ``file`` (repo-relative)."""
+
+    file: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    name: str
+    what: str  # the bug, in words
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]  # pytest node ids or files (repo-relative) that should catch it
+
+
+# --------------------------------------------------------------------------- the mutations
+
+UNWIND_C = "cffi_build/unwind.c"
+FASTPATH_C = "cffi_build/fastpath.c"
+
+# The end of unw_unwind_one: every walk (whatever stopped it) stores its frame count here.
+_UNWIND_END = "    *count = n;\n    *fpf = nfp;\n"
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # -- the native unwinder (unw_unwind_one). It serves every path (replay, --slow-path and the
+    # live step all call it), so comparing the fast path with the slow one cannot catch these:
+    # only unit tests with known answers and the perf oracle can.
+    Mutation(
+        name="drop-last-frame",
+        what="native unwinder: the outermost frame of every walked stack (n > 1) is not reported",
+        edits=(
+            Edit(
+                UNWIND_C,
+                old=_UNWIND_END,
+                new="    *count = n > 1 ? n - 1 : n; /* MUTANT */\n    *fpf = nfp;\n",
+            ),
+        ),
+        tests=("tests/test_unwinder.py", "tests/test_unwind_oracle.py"),
+    ),
+    Mutation(
+        name="bogus-trailing-frame",
+        what="native unwinder: after the walk stops, the outermost pc is appended once more",
+        edits=(
+            Edit(
+                UNWIND_C,
+                old=_UNWIND_END,
+                new="    if (n < max_depth) { /* MUTANT */\n"
+                "        kinds[n] = 0;\n"
+                "        out[n++] = f->pc;\n"
+                "    }\n" + _UNWIND_END,
+            ),
+        ),
+        # The oracle counts "ours longer" as a match today: test_unwinder's exact synthetic
+        # results catch it, the oracle does not (yet).
+        tests=("tests/test_unwinder.py", "tests/test_unwind_oracle.py"),
+    ),
+    Mutation(
+        name="cfi-lookup-at-return-address",
+        what="native unwinder: a caller's CFI row is looked up at its return address, not at "
+        "ra - 1 (a call that ends a function finds the next function's row)",
+        edits=(
+            Edit(
+                UNWIND_C,
+                old="uint64_t lpc = (leaf || exact) ? f->pc : f->pc - 1;",
+                new="uint64_t lpc = f->pc; /* MUTANT */",
+            ),
+        ),
+        tests=(
+            "tests/test_unwinder.py::test_return_address_uses_pc_minus_one",
+            "tests/test_unwind_oracle.py",
+        ),
+    ),
+    # -- the C indexer and orderers (fastpath.c): the native replay and live paths only, so the
+    # fast = slow comparisons see them, besides the oracle.
+    Mutation(
+        name="swap-pid-tid",
+        what="C indexer (index_records): a SAMPLE's pid and tid are read swapped (threads then "
+        "look like processes of their own)",
+        edits=(
+            Edit(
+                FASTPATH_C,
+                old="e->pid = (uint32_t)t;\n                    e->tid = (uint32_t)(t >> 32);",
+                new="e->pid = (uint32_t)(t >> 32); /* MUTANT */\n"
+                "                    e->tid = (uint32_t)t;",
+            ),
+        ),
+        # Only multi-threaded recordings tell: the "threads" files of each.
+        tests=(
+            "tests/test_fastreplay.py::test_fast_equals_slow",
+            "tests/test_livefast.py::test_native_step_matches_slow_step",
+            "tests/test_unwind_oracle.py",
+        ),
+    ),
+    Mutation(
+        name="truncated-record-accepted-c",
+        what="C indexer (index_records): a record whose size runs past the end of the buffer "
+        "is accepted, cut to the bytes there, instead of ending the stream as truncated",
+        edits=(
+            Edit(
+                FASTPATH_C,
+                old="        if (size > len - pos) {\n"
+                "            *end = FP_END_TRUNCATED;\n"
+                "            break;\n"
+                "        }\n",
+                new="        if (size > len - pos) /* MUTANT */\n"
+                "            size = (uint16_t)(len - pos);\n",
+            ),
+        ),
+        # The fuzz tests of the C indexer: it against records.RecordDecoder.
+        tests=(
+            "tests/test_fastreplay.py::test_indexer_matches_decoder_on_truncations",
+            "tests/test_fastreplay.py::test_indexer_matches_decoder_on_mutations",
+            "tests/test_fastreplay.py::test_indexer_garbage",
+        ),
+    ),
+    Mutation(
+        name="replay-flush-one-round-early",
+        what="C replay orderer (fp_order): a FINISHED_ROUND flushes everything seen so far, "
+        "not only what is no newer than the previous round's newest time",
+        edits=(
+            Edit(
+                FASTPATH_C,
+                old="uint64_t lim = next_flush > last_flush ? next_flush : last_flush;",
+                new="uint64_t lim = max_time; /* MUTANT */",
+            ),
+        ),
+        tests=(
+            "tests/test_fastreplay.py::test_fp_order_equals_round_orderer",
+            "tests/test_fastreplay.py::test_fast_equals_slow",
+        ),
+    ),
+    Mutation(
+        name="live-flush-one-round-early",
+        what="C live orderer (fp_live_order_round): each round flushes everything seen so far, "
+        "not only what is no newer than the previous round's newest time",
+        edits=(
+            Edit(
+                FASTPATH_C,
+                old="uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;",
+                new="uint64_t lim = o->max_time; /* MUTANT */",
+            ),
+        ),
+        tests=("tests/test_livefast.py::test_native_step_matches_slow_step", "tests/test_live.py"),
+    ),
+    # -- the Python side
+    Mutation(
+        name="truncated-record-accepted-py",
+        what="Python decoder (RecordDecoder.decode): a record whose size runs past the end of "
+        "the buffer is decoded from the bytes there instead of counted as truncated",
+        edits=(
+            Edit(
+                "daemon/unwindd/records.py",
+                old="            if size < HEADER_SIZE or off + size > n:\n"
+                '                self.stats.errors["truncated" if size >= HEADER_SIZE else'
+                ' "bad_size"] += 1\n',
+                new="            if size < HEADER_SIZE:  # MUTANT\n"
+                '                self.stats.errors["bad_size"] += 1\n',
+            ),
+        ),
+        # Its truncation and fuzz tests (test_fastreplay's indexer tests re-implement the
+        # framing in the test, so they do not see this one).
+        tests=("tests/test_records.py", "tests/test_perfdata.py"),
+    ),
+    Mutation(
+        name="caller-at-return-address",
+        what="every output path (--slow-path engine, fast replay, native live step) reports "
+        "and names caller frames at their return address instead of ra - 1",
+        edits=(
+            Edit(
+                "daemon/unwindd/engine.py",
+                old="ip = pc if exact >> i & 1 else pc - 1",
+                new="ip = pc  # MUTANT",
+            ),
+            Edit(
+                "daemon/unwindd/fastreplay.py",
+                old="ip = pc[0] if ex[0] else pc[0] - 1",
+                new="ip = pc[0]  # MUTANT",
+            ),
+            Edit(
+                "daemon/unwindd/livefast.py",
+                old="snap, pc[0] if ex[0] else pc[0] - 1)",
+                new="snap, pc[0])  # MUTANT",
+            ),
+        ),
+        # All paths alike, so fast = slow cannot see it; the oracle accepts ra and ra - 1
+        # today, and the end-to-end tests check names only.
+        tests=("tests/test_unwind_oracle.py", "tests/test_live.py", "tests/test_service.py"),
+    ),
+    Mutation(
+        name="gap-named-after-previous-symbol",
+        what="symbol lookup (SymbolTable.lookup): an address past a symbol's end (a gap, "
+        "[unknown] to perf) is named after the symbol before it",
+        edits=(
+            Edit(
+                "daemon/unwindd/symbolize.py",
+                old="        if addr < end or addr == start:\n"
+                "            return self.name(i), addr - start\n"
+                "        return None\n",
+                new="        return self.name(i), addr - start  # MUTANT\n",
+            ),
+        ),
+        # The oracle lets any name of ours stand for perf's [unknown]: it cannot see this.
+        tests=(
+            "tests/test_symbolize.py",
+            "tests/test_fastreplay.py::test_sym_region_is_symbol_table_lookup",
+            "tests/test_unwind_oracle.py",
+        ),
+    ),
+    Mutation(
+        name="kernel-frames-dropped",
+        what="engine.kernel_ips yields nothing: samples lose their kernel frames",
+        edits=(
+            Edit(
+                "daemon/unwindd/engine.py",
+                old="in_kernel = ip == abi.CONTEXT_KERNEL",
+                new="in_kernel = False  # MUTANT",
+            ),
+        ),
+        # The oracle drops kernel frames on both sides; folded fast replay names kernel ips
+        # from C (fp_kernel_ips), so only its folded comparison may differ.
+        tests=(
+            "tests/test_fastreplay.py::test_fast_equals_slow",
+            "tests/test_live.py",
+            "tests/test_service.py",
+        ),
+    ),
+    Mutation(
+        name="lost-not-counted",
+        what="StreamStats.observe: PERF_RECORD_LOST no longer adds to the per-CPU lost count "
+        "(unwindd_lost_records_total, the status's lost)",
+        edits=(
+            Edit(
+                "daemon/unwindd/streamstats.py",
+                old="self.lost_by_cpu[rcpu] += rec.lost",
+                new="pass  # MUTANT",
+            ),
+        ),
+        tests=("tests/test_metrics.py", "tests/test_service.py", "tests/test_cli.py"),
+    ),
+)
+
+
+# --------------------------------------------------------------------------- mechanics
+
+
+class StaleMutation(Exception):
+    """A snippet no longer matches the source: the list must be updated."""
+
+
+def apply_edits(root: Path, edits: Iterable[Edit], write: bool = True) -> None:
+    """Apply (or with ``write=False`` only check) ``edits`` under ``root``; each snippet must
+    occur exactly once, else StaleMutation."""
+    texts: dict[Path, str] = {}
+    for e in edits:
+        path = root / e.file
+        if path not in texts:
+            if not path.is_file():
+                raise StaleMutation(f"{e.file}: no such file")
+            texts[path] = path.read_text()
+        n = texts[path].count(e.old)
+        if n != 1:
+            raise StaleMutation(f"{e.file}: snippet found {n} times, not once:\n{e.old}")
+        if e.old == e.new:
+            raise StaleMutation(f"{e.file}: replacement equals the snippet")
+        texts[path] = texts[path].replace(e.old, e.new)
+    if write:
+        for path, text in texts.items():
+            path.write_text(text)
+
+
+def check_list(muts: Iterable[Mutation], tests_override: Sequence[str] | None) -> None:
+    """Every snippet applies to the current tree and every named test file exists."""
+    names = [m.name for m in MUTATIONS]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise StaleMutation(f"duplicate mutation names {sorted(dup)}")
+    for m in muts:
+        try:
+            apply_edits(ROOT, m.edits, write=False)
+        except StaleMutation as e:
+            raise StaleMutation(f"[{m.name}] {e}") from None
+        for t in tests_override or m.tests:
+            if not (ROOT / t.split("::")[0]).is_file():
+                raise StaleMutation(f"[{m.name}] no test file {t.split('::')[0]}")
+
+
+def copy_repo(dest: Path) -> None:
+    """The working tree's tracked and untracked-but-not-ignored files (not build/, *.so, ...)."""
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
+    dest.mkdir(parents=True)
+    for rel in sorted(set(out.decode().split("\0")) - {""}):
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted in the working tree but still in the index
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+
+
+def scratch_env(scratch: Path) -> dict[str, str]:
+    # Only the scratch package: an inherited PYTHONPATH (say, a checkout's daemon/) must not
+    # come before or after it and leak another copy's modules in.
+    return dict(os.environ, PYTHONPATH=str(scratch / "daemon"))
+
+
+_WHERE = (
+    "import subprocess, sys\n"
+    "import unwindd, unwindd._perfcore as p, unwindd._unwcore as u\n"
+    "print(unwindd.__file__); print(p.__file__); print(u.__file__)\n"
+    "child = 'import unwindd.cli; print(unwindd.cli.__file__)'\n"
+    "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True,\n"
+    "                     check=True).stdout.strip())\n"
+)
+
+
+def build(scratch: Path, log: Path) -> str | None:
+    """Build the extensions in place; None, or why the build (or the shadowing check) failed."""
+    with open(log, "wb") as f:
+        rc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=scratch,
+                            stdout=f, stderr=subprocess.STDOUT).returncode  # fmt: skip
+    if rc != 0:
+        return f"build failed (rc {rc}), see {log}:\n{tail(log)}"
+    pkg = scratch / "daemon" / "unwindd"
+    if not list(pkg.glob("_perfcore*.so")) or not list(pkg.glob("_unwcore*.so")):
+        return f"build left no extension modules in {pkg}"
+    where = subprocess.run([sys.executable, "-c", _WHERE], cwd=scratch, env=scratch_env(scratch),
+                           capture_output=True, text=True)  # fmt: skip
+    paths = where.stdout.split()
+    if (
+        where.returncode != 0
+        or len(paths) != 4
+        or not all(Path(p).resolve().is_relative_to(pkg) for p in paths)
+    ):
+        why = where.stdout + where.stderr
+        return f"the scratch package does not shadow the installed one:\n{why}"
+    return None
+
+
+@dataclass(slots=True)
+class TestRun:
+    rc: int | None  # None: timed out
+    failed: list[str] = field(default_factory=list)  # node ids (or files, for collect errors)
+    counts: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+_FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)")
+_COUNT = re.compile(r"(\d+) (failed|passed|skipped|errors?|xfailed|xpassed|deselected)\b")
+
+
+def run_tests(scratch: Path, tests: Sequence[str], basetemp: Path, log: Path,
+              timeout: float, exitfirst: bool) -> TestRun:  # fmt: skip
+    # -p no:cacheprovider: no .pytest_cache (no --lf state between copies); a basetemp of our
+    # own keeps these runs out of the shared /tmp/pytest-of-<user> rotation (short: the daemon
+    # tests bind AF_UNIX sockets under tmp_path, at most 107 bytes of path).
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+            "-q", "-ra", *(["-x"] if exitfirst else []), *tests]  # fmt: skip
+    t0 = time.monotonic()
+    with open(log, "wb") as f:
+        # Own session, so its group is pytest and what it started: killed whole at the end.
+        proc = subprocess.Popen(argv, cwd=scratch, env=scratch_env(scratch), stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        timed_out = False
+        try:
+            # Wait without reaping (WNOWAIT): until pytest is reaped its pid, and so its group
+            # id, cannot be reused, so the killpg below reaches only processes it started.
+            while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+                if time.monotonic() - t0 > timeout:
+                    timed_out = True
+                    break
+                time.sleep(0.5)
+        finally:
+            # Also after a normal exit: a mutant can leave a test's daemon behind, sampling.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    run = TestRun(None if timed_out else rc, seconds=time.monotonic() - t0)
+    lines = log.read_text(errors="replace").splitlines()
+    for line in lines:
+        if (m := _FAILED.match(line)) is not None:
+            run.failed.append(m[1])
+    for line in reversed(lines):  # the final "3 failed, 10 passed in 12.3s" line
+        if " in " in line and _COUNT.search(line):
+            run.counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
+                          for n, k in _COUNT.findall(line)}  # fmt: skip
+            break
+    return run
+
+
+def covers(selection: str, nodeid: str) -> bool:
+    """Whether a failure reported as ``nodeid`` belongs to the test ``selection``."""
+    sel_file, node_file = selection.split("::")[0], nodeid.split("::")[0]
+    if "::" not in nodeid:  # a file that failed to collect: all of its tests
+        return sel_file == node_file
+    return selection in (nodeid, node_file) or nodeid.startswith(
+        (selection + "::", selection + "[")
+    )
+
+
+def tail(path: Path, n: int = 25) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+@dataclass(slots=True)
+class Result:
+    name: str
+    verdict: str
+    seconds: float
+    detail: str  # failed tests, or why there is no verdict
+
+
+def verdict_of(run: TestRun) -> tuple[str, str]:
+    if run.rc is None:
+        return "TIMEOUT", "tests did not finish"
+    if run.rc == 0:
+        return "MISSED", (
+            f"all passed ({run.counts.get('passed', 0)} passed, "
+            f"{run.counts.get('skipped', 0)} skipped)"
+        )
+    if run.rc in (1, 2) and run.failed:  # 2: interrupted by collection errors (import failed)
+        shown = ", ".join(run.failed[:4]) + (
+            f" +{len(run.failed) - 4} more" if len(run.failed) > 4 else ""
+        )
+        return "CAUGHT", shown
+    return "ERROR", f"pytest rc {run.rc} and no failed test named"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def print_list(muts: Iterable[Mutation]) -> None:
+    for m in muts:
+        files = sorted({e.file for e in m.edits})
+        print(f"{m.name}\n  {m.what}\n  in: {', '.join(files)}")
+        for t in m.tests:
+            print(f"  test: {t}")
+
+
+def print_table(results: Sequence[Result]) -> None:
+    w = max([len("mutation"), *(len(r.name) for r in results)])
+    print(f"\n{'mutation':<{w}}  {'result':<15}  {'secs':>6}  failed tests / detail")
+    print(f"{'-' * w}  {'-' * 15}  {'-' * 6}  {'-' * 40}")
+    for r in results:
+        print(f"{r.name:<{w}}  {r.verdict:<15}  {r.seconds:6.0f}  {r.detail}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    ap.add_argument(
+        "-k",
+        dest="k",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="select a mutation by name (repeatable)",
+    )
+    ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    ap.add_argument(
+        "--check", action="store_true", help="only check that every snippet still applies once"
+    )
+    ap.add_argument(
+        "--tests",
+        nargs="+",
+        metavar="NODEID",
+        help="run these tests instead of each mutation's own",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds per pytest run before it counts as a hang (default 3600)",
+    )
+    ap.add_argument(
+        "-x",
+        "--exitfirst",
+        action="store_true",
+        help="stop a mutant's tests at the first failure (faster; fewer names)",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copies and logs")
+    args = ap.parse_args(argv)
+
+    by_name = {m.name: m for m in MUTATIONS}
+    wanted = [*args.names, *args.k]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        ap.error(f"unknown mutation(s) {unknown}; known: {', '.join(by_name)}")
+    muts = [by_name[n] for n in dict.fromkeys(wanted)] if wanted else list(MUTATIONS)
+    if args.list:
+        print_list(muts)
+        return 0
+    try:  # before any copying or building: a stale list fails at once
+        check_list(muts, args.tests)
+    except StaleMutation as e:
+        print(f"mutants.py: stale mutation list: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"{len(muts)} mutation(s): every snippet applies exactly once")
+        return 0
+
+    def tests_of(m: Mutation) -> tuple[str, ...]:
+        return tuple(args.tests) if args.tests else m.tests
+
+    work = Path(tempfile.mkdtemp(prefix="unwindd-mut-")).resolve()
+    print(f"scratch: {work}", flush=True)
+    results: list[Result] = []
+    try:
+        # Baseline: the union of the selected mutations' tests on an unmutated copy.
+        union = list(dict.fromkeys(t for m in muts for t in tests_of(m)))
+        base = work / "base"
+        t0 = time.monotonic()
+        copy_repo(base)
+        err = build(base, work / "base-build.log")
+        if err is not None:
+            print(f"baseline: {err}", file=sys.stderr)
+            return 1
+        print(f"baseline: {' '.join(union)}", flush=True)
+        brun = run_tests(base, union, work / "tb", work / "base-tests.log", args.timeout, False)
+        bsecs = time.monotonic() - t0
+        print(f"baseline: rc {brun.rc}, {brun.counts}, {bsecs:.0f} s", flush=True)
+        if brun.rc != 0:
+            print(tail(work / "base-tests.log"), flush=True)
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        for i, m in enumerate(muts):
+            t0 = time.monotonic()
+            tests = tests_of(m)
+            if brun.rc is None or brun.rc not in (0, 1):
+                results.append(Result(m.name, "BASELINE-FAILED", 0.0,
+                                      f"baseline pytest rc {brun.rc}"))  # fmt: skip
+                continue
+            bad = [f for f in brun.failed if any(covers(t, f) for t in tests)]
+            if bad:
+                results.append(Result(m.name, "BASELINE-FAILED", 0.0,
+                                      "failed unmutated: " + ", ".join(bad[:4])))  # fmt: skip
+                continue
+            scratch = work / f"m{i}"
+            copy_repo(scratch)
+            apply_edits(scratch, m.edits)
+            print(f"[{m.name}] building, then testing: {' '.join(tests)}", flush=True)
+            err = build(scratch, work / f"m{i}-build.log")
+            if err is not None:
+                results.append(Result(m.name, "ERROR", time.monotonic() - t0, err.split("\n")[0]))
+                print(err, flush=True)
+                continue
+            log = work / f"m{i}-tests.log"
+            run = run_tests(scratch, tests, work / f"t{i}", log, args.timeout, args.exitfirst)
+            verdict, detail = verdict_of(run)
+            if verdict == "ERROR":
+                print(tail(log), flush=True)
+            results.append(Result(m.name, verdict, time.monotonic() - t0, detail))
+            print(f"[{m.name}] {verdict} ({run.counts})", flush=True)
+            if not args.keep:
+                shutil.rmtree(scratch, ignore_errors=True)
+                shutil.rmtree(work / f"t{i}", ignore_errors=True)
+    finally:
+        if results:
+            print_table(results)
+        if args.keep:
+            print(f"\nkept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r.verdict in ("CAUGHT", "TIMEOUT") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
