@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,7 +77,8 @@ def test_watch_streams_live(env: tuple[DaemonProc, int, Workload]) -> None:
     watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "--json", "watch", "--pid",
                               str(child.pid), "--count", "10", "--seconds", "30"],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(0.3)
+    # the workload starts once watch has subscribed (its stream is open in the daemon)
+    d.wait_status(lambda st: st["api"]["streams"] == 1, "a stream subscriber")
     release(child)
     out, _ = watch.communicate(timeout=40)
     child.wait(60)

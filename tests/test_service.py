@@ -172,9 +172,14 @@ def test_stream_is_live(
     started = time.monotonic_ns()
     child = held(workloads["c_o3"].argv)
     s.sendall(f"GET /v1/stream?pid={child.pid}&limit=20 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    time.sleep(0.2)  # subscribed before the workload starts: every line is a live sample
-    release(child)
+    # The daemon subscribes the stream before it sends the response head (service.py _stream):
+    # once the head is in, the workload starts, and every line is a live sample of it.
     buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        assert chunk, buf
+        buf += chunk
+    release(child)
     while b"\r\n0\r\n\r\n" not in buf:
         try:
             chunk = s.recv(65536)
@@ -278,9 +283,9 @@ def test_200_concurrent_clients(daemon: DaemonProc) -> None:
     assert not errors, errors[:3]
     assert len(results) == 200 and set(results) <= {200, 503}
     assert results.count(200) >= 100
-    time.sleep(0.3)
-    after = daemon.json("/v1/status")
-    assert after["samples"] > before and after["api"]["connections"] == 1
+    # every client's connection is closed again: only the status request's own is open
+    after = daemon.wait_status(lambda st: st["api"]["connections"] == 1, "one connection")
+    assert after["samples"] > before
 
 
 def test_sighup_reloads_without_losing_state(daemon: DaemonProc) -> None:
