@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 from captured import Replayed
-from stacks import CHAIN, all_callers_after_calls, user_addrs, user_syms
+from stacks import (
+    CHAIN,
+    all_callers_after_calls,
+    check_thread_samples,
+    thread_ids,
+    user_addrs,
+    user_syms,
+)
 from unwindd.elfcache import CacheConfig, ElfCache
 from unwindd.engine import StackEngine
 from unwindd.live import LiveProfiler
@@ -62,6 +69,19 @@ def test_live_samples_unwind_to_the_known_chain(workloads: dict[str, Workload]) 
     # Every sample the pipeline decoded reached the store (nothing dropped between stages).
     assert prof.store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"]
     assert prof.engine.stats.samples == prof.store.stats.samples
+
+
+def test_live_threads_keep_their_tids(workloads: dict[str, Workload], tmp_path: Path) -> None:
+    """Three busy pthreads, sampled live: every sample stored under the process's pid with the
+    id of the thread that ran (the workload writes its gettid()s), each worker's stacks whole
+    down to clone3."""
+    tids_file = tmp_path / "tids"
+    # 32 units: ~0.14 s of CPU per worker here, ~140 samples each at 999 Hz (20 are needed)
+    pid, prof = run_under_profiler((workloads["threads"].argv[0], "32", str(tids_file)))
+    tids = thread_ids(tids_file)
+    stacks = prof.store.query(pids=[pid])
+    check_thread_samples(((s.pid, s.tid, s.comm, user_syms(s.frames), s.count) for s in stacks),
+                         pid, tids)  # fmt: skip
 
 
 def test_close_is_idempotent_and_drains(workloads: dict[str, Workload]) -> None:

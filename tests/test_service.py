@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, dechunk, held, metric_values, raw_http, release
 from pprofcheck import check_valid, decode
-from stacks import CHAIN, all_callers_after_calls, folded, json_addrs, json_syms
+from stacks import (
+    CHAIN,
+    all_callers_after_calls,
+    check_thread_samples,
+    folded,
+    json_addrs,
+    json_syms,
+    thread_ids,
+)
 from unwindd.perfcore import auto_ring_pages, online_cpus, system_ring_cap
 from workloads.build import Workload, build_workloads
 
@@ -206,6 +214,25 @@ def test_stream_is_live(
     assert whole, [json_syms(x["frames"]) for x in samples]
     # callers at return address - 1 (the lines carry each frame's address in its file)
     assert all_callers_after_calls(json_addrs(x["frames"]) for x in whole) >= 7 * len(whole)
+
+
+def test_threads_are_sampled_under_their_pid_with_their_tids(
+    daemon: DaemonProc, workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    """Three busy pthreads: every sample is stored under the process's pid with the id of the
+    thread that ran (the workload writes its gettid()s: the main thread's is the pid, the
+    workers' are not), and each worker's stacks are whole down to clone3."""
+    tids_file = tmp_path / "tids"
+    # 64 units: ~0.3 s of CPU per worker here, ~140 samples each at 499 Hz (20 are needed)
+    proc = subprocess.Popen([workloads["threads"].argv[0], "64", str(tids_file)],
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    assert proc.wait(120) == 0
+    pid = proc.pid
+    tids = thread_ids(tids_file)
+    daemon.wait_settled(pid)
+    stacks = daemon.json(f"/v1/stacks?pid={pid}")["stacks"]
+    check_thread_samples(((s["pid"], s["tid"], s["comm"], json_syms(s["frames"]), s["count"])
+                          for s in stacks), pid, tids)  # fmt: skip
 
 
 def test_non_root_peer_sees_only_its_own_processes(daemon: DaemonProc, workload_pid: int) -> None:
