@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,17 @@ class DaemonProc:
         status, _, body = self.get(target)
         assert status == 200, body
         return json.loads(body)
+
+    def wait_status(self, ready: Callable[[dict[str, Any]], bool], what: str,
+                    timeout: float = 20) -> dict[str, Any]:  # fmt: skip
+        """/v1/status (never cached: the answer cache holds store queries only) once ``ready``
+        holds for it. For a state the daemon reaches on its own time, such as a connection it
+        has yet to close or a stream it has yet to subscribe; fails naming ``what``."""
+        deadline = time.monotonic() + timeout
+        while not ready(st := self.json("/v1/status")):
+            assert time.monotonic() < deadline, f"never {what}: {st['api']}"
+            time.sleep(0.02)
+        return st
 
     def wait_settled(self, pid: int, timeout: float = 30) -> int:
         """Once ``pid`` (exited) has all its samples stored: the same nonzero count in two

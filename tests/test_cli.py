@@ -9,13 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from perfutil import perf_script_samples, perf_stats, record_perf_data
-from procutil import wait_perf_fds
+from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
 from unwindd.perfcore import online_cpus
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
@@ -32,6 +31,10 @@ WORKLOAD = [
     "    x = (x * 31 + 7) % 1000003\n"
     "if pid: os.waitpid(pid, 0)\n",
 ]
+
+
+# record's --status-interval line (cli._status_printer), printed from its drain loop only
+STATUS_LINE = r"unwindd: \d+s samples=\d+ "
 
 
 def run_unwindd(
@@ -136,6 +139,8 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
             "499",
             "--format",
             "records",
+            "--status-interval",
+            "0.5",
         ],
         # a file, not a pipe: nobody reads a pipe until communicate(), and once its 64 KiB
         # were full record blocked in write() while the child's samples overflowed the rings
@@ -144,16 +149,19 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    # record has its events open once it holds one perf fd per CPU (it enables them next; a
-    # sleep here raced a slow start under load: the child could be gone before record began)
+    # record has its events open once it holds one perf fd per CPU, and enabled once its drain
+    # loop prints a status line (a sleep here raced a slow start under load: the child could
+    # be gone before record began)
     wait_perf_fds(rec.pid, len(online_cpus()), rec)
-    time.sleep(0.1)
+    status = wait_stderr_line(rec, STATUS_LINE)
     os.write(w, b"x")
     os.close(w)
+    # the child's samples and EXIT are in the rings once it is reaped (the kernel writes its
+    # EXIT before it notifies the parent), and record's last drain after SIGINT takes them
     child.wait(timeout=60)
-    time.sleep(0.2)
     rec.send_signal(signal.SIGINT)
     _, err = rec.communicate(timeout=30)
+    err = "".join(status) + err
     out_file.close()
     out = (tmp_path / "records.jsonl").read_text()
     assert rec.returncode == 0, err
@@ -168,16 +176,22 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
 
 def test_record_all_stops_cleanly_on_sigterm() -> None:
     rec = subprocess.Popen(
-        [*UNWINDD, "record", "--all", "--format", "summary"],
+        [*UNWINDD, "record", "--all", "--format", "summary", "--status-interval", "0.5"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        time.sleep(1.5)
+        # Sampling, with its SIGTERM handler in place, once the drain loop prints a status line
+        # (a SIGTERM before the handler would kill it: rc -15); then spin is sampled for 0.2 s
+        # of its own CPU time (~20 samples at 99 Hz), however long the machine takes.
+        wait_perf_fds(rec.pid, len(online_cpus()), rec)
+        status = wait_stderr_line(rec, STATUS_LINE)
+        wait_cpu_seconds(spin.pid, 0.2)
         rec.send_signal(signal.SIGTERM)
         out, err = rec.communicate(timeout=20)
+        err = "".join(status) + err
     finally:
         spin.kill()
         spin.wait()

@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemonutil import UNWINDCTL, DaemonProc, held, release
 from pprofcheck import check_valid, decode
+from stacks import CHAIN, all_callers_after_calls, folded, json_addrs, json_syms
 from workloads.build import Workload, build_workloads
-
-CHAIN = ["spin", "c", "b", "a", "main"]
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +58,16 @@ def test_top_folded_pprof(env: tuple[DaemonProc, int, Workload], tmp_path: Path)
     tj = json.loads(ctl(d, "--json", "top", "--pid", str(pid), "--comm", "chain_o2", "--limit",
                         "50").stdout)
     assert tj["functions"][0]["sym"] == "spin" and tj["samples"] >= 50
-    folded = ctl(d, "folded", "--pid", str(pid)).stdout.splitlines()
-    hot = [ln for ln in folded if ln.rsplit(" ", 1)[0].endswith("main;a;b;c;spin")]
-    assert hot and sum(int(ln.rsplit(" ", 1)[1]) for ln in hot) >= 25, folded[:5]
+    lines = ctl(d, "folded", "--pid", str(pid)).stdout.splitlines()
+    # the whole stack, _start to spin (samples in spin's own code have no kernel frames)
+    hot = [ln for ln in lines if ln.rsplit(" ", 1)[0] == folded("chain_o2", CHAIN)]
+    assert hot and sum(int(ln.rsplit(" ", 1)[1]) for ln in hot) >= 25, lines[:5]
     out = tmp_path / "p.pb.gz"
     res = ctl(d, "pprof", "--pid", str(pid), "-o", str(out))
     assert res.returncode == 0 and "go tool pprof" in res.stdout
     p = decode(out.read_bytes())
     check_valid(p)
-    assert any([n for n in p.stack_names(i) if n in CHAIN] == CHAIN for i in range(len(p.samples)))
+    assert list(CHAIN) in [p.stack_names(i) for i in range(len(p.samples))]
     assert ctl(d, "top", "--pid", "1", "--since", "0.001").returncode == 0
 
 
@@ -78,7 +77,8 @@ def test_watch_streams_live(env: tuple[DaemonProc, int, Workload]) -> None:
     watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "--json", "watch", "--pid",
                               str(child.pid), "--count", "10", "--seconds", "30"],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(0.3)
+    # the workload starts once watch has subscribed (its stream is open in the daemon)
+    d.wait_status(lambda st: st["api"]["streams"] == 1, "a stream subscriber")
     release(child)
     out, _ = watch.communicate(timeout=40)
     child.wait(60)
@@ -90,6 +90,10 @@ def test_watch_streams_live(env: tuple[DaemonProc, int, Workload]) -> None:
     # its exec of sh, still in a ring when the stream subscribed: seen once in CI)
     mine = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
     assert set(comms) <= {mine, "sh", "chain_o2"} and "chain_o2" in comms
+    # whole stacks, callers at return address - 1 (--json has each frame's address in its file)
+    whole = [x["frames"] for x in lines if json_syms(x["frames"]) == CHAIN]
+    assert whole, [json_syms(x["frames"]) for x in lines]
+    assert all_callers_after_calls(json_addrs(frames) for frames in whole) >= 7 * len(whole)
     human = subprocess.run([*UNWINDCTL, "--socket", str(d.sock), "watch", "--seconds", "0.5"],
                            capture_output=True, text=True, timeout=30)  # fmt: skip
     assert human.returncode == 0 and human.stdout.strip(), human.stderr

@@ -13,6 +13,14 @@ from typing import Any
 
 import pytest
 from captured import Replayed
+from stacks import (
+    CHAIN,
+    all_callers_after_calls,
+    check_thread_samples,
+    thread_ids,
+    user_addrs,
+    user_syms,
+)
 from unwindd.elfcache import CacheConfig, ElfCache
 from unwindd.engine import StackEngine
 from unwindd.live import LiveProfiler
@@ -22,8 +30,6 @@ from unwindd.procscan import ProcFS
 from unwindd.records import Mmap2, RecordDecoder
 from unwindd.stackstore import StackStore
 from workloads.build import Workload, build_workloads
-
-CHAIN = ["spin", "c", "b", "a", "main"]
 
 
 @pytest.fixture(scope="module")
@@ -44,26 +50,38 @@ def run_under_profiler(argv: tuple[str, ...]) -> tuple[int, LiveProfiler]:
     return child.pid, prof
 
 
-def user_syms(frames: tuple[object, ...]) -> list[str | None]:
-    return [f.sym for f in frames if not f.kernel]  # type: ignore[attr-defined]
-
-
 def test_live_samples_unwind_to_the_known_chain(workloads: dict[str, Workload]) -> None:
     pid, prof = run_under_profiler((workloads["c_o2"].argv[0], "300"))
     stacks = prof.store.query(pids=[pid])
     total = sum(s.count for s in stacks)
     assert total >= 50, f"only {total} samples of the workload"
-    # Samples whose leaf is in spin (the hot function) must unwind through the whole chain.
-    in_spin = [s for s in stacks if user_syms(s.frames)[:1] == ["spin"]]
+    # Samples whose leaf is in spin (the hot function) must unwind whole, spin to _start, with
+    # every caller at its return address - 1.
+    in_spin = [s for s in stacks if user_syms(s.frames)[:1] == ("spin",)]
     n_spin = sum(s.count for s in in_spin)
-    good = sum(s.count for s in in_spin if user_syms(s.frames)[: len(CHAIN)] == CHAIN)
+    whole = [s for s in in_spin if user_syms(s.frames) == CHAIN]
+    good = sum(s.count for s in whole)
     assert n_spin >= total // 2, [(user_syms(s.frames), s.count) for s in stacks[:10]]
     assert good >= 0.98 * n_spin, [(user_syms(s.frames), s.count) for s in in_spin[:10]]
+    assert all_callers_after_calls(user_addrs(s.frames) for s in whole) >= 7 * len(whole)
     procs = {p.pid: p for p in prof.store.processes()}
     assert procs[pid].samples == total and procs[pid].comm == Path(workloads["c_o2"].argv[0]).name
     # Every sample the pipeline decoded reached the store (nothing dropped between stages).
     assert prof.store.stats.samples == prof.pipeline.stats.by_type["SAMPLE"]
     assert prof.engine.stats.samples == prof.store.stats.samples
+
+
+def test_live_threads_keep_their_tids(workloads: dict[str, Workload], tmp_path: Path) -> None:
+    """Three busy pthreads, sampled live: every sample stored under the process's pid with the
+    id of the thread that ran (the workload writes its gettid()s), each worker's stacks whole
+    down to clone3."""
+    tids_file = tmp_path / "tids"
+    # 32 units: ~0.14 s of CPU per worker here, ~140 samples each at 999 Hz (20 are needed)
+    pid, prof = run_under_profiler((workloads["threads"].argv[0], "32", str(tids_file)))
+    tids = thread_ids(tids_file)
+    stacks = prof.store.query(pids=[pid])
+    check_thread_samples(((s.pid, s.tid, s.comm, user_syms(s.frames), s.count) for s in stacks),
+                         pid, tids)  # fmt: skip
 
 
 def test_close_is_idempotent_and_drains(workloads: dict[str, Workload]) -> None:
