@@ -8,19 +8,17 @@ Invariants:
   thread, ``start_thread <- clone3`` for a pthread.
 - A caller frame (every user frame but the leaf, in workloads without signal handlers) is
   reported at its return address - 1, inside the call instruction (perf does the same), so the
-  byte after it in the file is the first byte after a ``call``. The check decodes the x86-64
-  call forms from the file's bytes, independently of the daemon's symbol tables: every caller
-  frame of every process on this machine passed it (14,055 frames), and at the return address
-  itself (the breakage it is for) 109 of them did.
+  byte after it in the file is the first byte after a ``call`` (binfacts.follows_call decodes
+  it from the file, independently of the daemon's symbol tables).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import binfacts
 from unwindd.stackfmt import Frame
 
 MAIN_BOTTOM = ("main", "__libc_start_call_main", "__libc_start_main@@GLIBC_2.34", "_start")
@@ -109,43 +107,6 @@ def check_thread_samples(
         assert n_leaf >= 20 and good >= 0.95 * n_leaf, (comm, n_leaf, good, mine[:3])
 
 
-@functools.cache
-def _file_bytes(path: str) -> bytes:
-    return Path(path).read_bytes()
-
-
-def _modrm_len(code: bytes, i: int) -> int:
-    """Bytes of the ModRM at ``code[i]`` with its SIB and displacement (Intel SDM vol. 2,
-    tables 2-2 and 2-3, 64-bit mode: mod 00 rm 101 is rip + disp32)."""
-    modrm = code[i]
-    mod, rm = modrm >> 6, modrm & 7
-    if mod == 3:
-        return 1
-    n = 1
-    if rm == 4:
-        n += 1
-        if mod == 0 and code[i + 1] & 7 == 5:  # SIB base 101 without a base: disp32
-            n += 4
-    elif mod == 0 and rm == 5:
-        n += 4
-    return n + (0, 1, 4)[mod]
-
-
-def call_ends_at(code: bytes, end: int) -> bool:
-    """Whether an x86-64 call instruction ends right before ``code[end]``: ``e8 rel32``, or
-    ``ff /2`` (call r/m64, any ModRM form; a REX or notrack prefix before it changes nothing
-    after it)."""
-    if end >= 5 and code[end - 5] == 0xE8:
-        return True
-    for k in range(2, 8):  # ff + ModRM [+ SIB] [+ disp32]: 2 to 7 bytes
-        s = end - k
-        if s < 0:
-            break
-        if code[s] == 0xFF and code[s + 1] >> 3 & 7 == 2 and _modrm_len(code, s + 1) == k - 1:
-            return True
-    return False
-
-
 def callers_not_after_calls(user: Sequence[tuple[str | None, int | None]]) -> list[str]:
     """The caller frames (index > 0) of one sample's user frames, each ``(dso, rel)`` with rel
     the frame's address in the file (perf script's), whose next byte does not follow a call
@@ -154,8 +115,8 @@ def callers_not_after_calls(user: Sequence[tuple[str | None, int | None]]) -> li
     bad = []
     for i, (dso, rel) in enumerate(user[1:], 1):
         if dso is None or rel is None or not dso.startswith("/") or not Path(dso).is_file():
-            continue
-        if not call_ends_at(_file_bytes(dso), rel + 1):
+            continue  # no file to read
+        if not binfacts.follows_call(dso, rel):
             bad.append(f"frame {i} {dso}+{rel:#x}")
     return bad
 
