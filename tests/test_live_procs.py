@@ -549,11 +549,11 @@ def test_state_stays_within_caps_under_churn(tmp_path: Path) -> None:
     peak, caps = r["peak"], r["caps"]
     assert r["violations"] == {"spaces": 0, "cache": 0, "store": 0}, r
     assert peak["store_entries"] > 0 and r["store_evicted_buckets"] >= 1, r  # cap reached
-    # the cache fills to its cap: 200 blip variants plus libc and ld.so come within a few % of
-    # 1 MiB, so whether one eviction happens depends on timing (which blips are still mapped);
-    # a smaller cap evicts on every load, and that reload churn makes RSS too noisy to check
-    # the slope below
-    full = peak["cache_bytes"] >= 0.9 * caps["cache_bytes"]
+    # the cache fills to near its cap: 200 blip variants plus libc and ld.so come within 10-15 %
+    # of 1 MiB, how near depending on which blips were sampled while mapped, so whether one
+    # eviction happens is timing; a smaller cap evicts on every load, and that reload churn
+    # makes RSS too noisy to check the slope below
+    full = peak["cache_bytes"] >= 0.8 * caps["cache_bytes"]
     assert full or r["cache_evictions"] >= 1, r
     assert peak["comms"] <= 4 * (caps["spaces"] + peak["pinned_pids"]), peak
     # the native step's context is dropped whole past its bound, before a step: at most the
