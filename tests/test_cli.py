@@ -3,10 +3,12 @@ perf.data files against perf's own counts, and the error paths a user meets."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 from perfutil import perf_script_samples, perf_stats, record_perf_data
 from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
+from unwindd.abi import RecordType
 from unwindd.perfcore import online_cpus
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
@@ -230,16 +233,38 @@ def test_replay_missing_file() -> None:
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
-def test_replay_truncated_file_counts_errors(perf_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["inside", "boundary"])
+def test_replay_truncated_file_counts_errors(perf_file: Path, tmp_path: Path, where: str) -> None:
+    """A file cut two thirds into its data section, inside a record or on a boundary: the
+    records before the cut are all replayed, and the summary counts exactly what the cut did."""
     data = perf_file.read_bytes()
-    cut = tmp_path / "cut.data"
-    cut.write_bytes(data[: len(data) * 2 // 3])
-    res = run_unwindd("replay", str(cut), "--format", "summary")
-    # Either the header already says the file is cut (clean error), or the data section is
-    # read up to the cut and the loss is counted; never a traceback.
-    assert "Traceback" not in res.stderr
-    if res.returncode == 0:
-        types, _ = parse_summary(res.stdout)
-        assert types["SAMPLE"] > 0
-    else:
-        assert res.returncode == 2 and res.stderr.startswith("unwindd: error:")
+    # perf_file_header: u64 magic, size, attr_size; {u64 offset, size} attrs at 24, data at 40
+    off, size = struct.unpack_from("<QQ", data, 40)
+    recs = []  # (start, type) of each record, by header.size
+    pos = off
+    while pos < off + size:
+        rtype, _misc, n = struct.unpack_from("<IHH", data, pos)  # perf_event_header
+        recs.append((pos, rtype))
+        pos += n
+    assert pos == off + size
+    # the first record starting two thirds in with a body to cut into (24 > 16 + 8)
+    i = next(i for i, ((a, _), (b, _)) in enumerate(itertools.pairwise(recs))
+             if a >= off + size * 2 // 3 and b - a >= 24)  # fmt: skip
+    cut = recs[i][0] + (16 if where == "inside" else 0)  # inside: 8 bytes into the body
+    path = tmp_path / "cut.data"
+    path.write_bytes(data[:cut])
+    res = run_unwindd("replay", str(path), "--format", "summary", "--top", "0")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    types, pids = parse_summary(res.stdout)
+    want = Counter(RecordType(t).name for _, t in recs[:i])  # every record before the cut
+    assert types.pop("throttle") == want["THROTTLE"]  # ("throttle events: N", after the types)
+    assert types == {"TOTAL": i, **want}, res.stdout
+    assert want["SAMPLE"] > 0 and sum(pids.values()) == want["SAMPLE"]
+    # The header promised a data section and a feature table after it that the cut took
+    # away; the cut record is one truncation, a cut on a boundary none.
+    counted = re.findall(r"^(?:file error \w+|decode errors|  \w+): \d+$", res.stdout, re.M)
+    assert counted == [
+        "file error data_section_truncated: 1",
+        "file error feature_table_truncated: 1",
+        *(["decode errors: 1", "  truncated: 1"] if where == "inside" else ["decode errors: 0"]),
+    ], res.stdout

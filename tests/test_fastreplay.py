@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import os
 import pathlib
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -146,6 +148,36 @@ def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     if name == "mmapstorm":
         assert slow_counts["decode_records"]["MMAP2"] > 1000, slow_counts["decode_records"]
     assert fast_out == slow_out
+    assert fast_counts == slow_counts
+
+
+@pytest.mark.parametrize("where", ["inside", "boundary"])
+def test_fast_equals_slow_on_a_cut_file(files: dict[str, Path], tmp_path: Path, where: str) -> None:
+    """A file cut in the middle of its data section: both paths read the records before the
+    cut and count the cut exactly: one truncation inside a record (its body here), none on a
+    record boundary; the data section the header promised, and what follows it, are short
+    either way."""
+    raw = files["threads"].read_bytes()
+    # perf_file_header: u64 magic, size, attr_size; {u64 offset, size} attrs at 24, data at 40,
+    # event_types at 56; the feature bitmap at 72
+    off, size = struct.unpack_from("<QQ", raw, 40)
+    starts = [off]  # record starts by header.size (no AUXTRACE in a cpu-clock recording)
+    while starts[-1] < off + size:
+        starts.append(starts[-1] + struct.unpack_from("<H", raw, starts[-1] + 6)[0])
+    assert starts[-1] == off + size
+    start = next(a for a, b in itertools.pairwise(starts) if a >= off + size // 2 and b - a > 16)
+    cut = start + 16 if where == "inside" else start  # 16: past the 8-byte header
+    path = tmp_path / "cut.data"
+    path.write_bytes(raw[:cut])
+    slow_out, slow_counts = _slow(path, "folded")
+    fast_out, fast_counts = _fast(path, "folded")
+    assert slow_counts["decode_errors"] == ({"truncated": 1} if where == "inside" else {})
+    # and the feature section table perf writes right after the data section is gone
+    assert raw[72:104] != bytes(32)  # the header's feature bitmap: there is a table
+    assert slow_counts["file_errors"] == {"data_section_truncated": 1, "feature_table_truncated": 1}
+    whole = len(starts[: starts.index(start)])  # the records before the cut one
+    assert sum(slow_counts["decode_records"].values()) == whole
+    assert slow_out and fast_out == slow_out
     assert fast_counts == slow_counts
 
 
@@ -313,8 +345,12 @@ def test_unsupported_falls_back(files: dict[str, Path]) -> None:
 # --------------------------------------------------------------------------- 2. the indexer
 
 
-def _python_index(dec: RecordDecoder, buf: bytes) -> tuple[list[tuple[int, int, int, str]], str]:
-    """(type, misc, size, SAMPLE error or "") per record, and the end error, per records.py."""
+Indexed = tuple[list[tuple[int, int, int, int, str]], str]
+
+
+def _python_index(dec: RecordDecoder, buf: bytes) -> Indexed:
+    """(offset, type, misc, size, SAMPLE error or "") per record, and the end error, per
+    records.py."""
     out = []
     off = 0
     end = ""
@@ -338,7 +374,7 @@ def _python_index(dec: RecordDecoder, buf: bytes) -> tuple[list[tuple[int, int, 
         if t == 9:
             rec = dec.decode_one(t, m, memoryview(buf)[off + 8 : off + size])
             err = rec.reason if isinstance(rec, BadRecord) else ""
-        out.append((t, m, size, err))
+        out.append((off, t, m, size, err))
         off += size
         extra = 0
         if t == 71 and size >= 16:
@@ -353,10 +389,21 @@ def _python_index(dec: RecordDecoder, buf: bytes) -> tuple[list[tuple[int, int, 
     return out, end
 
 
-def _native_index(lay: Any, buf: bytes) -> tuple[list[tuple[int, int, int, str]], str]:
+def _native_index(lay: Any, buf: bytes) -> Indexed:
     idx = fastreplay._Index(lay, ffi.from_buffer(buf), len(buf))
-    recs = [(r.type, r.misc, r.size, fastreplay.SAMPLE_ERRORS[r.err])
+    recs = [(r.off, r.type, r.misc, r.size, fastreplay.SAMPLE_ERRORS[r.err])
             for r in (idx.recs[i] for i in range(idx.n))]  # fmt: skip
+    # Every indexed record lies inside the input, after the one before it, and is the record
+    # whose header is there (a type past 255 stops the index, so the u8 type is the header's):
+    # an entry for a cut record, or one read past the end, fails here whatever the reference
+    # says.
+    end_prev = 0
+    for off, t, m, size, _ in recs:
+        assert end_prev <= off and size >= 8 and off + size <= len(buf), (off, size, len(buf))
+        assert struct.unpack_from("<IHH", buf, off) == (t, m, size), off
+        end_prev = off + size
+    # "other": the records the replay decodes in Python, all but the well-formed samples
+    assert idx.other == sum(not (t == 9 and err == "") for _, t, _, _, err in recs)
     ends = {0: "", 1: "truncated", 2: "bad_size", 3: "payload_truncated"}
     return recs, "stop" if idx.stopped_at != (1 << 64) - 1 else ends[idx.end]
 

@@ -99,13 +99,18 @@ def test_histograms() -> None:
 
 
 def test_labels_are_bounded() -> None:
+    """Every label of every sample is one of a fixed set of names, none a pid (a pid label
+    would grow without bound). The fake daemon has a value for each labelled family, so each
+    name must turn up: a scrape that lost families (or all of them) fails too."""
     text = scrape(fake_daemon())
+    families_by_label: dict[str, set[str]] = {}
     for line in text.splitlines():
         if "{" in line and not line.startswith("#"):
             labels = line[line.index("{") + 1 : line.index("}")]
             for kv in labels.split(","):
-                assert kv.split("=")[0] in {"result", "type", "cpu", "reason", "space",
-                                            "endpoint", "le", "version", "python"}, line
+                families_by_label.setdefault(kv.split("=")[0], set()).add(line[: line.index("{")])
+    assert set(families_by_label) == {"result", "type", "cpu", "reason", "space", "endpoint",
+                                      "le", "version", "python"}, families_by_label  # fmt: skip
 
 
 def test_histogram_and_lateness_math() -> None:

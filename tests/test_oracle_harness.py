@@ -172,6 +172,7 @@ def _symbol_address(elf_path: str, name: str) -> int:
 
 def test_signal_frames(recorded: dict[str, tuple[Path, PerfScript]]) -> None:
     samples = recorded["signal"][1].samples
+    assert len(samples) >= 100  # (with none, every check below holds of nothing)
     in_handler = [s for s in samples if names(s)[:2] == ["handler_spin", "on_alarm"]]
     assert len(in_handler) >= 0.2 * len(samples)
     # perf prints the trampoline as __restore_rt - 1 (caller frames are return address - 1,
@@ -247,13 +248,13 @@ def test_address_spaces_reproduce_perf_relative_ips(
             continue
         assert script.spaces.to_perf_ip(s.pid, s.time_ns, ip) == s.frames[0].ip, (s, hex(ip))
         checked += 1
-    assert checked >= 0.5 * len(script.samples)
+    assert checked >= 0.5 * len(script.samples) and checked >= 50, (checked, len(script.samples))
 
 
 def test_unwindd_stacks_reads_replay(recorded: dict[str, tuple[Path, PerfScript]]) -> None:
     path, script = recorded["c_o2"]
     got = oracle.unwindd_stacks(path)
-    assert len(got) == len(script.samples)
+    assert len(got) == len(script.samples) >= 100
 
 
 def test_identity_compare_on_real_output(recorded: dict[str, tuple[Path, PerfScript]]) -> None:

@@ -7,7 +7,10 @@ Layers (STYLE.md 8):
 - Byte-literal headers and streams with commented fields for the paths perf never writes
   (absurd offsets, AUXTRACE payloads, compressed records, size-0 records).
 - Truncation at many cut points and Hypothesis properties: any bytes give ``PerfDataError`` or
-  records plus counted errors; never another exception, never a hang.
+  records plus counted errors; never another exception, never a hang. The properties check
+  the records against perf's framing written out here (``_frames``): one value per whole
+  record, from its own bytes, and the end of the records counted exactly (one truncation for
+  a cut inside a record, none on a boundary).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from perfutil import (
     record_perf_data,
 )
 from unwindd import perfdata, records
+from unwindd.abi import RecordType
 from unwindd.perfdata import AttrInfo, Feature, PerfData, PerfDataError
 
 STACK = 8192
@@ -518,6 +522,86 @@ def test_truncated_everywhere(stored: Reading) -> None:
 # --------------------------------------------------------------------------- properties
 
 
+def _section(data: bytes) -> tuple[int, int]:
+    """[start, stop) of the records of a perf.data that PerfData.open accepted: after the
+    16-byte pipe header, or the file header's data section, cut at the end of a cut file
+    (perf_file_header: u64 magic, size, attr_size; then {u64 offset, size} of the attrs at 24,
+    the data at 40 and the event types at 56, in the 72- and the 104-byte form alike)."""
+    (hsize,) = struct.unpack_from("<Q", data, 8)
+    if hsize == perfdata.PIPE_HEADER_SIZE:
+        return hsize, len(data)
+    off, size = struct.unpack_from("<QQ", data, 40)
+    if off + size > len(data):  # read what is there, counted as data_section_truncated
+        return min(off, len(data)), len(data)
+    return off, off + size
+
+
+_T_HEADER_ATTR, _T_TRACING_DATA, _T_AUXTRACE = 64, 66, 71
+
+
+def _frames(data: bytes, start: int, stop: int) -> tuple[list[tuple[int, int, int, int]], str]:
+    """(offset, type, misc, size) of every whole record of data[start:stop] and how the records
+    end: "", "truncated" (a header or a body cut off), "bad_size" (size < 8) or
+    "payload_truncated". perf's framing (session.c), written out here, not taken from
+    perfdata: header.size, plus the payload an AUXTRACE ({header; u64 size; ...} then size
+    bytes) or a HEADER_TRACING_DATA ({header; u32 size;} then size bytes padded to 8) carries
+    after its header.size."""
+    out: list[tuple[int, int, int, int]] = []
+    off = start
+    while off < stop:
+        if stop - off < 8:
+            return out, "truncated"
+        rtype, misc, size = struct.unpack_from("<IHH", data, off)  # perf_event_header
+        if size < 8:
+            return out, "bad_size"
+        if size > stop - off:
+            return out, "truncated"
+        out.append((off, rtype, misc, size))
+        extra = 0
+        if rtype == _T_AUXTRACE and size >= 16:
+            extra = struct.unpack_from("<Q", data, off + 8)[0]
+        elif rtype == _T_TRACING_DATA and size >= 12:
+            extra = (struct.unpack_from("<I", data, off + 8)[0] + 7) & ~7
+        off += size
+        if extra > stop - off:
+            return out, "payload_truncated"
+        off += extra
+    return out, ""
+
+
+_ENDS = ("truncated", "bad_size", "payload_truncated")
+
+
+def _check_records(data: bytes, pd: PerfData, recs: list[records.Record]) -> str:
+    """``recs`` (all of ``pd``'s records) against ``_frames`` of ``data``: one value per whole
+    record, each from that record's own bytes, and the end counted exactly once (nothing on a
+    boundary). Returns how the records end."""
+    start, stop = _section(data)
+    if not pd.pipe_mode:
+        assert (pd.data_offset, pd.data_offset + pd.data_size) == (start, stop)
+    frames, end = _frames(data, start, stop)
+    assert len(recs) == len(frames), (frames, end)
+    for rec, (off, rtype, misc, size) in zip(recs, frames, strict=True):
+        if isinstance(rec, records.BadRecord):
+            assert (rec.type, rec.misc, rec.size) == (rtype, misc, size), off
+        elif isinstance(rec, records.Unknown):
+            assert (rec.type, rec.misc) == (rtype, misc), off
+            if rtype >= _T_HEADER_ATTR:  # perf's own records: the body, byte for byte
+                assert rec.payload == data[off + 8 : off + size], off
+        else:
+            assert records.record_type_name(rec) == RecordType(rtype).name, off
+    if not any(f[1] == _T_HEADER_ATTR for f in frames):
+        # No attr arrived with the records, so one decoder's formats held throughout: each
+        # value is exactly the decoding of its record's bytes [off + 8, off + size).
+        ref = records.RecordDecoder(pd.decoder.formats, pd.decoder.ids)
+        mv = memoryview(data)
+        assert recs == [ref.decode_one(t, m, mv[o + 8 : o + n]) for o, t, m, n in frames]
+    errors = pd.decoder.stats.errors
+    counted = (errors["truncated"], errors["bad_size"], pd.errors["payload_truncated"])
+    assert counted == tuple(int(end == e) for e in _ENDS), (frames, end)
+    return end
+
+
 _u64s = st.one_of(st.integers(0, 600), st.integers(0, (1 << 64) - 1))
 # Well-framed records of any type with random bodies: they get past the framing into the
 # decoder and the user-record handlers (HEADER_ATTR, HEADER_FEATURE, AUXTRACE ...).
@@ -554,7 +638,74 @@ _plausible_files = st.builds(
     )
 )
 def test_any_bytes_clean_error_or_records(data: bytes) -> None:
-    _drain(data)
+    pd, recs = _drain(data)
+    if pd is not None:
+        _check_records(data, pd, recs)
+
+
+_kinds = st.sampled_from([t for t in (*range(1, 22), *range(64, 84))
+                          if t not in (_T_TRACING_DATA, _T_AUXTRACE)])  # fmt: skip
+
+
+@st.composite
+def _cut_records(draw: st.DrawFn) -> tuple[bytes, list[tuple[int, int, int, int]], int]:
+    """Records built here: any type with a random body, or an AUXTRACE / HEADER_TRACING_DATA
+    with its payload behind it; and a cut (half the time none). Returns the records' bytes,
+    each record's (type, start, end of header.size, end of its payload) and the cut offset."""
+    out = b""
+    spans = []
+    for _ in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from(["any", "any", "any", "aux", "tracing"]))
+        if kind == "aux":
+            payload = draw(st.binary(max_size=40))
+            # u64 size (of the payload), offset, reference; u32 idx, tid, cpu, reserved
+            rec = _rec(_T_AUXTRACE, struct.pack("<QQQIIII", len(payload), 0, 0, 0, 0, 0, 0))
+        elif kind == "tracing":
+            n = draw(st.integers(0, 40))
+            payload = bytes(n + (-n % 8))  # perf pads the tracing data to 8
+            rec = _rec(_T_TRACING_DATA, struct.pack("<II", n, 0))  # u32 size; (padding)
+        else:
+            payload = b""
+            rec = _rec(draw(_kinds), draw(st.binary(max_size=160)), draw(st.integers(0, 0xFFFF)))
+        rtype = struct.unpack_from("<I", rec)[0]
+        spans.append((rtype, len(out), len(out) + len(rec), len(out) + len(rec) + len(payload)))
+        out += rec + payload
+    cut = draw(st.one_of(st.just(len(out)), st.integers(0, len(out))))
+    return out, spans, cut
+
+
+@settings(max_examples=200, deadline=None)
+@given(built=_cut_records(), pipe=st.booleans())
+def test_cut_inside_a_record_is_one_counted_truncation(
+    built: tuple[bytes, list[tuple[int, int, int, int]], int], pipe: bool
+) -> None:
+    stream, spans, cut = built
+    if pipe:
+        head = _PIPE
+    else:
+        whole_file = _file(body=stream)  # data section: the stream, to the end of the file
+        head = whole_file[: len(whole_file) - len(stream)]
+    data = head + stream[:cut]
+    # What the cut must do, from where it falls among the records built above: records whose
+    # header.size ends by the cut are read; a cut on a record boundary counts nothing, one
+    # inside a payload counts payload_truncated, one anywhere else in a record truncated.
+    read = [(len(head) + a, t) for t, a, b, _ in spans if b <= cut]
+    if cut in {0, *(p for *_, p in spans)}:
+        end = ""
+    elif any(b <= cut < p for _, _, b, p in spans):
+        end = "payload_truncated"
+    else:
+        end = "truncated"
+    pd, recs = _drain(data)
+    assert pd is not None and pd.pipe_mode == pipe
+    assert len(recs) == len(read)
+    assert [(o, t) for o, t, _, _ in _frames(data, *_section(data))[0]] == read
+    assert _check_records(data, pd, recs) == end  # each record's own bytes, the end counted
+    errors = pd.decoder.stats.errors
+    counted = (errors["truncated"], errors["bad_size"], pd.errors["payload_truncated"])
+    assert counted == tuple(int(end == e) for e in _ENDS)  # (never bad_size: sizes are right)
+    # file mode: the header promised the whole stream
+    assert pd.errors["data_section_truncated"] == (not pipe and cut < len(stream))
 
 
 @pytest.fixture(scope="module")
@@ -573,10 +724,12 @@ def small_recordings(busy: Path, tmp_path_factory: pytest.TempPathFactory) -> li
     which=st.integers(0, 1),
     flips=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), max_size=8),
     where=st.sampled_from(["head", "anywhere", "tail"]),
+    cut=st.one_of(st.none(), st.integers(0, 1 << 30)),
 )
 def test_mutated_real_file_clean_error_or_records(
-    small_recordings: list[bytes], which: int, flips: list[tuple[int, int]], where: str
-) -> None:
+    small_recordings: list[bytes], which: int, flips: list[tuple[int, int]], where: str,
+    cut: int | None,
+) -> None:  # fmt: skip
     data = bytearray(small_recordings[which])
     for pos, val in flips:
         if where == "head":
@@ -586,4 +739,8 @@ def test_mutated_real_file_clean_error_or_records(
         else:
             pos %= len(data)
         data[pos] = val
-    _drain(bytes(data))
+    if cut is not None:  # mostly inside the data section, which is most of the file
+        del data[cut % len(data) :]
+    pd, recs = _drain(bytes(data))
+    if pd is not None:
+        _check_records(bytes(data), pd, recs)
