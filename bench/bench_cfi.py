@@ -15,7 +15,7 @@ import time
 from elftools.dwarf.callframe import FDE
 from elftools.dwarf.constants import DW_CFA_GNU_args_size
 from elftools.elf.elffile import ELFFile
-from unwindd.cfi import CfiTable
+from unwindd.binaries.cfi import CfiTable
 
 
 def pyelftools_decode(path: str) -> int:

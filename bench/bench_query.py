@@ -31,9 +31,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from unwindd.api import Api, Peer  # noqa: E402
-from unwindd.httpapi import Request  # noqa: E402
-from unwindd.stackstore import StackStore  # noqa: E402
+from unwindd.serve.api import Api, Peer  # noqa: E402
+from unwindd.serve.httpapi import Request  # noqa: E402
+from unwindd.store.stackstore import StackStore  # noqa: E402
 
 TARGETS = ["/v1/stacks?since=10&limit=1000", "/v1/top?since=10", "/v1/stacks?since=30",
            "/v1/stacks?since=10&format=folded", "/v1/top?since=30&limit=1000"]  # fmt: skip
@@ -55,7 +55,7 @@ class _Recorder(StackStore):
 
 
 def capture(path: str, seconds: float, freq: int) -> None:
-    from unwindd.live import LiveProfiler
+    from unwindd.pipeline.live import LiveProfiler
     from workloads.build import build_workloads
 
     with tempfile.TemporaryDirectory() as td:
@@ -65,9 +65,9 @@ def capture(path: str, seconds: float, freq: int) -> None:
         load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
                 for _ in range(os.cpu_count() or 1)]  # fmt: skip
         try:
-            from unwindd.elfcache import CacheConfig
-            from unwindd.engine import StackEngine
-            from unwindd.perfcore import SamplingConfig, Target
+            from unwindd.binaries.elfcache import CacheConfig
+            from unwindd.source.perfcore import SamplingConfig, Target
+            from unwindd.unwind.engine import StackEngine
 
             engine = StackEngine.create(cache_config=CacheConfig(), prefetch_cfi=True)
             rec = _Recorder()

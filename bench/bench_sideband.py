@@ -79,7 +79,7 @@ def child(freq: int, warm: float, secs: float, out: str, profile: str | None,
           queries: bool = False) -> None:  # fmt: skip
     import cProfile
 
-    from unwindd import service
+    from unwindd.serve import service
 
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sb-"))
     sock = str(tmp / "d.sock")

@@ -45,7 +45,7 @@ from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
 def record(path: Path, seconds: float, spawn_rate: float) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from unwindd.perfcore import PerfSession, SamplingConfig, Target
+    from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
     from workloads.build import build_workloads
 
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))
@@ -81,11 +81,11 @@ def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     import cProfile
 
     from captured import Replayed
-    from unwindd.engine import StackEngine
-    from unwindd.live import LiveProfiler
-    from unwindd.livetable import LiveTable
-    from unwindd.procscan import ProcFS
-    from unwindd.stackstore import StackStore
+    from unwindd.pipeline.live import LiveProfiler
+    from unwindd.procs.livetable import LiveTable
+    from unwindd.procs.procscan import ProcFS
+    from unwindd.store.stackstore import StackStore
+    from unwindd.unwind.engine import StackEngine
 
     fmt, drains = pickle.loads(cap.read_bytes())
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))

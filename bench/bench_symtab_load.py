@@ -32,8 +32,8 @@ from bench_sideband import code_path  # noqa: E402
 
 _CHILD = r"""
 import glob, hashlib, json, os, sys, time
-from unwindd.elfcache import ElfCache
-from unwindd import symbolize
+from unwindd.binaries.elfcache import ElfCache
+from unwindd.binaries import symbolize
 paths = sorted({os.path.realpath(p) for g in json.loads(sys.argv[1]) for p in glob.glob(g)})
 cache = ElfCache()
 entries = []

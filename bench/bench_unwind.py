@@ -42,9 +42,9 @@ CLOCK = time.thread_time
 
 
 def child(path: str, batch_repeat: int) -> None:
-    from unwindd import fastreplay
-    from unwindd.engine import StackEngine
-    from unwindd.perfdata import PerfData
+    from unwindd.pipeline import fastreplay
+    from unwindd.source.perfdata import PerfData
+    from unwindd.unwind.engine import StackEngine
 
     real = fastreplay.lib
     spaces: dict[int, int] = {}  # pid -> snapshot id currently set on the C side

@@ -4,8 +4,8 @@ Same layout as ``build_perfcore.py`` (cryptography's ``src/_cffi_src/build_*.py`
 own ``cfi.c`` and ``unwind.c`` are compiled as extra sources, and ``unwcore.h`` is used twice, as
 the cdef (so the Python-visible interface cannot drift from the C one) and as the header the
 generated module includes. setup.py names this file as ``cffi_build/build_unwcore.py:ffibuilder``.
-``daemon/unwindd/cfi.py``, ``daemon/unwindd/unwinder.py`` and ``daemon/unwindd/fastreplay.py`` are
-the only importers.
+``daemon/unwindd/binaries/cfi.py``, ``daemon/unwindd/unwind/unwinder.py`` and
+``daemon/unwindd/pipeline/fastreplay.py`` are the only importers.
 """
 
 from __future__ import annotations

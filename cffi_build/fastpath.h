@@ -1,7 +1,7 @@
 /* fastpath.h: the native replay path (fastpath.c) of unwindd._unwcore: index a perf.data data
  * section, order it by perf's round rule, unwind runs of SAMPLE records straight from the raw
- * bytes and aggregate identical stacks. Python (daemon/unwindd/fastreplay.py) decodes only the
- * rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
+ * bytes and aggregate identical stacks. Python (daemon/unwindd/pipeline/fastreplay.py) decodes only
+ * the rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
  * once.
  *
  * Like unwcore.h this is a cffi cdef as well as a C header: no includes, fixed-width types only.
@@ -252,7 +252,7 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
                 uint8_t *is_sample, uint64_t *time, uint64_t *period, uint32_t *pid,
                 uint32_t *tid, uint32_t *cpu);
 
-/* ---- the live step (daemon/unwindd/livefast.py): ring chunks instead of a file.
+/* ---- the live step (daemon/unwindd/pipeline/livefast.py): ring chunks instead of a file.
  * Cost: fp_live_index O(records); fp_live_order_round O(new records log queued + queued);
  * fp_live_run like fp_unwind_run plus O(log mappings) per sample to place it;
  * fp_live_groups_add O(samples) expected. */

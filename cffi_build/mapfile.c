@@ -1,5 +1,5 @@
 /* mapfile.c: fill the page tables of a read-only file mapping before its first reads
- * (daemon/unwindd/mapfile.py: the perf.data file a replay reads in place).
+ * (daemon/unwindd/source/mapfile.py: the perf.data file a replay reads in place).
  *
  * Why a function of its own: a replay reads every page of the file (fp_index the record
  * headers, the unwinder the stack copies), and one batch of page-table fills costs about a

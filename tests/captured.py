@@ -13,7 +13,7 @@ class Replayed:
     """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
 
     def __init__(self, fmt: Any, drains: list[list[tuple[int, bytes]]]) -> None:
-        from unwindd.perfcore import SamplingConfig
+        from unwindd.source.perfcore import SamplingConfig
 
         self.event_format = fmt
         self._drains = list(drains)

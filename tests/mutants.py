@@ -222,7 +222,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the buffer is decoded from the bytes there instead of counted as truncated",
         edits=(
             Edit(
-                "daemon/unwindd/records.py",
+                "daemon/unwindd/source/records.py",
                 old="            if size < HEADER_SIZE or off + size > n:\n"
                 '                self.stats.errors["truncated" if size >= HEADER_SIZE else'
                 ' "bad_size"] += 1\n',
@@ -240,17 +240,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "and names caller frames at their return address instead of ra - 1",
         edits=(
             Edit(
-                "daemon/unwindd/engine.py",
+                "daemon/unwindd/unwind/engine.py",
                 old="ip = pc if exact >> i & 1 else pc - 1",
                 new="ip = pc  # MUTANT",
             ),
             Edit(
-                "daemon/unwindd/fastreplay.py",
+                "daemon/unwindd/pipeline/fastreplay.py",
                 old="ip = pc[0] if ex[0] else pc[0] - 1",
                 new="ip = pc[0]  # MUTANT",
             ),
             Edit(
-                "daemon/unwindd/livefast.py",
+                "daemon/unwindd/pipeline/livefast.py",
                 old="snap, pc[0] if ex[0] else pc[0] - 1)",
                 new="snap, pc[0])  # MUTANT",
             ),
@@ -265,7 +265,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "[unknown] to perf) is named after the symbol before it",
         edits=(
             Edit(
-                "daemon/unwindd/symbolize.py",
+                "daemon/unwindd/binaries/symbolize.py",
                 old="        if addr < end or addr == start:\n"
                 "            return self.name(i), addr - start\n"
                 "        return None\n",
@@ -284,7 +284,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         what="engine.kernel_ips yields nothing: samples lose their kernel frames",
         edits=(
             Edit(
-                "daemon/unwindd/engine.py",
+                "daemon/unwindd/unwind/engine.py",
                 old="in_kernel = ip == abi.CONTEXT_KERNEL",
                 new="in_kernel = False  # MUTANT",
             ),
@@ -303,7 +303,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "(unwindd_lost_records_total, the status's lost)",
         edits=(
             Edit(
-                "daemon/unwindd/streamstats.py",
+                "daemon/unwindd/source/streamstats.py",
                 old="self.lost_by_cpu[rcpu] += rec.lost",
                 new="pass  # MUTANT",
             ),

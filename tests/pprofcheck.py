@@ -1,5 +1,5 @@
 """An independent decoder for pprof profiles (gzipped profile.proto), written from the protobuf
-wire-format spec and profile.proto's field numbers, sharing no code with unwindd.pprof; and a
+wire-format spec and profile.proto's field numbers, sharing no code with unwindd.store.pprof; and a
 consistency check that mirrors what ``go tool pprof`` (profile.Parse + CheckValid) insists on."""
 
 from __future__ import annotations

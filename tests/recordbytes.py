@@ -1,9 +1,9 @@
 """Builders of exact perf record bytes, for tests.
 
 Invariants:
-- Independent of ``unwindd.records``: every layout is written out here, field by field, from
+- Independent of ``unwindd.source.records``: every layout is written out here, field by field, from
   ``include/uapi/linux/perf_event.h`` (Linux 6.x) and perf's ``tools/lib/perf/include/perf/
-  event.h``; the numbers are repeated (not imported from ``unwindd.abi``) so a wrong constant
+  event.h``; the numbers are repeated (not imported from ``unwindd.source.abi``) so a wrong constant
   there shows up as a test failure instead of agreeing with itself.
 - Little-endian (x86_64, arm64 as run). Every record is a multiple of 8 bytes, as the kernel
   writes them (strings are NUL-terminated and padded to u64, ``perf_event_comm_event`` /

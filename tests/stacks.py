@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import binfacts
-from unwindd.stackfmt import Frame
+from unwindd.unwind.stackfmt import Frame
 
 MAIN_BOTTOM = ("main", "__libc_start_call_main", "__libc_start_main@@GLIBC_2.34", "_start")
 THREAD_BOTTOM = ("start_thread", "clone3")

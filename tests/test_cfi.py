@@ -1,4 +1,4 @@
-"""unwindd.cfi: the native CFI compiler, checked in layers (STYLE.md 8).
+"""unwindd.binaries.cfi: the native CFI compiler, checked in layers (STYLE.md 8).
 
 1. Differential, row for row, against pyelftools' decoder (tests/cfiref.py) on real binaries:
    libc, libstdc++, python3.11, ld.so, and test programs built here (-O2 -fomit-frame-pointer;
@@ -25,7 +25,7 @@ from cfiref import native_rule, reference_rows
 from elftools.elf.elffile import ELFFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from unwindd.cfi import CfaKind, CfiError, CfiRow, CfiStore, CfiTable, RegKind
+from unwindd.binaries.cfi import CfaKind, CfiError, CfiRow, CfiStore, CfiTable, RegKind
 
 LIBDIR = pathlib.Path("/usr/lib/x86_64-linux-gnu")
 LIBC = str(LIBDIR / "libc.so.6")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from perfutil import perf_script_samples, perf_stats, record_perf_data
 from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
-from unwindd.abi import RecordType
-from unwindd.perfcore import online_cpus
+from unwindd.source.abi import RecordType
+from unwindd.source.perfcore import online_cpus
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
 

@@ -10,7 +10,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from unwindd.config import (
+from unwindd.serve.config import (
     SECTIONS,
     Config,
     ConfigError,
@@ -79,7 +79,7 @@ def test_errors_name_the_key(text: bytes, names: str) -> None:
 
 
 def test_load_edge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("unwindd.config.DEFAULT_PATH", str(tmp_path / "absent.toml"))
+    monkeypatch.setattr("unwindd.serve.config.DEFAULT_PATH", str(tmp_path / "absent.toml"))
     assert load_config(None) == Config()  # missing default file: built-in defaults
     with pytest.raises(ConfigError, match="no such file"):
         load_config(str(tmp_path / "absent.toml"))  # missing named file: error

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from unwindd.engine import StackEngine
-from unwindd.proctable import ProcessTable
-from unwindd.records import NO_SAMPLE_ID, Comm, Fork
-from unwindd.symbolize import Symbolizer
+from unwindd.binaries.symbolize import Symbolizer
+from unwindd.procs.proctable import ProcessTable
+from unwindd.source.records import NO_SAMPLE_ID, Comm, Fork
+from unwindd.unwind.engine import StackEngine
 
 EXEC = 1 << 13  # PERF_RECORD_MISC_COMM_EXEC
 

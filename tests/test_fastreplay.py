@@ -1,4 +1,4 @@
-"""The native replay path (unwindd.fastreplay + cffi_build/fastpath.c) against the Python
+"""The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.c) against the Python
 reference path (STYLE.md 8: differential, fuzzing, sanitizers).
 
 1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, and a
@@ -40,14 +40,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Workload
 from perfutil import record_perf_data
-from unwindd import cli, fastreplay
+from unwindd import cli
 from unwindd._unwcore import ffi, lib
-from unwindd.capture import StreamPipeline
-from unwindd.engine import StackEngine
-from unwindd.ordering import OrderStats, RoundOrderer
-from unwindd.perfdata import PerfData
-from unwindd.records import BadRecord, FinishedRound, RecordDecoder, Unknown
-from unwindd.streamstats import StreamStats
+from unwindd.pipeline import fastreplay
+from unwindd.source.capture import StreamPipeline
+from unwindd.source.ordering import OrderStats, RoundOrderer
+from unwindd.source.perfdata import PerfData
+from unwindd.source.records import BadRecord, FinishedRound, RecordDecoder, Unknown
+from unwindd.source.streamstats import StreamStats
+from unwindd.unwind.engine import StackEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ROOT / "cffi_build"
@@ -223,7 +224,7 @@ def test_sym_region_is_symbol_table_lookup(path: str) -> None:
     real table (libc through its build-id debug file; libstdc++, C++ aliases) names symbol i
     exactly where SymbolTable.lookup names symbol i, and nothing where lookup finds nothing.
     Addresses: every start and end, their neighbours, random ones across the table's span."""
-    from unwindd.elfcache import ElfCache
+    from unwindd.binaries.elfcache import ElfCache
 
     table = ElfCache().acquire(None, os.path.realpath(path)).symbols()
     n = len(table.starts)
@@ -292,7 +293,7 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
     """mapfile.MappedFile: the index made on its thread (after the page-table fill) is the
     one fp_index makes on the caller's, handed out once and only for the same layout and
     section; the replay given the mapping gives the same output as one that maps itself."""
-    from unwindd.mapfile import MappedFile
+    from unwindd.source.mapfile import MappedFile
 
     path = files["forkexec"]
     data = PerfData.open(path)
@@ -444,7 +445,7 @@ def test_indexer_matches_decoder_on_mutations(section: tuple[Any, RecordDecoder,
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=4096))
 def test_indexer_garbage(buf: bytes) -> None:
-    from unwindd.records import EventFormat
+    from unwindd.source.records import EventFormat
 
     fmt = EventFormat(sample_type=0x3FFFF, sample_regs_user=0xFF0FFF, read_format=0xF)
     dec = RecordDecoder([fmt])
@@ -459,7 +460,7 @@ def test_indexer_garbage(buf: bytes) -> None:
                           st.integers(0, 3)), max_size=120),
        st.integers(1, 20))  # fmt: skip
 def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: int) -> None:
-    from unwindd.records import NO_SAMPLE_ID, SampleId
+    from unwindd.source.records import NO_SAMPLE_ID, SampleId
 
     recs_py: list[Any] = []
     c = ffi.new("struct fp_rec[]", max(1, len(events)))
@@ -489,7 +490,7 @@ def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: 
             stt.forced_flushes, stt.untimed) == (s.pushed, s.delivered, s.queued, s.late,
                                                  s.max_lateness_ns, s.rounds, s.forced_flushes,
                                                  s.untimed)  # fmt: skip
-    from unwindd.ordering import lateness_bucket
+    from unwindd.source.ordering import lateness_bucket
 
     assert Counter(lateness_bucket(x) for x in late[0 : nlate[0]]) == s.late_buckets
 
@@ -550,15 +551,17 @@ def test_fastpath_tsan(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes]
 
 def test_cli_default_config_path_matches_config() -> None:
     """cli spells config.DEFAULT_PATH itself so `unwindd replay` never imports config."""
-    from unwindd import cli, config
+    from unwindd import cli
+    from unwindd.serve import config
 
     assert cli._DEFAULT_CONFIG == config.DEFAULT_PATH
 
 
 def test_replay_does_not_import_live_or_service_stacks() -> None:
     code = ("import sys; from unwindd import cli; cli.build_parser(); "
-            "bad = [m for m in ('unwindd.config', 'unwindd.capture', 'unwindd.output', "
-            "'unwindd.service', 'unwindd.live', 'unwindd.engine', 'tomllib') "
+            "bad = [m for m in ('unwindd.serve.config', 'unwindd.source.capture', "
+            "'unwindd.source.output', 'unwindd.serve.service', 'unwindd.pipeline.live', "
+            "'unwindd.unwind.engine', 'tomllib') "
             "if m in sys.modules]; print(bad)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
@@ -568,7 +571,7 @@ def test_replay_does_not_import_live_or_service_stacks() -> None:
 def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> None:
     """symtab.c (ELF symbols, kallsyms) and sideband.c on truncated/mutated real inputs under
     ASan/UBSan (tests/native/sym_fuzz.c)."""
-    from unwindd.elfcache import ElfReader
+    from unwindd.binaries.elfcache import ElfReader
 
     cc = shutil.which("gcc")
     assert cc
@@ -616,7 +619,7 @@ def test_fork_after_a_threaded_replay(files: dict[str, Path]) -> None:
     a pid check would be fooled by pid reuse), and its own replays start their own worker.
     The child reports through its exit status (0: the replay equals the parent's, with the
     worker; SIGALRM: it hung)."""
-    from unwindd.cfi import ARCH_X86_64
+    from unwindd.binaries.cfi import ARCH_X86_64
 
     path = files["threads"]
     want = _fast(path, "folded")[0]

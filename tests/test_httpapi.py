@@ -10,10 +10,10 @@ from daemonutil import parse_response
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pprofcheck import check_valid, decode
-from unwindd.api import Api, Peer
-from unwindd.httpapi import CLOSED, NEED_DATA, HttpSession, Request, Response, StreamStart
-from unwindd.stackfmt import Frame, UnwoundSample
-from unwindd.stackstore import StackStore
+from unwindd.serve.api import Api, Peer
+from unwindd.serve.httpapi import CLOSED, NEED_DATA, HttpSession, Request, Response, StreamStart
+from unwindd.store.stackstore import StackStore
+from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
 SEC = 1_000_000_000
 

@@ -21,14 +21,14 @@ from stacks import (
     user_addrs,
     user_syms,
 )
-from unwindd.elfcache import CacheConfig, ElfCache
-from unwindd.engine import StackEngine
-from unwindd.live import LiveProfiler
-from unwindd.livetable import LiveTable
-from unwindd.perfcore import PerfSession, SamplingConfig, Target
-from unwindd.procscan import ProcFS
-from unwindd.records import Mmap2, RecordDecoder
-from unwindd.stackstore import StackStore
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
+from unwindd.pipeline.live import LiveProfiler
+from unwindd.procs.livetable import LiveTable
+from unwindd.procs.procscan import ProcFS
+from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.source.records import Mmap2, RecordDecoder
+from unwindd.store.stackstore import StackStore
+from unwindd.unwind.engine import StackEngine
 from workloads.build import Workload, build_workloads
 
 

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from unwindd.elfcache import CacheConfig, ElfCache
-from unwindd.engine import StackEngine
-from unwindd.live import LiveProfiler, native_max_spaces
-from unwindd.livetable import LiveTableConfig
-from unwindd.perfcore import SamplingConfig, Target
-from unwindd.stackfmt import UnwoundSample
-from unwindd.stackstore import StackStore
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
+from unwindd.pipeline.live import LiveProfiler, native_max_spaces
+from unwindd.procs.livetable import LiveTableConfig
+from unwindd.source.perfcore import SamplingConfig, Target
+from unwindd.store.stackstore import StackStore
+from unwindd.unwind.engine import StackEngine
+from unwindd.unwind.stackfmt import UnwoundSample
 from workloads.build import SRC, Workload, _cc, build_workloads
 
 CHAINS = {

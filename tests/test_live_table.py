@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from unwindd import abi
-from unwindd.livetable import LiveTable, LiveTableConfig, user_pc
-from unwindd.procscan import ProcFS
-from unwindd.proctable import ProcessTable, parse_proc_maps
-from unwindd.records import NO_SAMPLE_ID, Exit, Fork, Lost, Mmap2, Sample, SampleId
+from unwindd.procs.livetable import LiveTable, LiveTableConfig, user_pc
+from unwindd.procs.procscan import ProcFS
+from unwindd.procs.proctable import ProcessTable, parse_proc_maps
+from unwindd.source import abi
+from unwindd.source.records import NO_SAMPLE_ID, Exit, Fork, Lost, Mmap2, Sample, SampleId
 
 MS = 1_000_000
 REGS_MASK = abi.X86_64_REGS_MASK

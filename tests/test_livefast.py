@@ -28,14 +28,14 @@ from stacks import (
     user_addrs,
     user_syms,
 )
-from unwindd.elfcache import CacheConfig
-from unwindd.engine import CFI_INLINE_MAX_BYTES, StackEngine
-from unwindd.live import LiveProfiler
-from unwindd.livefast import NativeStep
-from unwindd.livetable import LiveTable
-from unwindd.perfcore import PerfSession, SamplingConfig, Target
-from unwindd.procscan import ProcFS
-from unwindd.stackstore import StackStore
+from unwindd.binaries.elfcache import CacheConfig
+from unwindd.pipeline.live import LiveProfiler
+from unwindd.pipeline.livefast import NativeStep
+from unwindd.procs.livetable import LiveTable
+from unwindd.procs.procscan import ProcFS
+from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.store.stackstore import StackStore
+from unwindd.unwind.engine import CFI_INLINE_MAX_BYTES, StackEngine
 from workloads.build import Workload, build_workloads
 
 

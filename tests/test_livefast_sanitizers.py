@@ -25,8 +25,8 @@ import pytest
 from nativebuild import CORE, build, check_ok
 from test_livefast import capture
 from unwindd._unwcore import ffi, lib
-from unwindd.fastreplay import layout_of
-from unwindd.records import EventFormat, RecordDecoder
+from unwindd.pipeline.fastreplay import layout_of
+from unwindd.source.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parent.parent

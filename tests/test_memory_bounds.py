@@ -7,13 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from test_live_table import MS, Clock, FakeProc, line, sample
-from unwindd import unwinder
-from unwindd.engine import StackEngine
-from unwindd.livetable import LiveTable, LiveTableConfig
-from unwindd.procscan import ProcFS
-from unwindd.proctable import ProcessTable
-from unwindd.records import NO_SAMPLE_ID, Comm, Exit, Fork
-from unwindd.symbolize import Symbolizer
+from unwindd.binaries.symbolize import Symbolizer
+from unwindd.procs.livetable import LiveTable, LiveTableConfig
+from unwindd.procs.procscan import ProcFS
+from unwindd.procs.proctable import ProcessTable
+from unwindd.source.records import NO_SAMPLE_ID, Comm, Exit, Fork
+from unwindd.unwind import unwinder
+from unwindd.unwind.engine import StackEngine
 
 CFG = LiveTableConfig(rescan_interval_ns=50 * MS, churn_window_ns=1000 * MS, max_hold_ns=500 * MS,
                       exit_grace_ns=200 * MS, max_processes=64)  # fmt: skip
@@ -78,7 +78,7 @@ def test_a_dropped_pid_leaves_nothing_in_any_per_pid_table(tmp_path: Path) -> No
 def test_native_step_context_bound_follows_the_table_cap() -> None:
     """The native step keeps dead pids' snapshots until its context is dropped whole: that
     bound follows max_processes (live.py), so a small cap bounds it too."""
-    from unwindd.live import native_max_spaces
+    from unwindd.pipeline.live import native_max_spaces
 
     assert native_max_spaces(64) == 128
     assert native_max_spaces(1) == 64
@@ -91,7 +91,7 @@ def test_elf_cache_trims_the_heap_after_loading_and_dropping() -> None:
     import os
     import sys
 
-    from unwindd.elfcache import CacheConfig, ElfCache
+    from unwindd.binaries.elfcache import CacheConfig, ElfCache
 
     for trim_bytes, want in ((1, True), (0, False)):
         cache = ElfCache(CacheConfig(max_bytes=1, trim_bytes=trim_bytes))

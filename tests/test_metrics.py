@@ -9,14 +9,14 @@ from typing import Any
 
 from daemonutil import metric_values
 from prometheus_client import CollectorRegistry, generate_latest
-from unwindd.elfcache import CacheStats
-from unwindd.engine import EngineStats
-from unwindd.livetable import LiveTableStats
-from unwindd.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
-from unwindd.ordering import OrderStats
-from unwindd.records import DecodeStats
-from unwindd.stackstore import StackStore
-from unwindd.streamstats import StreamStats
+from unwindd.binaries.elfcache import CacheStats
+from unwindd.procs.livetable import LiveTableStats
+from unwindd.serve.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
+from unwindd.source.ordering import OrderStats
+from unwindd.source.records import DecodeStats
+from unwindd.source.streamstats import StreamStats
+from unwindd.store.stackstore import StackStore
+from unwindd.unwind.engine import EngineStats
 
 
 def fake_daemon(rescans: Counter[str] | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""Tests of ``unwindd.ordering``: perf's round rule, stability, lateness accounting, untimed
+"""Tests of ``unwindd.source.ordering``: perf's round rule, stability, lateness accounting, untimed
 records, the memory cap, and "nothing lost" under any push order.
 
 The live model used by the merge property: each CPU's ring is time-ordered; a round drains the
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 import recordbytes as rb
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unwindd.ordering import OrderStats, RoundOrderer, lateness_bucket
-from unwindd.records import (
+from unwindd.source.ordering import OrderStats, RoundOrderer, lateness_bucket
+from unwindd.source.records import (
     BadRecord,
     EventFormat,
     FinishedRound,

@@ -1,4 +1,4 @@
-"""unwindd.perfcore against the real kernel: sessions on real processes, decoded with
+"""unwindd.source.perfcore against the real kernel: sessions on real processes, decoded with
 ``records.RecordDecoder([session.event_format])``, checked against ground truth the target
 itself announces (tests/native/busy.c prints its pid and the address of a stack slot holding a
 magic value while it spins).
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from unwindd import abi, perfcore, records
-from unwindd.perfcore import (
+from unwindd.source import abi, perfcore, records
+from unwindd.source.perfcore import (
     AUTO_MAX_PAGES,
     PerfOpenError,
     PerfSession,
@@ -351,7 +351,7 @@ def _run_as_child(code: str, prefix: tuple[str, ...] = ()) -> subprocess.Complet
 
 def test_permission_error_explains_what_is_needed() -> None:
     code = (
-        "from unwindd.perfcore import *\n"
+        "from unwindd.source.perfcore import *\n"
         "try:\n"
         "    PerfSession.open(Target(all_cpus=True))\n"
         "except PerfOpenError as e:\n"
@@ -373,7 +373,7 @@ def test_permission_error_explains_what_is_needed() -> None:
 def test_fd_exhaustion_says_how_many_fds() -> None:
     code = (
         "import os, resource\n"
-        "from unwindd.perfcore import *\n"
+        "from unwindd.source.perfcore import *\n"
         "n = len(os.listdir('/proc/self/fd'))\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (n + 1, resource.getrlimit(resource."
         "RLIMIT_NOFILE)[1]))\n"

@@ -39,9 +39,9 @@ from perfutil import (
     perf_stats,
     record_perf_data,
 )
-from unwindd import perfdata, records
-from unwindd.abi import RecordType
-from unwindd.perfdata import AttrInfo, Feature, PerfData, PerfDataError
+from unwindd.source import perfdata, records
+from unwindd.source.abi import RecordType
+from unwindd.source.perfdata import AttrInfo, Feature, PerfData, PerfDataError
 
 STACK = 8192
 WORKLOAD_SECS = "0.25"
@@ -237,11 +237,11 @@ def test_stdin_dash_reads_pipe_mode(pipe_rec: Reading) -> None:
     reading = pipe_rec
     code = (
         "from collections import Counter\n"
-        "from unwindd.perfdata import PerfData\n"
+        "from unwindd.source.perfdata import PerfData\n"
         "pd = PerfData.open('-')\n"
         "print(pd.pipe_mode, sum(1 for r in pd.records() if type(r).__name__ == 'Sample'))\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(perfdata.__file__).parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(perfdata.__file__).parents[2]))
     with reading.path.open("rb") as f:
         out = subprocess.run(
             [sys.executable, "-c", code], stdin=f, capture_output=True, text=True, env=env,

@@ -8,9 +8,9 @@ import gzip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pprofcheck import check_valid, decode, fields_of, read_varint
-from unwindd.pprof import encode_profile, varint
-from unwindd.stackfmt import Frame
-from unwindd.stackstore import StackCount
+from unwindd.store.pprof import encode_profile, varint
+from unwindd.store.stackstore import StackCount
+from unwindd.unwind.stackfmt import Frame
 
 SPIN = Frame(0x401136, "/w/chain_o2", "spin", 6, rel=0x1136)
 C = Frame(0x401150, "/w/chain_o2", "c", 4, rel=0x1150)

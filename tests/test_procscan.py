@@ -8,7 +8,13 @@ import subprocess
 import time
 from pathlib import Path
 
-from unwindd.procscan import PF_KTHREAD, ProcFS, exec_mappings, parse_stat, ticks_from_monotonic
+from unwindd.procs.procscan import (
+    PF_KTHREAD,
+    ProcFS,
+    exec_mappings,
+    parse_stat,
+    ticks_from_monotonic,
+)
 
 FAKEPROC = Path(__file__).parent / "fakeproc"
 

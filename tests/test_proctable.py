@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 from perfutil import build_busy, record_perf_data
 from procutil import wait_mapped
-from unwindd.abi import MISC_COMM_EXEC, MISC_MMAP_DATA, MISC_USER
-from unwindd.elfcache import ElfCache
-from unwindd.perfdata import PerfData
-from unwindd.proctable import (
+from unwindd.binaries.elfcache import ElfCache
+from unwindd.procs.proctable import (
     PROT_EXEC,
     Identity,
     ProcessTable,
     parse_proc_maps,
 )
-from unwindd.records import NO_SAMPLE_ID, Comm, Exit, Fork, Mmap, Mmap2, Sample
+from unwindd.source.abi import MISC_COMM_EXEC, MISC_MMAP_DATA, MISC_USER
+from unwindd.source.perfdata import PerfData
+from unwindd.source.records import NO_SAMPLE_ID, Comm, Exit, Fork, Mmap, Mmap2, Sample
 
 FAKEPROC = Path(__file__).parent / "fakeproc"
 RX, R = 5, 1
@@ -172,11 +172,11 @@ def test_modules_and_native_space_cached_by_generation() -> None:
 def test_unwinder_not_imported_until_needed() -> None:
     import sys
 
-    before = "unwindd.unwinder" in sys.modules
+    before = "unwindd.unwind.unwinder" in sys.modules
     t = ProcessTable()
     t.apply(mmap2(1, 0x1000, 0x1000, 0, "/x"))
     t.space_for(1).find(0x1000)
-    assert ("unwindd.unwinder" in sys.modules) == before
+    assert ("unwindd.unwind.unwinder" in sys.modules) == before
 
 
 # --------------------------------------------------------------------------- /proc maps

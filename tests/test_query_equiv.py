@@ -13,12 +13,12 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from unwindd import stackfmt
-from unwindd.api import Api, Peer, stack_json
-from unwindd.httpapi import Request
-from unwindd.pprof import encode_profile
-from unwindd.stackfmt import Frame, UnwoundSample
-from unwindd.stackstore import StackStore, _top_summaries, top_functions
+from unwindd.serve.api import Api, Peer, stack_json
+from unwindd.serve.httpapi import Request
+from unwindd.store.pprof import encode_profile
+from unwindd.store.stackstore import StackStore, _top_summaries, top_functions
+from unwindd.unwind import stackfmt
+from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
 SEC = 1_000_000_000
 

@@ -1,4 +1,4 @@
-"""Byte-level tests of ``unwindd.records``: every record type field by field, the sample_id
+"""Byte-level tests of ``unwindd.source.records``: every record type field by field, the sample_id
 trailer under every sample_type combination, format selection by id, and "decode or count an
 error, never raise, never hang" under truncation, corruption and random bytes.
 
@@ -16,8 +16,8 @@ import pytest
 import recordbytes as rb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from unwindd import abi
-from unwindd.records import (
+from unwindd.source import abi
+from unwindd.source.records import (
     BadRecord,
     Comm,
     EventFormat,

@@ -28,7 +28,7 @@ from stacks import (
     json_syms,
     thread_ids,
 )
-from unwindd.perfcore import auto_ring_pages, online_cpus, system_ring_cap
+from unwindd.source.perfcore import auto_ring_pages, online_cpus, system_ring_cap
 from workloads.build import Workload, build_workloads
 
 
@@ -359,7 +359,7 @@ def test_sigterm_drains_and_exits_zero(daemon: DaemonProc) -> None:
 def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> None:
     """`pip install . && unwindd` as a user who cannot create /run/unwindd: the daemon says
     where it listens instead (checked on the helper, not by starting a second sampler)."""
-    from unwindd.service import prepare_socket_path
+    from unwindd.serve.service import prepare_socket_path
 
     env_before = os.environ.get("XDG_RUNTIME_DIR")
     os.environ["XDG_RUNTIME_DIR"] = str(tmp_path)
@@ -375,7 +375,7 @@ def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> N
             target = str(ro / "unwindd" / "unwindd.sock")
         got = prepare_socket_path(target, is_default=True)
         assert got == str(tmp_path / "unwindd" / "unwindd.sock")
-        from unwindd.service import StartupError
+        from unwindd.serve.service import StartupError
 
         with pytest.raises(StartupError, match=r"\[api\] socket"):
             prepare_socket_path(target, is_default=False)

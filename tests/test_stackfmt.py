@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from unwindd.stackfmt import Frame, UnwoundSample, fold, perf_script, render_folded, to_json
+from unwindd.unwind.stackfmt import Frame, UnwoundSample, fold, perf_script, render_folded, to_json
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 SAMPLE = UnwoundSample(

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unwindd.stackfmt import Frame, UnwoundSample
-from unwindd.stackstore import StackStore, top_functions
+from unwindd.store.stackstore import StackStore, top_functions
+from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
 S = 1_000_000_000
 F = {n: Frame(0x1000 + i, "/bin/x", n, 0) for i, n in enumerate("abcdef")}

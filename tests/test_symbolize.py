@@ -13,13 +13,9 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 from perfutil import PERF, record_perf_data
-from unwindd.abi import MISC_USER
-from unwindd.demangle import demangle, demangle_full, demangle_rust_legacy
-from unwindd.elfcache import ElfCache
-from unwindd.perfdata import PerfData
-from unwindd.proctable import ProcessTable
-from unwindd.records import Sample
-from unwindd.symbolize import (
+from unwindd.binaries.demangle import demangle, demangle_full, demangle_rust_legacy
+from unwindd.binaries.elfcache import ElfCache
+from unwindd.binaries.symbolize import (
     Kallsyms,
     PerfMap,
     Symbolizer,
@@ -28,6 +24,10 @@ from unwindd.symbolize import (
     parse_kallsyms,
     parse_perf_map,
 )
+from unwindd.procs.proctable import ProcessTable
+from unwindd.source.abi import MISC_USER
+from unwindd.source.perfdata import PerfData
+from unwindd.source.records import Sample
 
 FAKEPROC = Path(__file__).parent / "fakeproc"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
@@ -217,7 +217,7 @@ def test_native_demangler_equals_ctypes_path() -> None:
     a demangler whose buffer starts at 8 bytes (most names: the grow-and-retry path) too."""
     import ctypes
 
-    from unwindd import demangle as dm
+    from unwindd.binaries import demangle as dm
 
     lib = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6"
     nm = subprocess.run(["nm", "-D", lib], capture_output=True, text=True).stdout
@@ -384,7 +384,7 @@ def _decide_reference(out: object, n: int, strtab: bytes) -> None:
     """_Scan._decide as it was before demangling was avoided (kept as the reference): every
     member of an undecided group demangled, then the left-to-right fold of _a_is_best."""
     from unwindd._unwcore import ffi
-    from unwindd.symbolize import _USYM, _a_is_best, _Sym
+    from unwindd.binaries.symbolize import _USYM, _a_is_best, _Sym
 
     raw = ffi.buffer(out, n * _USYM.size)
     keep = bytes(raw)[25 :: _USYM.size]
@@ -424,9 +424,9 @@ def _decide_binaries() -> list[str]:
 def _undecided_scans(path: str) -> Iterator[tuple[object, int, bytes]]:
     """(native scan output, its length, string table) of every symbol table of ``path`` and
     its debug file in which the scan left groups undecided."""
-    from unwindd import symbolize as sz
     from unwindd._unwcore import ffi, lib
-    from unwindd.elfcache import ElfReader
+    from unwindd.binaries import symbolize as sz
+    from unwindd.binaries.elfcache import ElfReader
 
     cache = ElfCache()
     e = cache.acquire(None, path)
@@ -466,7 +466,7 @@ def test_decide_matches_full_demangling_on_system_binaries() -> None:
     their debug files): the shortcuts (raw steps first, plain names, constructor variants)
     change the cost only."""
     from unwindd._unwcore import ffi
-    from unwindd.symbolize import _USYM, _Scan
+    from unwindd.binaries.symbolize import _USYM, _Scan
 
     tables = undecided = 0
     for path in _decide_binaries():
@@ -504,7 +504,7 @@ def test_decide_matches_full_demangling_on_system_binaries() -> None:
     ],
 )
 def test_ctor_twin(name: str, masked: str | None) -> None:
-    from unwindd.symbolize import _ctor_twin
+    from unwindd.binaries.symbolize import _ctor_twin
 
     got = _ctor_twin(name)
     assert (got[2] if got else None) == masked

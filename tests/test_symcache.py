@@ -28,10 +28,15 @@ import zlib
 from pathlib import Path
 
 import pytest
-from unwindd import symbolize
-from unwindd.elfcache import CacheConfig, CacheFileError, ElfCache, ElfEntry
-from unwindd.engine import StackEngine
-from unwindd.symbolize import SymbolStore, SymbolTable, encode_symbol_table, load_symbol_table
+from unwindd.binaries import symbolize
+from unwindd.binaries.elfcache import CacheConfig, CacheFileError, ElfCache, ElfEntry
+from unwindd.binaries.symbolize import (
+    SymbolStore,
+    SymbolTable,
+    encode_symbol_table,
+    load_symbol_table,
+)
+from unwindd.unwind.engine import StackEngine
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LIBC = os.path.realpath(f"{LIB}/libc.so.6")
@@ -382,7 +387,7 @@ def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
     are guessable) or at the file itself is never written through."""
     import threading
 
-    from unwindd.elfcache import read_cache_file, write_cache_file
+    from unwindd.binaries.elfcache import read_cache_file, write_cache_file
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
@@ -399,7 +404,7 @@ def test_prune_cache_dir(tmp_path: Path) -> None:
     """The daemon bounds each cache dir at start: temporaries older than STALE_TMP_SECONDS go,
     then the least recently used files (max of atime, mtime) until the rest fits; links,
     directories and fresh temporaries are left alone."""
-    from unwindd.elfcache import STALE_TMP_SECONDS, prune_cache_dir
+    from unwindd.binaries.elfcache import STALE_TMP_SECONDS, prune_cache_dir
 
     now = 1_000_000.0
     for i in range(5):  # a.sym (oldest use) .. e.sym (newest), 100 bytes each

@@ -1,9 +1,9 @@
-"""unwindd.unwinder on real samples and on synthetic stacks (STYLE.md 8).
+"""unwindd.unwind.unwinder on real samples and on synthetic stacks (STYLE.md 8).
 
 1. Real: tests/native/unw_chain.c (-O2 -fomit-frame-pointer) sampled with the project's own perf
-   core (unwindd.perfcore); the address space comes from the child's /proc/<pid>/maps (a small
-   helper here; the process table builds the real one) and tables from CfiTable.from_elf. Frames
-   are named with pyelftools symbol tables (libc's locals from libc6-dbg's build-id file).
+   core (unwindd.source.perfcore); the address space comes from the child's /proc/<pid>/maps (a
+   small helper here; the process table builds the real one) and tables from CfiTable.from_elf.
+   Frames are named with pyelftools symbol tables (libc's locals from libc6-dbg's build-id file).
    * chain: >= 95% of user samples unwind spin <- c <- b <- a <- main <- __libc_start_call_main
      and end OK (glibc's _start marks the outermost frame with an undefined RA).
    * signal: the stack continues through __restore_rt into the interrupted function.
@@ -31,11 +31,11 @@ from elftools.elf.sections import SymbolTableSection
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset, offset, uleb
-from unwindd import abi, records
 from unwindd._unwcore import ffi
-from unwindd.cfi import CfiTable
-from unwindd.perfcore import PerfSession, SamplingConfig, Target
-from unwindd.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
+from unwindd.binaries.cfi import CfiTable
+from unwindd.source import abi, records
+from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
 HERE = pathlib.Path(__file__).resolve().parent
 SRC = HERE / "native" / "unw_chain.c"
@@ -563,7 +563,7 @@ def test_address_space_validation() -> None:
 def test_vdso_cfi_compiled_and_used() -> None:
     """The [vdso] image (read from /proc/self/mem by the ELF cache) has an .eh_frame: it gets a
     compiled table like any file, so vdso leaves unwind by CFI, not by frame pointers."""
-    from unwindd.elfcache import ElfCache
+    from unwindd.binaries.elfcache import ElfCache
 
     cache = ElfCache(cfi_factory=lambda p, d, b: CfiTable.from_elf(p, d))
     e = cache.acquire_vdso()
@@ -579,7 +579,7 @@ def test_vdso_cfi_compiled_and_used() -> None:
 def test_engine_persists_cfi_by_build_id(tmp_path: pathlib.Path) -> None:
     """StackEngine.create(cfi_cache_dir=...) compiles through a CfiStore keyed by the ELF
     cache entry's build-id: a second engine loads the table from disk."""
-    from unwindd.engine import StackEngine
+    from unwindd.unwind.engine import StackEngine
 
     stamps = []
     for _ in range(2):

@@ -21,18 +21,19 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
-from . import __version__, stackfmt
+from . import __version__
+from .unwind import stackfmt
 
 # Imports are per command: `unwindd replay` (the fast path) must not pay for the capture,
 # output, config or service stacks it does not run (~40 ms of a ~0.4 s cold replay start),
 # nor for json/select/signal (~3 ms), which only the other commands and formats use.
 if TYPE_CHECKING:
-    from .capture import StreamPipeline
-    from .engine import StackEngine
-    from .live import LiveProfiler
-    from .mapfile import MappedFile
-    from .perfcore import SamplingConfig, Target
-    from .records import Record
+    from .pipeline.live import LiveProfiler
+    from .source.capture import StreamPipeline
+    from .source.mapfile import MappedFile
+    from .source.perfcore import SamplingConfig, Target
+    from .source.records import Record
+    from .unwind.engine import StackEngine
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
 # (tests/test_fastreplay.py checks they agree).
@@ -115,7 +116,7 @@ def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
     if args.no_cache:
         return None
-    from .elfcache import user_cache_dir  # (the replay imports elfcache anyway)
+    from .binaries.elfcache import user_cache_dir  # (the replay imports elfcache anyway)
 
     return args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR") or user_cache_dir(os.environ)
 
@@ -132,7 +133,7 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
 def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
     import json
 
-    from .config import ConfigError, load_config
+    from .serve.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.file)
@@ -189,7 +190,7 @@ class _Output:
         self.engine: StackEngine | None = None
         self.folded: Counter[tuple[str, ...]] = Counter()
         if unwind and fmt in ("jsonl", "folded", "perf-script"):
-            from .engine import StackEngine
+            from .unwind.engine import StackEngine
 
             self.engine = StackEngine.create()
 
@@ -198,7 +199,7 @@ class _Output:
 
         w = self.out.write
         if self.fmt == "records":
-            from .output import record_to_json
+            from .source.output import record_to_json
 
             for rec in recs:
                 w(json.dumps(record_to_json(rec), separators=(",", ":")))
@@ -239,8 +240,8 @@ def _fail(msg: str) -> int:
 
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
-    from .capture import StreamPipeline, run_live
-    from .perfcore import PerfOpenError, PerfSession
+    from .source.capture import StreamPipeline, run_live
+    from .source.perfcore import PerfOpenError, PerfSession
 
     if args.format != "records":
         return _record_live(args, out)
@@ -265,7 +266,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    from .perfcore import SamplingConfig
+    from .source.perfcore import SamplingConfig
 
     return SamplingConfig(
         event=args.event,
@@ -276,7 +277,7 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
 
 
 def _target(args: argparse.Namespace) -> Target:
-    from .perfcore import Target
+    from .source.perfcore import Target
 
     if args.pid:
         return Target(pids=tuple(args.pid))
@@ -287,9 +288,9 @@ def _target(args: argparse.Namespace) -> Target:
 
 def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     """Live capture through LiveProfiler: every sample unwound and symbolized as it arrives."""
-    from .live import LiveProfiler
-    from .output import render_summary
-    from .perfcore import PerfOpenError
+    from .pipeline.live import LiveProfiler
+    from .source.output import render_summary
+    from .source.perfcore import PerfOpenError
 
     target = _target(args)
     try:
@@ -430,7 +431,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         gc.disable()
         # Mapped first, its page tables filled on a thread (mapfile.py) while the replay's
         # modules are imported and the header parsed (~0.05 s of each on the issue-3 file).
-        from .mapfile import MappedFile
+        from .source.mapfile import MappedFile
 
         try:
             mapped = MappedFile(args.file)
@@ -438,7 +439,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         except (OSError, ValueError):
             mapped = None  # PerfData.open reports it, or the replay maps it itself
     try:
-        from .perfdata import PerfData, PerfDataError
+        from .source.perfdata import PerfData, PerfDataError
 
         try:
             src = sys.stdin.buffer if args.file == "-" else args.file
@@ -460,8 +461,8 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             gc.enable()
         if mapped is not None:
             mapped.close()
-    from .capture import StreamPipeline
-    from .output import render_summary
+    from .source.capture import StreamPipeline
+    from .source.output import render_summary
 
     sink = _Output(args.format, out)
     with data:
@@ -503,9 +504,9 @@ def _fast_replay(
     mapped: MappedFile | None = None,
 ) -> bool:
     """The native replay path; False (nothing done) when the file needs the slow path."""
-    from .engine import StackEngine
-    from .fastreplay import Unsupported, replay
-    from .perfdata import PerfData
+    from .pipeline.fastreplay import Unsupported, replay
+    from .source.perfdata import PerfData
+    from .unwind.engine import StackEngine
 
     assert isinstance(data, PerfData)
     try:
@@ -546,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in (None, "run"):
         # No subcommand: the daemon, on /etc/unwindd/config.toml or the built-in defaults.
-        from .service import run_daemon
+        from .serve.service import run_daemon
 
         return run_daemon(getattr(args, "config", None))
     out = sys.stdout

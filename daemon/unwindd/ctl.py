@@ -22,7 +22,7 @@ from typing import Any, TextIO
 from urllib.parse import urlencode
 
 from . import __version__
-from .config import DEFAULT_SOCKET, fallback_socket
+from .serve.config import DEFAULT_SOCKET, fallback_socket
 
 
 class CtlError(Exception):

@@ -7,7 +7,7 @@
  *
  * DRAINS: real ring drains (tests/test_livefast.py's capture), each as u32 nchunks, then per
  * chunk u32 cpu, u32 len, len bytes. Each stream replays the drains through the call sequence
- * of daemon/unwindd/livefast.py's NativeStep: per round the carry (records still queued, copied
+ * of daemon/unwindd/pipeline/livefast.py's NativeStep: per round the carry (records still queued, copied
  * by fp_live_gather) plus 1-3 drains' chunks are indexed (fp_live_index), side-band records get
  * the flags/time/cpu Python would set (carried ones keep theirs), new samples are counted
  * (fp_columns), the round is ordered (fp_live_order_round, small queue caps: forced flushes),

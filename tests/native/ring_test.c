@@ -412,7 +412,7 @@ static void test_real_ring(void)
     cfg.type = PERF_TYPE_SOFTWARE;
     cfg.config = PERF_COUNT_SW_CPU_CLOCK;
     cfg.sample_freq = 2000;
-    cfg.sample_regs_user = 0xff0fff; /* unwindd.abi.X86_64_REGS_MASK */
+    cfg.sample_regs_user = 0xff0fff; /* unwindd.source.abi.X86_64_REGS_MASK */
     cfg.sample_stack_user = 8192;
     cfg.wakeup_watermark = 4096;
     cfg.sideband = 1;

@@ -47,7 +47,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
+from .. import __version__
+from ..pipeline.live import LiveProfiler
+from ..pipeline.livefast import StepInfo
+from ..unwind.stackfmt import UnwoundSample
 from .api import Api, Peer, stream_line
 from .config import (
     CACHE_DIR_FALLBACK,
@@ -71,14 +74,11 @@ from .httpapi import (
     StreamStart,
     error_response,
 )
-from .live import LiveProfiler
-from .livefast import StepInfo
 from .metrics import Measurements, UnwinddCollector
 from .sdnotify import Notifier
-from .stackfmt import UnwoundSample
 
 if TYPE_CHECKING:
-    from .engine import StackEngine
+    from ..unwind.engine import StackEngine
 
 log = logging.getLogger("unwindd")
 
@@ -761,8 +761,8 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
     (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root
     and the default dir not writable: the user's cache dir; a dir that cannot be made is
     logged and the daemon runs without one."""
-    from .elfcache import CacheConfig, prune_cache_dir, user_cache_dir
-    from .engine import CACHE_SUBDIRS, StackEngine
+    from ..binaries.elfcache import CacheConfig, prune_cache_dir, user_cache_dir
+    from ..unwind.engine import CACHE_SUBDIRS, StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
                    max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
@@ -786,8 +786,8 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
 
 
 def open_profiler_for(cfg: Config) -> LiveProfiler:
-    from .perfcore import SamplingConfig, Target
-    from .stackstore import StackStore
+    from ..source.perfcore import SamplingConfig, Target
+    from ..store.stackstore import StackStore
 
     s = cfg.sampling
     if s.target == "pids":
@@ -815,7 +815,7 @@ def setup_logging(level: str) -> None:
 
 def run_daemon(config_path: str | None) -> int:
     """``unwindd run``: load the config, run until SIGTERM. Operator errors -> one line, 2."""
-    from .perfcore import PerfOpenError
+    from ..source.perfcore import PerfOpenError
 
     try:
         cfg = load_config(config_path)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from ._unwcore import ffi, lib
+from .._unwcore import ffi, lib
 from .elfcache import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 
 __all__ = [

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from . import abi, records
-from ._unwcore import ffi, lib
-from .cfi import ARCH_X86_64, CfiTable
+from .._unwcore import ffi, lib
+from ..binaries.cfi import ARCH_X86_64, CfiTable
+from ..source import abi, records
 
 __all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder"]
 

@@ -60,20 +60,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from . import stackfmt
-from ._unwcore import ffi, lib
-from .abi import RecordType, SampleType
-from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine
-from .mapfile import MappedFile, Unsupported, _Index, layout_of, native_layout
-from .ordering import OrderStats
-from .perfdata import PerfData
-from .proctable import PROT_EXEC, Mapping
-from .records import FinishedRound, Mmap2, Record, record_type_name
-from .stackfmt import Frame, UnwoundSample
-from .streamstats import StreamStats
-from .symbolize import SymbolTable
-from .unwinder import UnwindStatus
+from .._unwcore import ffi, lib
+from ..binaries.cfi import ARCH_X86_64
+from ..binaries.symbolize import SymbolTable
+from ..procs.proctable import PROT_EXEC, Mapping
+from ..source.abi import RecordType, SampleType
+from ..source.mapfile import MappedFile, Unsupported, _Index, layout_of, native_layout
+from ..source.ordering import OrderStats
+from ..source.perfdata import PerfData
+from ..source.records import FinishedRound, Mmap2, Record, record_type_name
+from ..source.streamstats import StreamStats
+from ..unwind import stackfmt
+from ..unwind.engine import Snapshot, StackEngine
+from ..unwind.stackfmt import Frame, UnwoundSample
+from ..unwind.unwinder import UnwindStatus
 
 __all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]  # (re-exported)
 

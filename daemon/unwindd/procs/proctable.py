@@ -49,9 +49,9 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from .abi import MISC_MMAP_DATA
-from .elfcache import ElfEntry
-from .records import Comm, Exit, Fork, Mmap, Mmap2, Record, frozen_maker
+from ..binaries.elfcache import ElfEntry
+from ..source.abi import MISC_MMAP_DATA
+from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record, frozen_maker
 
 __all__ = [
     "PROT_EXEC",
@@ -344,7 +344,7 @@ class ProcessTable:
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
         """``unwinder``: an object with ``Module`` and ``AddressSpace`` attributes (the
-        ``unwindd.unwinder`` module); imported on first use when not given."""
+        ``unwindd.unwind.unwinder`` module); imported on first use when not given."""
         self.binaries = binaries
         self._unwinder = unwinder
         self.on_retire = on_retire
@@ -387,7 +387,7 @@ class ProcessTable:
         if self._unwinder is None:
             import importlib
 
-            self._unwinder = importlib.import_module("unwindd.unwinder")
+            self._unwinder = importlib.import_module("unwindd.unwind.unwinder")
         return self._unwinder
 
     # -- queries

@@ -33,7 +33,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from . import __version__
+from .. import __version__
 
 NS = 1e-9
 

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
 
-from . import stackfmt
+from ..store.pprof import encode_profile
+from ..store.stackstore import Stack, StackCount, StackStore
+from ..unwind import stackfmt
+from ..unwind.stackfmt import UnwoundSample
 from .httpapi import Request, Response, StreamStart, error_response, json_response
-from .pprof import encode_profile
-from .stackfmt import UnwoundSample
-from .stackstore import Stack, StackCount, StackStore
 
 
 class Source(Protocol):

@@ -389,7 +389,7 @@ def _malloc_trim() -> Callable[[], None] | None:
     every arena, not just the top of the main heap), or None without glibc. Called through
     the native module (cffi_build/libcall.c), not ctypes: importing ctypes was ~5 ms of every
     replay's start."""
-    from ._unwcore import lib
+    from .._unwcore import lib
 
     if lib.unw_malloc_trim(1) != 0:  # (dry: is there one)
         return None

@@ -39,17 +39,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .capture import StreamPipeline
-from .elfcache import ElfCache, ElfEntry
-from .engine import StackEngine
+from ..binaries.elfcache import ElfCache, ElfEntry
+from ..procs.livetable import LiveTable, LiveTableConfig
+from ..procs.procscan import ProcFS
+from ..procs.proctable import PROT_EXEC
+from ..source.capture import StreamPipeline
+from ..source.perfcore import MAX_RECORD_SIZE, PerfSession, SamplingConfig, Target
+from ..source.records import Mmap2, Record
+from ..store.stackstore import StackStore
+from ..unwind.engine import StackEngine
+from ..unwind.stackfmt import UnwoundSample
 from .livefast import NativeStep, StepInfo, supported
-from .livetable import LiveTable, LiveTableConfig
-from .perfcore import MAX_RECORD_SIZE, PerfSession, SamplingConfig, Target
-from .procscan import ProcFS
-from .proctable import PROT_EXEC
-from .records import Mmap2, Record
-from .stackfmt import UnwoundSample
-from .stackstore import StackStore
 
 _DRAIN_BYTES = 4 << 20  # drain_round's max_bytes
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings

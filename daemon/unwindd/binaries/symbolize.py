@@ -242,7 +242,7 @@ class _Scan:
     duplicates resolved (the groups C leaves undecided here, with demangled names)."""
 
     def __init__(self, reader: ElfReader, data: bytes, strtab: bytes) -> None:
-        from ._unwcore import ffi, lib
+        from .._unwcore import ffi, lib
 
         secs = reader.sections
         flags = bytes(
@@ -277,7 +277,7 @@ class _Scan:
         see ``_ctor_twin``) print the same name, so one demangle stands for all of them, and
         none when they are all that is left of the group; other names with the same full
         demangled text (template classes' variants) share it without the perf-form step."""
-        from ._unwcore import ffi
+        from .._unwcore import ffi
 
         size = _USYM.size
         raw = ffi.buffer(out, n * size)
@@ -633,7 +633,8 @@ def _code_stamp() -> int:
     if not _stamp:
         import sys
 
-        from . import _unwcore, demangle, elfcache
+        from .. import _unwcore
+        from . import demangle, elfcache
 
         desc = []
         for mod in (sys.modules[__name__], demangle, elfcache, _unwcore):
@@ -867,7 +868,7 @@ class Kallsyms:
     natively into address columns; a name is decoded from the kept text on first lookup."""
 
     def __init__(self, text: str | bytes) -> None:
-        from ._unwcore import ffi, lib
+        from .._unwcore import ffi, lib
 
         raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
         cap = raw.count(b"\n") + 1

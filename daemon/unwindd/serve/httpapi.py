@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from . import __version__
+from .. import __version__
 
 SERVER = f"unwindd/{__version__}".encode()
 

@@ -59,19 +59,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import abi
-from ._unwcore import ffi, lib
-from .cfi import ARCH_X86_64
-from .engine import Snapshot, StackEngine
+from .._unwcore import ffi, lib
+from ..binaries.cfi import ARCH_X86_64
+from ..procs.livetable import LiveTable
+from ..source import abi
+from ..source.perfcore import MAX_RECORD_SIZE
+from ..source.records import Comm, Fork, Lost, Record, Sample
+from ..store.stackstore import CountGroup, StackStore
+from ..unwind.engine import Snapshot, StackEngine
+from ..unwind.stackfmt import Frame, UnwoundSample
 from .fastreplay import _END_ERRORS, _STATUS_NAMES, _count_flagged, layout_of
-from .livetable import LiveTable
-from .perfcore import MAX_RECORD_SIZE
-from .records import Comm, Fork, Lost, Record, Sample
-from .stackfmt import Frame, UnwoundSample
-from .stackstore import CountGroup, StackStore
 
 if TYPE_CHECKING:
-    from .capture import StreamPipeline
+    from ..source.capture import StreamPipeline
 
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-from .stackfmt import Frame, UnwoundSample
+from ..unwind.stackfmt import Frame, UnwoundSample
 
 Stack = tuple[Frame, ...]
 _Key = tuple[int, int, str, int]  # pid, tid, comm, stack id

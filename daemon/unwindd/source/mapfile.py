@@ -27,7 +27,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._unwcore import ffi, lib
+from .._unwcore import ffi, lib
 
 if TYPE_CHECKING:
     from .perfdata import PerfData

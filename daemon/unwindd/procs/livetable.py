@@ -37,10 +37,10 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from . import abi
+from ..source import abi
+from ..source.records import Fork, Lost, Record, Sample
 from .procscan import ProcFS, ProcInfo, ticks_from_monotonic
 from .proctable import AddressSpace, ProcessTable
-from .records import Fork, Lost, Record, Sample
 
 __all__ = ["LiveTable", "LiveTableConfig", "LiveTableStats"]
 

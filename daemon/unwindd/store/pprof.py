@@ -31,7 +31,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterable
 
-from .stackfmt import Frame
+from ..unwind.stackfmt import Frame
 from .stackstore import StackCount
 
 

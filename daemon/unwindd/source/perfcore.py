@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
+from .._perfcore import ffi, lib
 from . import abi, records
-from ._perfcore import ffi, lib
 
 # include/uapi/linux/perf_event.h: enum perf_type_id / perf_sw_ids, PERF_FLAG_PID_CGROUP.
 PERF_TYPE_SOFTWARE = 1

@@ -43,17 +43,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from . import abi
-from .elfcache import _NOT_LOADED, CacheConfig, ElfCache
-from .proctable import Mapping, ProcessTable, _State, find_mapping
-from .records import Comm, Fork, Record, Sample, frozen_maker
+from ..binaries.elfcache import _NOT_LOADED, CacheConfig, ElfCache
+from ..binaries.symbolize import Symbolizer
+from ..procs.proctable import Mapping, ProcessTable, _State, find_mapping
+from ..source import abi
+from ..source.records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample
-from .symbolize import Symbolizer
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from .livetable import LiveTable
+    from ..procs.livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
 # Frame(ip, dso, sym, offset, kernel, inlined, rel, <hash cache>): every frame of a new
@@ -276,9 +276,9 @@ class StackEngine:
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
         (``CfiPrefetcher``). OSError if a directory cannot be made."""
+        from ..binaries.cfi import CfiStore, CfiTable
+        from ..binaries.symbolize import SymbolStore
         from . import unwinder as unw
-        from .cfi import CfiStore, CfiTable
-        from .symbolize import SymbolStore
 
         if cache_dir is not None:
             cfi_cache_dir, sym_cache_dir = (os.path.join(cache_dir, d) for d in CACHE_SUBDIRS)

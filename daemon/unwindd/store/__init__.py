@@ -1,0 +1,2 @@
+"""Where stacks go: the bounded stack store and the pprof encoding.
+"""
