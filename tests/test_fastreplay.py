@@ -42,8 +42,9 @@ from oracle import Workload
 from perfutil import record_perf_data
 from unwindd import cli
 from unwindd._unwcore import ffi, lib
-from unwindd.pipeline import fastreplay
+from unwindd.pipeline import context, fastreplay
 from unwindd.source.capture import StreamPipeline
+from unwindd.source.mapfile import layout_of
 from unwindd.source.ordering import OrderStats, RoundOrderer
 from unwindd.source.perfdata import PerfData
 from unwindd.source.records import BadRecord, FinishedRound, RecordDecoder, Unknown
@@ -392,7 +393,7 @@ def _python_index(dec: RecordDecoder, buf: bytes) -> Indexed:
 
 def _native_index(lay: Any, buf: bytes) -> Indexed:
     idx = fastreplay._Index(lay, ffi.from_buffer(buf), len(buf))
-    recs = [(r.off, r.type, r.misc, r.size, fastreplay.SAMPLE_ERRORS[r.err])
+    recs = [(r.off, r.type, r.misc, r.size, context.SAMPLE_ERRORS[r.err])
             for r in (idx.recs[i] for i in range(idx.n))]  # fmt: skip
     # Every indexed record lies inside the input, after the one before it, and is the record
     # whose header is there (a type past 255 stops the index, so the u8 type is the header's):
@@ -415,7 +416,7 @@ def section(files: dict[str, Path]) -> tuple[Any, RecordDecoder, bytes]:
     raw = files["threads"].read_bytes()[data.data_offset : data.data_offset + data.data_size]
     data.close()
     dec = RecordDecoder(data.decoder.formats)
-    return fastreplay.layout_of(dec.formats[0]), dec, raw[:200_000]
+    return layout_of(dec.formats[0]), dec, raw[:200_000]
 
 
 def test_indexer_matches_decoder_on_truncations(section: tuple[Any, RecordDecoder, bytes]) -> None:
@@ -449,7 +450,7 @@ def test_indexer_garbage(buf: bytes) -> None:
 
     fmt = EventFormat(sample_type=0x3FFFF, sample_regs_user=0xFF0FFF, read_format=0xF)
     dec = RecordDecoder([fmt])
-    assert _native_index(fastreplay.layout_of(fmt), buf) == _python_index(dec, buf)
+    assert _native_index(layout_of(fmt), buf) == _python_index(dec, buf)
 
 
 # --------------------------------------------------------------------------- 3. ordering
@@ -591,7 +592,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
     data.close()
     (tmp_path / "data").write_bytes(raw[:300_000])
     dec = RecordDecoder(data.decoder.formats)
-    lay, trailer = fastreplay.layout_of(dec.formats[0]), dec.sample_id_trailer()
+    lay, trailer = layout_of(dec.formats[0]), dec.sample_id_trailer()
     assert trailer is not None
     exe = tmp_path / "sym_fuzz"
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",

@@ -25,7 +25,7 @@ import pytest
 from nativebuild import CORE, build, check_ok
 from test_livefast import capture
 from unwindd._unwcore import ffi, lib
-from unwindd.pipeline.fastreplay import layout_of
+from unwindd.source.mapfile import layout_of
 from unwindd.source.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 

@@ -65,7 +65,7 @@ from ..binaries.cfi import ARCH_X86_64
 from ..binaries.symbolize import SymbolTable
 from ..procs.proctable import PROT_EXEC, Mapping
 from ..source.abi import RecordType, SampleType
-from ..source.mapfile import MappedFile, Unsupported, _Index, layout_of, native_layout
+from ..source.mapfile import MappedFile, Unsupported, _Index, native_layout
 from ..source.ordering import OrderStats
 from ..source.perfdata import PerfData
 from ..source.records import FinishedRound, Mmap2, Record, record_type_name
@@ -73,15 +73,10 @@ from ..source.streamstats import StreamStats
 from ..unwind import stackfmt
 from ..unwind.engine import Snapshot, StackEngine
 from ..unwind.stackfmt import Frame, UnwoundSample
-from ..unwind.unwinder import UnwindStatus
+from .context import END_ERRORS, STATUS_NAMES, count_flagged, mark_record, record_marks, view
 
-__all__ = ["SAMPLE_ERRORS", "FastResult", "Unsupported", "layout_of", "replay"]  # (re-exported)
+__all__ = ["FastResult", "Unsupported", "replay"]
 
-# Index = FP_ERR_* (fastpath.h); names = records.RecordDecoder._sample's reasons.
-SAMPLE_ERRORS = ("", "short_body", "bad_callchain_nr", "bad_raw_size", "bad_branch_nr",
-                 "short_regs", "bad_stack_size", "bad_dyn_size")  # fmt: skip
-_END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE): "bad_size"}
-_STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))  # by UNW_* value
 _NO_STOP = (1 << 64) - 1
 _REC_SIZE = ffi.sizeof("struct fp_rec")
 _CALLCHAIN = int(SampleType.CALLCHAIN)
@@ -108,17 +103,6 @@ def _ids_bytes(ids: list[int]) -> bytes:
     return array("I", ids).tobytes()
 
 
-def _count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
-    """(value, occurrences) of the vals[k] with flag[k], in first-seen order."""
-    n = len(flag)
-    keys, counts = ffi.new("uint32_t[]", max(1, n)), ffi.new("uint64_t[]", max(1, n))
-    d = int(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, keys, counts))
-    if d == (1 << 64) - 1:
-        raise MemoryError("fp_count_flagged")
-    return list(zip(_u(keys, "I")[:d].tolist(), _u(counts, "Q")[:d].tolist(), strict=True))
-
-
-
 @dataclass
 class FastResult:
     samples: int
@@ -126,27 +110,6 @@ class FastResult:
     runs: int
     side_band: int
     worker_samples: int = 0  # unwound by the parallel unwind's worker thread
-
-
-def mark_record(r: Any, rec: Record) -> None:
-    """Give a decoded non-SAMPLE record's C index entry (``struct fp_rec``) the time and CPU
-    the Python decoder found, flagged FP_TIMED / FP_HAS_CPU, so the C orderer places it exactly
-    where ordering.RoundOrderer would."""
-    flags = 0
-    t, cpu = rec.time, rec.cpu
-    if t is not None:
-        r.time = t
-        flags |= int(lib.FP_TIMED)
-    if cpu is not None:
-        r.cpu = cpu
-        flags |= int(lib.FP_HAS_CPU)
-    r.flags = flags
-
-
-def _u(buf: Any, fmt: str) -> memoryview:
-    mv: Any = memoryview(ffi.buffer(buf)).cast("B")
-    out: memoryview = mv.cast(fmt)
-    return out
 
 
 def replay(
@@ -345,7 +308,7 @@ class _Replay:
                 sstats.observe(rec)
             else:
                 objs[i] = rec
-            mark_record(r, rec)
+            mark_record(r, record_marks(rec))
             # (a view left bound after the loop would keep the mapping exported, and its
             # unmap after the runs would fail: mmap.close refuses while views exist)
             del body
@@ -359,8 +322,8 @@ class _Replay:
             dec.stats.records["SAMPLE"] += nsamples
         if idx.end == lib.FP_END_PAYLOAD_TRUNCATED:
             data.errors["payload_truncated"] += 1
-        elif idx.end in _END_ERRORS:
-            dec.stats.errors[_END_ERRORS[idx.end]] += 1
+        elif idx.end in END_ERRORS:
+            dec.stats.errors[END_ERRORS[idx.end]] += 1
 
         # -- order (RoundOrderer.feed_file_order)
         perm = ffi.new("uint32_t[]", max(1, n))
@@ -380,14 +343,14 @@ class _Replay:
         cols = [ffi.new(f"{t}[]", max(1, m)) for t in ctypes]
         lib.fp_columns(recs, perm, m, *cols)
         is_sample = bytes(ffi.buffer(cols[0], m))
-        times, periods = _u(cols[1], "Q")[:m], _u(cols[2], "Q")[:m]
-        pids, tids, cpus = _u(cols[3], "I")[:m], _u(cols[4], "I")[:m], _u(cols[5], "I")[:m]
+        times, periods = view(cols[1], "Q")[:m], view(cols[2], "Q")[:m]
+        pids, tids, cpus = view(cols[3], "I")[:m], view(cols[4], "I")[:m], view(cols[5], "I")[:m]
         has_cpu = self.lay.i_cpu >= 0
         self._stream_stats(objs, is_sample, pids, cpus if has_cpu else None, nsamples)
 
         # -- runs of samples between side-band records, in delivered order
         stack_ids = ffi.new("uint32_t[]", max(1, m))
-        ids = _u(stack_ids, "I")
+        ids = view(stack_ids, "I")
         engine = self.engine
         emit = self._emitter(is_sample, times, periods, pids, tids, cpus if has_cpu else None,
                              ids)  # fmt: skip
@@ -450,7 +413,7 @@ class _Replay:
             s.by_type["MMAP2"] += skipped
             trailer = dec.sample_id_trailer()
             if trailer is not None and trailer[2] >= 0:  # the trailer carries the cpu
-                for cpu, c in Counter(_u(cpus, "I")[:skipped]).items():
+                for cpu, c in Counter(view(cpus, "I")[:skipped]).items():
                     s.by_cpu_type.setdefault(cpu, Counter())["MMAP2"] += c
             else:
                 s.by_cpu_type.setdefault(None, Counter())["MMAP2"] += skipped
@@ -497,13 +460,13 @@ class _Replay:
         s.by_type["SAMPLE"] += nsamples
         # the samples' pids (cpus), counted in C in first-seen order (what Counter over them
         # gives, without an int object per record: ~10 ms less for 80k samples)
-        for pid, c in _count_flagged(is_sample, pids):
+        for pid, c in count_flagged(is_sample, pids):
             s.samples_by_pid[pid] += c
         if cpus is None:
             per = s.by_cpu_type.setdefault(None, Counter())
             per["SAMPLE"] += nsamples
             return
-        for cpu, c in _count_flagged(is_sample, cpus):
+        for cpu, c in count_flagged(is_sample, cpus):
             s.by_cpu_type.setdefault(cpu, Counter())["SAMPLE"] += c
 
     # -- native runs
@@ -627,7 +590,7 @@ class _Replay:
         out = ffi.new("uint32_t[]", cnt)
         lib.fp_stacks_unsym(self.ctx, first, nst, ffi.from_buffer(self._unsym), len(self._unsym),
                             out)  # fmt: skip
-        self._nunsym.extend(_u(out, "I")[:cnt].tolist())
+        self._nunsym.extend(view(out, "I")[:cnt].tolist())
 
     def _add_stacks(self, first: int, nst: int) -> None:
         """Stacks [first, nst), exported from C in one call: their kernel frames (once per
@@ -642,10 +605,10 @@ class _Replay:
         a_fids, a_kc = ffi.new("uint32_t[]", max(1, nf)), ffi.new("uint64_t[]", max(1, nk))
         lib.fp_stacks_export(ctx, first, nst, a_comm, a_space, a_status, a_rn, a_npcs, a_nkc,
                              a_fids, a_kc)  # fmt: skip
-        fids = _u(a_fids, "I")[:nf].tolist()
+        fids = view(a_fids, "I")[:nf].tolist()
         kcb = bytes(ffi.buffer(a_kc, 8 * nk))
-        comm_ids, spaces = _u(a_comm, "I")[:cnt], _u(a_space, "I")[:cnt]
-        npcs_l, nkc_l = _u(a_npcs, "I")[:cnt], _u(a_nkc, "I")[:cnt]
+        comm_ids, spaces = view(a_comm, "I")[:cnt], view(a_space, "I")[:cnt]
+        npcs_l, nkc_l = view(a_npcs, "I")[:cnt], view(a_nkc, "I")[:cnt]
         status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
         fmt = self.fmt
         text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
@@ -668,7 +631,7 @@ class _Replay:
             if rn_l[j] and nk:
                 status, ids = "kernel_only", []
             else:
-                status = _STATUS_NAMES[status_l[j]]
+                status = STATUS_NAMES[status_l[j]]
                 # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
                 # one need remembering
                 if unsym_ids and not unsym_ids.isdisjoint(ids):
@@ -782,7 +745,7 @@ class _Replay:
             uf, kf = ffi.new("uint64_t *"), ffi.new("uint64_t *")
             if lib.fp_fold_stats(self.ctx, by, first, uf, kf) != 0:
                 raise RuntimeError("fp_fold_stats: a stack with a bad status")
-            names = (*_STATUS_NAMES, "kernel_only")
+            names = (*STATUS_NAMES, "kernel_only")
             for _, k in sorted((first[k], k) for k in range(len(names)) if by[k]):
                 es.samples += by[k]
                 es.by_status[names[k]] += by[k]
@@ -792,7 +755,7 @@ class _Replay:
             nst = len(self._stacks)
             counts = ffi.new("uint64_t[]", max(1, nst))
             lib.fp_stack_counts(self.ctx, counts)
-            for count, (_comm, status, nu, nk) in zip(_u(counts, "Q")[:nst], self._stacks,
+            for count, (_comm, status, nu, nk) in zip(view(counts, "Q")[:nst], self._stacks,
                                                       strict=True):  # fmt: skip
                 es.samples += count
                 es.by_status[status] += count
@@ -818,7 +781,7 @@ class _Replay:
             if nk <= cap:
                 break
             cap = nk
-        kips = _u(a_kips, "Q")[:nk].tolist()
+        kips = view(a_kips, "Q")[:nk].tolist()
         # one folded_names call for all: it names frames outermost first, so reversed twice
         knames = list(stackfmt.folded_names(tuple(map(kf, reversed(kips)))))
         comms = [c or "[unknown]" for c in self._comms]

@@ -9,7 +9,7 @@ Invariants:
   good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
   ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it leaves
   the ring; samples are counted in the decoder, stream and ordering stats natively. Its C
-  index entry gets the time/cpu/flags ``fastreplay.mark_record`` would give it, computed once
+  index entry gets the time/cpu/flags ``context.mark_record`` would give it, computed once
   at decode and rewritten from them whenever the record is carried into the next round
   (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept
   in C across rounds (``fp_live_order_round``); records still queued after a round are copied
@@ -63,12 +63,13 @@ from .._unwcore import ffi, lib
 from ..binaries.cfi import ARCH_X86_64
 from ..procs.livetable import LiveTable
 from ..source import abi
+from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
 from ..source.records import Comm, Fork, Lost, Record, Sample
 from ..store.stackstore import CountGroup, StackStore
 from ..unwind.engine import Snapshot, StackEngine
 from ..unwind.stackfmt import Frame, UnwoundSample
-from .fastreplay import _END_ERRORS, _STATUS_NAMES, _count_flagged, layout_of
+from .context import END_ERRORS, STATUS_NAMES, count_flagged, mark_record, record_marks, view
 
 if TYPE_CHECKING:
     from ..source.capture import StreamPipeline
@@ -76,16 +77,9 @@ if TYPE_CHECKING:
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
-_TIMED, _HAS_CPU = int(lib.FP_TIMED), int(lib.FP_HAS_CPU)
-# A decoded non-SAMPLE record with what fastreplay.mark_record writes into its C index entry
+# A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
 # (time, cpu, flags): computed once, rewritten when the record is carried to the next round.
-_Marked = tuple[Record, int, int, int]
-
-
-def _marks(rec: Record) -> _Marked:
-    t, cpu = rec.time, rec.cpu
-    flags = (0 if t is None else _TIMED) | (0 if cpu is None else _HAS_CPU)
-    return rec, t or 0, cpu or 0, flags
+_Marked = tuple[Record, tuple[int, int, int]]
 
 
 class DrainSource(Protocol):
@@ -116,12 +110,6 @@ def supported(fmt: Any) -> bool:
     """The native step needs TID, TIME and CPU in every SAMPLE (the daemon's default)."""
     lay = layout_of(fmt)
     return bool(lay.i_tid >= 0 and lay.i_time >= 0 and lay.i_cpu >= 0)
-
-
-def _u(buf: Any, fmt: str, n: int) -> memoryview:
-    mv: Any = memoryview(ffi.buffer(buf)).cast("B")
-    out: memoryview = mv.cast(fmt)[:n]
-    return out
 
 
 class NativeStep:
@@ -340,17 +328,11 @@ class NativeStep:
                     rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
                     observe(rec, cpus[bisect_right(bounds, off) - 2])
                     pin(rec)
-                    got = objs[i] = _marks(rec)
-                # fastreplay.mark_record's fields, from the marks computed at decode time
-                _, t, cpu, flags = got
-                if flags & _TIMED:
-                    r.time = t
-                if flags & _HAS_CPU:
-                    r.cpu = cpu
-                r.flags = flags
+                    got = objs[i] = (rec, record_marks(rec))
+                mark_record(r, got[1])  # the marks computed at decode time
         for end in ends[1:nparts]:
-            if end in _END_ERRORS:
-                dec.stats.errors[_END_ERRORS[end]] += 1
+            if end in END_ERRORS:
+                dec.stats.errors[END_ERRORS[end]] += 1
         nsamples = n - ncarry - new_other
         if nsamples:
             self._count_new_samples(recs, ncarry, n, nsamples, info)
@@ -397,9 +379,9 @@ class NativeStep:
         subs = self.store.subscribers
         out: list[UnwoundSample] = []
         if subs:
-            times, pids, tids = _u(cols[1], "Q", d), _u(cols[3], "I", d), _u(cols[4], "I", d)
-            ids, s_cpus = _u(stack_ids, "I", d), _u(cols[5], "I", d)
-            periods = _u(cols[2], "Q", d)
+            times, pids, tids = view(cols[1], "Q", d), view(cols[3], "I", d), view(cols[4], "I", d)
+            ids, s_cpus = view(stack_ids, "I", d), view(cols[5], "I", d)
+            periods = view(cols[2], "Q", d)
             has_period = self.lay.i_period >= 0
             stacks = self._stacks
             for k in range(d):
@@ -438,11 +420,11 @@ class NativeStep:
         cols = self._cols
         lib.fp_columns(recs, self._ident + a, k, *cols)
         flags = bytes(ffi.buffer(cols[0], k))  # the good SAMPLEs (not side-band, not bad)
-        by_pid = _count_flagged(flags, _u(cols[3], "I", k))  # counted in C, first-seen order
+        by_pid = count_flagged(flags, view(cols[3], "I", k))  # counted in C, first-seen order
         for pid, c in by_pid:
             s.samples_by_pid[pid] += c
         info.pids.update(pid for pid, _ in by_pid)
-        for cpu, c in _count_flagged(flags, _u(cols[5], "I", k)):
+        for cpu, c in count_flagged(flags, view(cols[5], "I", k)):
             per = s.by_cpu_type.get(cpu)
             if per is None:
                 per = s.by_cpu_type[cpu] = Counter()
@@ -462,7 +444,7 @@ class NativeStep:
         lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(self._arenas[self._cur]))
         self._carry_len = size
         if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs)
-            slot = {i: j for j, i in enumerate(_u(keep, "I", nkeep).tolist())}
+            slot = {i: j for j, i in enumerate(view(keep, "I", nkeep).tolist())}
             self._carry_objs = {slot[i]: got for i, got in objs.items()}
         else:
             self._carry_objs = {}
@@ -643,7 +625,7 @@ class NativeStep:
                 engine.stats.unsymbolized += sum(map(unsym_of, ids))
             uframes = tuple(map(frame_of, ids))
             stacks.append((kframes + uframes if kframes else uframes, comm,
-                           _STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
+                           STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
