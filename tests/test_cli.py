@@ -15,10 +15,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from oracle import parse_perf_script
 from perfutil import perf_script_samples, perf_stats, record_perf_data
-from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
+from procutil import wait_cpu_seconds, wait_mapped, wait_perf_fds, wait_stderr_line
+from stacks import CHAIN, json_syms
 from unwindd.source.abi import RecordType
 from unwindd.source.perfcore import online_cpus
+from workloads.build import build_workloads
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
 
@@ -268,3 +271,66 @@ def test_replay_truncated_file_counts_errors(perf_file: Path, tmp_path: Path, wh
         "file error feature_table_truncated: 1",
         *(["decode errors: 1", "  truncated: 1"] if where == "inside" else ["decode errors: 0"]),
     ], res.stdout
+
+
+@pytest.fixture(scope="module")
+def chain_exe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_workloads(tmp_path_factory.mktemp("workloads"))["c_o2"].argv[0]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "perf-script", "folded", "summary"])
+def test_record_unwinds_whole_stacks_in_every_format(chain_exe: str, fmt: str,
+                                                     tmp_path: Path) -> None:  # fmt: skip
+    """``unwindd record --pid`` of a running chain (its mappings from /proc: it started first)
+    prints every sample it unwound in ``fmt``; samples with the chain's leaf have its whole
+    stack, leaf to _start. The chain is sampled for 0.5 s of its own CPU time, however long a
+    loaded machine takes to give it that."""
+    chain = subprocess.Popen([chain_exe, "1000000"])
+    out_file = tmp_path / f"out.{fmt}"
+    try:
+        wait_mapped(chain.pid, "libc.so.6")
+        with out_file.open("w") as out:
+            rec = subprocess.Popen(
+                [*UNWINDD, "record", "--pid", str(chain.pid), "-F", "499", "--format", fmt,
+                 "--status-interval", "0.5"],
+                stdout=out, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            wait_perf_fds(rec.pid, len(online_cpus()), rec)
+            status = wait_stderr_line(rec, STATUS_LINE)
+            wait_cpu_seconds(chain.pid, 0.5)
+            rec.send_signal(signal.SIGINT)
+            _, err = rec.communicate(timeout=30)
+    finally:
+        chain.kill()
+        chain.wait()
+    err = "".join(status) + err
+    assert rec.returncode == 0, err
+    text = out_file.read_text()
+    comm = Path(chain_exe).name
+    if fmt == "jsonl":
+        samples = [json.loads(line) for line in text.splitlines()]
+        assert {s["pid"] for s in samples} == {chain.pid}, err
+        assert len({(s["tid"], s["time_ns"]) for s in samples}) == len(samples)  # each once
+        stacks = [json_syms(s["frames"]) for s in samples]
+    elif fmt == "perf-script":
+        parsed = parse_perf_script(text).samples
+        assert {s.pid for s in parsed} == {chain.pid}, err
+        assert len({s.key for s in parsed}) == len(parsed)  # each sample printed once
+        stacks = [tuple(f.sym for f in s.user_frames) for s in parsed]
+    elif fmt == "folded":
+        lines = [ln.rsplit(" ", 1) for ln in text.splitlines()]
+        stacks = []
+        for key, n in lines:
+            names = key.split(";")
+            assert names[0] == comm, key
+            user = tuple(x for x in reversed(names[1:]) if not x.endswith("_[k]"))
+            stacks += [user] * int(n)
+    else:
+        m = re.search(r"^unwound samples: (\d+)$", text, re.M)
+        assert m is not None and int(m[1]) >= 100, text
+        assert re.search(r"^  ok: \d+ \((9[5-9]|100)\.\d%\)$", text, re.M), text
+        return
+    in_spin = [s for s in stacks if s[:1] == CHAIN[:1]]
+    assert len(in_spin) >= 100, (len(stacks), err)
+    whole = [s for s in in_spin if s == CHAIN]
+    assert len(whole) >= 0.95 * len(in_spin), [s for s in in_spin if s != CHAIN][:3]

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .source.mapfile import MappedFile
     from .source.perfcore import SamplingConfig, Target
     from .source.records import Record
+    from .store.stackstore import CountGroup
     from .unwind.engine import StackEngine
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
@@ -208,7 +209,7 @@ class _Output:
         elif self.engine is not None:
             self.samples(self.engine.feed(recs))
 
-    def samples(self, samples: list[stackfmt.UnwoundSample]) -> None:
+    def samples(self, samples: Sequence[stackfmt.UnwoundSample]) -> None:
         """Write unwound samples (from the engine here, or from a LiveProfiler)."""
         if not samples:
             return
@@ -228,10 +229,19 @@ class _Output:
             return
         self.out.flush()
 
+    def counts(self, groups: Sequence[CountGroup]) -> None:
+        """Fold aggregated samples (``StackStore.add_counts``' groups) into the folded output."""
+        for _t, _pid, _tid, comm, frames, n in groups:
+            self.folded[(comm or "[unknown]", *stackfmt.folded_names(frames))] += n
+
     def finish(self) -> None:
         if self.fmt == "folded":
             self.out.write(stackfmt.render_folded(self.folded))
             self.out.flush()
+
+
+def _ignore(samples: Sequence[stackfmt.UnwoundSample]) -> None:
+    pass
 
 
 def _fail(msg: str) -> int:
@@ -287,18 +297,29 @@ def _target(args: argparse.Namespace) -> Target:
 
 
 def _record_live(args: argparse.Namespace, out: TextIO) -> int:
-    """Live capture through LiveProfiler: every sample unwound and symbolized as it arrives."""
+    """Live capture on the daemon's driver (LiveProfiler with its native step): every sample
+    unwound and symbolized as it arrives. jsonl and perf-script print each sample, so they
+    subscribe to the store (the step then builds an object for each, as for the daemon's
+    stream; the step's own return value repeats them and is not printed); folded takes the
+    step's per-stack counts (``StackStore.count_subscribers``) and the samples the step
+    returns (those held for a /proc rescan and unwound later), so it builds none."""
     from .pipeline.live import LiveProfiler
     from .source.output import render_summary
     from .source.perfcore import PerfOpenError
 
     target = _target(args)
     try:
-        prof = LiveProfiler.open(target, _sampling_config(args))
+        prof = LiveProfiler.open(target, _sampling_config(args), native=True)
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
     stop = _install_stop_handlers()
     sink = _Output(args.format, out, unwind=False)
+    take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
+    if args.format in ("jsonl", "perf-script"):
+        prof.store.subscribers.append(sink.samples)
+        take = _ignore
+    elif args.format == "folded":
+        prof.store.count_subscribers.append(sink.counts)
     started = time.monotonic()
     on_tick = None
     if args.status_interval:
@@ -310,14 +331,14 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         poller.register(fd, select.POLLIN)
     deadline = None if args.duration is None else started + args.duration
     try:
-        sink.samples(prof.start())
+        take(prof.start())
         while not stop() and (deadline is None or time.monotonic() < deadline):
             timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             poller.poll(int(timeout * 1000))
-            sink.samples(prof.step())
+            take(prof.step())
             if on_tick is not None:
                 on_tick()
-        sink.samples(prof.close())
+        take(prof.close())
     finally:
         if not prof.closed:
             prof.close()

@@ -195,6 +195,9 @@ class StackStore(_Queries):
         self._pid_entries: dict[int, int] = {}  # pid -> its bucket entries: prunes _procs
         self._newest = 0
         self.subscribers: list[Callable[[Sequence[UnwoundSample]], None]] = []
+        # called with each add_counts' groups: a consumer of every count that needs no sample
+        # objects (unwindd record's folded output)
+        self.count_subscribers: list[Callable[[Sequence[CountGroup]], None]] = []
         self._by_obj: dict[int, tuple[Stack, int]] = {}  # id(tuple) -> (it, stack id)
         self._dirty: set[int] = set()  # stack ids whose refcount dropped since the last release
         self._lock = threading.Lock()  # guards _readers/_deferred (snapshots close off-thread)
@@ -225,11 +228,15 @@ class StackStore(_Queries):
     def add_counts(self, groups: Iterable[CountGroup]) -> None:
         """Aggregated samples: each group is ``count`` samples with the same bucket (any time
         in it), pid, tid, comm and frames. Same result as ``add`` of those samples, without a
-        Python object per sample; subscribers are not called (they need samples)."""
+        Python object per sample; subscribers are not called (they need samples), count
+        subscribers are."""
+        groups = groups if isinstance(groups, list) else list(groups)
         for t, pid, tid, comm, frames, n in groups:
             self._count(t, pid, tid, comm, frames, n)
         self._release_unreferenced()
         self._enforce_bounds()
+        for cb in list(self.count_subscribers):
+            cb(groups)
 
     def _count(
         self, time_ns: int | None, pid_: int | None, tid: int | None, comm: str, frames: Stack,
