@@ -92,7 +92,6 @@ class LiveProfiler:
         engine: StackEngine,
         store: StackStore,
         *,
-        on_records: Callable[[list[Record]], None] | None = None,
         live: LiveTable | None = None,
         bootstrap: bool = True,
         native: bool = False,
@@ -102,7 +101,6 @@ class LiveProfiler:
         self.engine = engine
         self.store = store
         self.pipeline = StreamPipeline.for_format(session.event_format)
-        self.on_records = on_records
         self.closed = False
         self.bootstrap = bootstrap
         if live is None and engine.live is None:
@@ -114,10 +112,9 @@ class LiveProfiler:
         self._pinned: dict[int, tuple[Record, ElfEntry]] = {}  # id(MMAP2) -> (it, its entry)
         self.stats_pinned = 0  # MMAP2 binaries acquired at drain time
         self.last_step = StepInfo()  # what the last step stored (samples, depths, pids)
-        # The native step (livefast.py) when asked for and the format allows it; records
-        # handed to on_records need objects, so that path stays on the slow step.
+        # The native step (livefast.py) when asked for and the format allows it.
         self.fast: NativeStep | None = None
-        if native and on_records is None and supported(session.event_format):
+        if native and supported(session.event_format):
             spaces = native_max_spaces(self.live.config.max_processes)
             self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
                                    max_spaces=spaces, flush_interval=flush_interval)  # fmt: skip
@@ -208,8 +205,6 @@ class LiveProfiler:
                 cache.release(hit[1])
 
     def _process(self, recs: list[Record], final: bool = False) -> list[UnwoundSample]:
-        if self.on_records is not None and recs:
-            self.on_records(recs)
         samples = self.engine.feed(recs) if recs or self.live.stats.held_now else []
         if final:
             samples += self.engine.finish()
