@@ -577,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tuple(args.tests) if args.tests else m.tests
 
     work = Path(tempfile.mkdtemp(prefix="unwindd-mut-")).resolve()
+    # readable by all, as a checkout is: a test runs a client as user nobody from the tree
+    work.chmod(0o755)
     print(f"scratch: {work}", flush=True)
     results: list[Result] = []
     try:

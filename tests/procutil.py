@@ -58,10 +58,14 @@ def wait_stderr_line(proc: subprocess.Popen[str], pattern: str, timeout: float =
     stream: IO[str] | None = proc.stderr
     assert stream is not None, "stderr must be a pipe"
     got: list[str] = []
+    # poll, not select: a test process holding many fds (ELF cache entries keep theirs open)
+    # gets pipe fds past select()'s FD_SETSIZE of 1024
+    poller = select.poll()
+    poller.register(stream, select.POLLIN)
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         # a whole line is in once the fd is readable: the lines waited for are flushed whole
-        if not select.select([stream], [], [], left)[0]:
+        if not poller.poll(int(left * 1000) + 1):
             continue
         line = stream.readline()
         if not line:
