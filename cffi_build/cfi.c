@@ -1084,6 +1084,8 @@ int unw_cfi_compile(int arch, const uint8_t *img, uint64_t img_len, const struct
             n--;
         if (n && idx[n - 1] != 0) /* the cut must end in "no CFI" */
             idx[n - 1] = 0;
+        if (n > 1 && idx[n - 2] == 0) /* after a gap that row repeats it: no equal neighbours */
+            n--;
     }
     uint32_t width = c.nrules > 65536 ? 4 : 2;
     uint32_t npages = n ? (uint32_t)((pcs[n - 1] - base) >> 16) + 1 : 0;

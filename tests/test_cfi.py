@@ -535,16 +535,9 @@ def test_eh_frame_hdr_used_and_bad_hdr_falls_back() -> None:
     assert t.errors == {"bad_eh_frame_hdr": 1} and t.rows() == b.rows()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cfi.c: the 4 GiB cut makes the last row NONE even "
-    "after a NONE row, two equal rules in a row (unwcore.h: never)",
-)
 def test_range_cut_leaves_no_equal_neighbours() -> None:
-    """Past 4 GiB of text the table is cut (UNW_ERR_RANGE) and must end in NONE: cfi.c turns the
-    last row it keeps into NONE without looking at the row before, so after a gap it repeats
-    the gap's NONE. Harmless to lookups, but _check_table has to let it through when "range"
-    is counted; fix cfi.c and this passes (strict: then drop the mark and that exception)."""
+    """Past 4 GiB of text the table is cut (UNW_ERR_RANGE) and must end in NONE, without
+    repeating a gap's NONE row before it (unwcore.h: never the same rule twice in a row)."""
     g = 1 << 32
     dbg = _dwarf_cie(X86_CIE_INSNS)
     dbg += _dwarf_fde(0, 0x1000, 0x10, b"")  # the table's base, then a gap
@@ -552,7 +545,7 @@ def test_range_cut_leaves_no_equal_neighbours() -> None:
     dbg += _dwarf_fde(0, 0x1000 + g - 0x10, 0x20, advance(0x18) + def_cfa_offset(16))
     t = CfiTable.from_sections(debug_frame=dbg)
     assert t.errors == {"range": 1}
-    assert rules(t) == [(0x1000, BASE), (0x1010, "none")]  # today: a second "none" follows
+    assert rules(t) == [(0x1000, BASE), (0x1010, "none")]
 
 
 # --------------------------------------------------------------------------- 3. malformed
@@ -598,9 +591,7 @@ def _check_table(t: CfiTable, probes: int = 64) -> list[CfiRow]:
     assert len(rows) == t.nrows
     assert all(a.pc < b.pc for a, b in itertools.pairwise(rows))
     assert not rows or rows[-1].cfa_kind == CfaKind.NONE, rows
-    pairs = list(itertools.pairwise(dataclasses.replace(r, pc=0) for r in rows))
-    if "range" in t.errors:  # the known exception: test_range_cut_leaves_no_equal_neighbours
-        pairs = pairs[:-1]
+    pairs = itertools.pairwise(dataclasses.replace(r, pc=0) for r in rows)
     assert all(a != b for a, b in pairs), rows
 
     def covering(r: CfiRow | None) -> CfiRow | None:
