@@ -539,11 +539,8 @@ def test_garbage_batch_with_plausible_stacks(libc_space: AddressSpace) -> None:
         s = sample(q(*words), ip=0x7F0000026000 + rng.randrange(0x15A000), sp=SP0,
                    bp=SP0 + 8 * rng.randrange(512))  # fmt: skip
         items.append((libc_space, s))
-    t0 = time.perf_counter()
     results = Unwinder(64).unwind_batch(items)
-    elapsed = time.perf_counter() - t0
     assert len(results) == 3000 and all(len(r.pcs) <= 64 for r in results)
-    assert elapsed < 5.0
     assert len({r.status for r in results}) >= 3
 
 
