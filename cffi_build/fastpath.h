@@ -4,7 +4,8 @@
  * rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
  * once. The live step (daemon/unwindd/pipeline/livefast.py) runs the same stages on ring chunks.
  *
- * fp_ / FP_ stands for fastpath (this interface and its internals).
+ * fp_ / FP_ stands for fastpath (this interface and its internals), never for frame pointer:
+ * the unwinder's frame-pointer names say fpwalk (unwcore.h fpwalk_frames).
  *
  * The stages, one C file each (shared internals: fastpath_int.h, fastpath_util.h):
  * index.c (fp_index: records, SAMPLE fields), order.c (fp_order, fp_live_order_*: perf's

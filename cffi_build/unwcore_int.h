@@ -43,7 +43,7 @@ const struct unw_module *unw_module_find(const struct unw_module *mods, uint32_t
  * same contract as one item of unw_unwind_batch. pcs/kinds hold max_depth entries. */
 uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
                        uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,
-                       uint16_t *fp_frames, uint16_t *sig_frames);
+                       uint16_t *fpwalk_frames, uint16_t *sig_frames);
 
 /* unw_table_lookup for the unwinder's lookup cache (cfi.c): the same row and *rule (no
  * row_start), trying row `hint` first. The hint is checked against the table in O(1), so any
