@@ -17,8 +17,11 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "unwcore.h"
-FAST_HEADER = HERE / "fastpath.h"  # the native replay path (fastpath.c), same module
-SOURCES = [HERE / "cfi.c", HERE / "unwind.c", HERE / "fastpath.c", HERE / "symtab.c",
+FAST_HEADER = HERE / "fastpath.h"  # the native replay path, same module
+# the native replay path's stages (fastpath.h), each file one stage; tests/nativebuild.py
+# FASTPATH lists them too, for the sanitizer harnesses
+FASTPATH = ["index.c", "order.c", "context.c", "parallel.c", "live.c"]
+SOURCES = [HERE / "cfi.c", HERE / "unwind.c", *(HERE / f for f in FASTPATH), HERE / "symtab.c",
            HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c", HERE / "libcall.c"]
 
 ffibuilder = FFI()
@@ -31,10 +34,11 @@ ffibuilder.set_source(
     # object file, and an absolute path would escape it.
     sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[str(HERE)],
-    # -pthread: fastpath.c's parallel unwind runs a worker thread (pthreads)
+    # -pthread: parallel.c's unwind runs a worker thread (pthreads)
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
     extra_link_args=["-pthread", "-ldl"],  # (-ldl: libcall.c's dlopen before glibc 2.34)
-    depends=[str(HERE / "unwcore.h"), str(HERE / "unwcore_int.h"), str(FAST_HEADER)],
+    depends=[str(HERE / h) for h in ("unwcore.h", "unwcore_int.h", "fastpath.h", "fastpath_int.h",
+                                      "fastpath_util.h")],
 )
 
 if __name__ == "__main__":

@@ -1,8 +1,18 @@
-/* fastpath.h: the native replay path (fastpath.c) of unwindd._unwcore: index a perf.data data
- * section, order it by perf's round rule, unwind runs of SAMPLE records straight from the raw
- * bytes and aggregate identical stacks. Python (daemon/unwindd/pipeline/fastreplay.py) decodes only
- * the rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
- * once.
+/* fastpath.h: the native replay path of unwindd._unwcore: index a perf.data data section,
+ * order it by perf's round rule, unwind runs of SAMPLE records straight from the raw bytes and
+ * aggregate identical stacks. Python (daemon/unwindd/pipeline/fastreplay.py) decodes only the
+ * rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
+ * once. The live step (daemon/unwindd/pipeline/livefast.py) runs the same stages on ring chunks.
+ *
+ * fp_ / FP_ stands for fastpath (this interface and its internals), never for frame pointer:
+ * the unwinder's frame-pointer names say fpwalk (unwcore.h fpwalk_frames).
+ *
+ * The stages, one C file each (shared internals: fastpath_int.h, fastpath_util.h):
+ * index.c (fp_index: records, SAMPLE fields), order.c (fp_order, fp_live_order_*: perf's
+ * round rule), context.c (struct fp_ctx: spaces, comms, unwind + aggregate, the fp_stack /
+ * fp_frame accessors), parallel.c (fp_unwind_run and its worker thread), live.c (the live step:
+ * fp_live_index, fp_live_run, fp_live_groups_*); fold.c and mapfile.c add the functions
+ * marked with their names.
  *
  * Like unwcore.h this is a cffi cdef as well as a C header: no includes, fixed-width types only.
  *
@@ -130,8 +140,8 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
  * (started on first use, joined by fp_ctx_free; no worker if it cannot start), and interned
  * in sample order by the calling thread, so ids, counts and stops are what one thread gives.
  * While the two threads do not get two CPUs (a busy machine) stretches of samples run on one
- * thread (fastpath.c par_judge). min_run 0: one thread only; 1: any prefix (tests). Default
- * 256 (fastpath.c PAR_MIN). Returns 0. */
+ * thread (parallel.c par_judge). min_run 0: one thread only; 1: any prefix (tests). Default
+ * 256 (fastpath_int.h PAR_MIN). Returns 0. */
 int fp_ctx_par(struct fp_ctx *c, uint32_t min_run);
 
 /* Tests: start the worker now and make it take blocks (the calling thread waits until the

@@ -176,14 +176,14 @@ struct unw_item {
 
 /* Unwind n items. Item i writes up to max_depth pcs to pcs[i*max_depth ...] and their kind bits
  * to kinds[i*max_depth ...], the count to counts[i], the UNW_* status to status[i], the
- * frame-pointer fallback frames to fp_frames[i] and the number of signal frames to
+ * frame-pointer fallback frames to fpwalk_frames[i] and the number of signal frames to
  * sig_frames[i] (so callers look at kinds[] only when it is non-zero).
  * Cost: O(n * max_depth * (log modules + log rows)); no allocation; never reads outside
  * [stack, stack + stack_len) of an item, nor outside validated tables. Returns 0 or -1 on bad
  * arguments (unknown arch, max_depth 0). */
 int unw_unwind_batch(int arch, const struct unw_item *items, uint32_t n, uint32_t max_depth,
                      uint64_t *pcs, uint8_t *kinds, uint32_t *counts, uint8_t *status,
-                     uint16_t *fp_frames, uint16_t *sig_frames);
+                     uint16_t *fpwalk_frames, uint16_t *sig_frames);
 
 /* ------------------------------------------------------------------ symbols (symtab.c) */
 

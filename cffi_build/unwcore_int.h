@@ -35,15 +35,15 @@ struct unw_arch_desc {
 const struct unw_arch_desc *unw_arch(int id);
 
 /* The module containing pc in mods[0, nmods) (sorted by start, disjoint), or NULL:
- * O(log nmods) (unwind.c; fastpath.c's aggregation by code uses it too). */
+ * O(log nmods) (unwind.c; context.c's aggregation by code uses it too). */
 const struct unw_module *unw_module_find(const struct unw_module *mods, uint32_t nmods,
                                          uint64_t pc);
 
-/* One sample's unwind (unwind.c), for the batch entry point and fastpath.c's replay loop: the
+/* One sample's unwind (unwind.c), for the batch entry point and context.c's unwind_sample: the
  * same contract as one item of unw_unwind_batch. pcs/kinds hold max_depth entries. */
 uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
                        uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,
-                       uint16_t *fp_frames, uint16_t *sig_frames);
+                       uint16_t *fpwalk_frames, uint16_t *sig_frames);
 
 /* unw_table_lookup for the unwinder's lookup cache (cfi.c): the same row and *rule (no
  * row_start), trying row `hint` first. The hint is checked against the table in O(1), so any

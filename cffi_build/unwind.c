@@ -93,7 +93,7 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  * test_lookup_cache_never_serves_stale_entries). The cache never dereferences a pointer it
  * holds: mods is only compared, and the index is checked against the item's nmods first.
  *
- * Why per thread (__thread) rather than per call or per context: fastpath.c calls
+ * Why per thread (__thread) rather than per call or per context: context.c calls
  * unw_unwind_one once per sample, so a cache must outlive the call to help it; per thread needs
  * no locking and no API change. Bound: 1 << LK_BITS entries of 24 bytes (96 KiB) per thread that
  * unwinds, allocated zeroed by the dynamic loader's TLS on first use, freed at thread exit.
@@ -260,7 +260,7 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
         return UNW_NO_REGS;
     /* The arch descriptor's fields, read once: kinds[] is uint8_t, which may alias anything,
      * so every store to it would otherwise force the compiler to reload them. */
-    const uint8_t sp_col = a->sp, fp_col = a->fp, ra_col = a->ra, nsaved = a->nsaved;
+    const uint8_t sp_col = a->sp, frameptr_col = a->fp, ra_col = a->ra, nsaved = a->nsaved;
     const int ra_is_pc = a->dwarf_to_perf[ra_col] == a->perf_ip; /* x86: the RA column is rip */
     uint8_t saved[UNW_NSAVED];
     uint64_t saved_mask = 0; /* callee-saved columns other than fp and RA */
@@ -313,8 +313,8 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
              * gives [rbp] = caller's rbp, [rbp+8] = return address, caller's rsp = rbp + 16.
              * Other callee-saved registers keep their values (libunwind does the same). */
             uint64_t fp, v;
-            if (!reg_get(f, fp_col, &fp)) {
-                st = reg_lost(f, fp_col) ? UNW_TRUNCATED : UNW_NO_CFI;
+            if (!reg_get(f, frameptr_col, &fp)) {
+                st = reg_lost(f, frameptr_col) ? UNW_TRUNCATED : UNW_NO_CFI;
                 break;
             }
             if (fp < sp || fp - s.sp0 >= s.len) {
@@ -330,9 +330,9 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
             for (unsigned i = 0; i < nsaved; i++)
                 nf->regs[saved[i]] = f->regs[saved[i]];
             if (rd_stack(&s, fp, &v))
-                reg_set(nf, fp_col, v);
+                reg_set(nf, frameptr_col, v);
             else
-                nf->lost |= 1ull << fp_col;
+                nf->lost |= 1ull << frameptr_col;
             cfa = fp + 16;
             kinds[n - 1] |= UNW_FRAME_FP;
             nfp++;
@@ -446,14 +446,14 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
 
 int unw_unwind_batch(int arch, const struct unw_item *items, uint32_t n, uint32_t max_depth,
                      uint64_t *pcs, uint8_t *kinds, uint32_t *counts, uint8_t *status,
-                     uint16_t *fp_frames, uint16_t *sig_frames)
+                     uint16_t *fpwalk_frames, uint16_t *sig_frames)
 {
     const struct unw_arch_desc *a = unw_arch(arch);
     if (!a || !max_depth || max_depth > (1u << 16))
         return -1;
     for (uint32_t i = 0; i < n; i++)
         status[i] = unw_unwind_one(a, &items[i], max_depth, pcs + (uint64_t)i * max_depth,
-                                   kinds + (uint64_t)i * max_depth, &counts[i], &fp_frames[i],
-                                   &sig_frames[i]);
+                                   kinds + (uint64_t)i * max_depth, &counts[i],
+                                   &fpwalk_frames[i], &sig_frames[i]);
     return 0;
 }

@@ -89,7 +89,8 @@ class Mutation:
 # --------------------------------------------------------------------------- the mutations
 
 UNWIND_C = "cffi_build/unwind.c"
-FASTPATH_C = "cffi_build/fastpath.c"
+INDEX_C = "cffi_build/index.c"
+ORDER_C = "cffi_build/order.c"
 
 # The end of unw_unwind_one: every walk (whatever stopped it) stores its frame count here.
 _UNWIND_END = "    *count = n;\n    *fpf = nfp;\n"
@@ -143,15 +144,15 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/test_unwind_oracle.py",
         ),
     ),
-    # -- the C indexer and orderers (fastpath.c): the native replay and live paths only, so the
-    # fast = slow comparisons see them, besides the oracle.
+    # -- the C indexer and orderers (index.c, order.c): the native replay and live paths only,
+    # so the fast = slow comparisons see them, besides the oracle.
     Mutation(
         name="swap-pid-tid",
         what="C indexer (index_records): a SAMPLE's pid and tid are read swapped (threads then "
         "look like processes of their own)",
         edits=(
             Edit(
-                FASTPATH_C,
+                INDEX_C,
                 old="e->pid = (uint32_t)t;\n                    e->tid = (uint32_t)(t >> 32);",
                 new="e->pid = (uint32_t)(t >> 32); /* MUTANT */\n"
                 "                    e->tid = (uint32_t)t;",
@@ -170,7 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "is accepted, cut to the bytes there, instead of ending the stream as truncated",
         edits=(
             Edit(
-                FASTPATH_C,
+                INDEX_C,
                 old="        if (size > len - pos) {\n"
                 "            *end = FP_END_TRUNCATED;\n"
                 "            break;\n"
@@ -192,7 +193,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "not only what is no newer than the previous round's newest time",
         edits=(
             Edit(
-                FASTPATH_C,
+                ORDER_C,
                 old="uint64_t lim = next_flush > last_flush ? next_flush : last_flush;",
                 new="uint64_t lim = max_time; /* MUTANT */",
             ),
@@ -208,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "not only what is no newer than the previous round's newest time",
         edits=(
             Edit(
-                FASTPATH_C,
+                ORDER_C,
                 old="uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;",
                 new="uint64_t lim = o->max_time; /* MUTANT */",
             ),

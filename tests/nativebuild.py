@@ -12,8 +12,10 @@ import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ROOT / "cffi_build"
-# -pthread: fastpath.c runs a worker thread (its parallel unwind)
+# -pthread: parallel.c runs a worker thread (its parallel unwind)
 CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]
+# The native replay path (fastpath.h), one file per stage: cffi_build/build_unwcore.py's FASTPATH.
+FASTPATH = [str(CORE / f) for f in ("index.c", "order.c", "context.c", "parallel.c", "live.c")]
 
 
 def build(out: pathlib.Path, sources: list[str], extra: list[str]) -> str:

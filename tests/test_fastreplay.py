@@ -1,4 +1,4 @@
-"""The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.c) against the Python
+"""The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.h) against the Python
 reference path (STYLE.md 8: differential, fuzzing, sanitizers).
 
 1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, and a
@@ -38,6 +38,7 @@ import oracle
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from nativebuild import FASTPATH
 from oracle import Workload
 from perfutil import record_perf_data
 from unwindd import cli
@@ -502,7 +503,7 @@ def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: 
 def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: str,
              flags: list[str], env: dict[str, str], iters: int) -> subprocess.CompletedProcess[str]:
     """Build tests/native/fp_fuzz.c with the native sources and flags, run it on section.
-    Small PAR_* (fastpath.c's parallel unwind): the ring wraps and segments end inside runs
+    Small PAR_* (parallel.c's parallel unwind): the ring wraps and segments end inside runs
     of the small section, so the threaded path meets its edges (fp_fuzz runs it at any
     prefix length and compares with one thread), and every job is judged (PAR_JUDGE_NS=0), so
     short one-thread stretches (PAR_BACKOFF) come and go."""
@@ -513,7 +514,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     exe = tmp_path / name
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
                     "-pthread", *flags, str(ROOT / "tests" / "native" / "fp_fuzz.c"),
-                    str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c"),
+                    *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c"),
                     str(CORE / "fold.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
@@ -598,7 +599,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
                     "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                     str(ROOT / "tests" / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
-                    str(CORE / "sideband.c"), str(CORE / "fastpath.c"), str(CORE / "unwind.c"),
+                    str(CORE / "sideband.c"), *FASTPATH, str(CORE / "unwind.c"),
                     str(CORE / "cfi.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),

@@ -1,4 +1,4 @@
-"""The live step's native API (cffi_build/fastpath.c fp_live_*) under AddressSanitizer + UBSan
+"""The live step's native API (cffi_build/live.c fp_live_*) under AddressSanitizer + UBSan
 and valgrind.
 
 Real ring drains are captured once (tests/test_livefast.py's ``capture``: a real PerfSession
@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from nativebuild import CORE, build, check_ok
+from nativebuild import CORE, FASTPATH, build, check_ok
 from test_livefast import capture
 from unwindd._unwcore import ffi, lib
 from unwindd.source.mapfile import layout_of
@@ -31,7 +31,7 @@ from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "native" / "live_fuzz.c"
-SOURCES = [str(HARNESS), str(CORE / "fastpath.c"), str(CORE / "unwind.c"), str(CORE / "cfi.c")]
+SOURCES = [str(HARNESS), *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c")]
 
 
 @pytest.fixture(scope="module")

@@ -238,7 +238,7 @@ def test_real_chain(chain_exe: str) -> None:
     assert len(ok) >= 0.95 * len(good), Counter(r.status.name for r in good)
     # OK means glibc's _start was reached: its FDE says the RA is undefined
     assert all(space.names(r)[-1] == "_start" for r in ok)
-    assert all(r.fp_frames == 0 for r in good)  # every frame had CFI
+    assert all(r.fpwalk_frames == 0 for r in good)  # every frame had CFI
     ip = REGS.index(PERF["ip"])
     for s, r in zip(user, results, strict=True):
         assert r.pcs[0] == s.regs[ip] and len(r.pcs) <= 128

@@ -1,4 +1,4 @@
-/* live_fuzz.c: the live step's native API (cffi_build/fastpath.c fp_live_*) under ASan/UBSan
+/* live_fuzz.c: the live step's native API (cffi_build/live.c fp_live_*) under ASan/UBSan
  * and valgrind (tests/test_livefast_sanitizers.py).
  *
  * usage: live_fuzz DRAINS sample_type regs_mask nprefix i_ip i_tid i_time i_cpu i_period

@@ -726,7 +726,7 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
     ``_NO_NAME``) and every other offset is inside the string table, so ``name`` has a name
     for every index. Not re-checked: the order of starts (in Python ~2 ms more for cc1's 27k
     symbols, which load in ~2 ms), since a misordered table can only misname
-    (bisect and fastpath.c's fp_sym_region stay in bounds on any order) and damage is what
+    (bisect and context.c's fp_sym_region stay in bounds on any order) and damage is what
     the CRC catches. Cost: one CRC pass, four ``array.frombytes``, one ``max`` over the
     offsets (~0.7 ms for 27k symbols) and O(PLT) dict inserts."""
     if len(data) < _SYM_FILE.size:

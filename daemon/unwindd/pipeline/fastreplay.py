@@ -3,7 +3,7 @@
 The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed -> stackfmt) builds
 a Python object per record and per sample; this module crosses into C once per data section
 (index), once per file (ordering) and once per run of samples between two side-band records
-(unwind + aggregate, ``cffi_build/fastpath.c``), and symbolizes each unique frame once; folded
+(unwind + aggregate, ``cffi_build/context.c``), and symbolizes each unique frame once; folded
 output is merged, sorted and rendered in C (``cffi_build/fold.c``) from names ranked here.
 
 Invariants:
@@ -82,7 +82,7 @@ _REC_SIZE = ffi.sizeof("struct fp_rec")
 _CALLCHAIN = int(SampleType.CALLCHAIN)
 _T_FINISHED_ROUND = int(RecordType.FINISHED_ROUND)
 _FINISHED_ROUND_NAME = record_type_name(FinishedRound())
-# fp_ctx_par's min_run for new contexts; None: the C default (fastpath.c PAR_MIN). Tests set 1
+# fp_ctx_par's min_run for new contexts; None: the C default (fastpath_int.h PAR_MIN). Tests set 1
 # (unwind every run with the worker thread) or 0 (one thread) to compare the two.
 PAR_MIN: int | None = None
 # Tests: the worker made to take blocks (fp_ctx_par_stress), so the threaded path surely runs.

@@ -111,20 +111,20 @@ class AddressSpace:
 @dataclass(frozen=True, slots=True)
 class UnwindResult:
     """``pcs``: absolute addresses, leaf first; ``pcs[0]`` is the sampled user ip, the rest are
-    return addresses as found (not minus 1). ``fp_frames``: frames found by the frame-pointer
+    return addresses as found (not minus 1). ``fpwalk_frames``: frames found by the frame-pointer
     fallback. ``signal_frames``: bit i set when ``pcs[i]`` is in a signal trampoline (CFI 'S'
     augmentation, e.g. glibc's __restore_rt), so ``pcs[i + 1]`` is the exact interrupted pc,
     not a return address (perf prints it unadjusted)."""
 
     pcs: tuple[int, ...]
     status: UnwindStatus
-    fp_frames: int
+    fpwalk_frames: int
     signal_frames: int = 0
 
     def __repr__(self) -> str:
         pcs = ", ".join(f"{pc:#x}" for pc in self.pcs)
         sig = f", signal_frames={self.signal_frames:#x}" if self.signal_frames else ""
-        return f"UnwindResult([{pcs}], {self.status.name}, fp_frames={self.fp_frames}{sig})"
+        return f"UnwindResult([{pcs}], {self.status.name}, fpwalk_frames={self.fpwalk_frames}{sig})"
 
 
 def signal_mask(kinds: Any, n: int) -> int:
@@ -148,7 +148,7 @@ class Unwinder:
         self._pcs: Any = None
         self._counts: Any = None
         self._status: Any = None
-        self._fp: Any = None
+        self._fpwalk: Any = None
         self._kinds: Any = None
         self._sig: Any = None
 
@@ -159,7 +159,7 @@ class Unwinder:
         self._pcs = ffi.new("uint64_t[]", cap * self.max_depth)
         self._counts = ffi.new("uint32_t[]", cap)
         self._status = ffi.new("uint8_t[]", cap)
-        self._fp = ffi.new("uint16_t[]", cap)
+        self._fpwalk = ffi.new("uint16_t[]", cap)
         self._kinds = ffi.new("uint8_t[]", cap * self.max_depth)
         self._sig = ffi.new("uint16_t[]", cap)
         self._cap = cap
@@ -206,18 +206,19 @@ class Unwinder:
         d = self.max_depth
         rc = lib.unw_unwind_batch(
             ARCH_X86_64, c_items, n, d, self._pcs, self._kinds, self._counts, self._status,
-            self._fp, self._sig,
+            self._fpwalk, self._sig,
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"unw_unwind_batch failed ({rc})")
-        pcs, counts, status, fp, sig = self._pcs, self._counts, self._status, self._fp, self._sig
+        pcs, counts, status, sig = self._pcs, self._counts, self._status, self._sig
+        fpwalk = self._fpwalk
         kinds = self._kinds
         st = _STATUS
         return [
             UnwindResult(
                 tuple(ffi.unpack(pcs + i * d, counts[i])),
                 st[status[i]],
-                fp[i],
+                fpwalk[i],
                 signal_mask(kinds + i * d, counts[i]) if sig[i] else 0,
             )
             for i in range(n)
