@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 from unwindd.binaries import symbolize
-from unwindd.binaries.elfcache import CacheConfig, CacheFileError, ElfCache, ElfEntry
+from unwindd.binaries.cachefiles import CacheFileError
+from unwindd.binaries.elfcache import CacheConfig, ElfCache, ElfEntry
 from unwindd.binaries.symbolize import (
     SymbolStore,
     SymbolTable,
@@ -387,7 +388,7 @@ def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
     are guessable) or at the file itself is never written through."""
     import threading
 
-    from unwindd.binaries.elfcache import read_cache_file, write_cache_file
+    from unwindd.binaries.cachefiles import read_cache_file, write_cache_file
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
@@ -404,7 +405,7 @@ def test_prune_cache_dir(tmp_path: Path) -> None:
     """The daemon bounds each cache dir at start: temporaries older than STALE_TMP_SECONDS go,
     then the least recently used files (max of atime, mtime) until the rest fits; links,
     directories and fresh temporaries are left alone."""
-    from unwindd.binaries.elfcache import STALE_TMP_SECONDS, prune_cache_dir
+    from unwindd.binaries.cachefiles import STALE_TMP_SECONDS, prune_cache_dir
 
     now = 1_000_000.0
     for i in range(5):  # a.sym (oldest use) .. e.sym (newest), 100 bytes each

@@ -116,7 +116,7 @@ def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
     if args.no_cache:
         return None
-    from .binaries.elfcache import user_cache_dir  # (the replay imports elfcache anyway)
+    from .binaries.cachefiles import user_cache_dir  # (the replay imports cachefiles anyway)
 
     return args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR") or user_cache_dir(os.environ)
 

@@ -39,7 +39,7 @@ as the fresh one. A file is used only if every check in ``decode_symbol_table`` 
 CRC, build-id, layout version, a stamp of the code that decides the content and of the
 binary's size and debug file (``source_stamp``: stripped copies keep their build-id), in-range
 name offsets); else it is counted, removed, rebuilt
-and rewritten (atomically: elfcache.write_cache_file).
+and rewritten (atomically: cachefiles.write_cache_file).
 """
 
 from __future__ import annotations
@@ -56,16 +56,9 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import TypeVar
 
+from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 from .demangle import demangle, demangle_full, demangle_rust_legacy
-from .elfcache import (
-    CacheFileError,
-    ElfEntry,
-    ElfError,
-    ElfReader,
-    discard_cache_file,
-    read_cache_file,
-    write_cache_file,
-)
+from .elfcache import ElfEntry, ElfError, ElfReader
 
 __all__ = [
     "Kallsyms",
