@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from procutil import wait_mapped
 from unwindd.binaries import elfcache
-from unwindd.binaries.elfcache import CacheConfig, ElfCache, ElfReader
+from unwindd.binaries.elf import ElfReader
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.procs.proctable import ProcessTable
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
@@ -217,7 +218,8 @@ def test_bias_matches_symbol_values(addr_bins: dict[str, Path], kind: str) -> No
 
 
 def test_bias_formula_on_synthetic_segments() -> None:
-    from unwindd.binaries.elfcache import ElfEntry, Segment
+    from unwindd.binaries.elf import Segment
+    from unwindd.binaries.elfcache import ElfEntry
 
     e = ElfEntry(key=None, filename="/x", path="/x", segments=(
         Segment(0x0, 0x0, 0x1200, 0x1200, 4),

@@ -426,7 +426,7 @@ def _undecided_scans(path: str) -> Iterator[tuple[object, int, bytes]]:
     its debug file in which the scan left groups undecided."""
     from unwindd._unwcore import ffi, lib
     from unwindd.binaries import symbolize as sz
-    from unwindd.binaries.elfcache import ElfReader
+    from unwindd.binaries.elf import ElfReader
 
     cache = ElfCache()
     e = cache.acquire(None, path)

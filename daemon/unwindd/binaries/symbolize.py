@@ -3,7 +3,7 @@
 Rules (perf 6.1, tools/perf/util/symbol-elf.c dso__load_sym, symbol.c), so names match
 ``perf script -F sym``:
 - Source: the first ``.symtab`` among the separate debug file (build-id dir or
-  ``.gnu_debuglink``, see elfcache.find_debug_file) and the binary itself; else the binary's
+  ``.gnu_debuglink``, see elf.find_debug_file) and the binary itself; else the binary's
   ``.dynsym``. On this machine libc's local symbols (``__restore_rt``, ``hack_digit``) come
   from ``/usr/lib/debug/.build-id/xx/rest.debug``.
 - Kept: STT_FUNC/STT_GNU_IFUNC with a name and a defined section (elf_sym__is_function), and
@@ -58,7 +58,8 @@ from typing import TypeVar
 
 from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 from .demangle import demangle, demangle_full, demangle_rust_legacy
-from .elfcache import ElfEntry, ElfError, ElfReader
+from .elf import ElfError, ElfReader
+from .elfcache import ElfEntry
 
 __all__ = [
     "Kallsyms",
@@ -620,17 +621,17 @@ _stamp: list[int] = []
 
 def _code_stamp() -> int:
     """CRC-32 of (size, mtime) of the code a table's content depends on (this module,
-    demangle, elfcache's debug-file search, the native scan): a reinstalled or edited package
-    writes new tables instead of serving ones its predecessor built. Once per process: four
-    stats (zlib, not hashlib: importing OpenSSL's hashlib was ~3 ms of a replay)."""
+    demangle, elf's reader and debug-file search, the native scan): a reinstalled or edited
+    package writes new tables instead of serving ones its predecessor built. Once per process:
+    four stats (zlib, not hashlib: importing OpenSSL's hashlib was ~3 ms of a replay)."""
     if not _stamp:
         import sys
 
         from .. import _unwcore
-        from . import demangle, elfcache
+        from . import demangle, elf
 
         desc = []
-        for mod in (sys.modules[__name__], demangle, elfcache, _unwcore):
+        for mod in (sys.modules[__name__], demangle, elf, _unwcore):
             try:
                 st = os.stat(str(mod.__file__))
                 desc.append(f"{mod.__name__}:{st.st_size}:{st.st_mtime_ns}")
