@@ -1,4 +1,4 @@
-"""symbolize.SymbolStore: finished symbol tables persisted by build-id (issue 3: replay speed).
+"""symstore.SymbolStore: finished symbol tables persisted by build-id (issue 3: replay speed).
 
 1. A table read back from its file equals a fresh ``load_symbol_table``: the columns, every
    symbol's name, lookups at every start, end - 1 and end, and at random addresses; on real
@@ -28,22 +28,19 @@ import zlib
 from pathlib import Path
 
 import pytest
-from unwindd.binaries import symbolize
+from unwindd.binaries import symstore
 from unwindd.binaries.cachefiles import CacheFileError
 from unwindd.binaries.elfcache import CacheConfig, ElfCache, ElfEntry
-from unwindd.binaries.symbolize import (
-    SymbolStore,
-    SymbolTable,
-    encode_symbol_table,
-    load_symbol_table,
-)
+from unwindd.binaries.elfsyms import load_symbol_table
+from unwindd.binaries.symstore import SymbolStore, encode_symbol_table
+from unwindd.binaries.symtab import SymbolTable
 from unwindd.unwind.engine import StackEngine
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LIBC = os.path.realpath(f"{LIB}/libc.so.6")
 LIBSTDCXX = os.path.realpath(f"{LIB}/libstdc++.so.6")
 LIBZ = os.path.realpath(f"{LIB}/libz.so.1")
-HDR = struct.Struct("<8sIIQIIIIQI4x")  # symbolize._SYM_FILE, spelled out: the format is the test
+HDR = struct.Struct("<8sIIQIIIIQI4x")  # symstore._SYM_FILE, spelled out: the format is the test
 NO_NAME = 0xFFFFFFFF
 
 
@@ -261,7 +258,7 @@ def test_other_code_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     """Files written by other code (another stamp of the modules that decide a table) are
     rebuilt: a changed demangler or rule never serves an old table."""
     _entry(LIBZ, SymbolStore(tmp_path)).symbols()
-    monkeypatch.setattr(symbolize, "_stamp", [0x1234])
+    monkeypatch.setattr(symstore, "_stamp", [0x1234])
     store = SymbolStore(tmp_path)
     _entry(LIBZ, store).symbols()
     _stats(store, stale=1, misses=1)

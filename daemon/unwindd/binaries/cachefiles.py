@@ -1,4 +1,4 @@
-"""On-disk cache files: one flat directory per store (``cfi.CfiStore``, ``symbolize.SymbolStore``),
+"""On-disk cache files: one flat directory per store (``cfi.CfiStore``, ``symstore.SymbolStore``),
 one file per build-id, under the daemon's cache dir or ``user_cache_dir``.
 
 Rules:

@@ -15,7 +15,7 @@ Invariants:
 - ``CfiStore`` files are ``FILE_HEADER`` + blob: magic, version, arch, blob size, CRC-32. Any
   mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; reads and the
   atomic writes (temporary file + ``os.replace``) are cachefiles' ``read_cache_file`` and
-  ``write_cache_file``, shared with ``symbolize.SymbolStore``.
+  ``write_cache_file``, shared with ``symstore.SymbolStore``.
 
 Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see bench/bench_cfi.py);
 ``lookup`` is O(log R); ``rows`` decodes the blob in Python, O(R), for tests and debugging.

@@ -54,12 +54,10 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .elf import PAGE, PF_X, ElfError, ElfReader, Segment, find_debug_file
-
-if TYPE_CHECKING:
-    from .symbolize import SymbolTable
+from .elfsyms import load_symbol_table
+from .symtab import SymbolTable
 
 __all__ = [
     "CacheConfig",
@@ -71,8 +69,8 @@ __all__ = [
 # (path that opens the validated file, separate debug file or None, the file's build-id or
 # None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
 CfiFactory = Callable[[str, "str | None", "bytes | None"], object]
-# An entry's symbol table instead of symbolize.load_symbol_table (a symbolize.SymbolStore).
-SymbolFactory = Callable[["ElfEntry"], "SymbolTable"]
+# An entry's symbol table instead of elfsyms.load_symbol_table (a symstore.SymbolStore).
+SymbolFactory = Callable[["ElfEntry"], SymbolTable]
 
 # --------------------------------------------------------------------------- entries
 
@@ -251,12 +249,10 @@ class ElfEntry:
     # -- lazies
 
     def symbols(self) -> SymbolTable:
-        """The symbol table (perf's rules, see symbolize.py); loaded once, empty on error.
+        """The symbol table (perf's rules, see elfsyms.py); loaded once, empty on error.
         Built by the cache's ``symbol_factory`` if it has one (a ``SymbolStore``: the same
         table, read from disk by build-id when it was built before)."""
         if self._symbols is None:
-            from .symbolize import SymbolTable, load_symbol_table
-
             table = SymbolTable.empty()
             factory = self._cache.symbol_factory if self._cache is not None else None
             if self.usable:

@@ -277,7 +277,7 @@ class StackEngine:
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
         (``CfiPrefetcher``). OSError if a directory cannot be made."""
         from ..binaries.cfi import CfiStore, CfiTable
-        from ..binaries.symbolize import SymbolStore
+        from ..binaries.symstore import SymbolStore
         from . import unwinder as unw
 
         if cache_dir is not None:
