@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 from unwindd.binaries import symstore
 from unwindd.binaries.cachefiles import CacheFileError
-from unwindd.binaries.elfcache import CacheConfig, ElfCache, ElfEntry
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
+from unwindd.binaries.elfentry import ElfEntry
 from unwindd.binaries.elfsyms import load_symbol_table
 from unwindd.binaries.symstore import SymbolStore, encode_symbol_table
 from unwindd.binaries.symtab import SymbolTable

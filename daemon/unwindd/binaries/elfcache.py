@@ -1,53 +1,32 @@
-"""Shared ELF cache: one entry per binary, shared by every pid that maps it.
+"""The shared ELF cache (``ElfCache``): one ``elfentry.ElfEntry`` per binary, shared by every
+pid that maps it (seeds 000/002/003, DESIGN.md "Process table and ELF cache").
 
 Invariants:
-- One ``ElfEntry`` per binary, keyed by build-id (``("b", id)``), else by file identity
-  ``("i", st_dev, st_ino, st_size, st_mtime_ns)``. Every pid mapping that binary gets the same
-  entry; per pid only the load bias differs (``ElfEntry.bias_for``). Seeds 000/002/003 and
-  DESIGN.md "Process table and ELF cache".
-- An entry is *usable* only if the file we opened is the file that was mapped: the build-id of
-  an MMAP2 build-id record, or the (dev, ino) of an inode-form MMAP2 / maps line, must match
-  the opened file. A mismatch gives an unusable entry (no symbols, no unwind table), counted
-  in ``stats.errors``; it is never put under a shared key, so a later good open still works.
-- Files are opened through ``<proc_root>/<pid>/root/<path>`` (the pid's mount namespace),
-  ``<proc_root>/<pid>/map_files/<start>-<end>`` for `` (deleted)`` paths, else the path itself;
-  with O_NONBLOCK (a FIFO must never block us) and O_NOFOLLOW on the last component (the kernel
-  reports d_path names, which contain no symlinks; one appearing there means the path changed).
-  Only regular files up to ``max_file_size`` bytes are read. The fd stays open while the entry
-  lives, so lazy loads (symbols, CFI via ``/proc/self/fd/N``) read the very file we validated,
-  even after it was deleted or replaced on disk.
-- Malformed ELF never raises out of this module: ``elf.ElfReader`` raises only ``ElfError``, in
-  O(headers) time and memory; the error becomes a count and an unusable entry.
-- Memory: ``stats.bytes`` is an estimate of each cached entry's parsed data plus its CFI
-  table's ``nbytes``. Above ``max_bytes`` unreferenced entries are evicted least recently
-  released first; referenced entries are never evicted (the cap is then exceeded, visibly).
-  Loading a big binary's symbols and CFI leaves 10-20 MB of freed temporaries in glibc's
-  heap, which glibc keeps (RSS) unless asked: after every ``trim_bytes`` of entries loaded or
-  dropped the cache calls ``malloc_trim(0)`` (all arenas, the CFI worker's too; < 1 ms), so
-  RSS follows the cached bytes instead of the largest binary ever parsed.
-- Reference counts are per address space (``proctable``): acquire once per space that maps
-  the binary, release when the space drops its last mapping of it.
-- A file none of whose candidate paths opens (deleted, or in a namespace whose processes are
-  gone) is remembered in a bounded negative cache (``CacheConfig.negative_entries``), keyed by
-  the record's path and identity (build-id, maj/min/ino/generation), for
-  ``negative_ttl_ns``. A lookup that hits it skips the opens only when they cannot succeed for
-  this pid either: the same mapping of the same pid that just failed (a pin, then the table),
-  no per-pid path to try, or a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead
-  of up to three ``open``s). A live pid still tries its own ``root``/``map_files``, so a
-  process of another namespace is found as before; a path that appears again with the same
-  identity is found once the entry expires (or at once by a live pid). The failure is counted
-  as before (``errors``, ``misses``) plus ``negative_hits``.
+- Keyed by build-id (``("b", id)``), else by file identity ``("i", st_dev, st_ino, st_size,
+  st_mtime_ns)``; per pid only the load bias differs (``ElfEntry.bias_for``).
+- An entry is usable only if the file opened is the file mapped: the build-id of an MMAP2
+  build-id record, or the (dev, ino) of an inode-form MMAP2 / maps line, must match it. A
+  mismatch, or any error opening or parsing (ElfError, OSError: never raised), gives an
+  unusable entry under no shared key, counted in ``stats.errors``; a later good open works.
+- Files open through the pid's mount namespace or ``map_files`` (``_candidate_paths``),
+  O_NONBLOCK, O_NOFOLLOW on the last component; only regular files up to ``max_file_size``.
+- References are per address space (``proctable``). Above ``max_bytes`` (the entries' parsed
+  data and CFI ``nbytes``) unreferenced entries are evicted, least recently released first;
+  referenced ones never (the cap is then exceeded, visibly). After every ``trim_bytes`` loaded
+  or dropped, ``malloc_trim(0)`` hands glibc's freed parse temporaries back, so RSS follows the
+  cached bytes instead of the largest binary ever parsed.
+- Files no candidate path opens are remembered, bounded and for ``negative_ttl_ns``, and
+  skipped only where the opens cannot succeed either (``_still_fails``): ``negative_hits``.
 - Not thread-safe: one owner (the daemon's event loop) calls it.
 
-Cost: a hit by build-id or by a known (maj, min, ino, generation) costs one dict lookup and no
-syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB); a
-negative hit costs no syscall, or one ``stat`` for a pid other than the one that failed.
+Cost: a hit by build-id or by a known (maj, min, ino, generation) is one dict lookup and no
+syscall; a miss is open + fstat + the ELF/program headers and notes (a few KiB); a negative hit
+no syscall, or one ``stat`` for a pid other than the one that failed.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import stat
 import time
@@ -55,32 +34,17 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .elf import PAGE, PF_X, ElfError, ElfReader, Segment, find_debug_file
-from .elfsyms import load_symbol_table
-from .symtab import SymbolTable
+from .elf import ElfError, ElfReader, find_debug_file
+from .elfentry import CfiFactory, ElfEntry, SymbolFactory
 
-__all__ = [
-    "CacheConfig",
-    "CacheStats",
-    "ElfCache",
-    "ElfEntry",
-]
-
-# (path that opens the validated file, separate debug file or None, the file's build-id or
-# None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
-CfiFactory = Callable[[str, "str | None", "bytes | None"], object]
-# An entry's symbol table instead of elfsyms.load_symbol_table (a symstore.SymbolStore).
-SymbolFactory = Callable[["ElfEntry"], SymbolTable]
-
-# --------------------------------------------------------------------------- entries
+__all__ = ["CacheConfig", "CacheStats", "ElfCache"]
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 512 << 20
-    # malloc_trim(0) after this many bytes of entries loaded or dropped (0: never). Measured
-    # (2026-11-22, glibc 2.36): parsing /usr/bin/node (symbols + CFI, 10.5 MB cached) left
-    # 10.5 MB free in the heap, docker 18 MB; malloc_trim(0) gave it back in 0.4-0.5 ms.
+    # malloc_trim(0) after this many bytes of entries loaded or dropped (0: never): parsing a
+    # big binary leaves about as much freed heap as it caches, which glibc keeps unless asked
     trim_bytes: int = 4 << 20
     max_file_size: int = 2 << 30
     max_debug_file_size: int = 2 << 30
@@ -103,14 +67,11 @@ class CacheStats:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-_ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry overhead
-
-
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` (malloc_trim(3): since 2.8 it releases the free pages of
-    every arena, not just the top of the main heap), or None without glibc. Called through
-    the native module (cffi_build/libcall.c), not ctypes: importing ctypes was ~5 ms of every
-    replay's start."""
+    every arena, not just the top of the main heap; the CFI worker's too), or None without
+    glibc. Called through the native module (cffi_build/libcall.c), not ctypes, whose import
+    every replay would pay."""
     from .._unwcore import lib
 
     if lib.unw_malloc_trim(1) != 0:  # (dry: is there one)
@@ -122,15 +83,16 @@ def _malloc_trim() -> Callable[[], None] | None:
     return trim
 
 
-_NOT_LOADED = object()
 _MAX_GONE = 4096  # pids remembered gone per negative entry
 
 
 @dataclass(slots=True)
 class _Failed:
-    """A negative cache entry: every candidate path of ``pid``'s mapping [start, end) failed
-    to open; ``path`` and ``reason`` are the last one's. ``gone``: pids found gone since (a
-    pid's pin, then the table's lookup of the same record: one ``stat`` for both)."""
+    """A negative cache entry, keyed by the record's path and identity (build-id, maj, min,
+    ino, generation): every candidate path of ``pid``'s mapping [start, end) failed to open;
+    ``path`` and ``reason`` are the last one's, counted again on a hit (``errors``,
+    ``misses``, plus ``negative_hits``). ``gone``: pids found gone since (a pid's pin, then the
+    table's lookup of the same record: one ``stat`` for both)."""
 
     expires_ns: int
     pid: int | None
@@ -139,183 +101,6 @@ class _Failed:
     path: str
     reason: str
     gone: set[int] = field(default_factory=set)
-
-
-_ids = itertools.count(1)
-
-
-class ElfEntry:
-    """One binary. Eagerly: identity and PT_LOAD segments (for the load bias). Lazily, once:
-    symbols (``symbols()``), separate debug file (``debug_path()``), CFI (``cfi()``)."""
-
-    __slots__ = (
-        "_cache",
-        "_cfi",
-        "_debug",
-        "_symbols",
-        "build_id",
-        "dev",
-        "error",
-        "etype",
-        "fd",
-        "filename",
-        "ino",
-        "key",
-        "mtime_ns",
-        "nbytes",
-        "path",
-        "refcount",
-        "segments",
-        "size",
-        "uid",
-    )
-
-    def __init__(
-        self,
-        *,
-        key: tuple[object, ...] | None,
-        filename: str,
-        path: str,
-        fd: int | None = None,
-        build_id: bytes | None = None,
-        etype: int = 0,
-        segments: tuple[Segment, ...] = (),
-        dev: int = 0,
-        ino: int = 0,
-        size: int = 0,
-        mtime_ns: int = 0,
-        error: str | None = None,
-        cache: ElfCache | None = None,
-    ) -> None:
-        self.uid = next(_ids)  # the unwinder's Module.key
-        self.key = key
-        self.filename = filename
-        self.path = path
-        self.fd = fd
-        self.build_id = build_id
-        self.etype = etype
-        self.segments = segments
-        self.dev, self.ino, self.size, self.mtime_ns = dev, ino, size, mtime_ns
-        self.error = error
-        self.refcount = 0
-        self.nbytes = _ENTRY_BASE_BYTES + 64 * len(segments) + 2 * len(path)
-        self._cache = cache
-        self._symbols: SymbolTable | None = None
-        self._debug: object = _NOT_LOADED
-        self._cfi: object = _NOT_LOADED
-
-    def __repr__(self) -> str:
-        bid = self.build_id.hex() if self.build_id else None
-        state = f"error={self.error}" if self.error else f"refs={self.refcount}"
-        return f"ElfEntry(#{self.uid} {self.filename!r} build_id={bid} {state})"
-
-    @property
-    def usable(self) -> bool:
-        return self.error is None and self.fd is not None
-
-    @property
-    def fd_path(self) -> str:
-        """A path that opens exactly the validated file (for readers that want a path)."""
-        return f"/proc/self/fd/{self.fd}"
-
-    def reader(self) -> ElfReader:
-        if self.fd is None:
-            raise ElfError("unusable", self.error or "closed")
-        return ElfReader(self.fd, self.size)
-
-    def bias_for(self, start: int, pgoff: int) -> int:
-        """Load bias of a mapping of this file at ``start`` from file offset ``pgoff``:
-        runtime address = ELF vaddr + bias.
-
-        File offset o of segment S is at vaddr ``S.vaddr + (o - S.offset)`` and, in a mapping
-        of offset ``pgoff`` at ``start``, at runtime ``start + (o - pgoff)``; so
-        ``bias = start - pgoff + S.offset - S.vaddr`` for the PT_LOAD S whose page-aligned file
-        range holds ``pgoff`` (the kernel maps each PT_LOAD from ``p_offset`` rounded down to a
-        page: fs/binfmt_elf.c elf_map). For ET_EXEC, start - pgoff == S.vaddr - S.offset, so the
-        bias is 0. Without a matching segment we fall back to the executable one, then to
-        vaddr == offset (bias = start - pgoff), as perf's map__map_ip does."""
-        best: Segment | None = None
-        for s in self.segments:
-            lo = s.offset - s.offset % PAGE
-            if lo <= pgoff < s.offset + max(s.filesz, 1):
-                if best is None or (s.flags & PF_X and not best.flags & PF_X):
-                    best = s
-        if best is None:
-            best = next((s for s in self.segments if s.flags & PF_X), None)
-        if best is None:
-            return start - pgoff
-        return start - pgoff + best.offset - best.vaddr
-
-    # -- lazies
-
-    def symbols(self) -> SymbolTable:
-        """The symbol table (perf's rules, see elfsyms.py); loaded once, empty on error.
-        Built by the cache's ``symbol_factory`` if it has one (a ``SymbolStore``: the same
-        table, read from disk by build-id when it was built before)."""
-        if self._symbols is None:
-            table = SymbolTable.empty()
-            factory = self._cache.symbol_factory if self._cache is not None else None
-            if self.usable:
-                try:
-                    table = (factory or load_symbol_table)(self)
-                except ElfError as e:
-                    self._count_error(f"symbols_{e.reason}")
-            self._symbols = table
-            self._grow(table.nbytes)
-        return self._symbols
-
-    def debug_path(self) -> str | None:
-        """Separate debug file: build-id dir first, then .gnu_debuglink (validated)."""
-        if self._debug is _NOT_LOADED:
-            found: str | None = None
-            if self.usable and self._cache is not None:
-                try:
-                    found = self._cache.find_debug_file(self)
-                except ElfError as e:
-                    self._count_error(f"debug_{e.reason}")
-            self._debug = found
-        return self._debug if isinstance(self._debug, str) else None
-
-    def cfi(self) -> object | None:
-        """The unwind table from the injected factory (``CfiTable.from_elf``, or a
-        ``CfiStore`` keyed by ``build_id``), or None. With the cache's ``cfi_lookup`` (a
-        ``CfiStore``'s table by build-id alone), a table found there is taken without looking
-        for the separate debug file, which only building one needs (~0.1 ms of stats and
-        section-header reads per binary, ~65 binaries of a system-wide replay)."""
-        if self._cfi is _NOT_LOADED:
-            table: object | None = None
-            cache = self._cache
-            factory = cache.cfi_factory if cache is not None else None
-            if factory is not None and self.usable:
-                try:
-                    lookup = cache.cfi_lookup if cache is not None else None
-                    if lookup is not None and self.build_id:
-                        table = lookup(self.build_id)
-                    if table is None:
-                        table = factory(self.fd_path, self.debug_path(), self.build_id)
-                except Exception as e:  # a native compiler error must not kill the daemon
-                    self._count_error(f"cfi_{type(e).__name__}")
-            self._cfi = table
-            nbytes = getattr(table, "nbytes", 0)
-            self._grow(nbytes if isinstance(nbytes, int) else 0)
-        return self._cfi
-
-    def _grow(self, n: int) -> None:
-        self.nbytes += n
-        if self._cache is not None:
-            self._cache._grew(self, n)
-
-    def _count_error(self, reason: str) -> None:
-        if self._cache is not None:
-            self._cache.stats.errors[reason] += 1
-
-    def _close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-# --------------------------------------------------------------------------- cache
 
 
 class ElfCache:
@@ -465,7 +250,11 @@ class ElfCache:
 
     def _candidate_paths(self, pid: int | None, filename: str, start: int, end: int
                          ) -> list[tuple[str, bool]]:  # fmt: skip
-        """(path, follow_last_symlink) to try, in order."""
+        """(path, follow_last_symlink) to try, in order: ``<proc_root>/<pid>/root/<path>``
+        (the pid's mount namespace), the path itself, then the mapping's
+        ``<proc_root>/<pid>/map_files/<start>-<end>`` (the only one for `` (deleted)`` paths).
+        The last component is not followed but in ``map_files``: the kernel reports d_path
+        names, which hold no symlinks, so one appearing there means the path changed."""
         out: list[tuple[str, bool]] = []
         if filename.endswith(" (deleted)"):
             if pid is not None and end > start:
@@ -567,7 +356,11 @@ class ElfCache:
     def _still_fails(self, failed: _Failed, pid: int | None, start: int, end: int,
                      cands: list[tuple[str, bool]]) -> bool:  # fmt: skip
         """Whether ``cands`` must fail as ``failed``'s did (the path itself failed then and has
-        not expired): no per-pid path, the same pid's same mapping, or a pid that is gone."""
+        not expired): no per-pid path, the same pid's same mapping (a pin, then the table), or
+        a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead of up to three
+        ``open``s). A live pid still tries its own ``root``/``map_files``, so a process of
+        another namespace is found as before; a path that appears again with the same identity
+        is found once the entry expires (or at once by a live pid)."""
         if (pid, start, end) == (failed.pid, failed.start, failed.end):
             return True
         proc = f"{self.proc_root}/"

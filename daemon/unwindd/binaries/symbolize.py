@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 
-from .elfcache import ElfEntry
+from .elfentry import ElfEntry
 from .kallsyms import Kallsyms, KernelSymbol
 from .perfmaps import PerfMap
 from .symtab import SymbolTable

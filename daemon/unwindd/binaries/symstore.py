@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Iterable
 
 from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
-from .elfcache import ElfEntry
+from .elfentry import ElfEntry
 from .elfsyms import content_modules, load_symbol_table
 from .symtab import NO_NAME, SymbolTable
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..binaries.elfcache import ElfEntry
+from ..binaries.elfentry import ElfEntry
 from ..source.abi import MISC_MMAP_DATA
 from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record, frozen_maker
 
