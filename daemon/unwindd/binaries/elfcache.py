@@ -4,19 +4,14 @@ pid that maps it (seeds 000/002/003, DESIGN.md "Process table and ELF cache").
 Invariants:
 - Keyed by build-id (``("b", id)``), else by file identity ``("i", st_dev, st_ino, st_size,
   st_mtime_ns)``; per pid only the load bias differs (``ElfEntry.bias_for``).
-- An entry is usable only if the file opened is the file mapped: the build-id of an MMAP2
-  build-id record, or the (dev, ino) of an inode-form MMAP2 / maps line, must match it. A
-  mismatch, or any error opening or parsing (ElfError, OSError: never raised), gives an
-  unusable entry under no shared key, counted in ``stats.errors``; a later good open works.
-- Files open through the pid's mount namespace or ``map_files`` (``_candidate_paths``),
-  O_NONBLOCK, O_NOFOLLOW on the last component; only regular files up to ``max_file_size``.
-- References are per address space (``proctable``). Above ``max_bytes`` (the entries' parsed
-  data and CFI ``nbytes``) unreferenced entries are evicted, least recently released first;
-  referenced ones never (the cap is then exceeded, visibly). After every ``trim_bytes`` loaded
-  or dropped, ``malloc_trim(0)`` hands glibc's freed parse temporaries back, so RSS follows the
-  cached bytes instead of the largest binary ever parsed.
-- Files no candidate path opens are remembered, bounded and for ``negative_ttl_ns``, and
-  skipped only where the opens cannot succeed either (``_still_fails``): ``negative_hits``.
+- An entry is usable only if the file opened (``_candidate_paths``: O_NONBLOCK, last component
+  not followed, a regular file up to ``max_file_size``) is the file mapped: the record's
+  build-id, or (dev, ino), must match. A mismatch or any error (never raised) gives an unusable
+  entry under no shared key, counted in ``stats.errors``; a later good open still works.
+- References are per address space (``proctable``). Above ``max_bytes`` unreferenced entries
+  are evicted, least recently released first; referenced ones never (the cap is then exceeded,
+  visibly). ``malloc_trim(0)`` after every ``trim_bytes`` loaded or dropped keeps RSS near the
+  cached bytes. Files no path opens are remembered, bounded, for ``negative_ttl_ns`` (``_Failed``).
 - Not thread-safe: one owner (the daemon's event loop) calls it.
 
 Cost: a hit by build-id or by a known (maj, min, ino, generation) is one dict lookup and no
@@ -253,8 +248,9 @@ class ElfCache:
         """(path, follow_last_symlink) to try, in order: ``<proc_root>/<pid>/root/<path>``
         (the pid's mount namespace), the path itself, then the mapping's
         ``<proc_root>/<pid>/map_files/<start>-<end>`` (the only one for `` (deleted)`` paths).
-        The last component is not followed but in ``map_files``: the kernel reports d_path
-        names, which hold no symlinks, so one appearing there means the path changed."""
+        Opened O_NONBLOCK (a FIFO must never block us); the last component is not followed
+        but in ``map_files``: the kernel reports d_path names, which hold no symlinks, so one
+        appearing there means the path changed."""
         out: list[tuple[str, bool]] = []
         if filename.endswith(" (deleted)"):
             if pid is not None and end > start:
@@ -359,7 +355,7 @@ class ElfCache:
         not expired): no per-pid path, the same pid's same mapping (a pin, then the table), or
         a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead of up to three
         ``open``s). A live pid still tries its own ``root``/``map_files``, so a process of
-        another namespace is found as before; a path that appears again with the same identity
+        another namespace is still found; a path that appears again with the same identity
         is found once the entry expires (or at once by a live pid)."""
         if (pid, start, end) == (failed.pid, failed.start, failed.end):
             return True

@@ -1,25 +1,23 @@
-"""A binary's symbol table from its ELF symbols, by perf's rules (perf 6.1,
+"""A binary's symbol table from its ELF symbols by perf's rules (perf 6.1,
 tools/perf/util/symbol-elf.c dso__load_sym, symbol.c), so names match ``perf script -F sym``.
 
 Rules:
-- Source: the first ``.symtab`` among the separate debug file (elf.find_debug_file) and the
-  binary itself; else the binary's ``.dynsym``.
+- Source: the first ``.symtab`` of the separate debug file (elf.find_debug_file), then of the
+  binary; else the binary's ``.dynsym``.
 - Kept: STT_FUNC/STT_GNU_IFUNC with a name and a defined section (elf_sym__is_function), and
   named STT_NOTYPE labels (not ABS/UNDEF, not hidden/internal) in a section whose name contains
   "text" (elf_sym__is_label, elf_sec__is_text); the section must be SHF_ALLOC (a debug file's
-  NOBITS section headers keep names and flags, which is all this needs). Versioned aliases
-  (``cfree@GLIBC_2.2.5``) stay literal: perf's alias choice prints them too.
-- symbols__fixup_end first: a zero-size symbol extends to the next symbol's start, the last one
-  to the next page boundary + 4 KiB. Then symbols__fixup_duplicate: at one start,
-  choose_best_symbol keeps (in order) the non-zero size, the non-weak, the global, the one with
-  fewer leading underscores, the longer name (as printed), else the first in table order.
-- PLT (x86_64): ``<name>@plt`` per ``.rela.plt`` entry in GOT-slot order
-  (dso__synthesize_plt_symbols), over ``.plt.sec`` if present, else ``.plt`` after its 16-byte
-  header; added after the fixups, dropped where an ELF symbol starts (IRELATIVE: bare ``@plt``).
+  NOBITS headers keep names and flags). Versioned aliases (``cfree@GLIBC_2.2.5``) stay literal.
+- symbols__fixup_end: a zero-size symbol extends to the next start, the last to the next page
+  boundary + 4 KiB. Then symbols__fixup_duplicate: at one start choose_best_symbol keeps the
+  non-zero size, the non-weak, the global, fewer leading underscores, the longer name (as
+  printed), else the first in table order.
+- PLT (x86_64): ``<name>@plt`` per ``.rela.plt`` entry in GOT-slot order over ``.plt.sec``, else
+  ``.plt`` after its 16-byte header (dso__synthesize_plt_symbols); added after the fixups,
+  dropped where an ELF symbol starts. ``load_symbol_table_reference`` states it all in Python.
 
-Cost: one native pass (symtab.c unw_symtab_scan: filter, sort, fixups), O(n log n); names stay
-string-table offsets except in duplicate groups only demangled names decide.
-``load_symbol_table_reference`` states the same rules in Python; tests hold the native to it.
+Cost: one native pass (symtab.c: filter, sort, fixups), O(n log n); names stay string-table
+offsets but in duplicate groups only demangled names decide.
 """
 
 from __future__ import annotations
@@ -307,7 +305,9 @@ def _scan(reader: ElfReader, sec_type: int) -> _Scan | None:
 
 def _plt_symbols(reader: ElfReader, base_index: int, demangled: bool = True) -> list[_Sym]:
     """perf's synthesized PLT symbols; with ``demangled=False`` entry names are the raw
-    dynamic-symbol names + ``@plt`` (the caller demangles them when needed)."""
+    dynamic-symbol names + ``@plt`` (the caller demangles them when needed). Relocations are
+    taken in GOT-slot order (x86 puts IRELATIVE relocs last; their symbol index is 0, hence
+    perf's bare ``@plt``)."""
     if reader.machine != EM_X86_64:
         return []
     plt = reader.section(".plt")
