@@ -227,7 +227,7 @@ def main() -> int:
         name = f"unwindd replay --format folded (before: PYTHONPATH={args.before})"
         rows.append((name, [*unwindd, "--format", "folded"]))
         # A cache dir of its own, warmed by one untimed run: symbol-table files are stamped
-        # with the code that wrote them (symbolize._code_stamp), so two builds sharing one dir
+        # with the code that wrote them (symstore._code_stamp), so two builds sharing one dir
         # discard and rebuild each other's tables at every alternation (~0.1 s each).
         before_cache = tempfile.mkdtemp(prefix="unwindd-before-cache-")
         envs[name] = {**os.environ, "PYTHONPATH": str(args.before),

@@ -33,7 +33,7 @@ from bench_sideband import code_path  # noqa: E402
 _CHILD = r"""
 import glob, hashlib, json, os, sys, time
 from unwindd.binaries.elfcache import ElfCache
-from unwindd.binaries import symbolize
+from unwindd.binaries import elfsyms
 paths = sorted({os.path.realpath(p) for g in json.loads(sys.argv[1]) for p in glob.glob(g)})
 cache = ElfCache()
 entries = []
@@ -42,12 +42,12 @@ for p in paths:
     if e.usable:
         entries.append(e)
 decide = [0.0]
-orig = symbolize._Scan._decide
+orig = elfsyms._Scan._decide
 def timed(out, n, strtab):
     t = time.process_time()
     orig(out, n, strtab)
     decide[0] += time.process_time() - t
-symbolize._Scan._decide = staticmethod(timed)
+elfsyms._Scan._decide = staticmethod(timed)
 t = time.process_time()
 for e in entries:
     e.symbols()

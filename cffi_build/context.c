@@ -58,7 +58,7 @@ struct pair_ent {
 };
 
 /* by function (fp_ctx_by_code(c, 2)): a module key's symbol table, the caller's arrays
- * (symbolize.SymbolTable.starts/ends, kept alive by the caller for the context's life). */
+ * (symtab.SymbolTable.starts/ends, kept alive by the caller for the context's life). */
 struct sym_ent {
     uint64_t key;
     const uint64_t *starts, *ends;

@@ -169,7 +169,7 @@ int fp_ctx_by_code(struct fp_ctx *c, int on);
  * the region names it). */
 
 /* by function: module key's symbol table, sorted starts and their ends (n each, the arrays
- * symbolize.SymbolTable.lookup searches; kept alive by the caller while the context lives).
+ * symtab.SymbolTable.lookup searches; kept alive by the caller while the context lives).
  * Returns 0, or -1 (not by function, key already set, allocation failure). */
 int fp_set_symbols(struct fp_ctx *c, uint64_t key, const uint64_t *starts, const uint64_t *ends,
                    uint64_t n);

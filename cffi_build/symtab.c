@@ -1,4 +1,5 @@
-/* symtab.c: ELF symbol tables and /proc/kallsyms scanned in one native pass (symbolize.py).
+/* symtab.c: ELF symbol tables and /proc/kallsyms scanned in one native pass (elfsyms.py,
+ * kallsyms.py).
  *
  * Why native: a Python loop over .symtab costs ~1 us per symbol (python3.11 and libc's debug
  * file hold ~10-40k symbols each), and the replay path loads ~45 binaries; here it is ~20 ns.
@@ -6,7 +7,7 @@
  * Invariants:
  * - Same selection and order as perf 6.1 (tools/perf/util/symbol-elf.c dso__load_sym,
  *   symbol.c symbols__fixup_end / symbols__fixup_duplicate / choose_best_symbol); see the rules
- *   at the top of symbolize.py, which this file implements for everything that does not need a
+ *   at the top of elfsyms.py, which this file implements for everything that does not need a
  *   demangled name. A tie that does (same start, same size class, binding, and a name that is
  *   Itanium-mangled or not ASCII) is left to Python: every member of that group gets
  *   keep == UNW_SYM_UNDECIDED.
@@ -210,7 +211,7 @@ int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *o
     for (uint64_t pos = 0; pos < len && n < cap; line++) {
         const uint8_t *nl = memchr(text + pos, '\n', len - pos);
         uint64_t end = nl ? (uint64_t)(nl - text) : len, next = end + 1;
-        /* ^([0-9a-fA-F]+) [tTwW] (\S+)(?:[ \t]+\[([^\]\s]+)\])?[ \t]*$ (symbolize.py) */
+        /* ^([0-9a-fA-F]+) [tTwW] (\S+)(?:[ \t]+\[([^\]\s]+)\])?[ \t]*$ (kallsyms.py) */
         uint64_t p = pos, addr = 0, nd = 0;
         while (p < end && is_hex(text[p])) {
             uint8_t c = text[p++];

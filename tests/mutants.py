@@ -266,7 +266,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "[unknown] to perf) is named after the symbol before it",
         edits=(
             Edit(
-                "daemon/unwindd/binaries/symbolize.py",
+                "daemon/unwindd/binaries/symtab.py",
                 old="        if addr < end or addr == start:\n"
                 "            return self.name(i), addr - start\n"
                 "        return None\n",

@@ -14,8 +14,9 @@ from elftools.elf.elffile import ELFFile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from procutil import wait_mapped
-from unwindd.binaries import elfcache
-from unwindd.binaries.elfcache import CacheConfig, ElfCache, ElfReader
+from unwindd.binaries import elfentry
+from unwindd.binaries.elf import ElfReader
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.procs.proctable import ProcessTable
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
@@ -217,7 +218,8 @@ def test_bias_matches_symbol_values(addr_bins: dict[str, Path], kind: str) -> No
 
 
 def test_bias_formula_on_synthetic_segments() -> None:
-    from unwindd.binaries.elfcache import ElfEntry, Segment
+    from unwindd.binaries.elf import Segment
+    from unwindd.binaries.elfentry import ElfEntry
 
     e = ElfEntry(key=None, filename="/x", path="/x", segments=(
         Segment(0x0, 0x0, 0x1200, 0x1200, 4),
@@ -261,7 +263,7 @@ def test_cfi_lookup_skips_debug_search_and_factory() -> None:
         e = cache.acquire(None, "/bin/true")
         assert e.build_id and e.cfi() is (hit if found else e.cfi()) and looked == [e.build_id]
         if found is not None:
-            assert calls == [] and e._debug is elfcache._NOT_LOADED
+            assert calls == [] and e._debug is elfentry._NOT_LOADED
         else:
             assert calls == [e.debug_path()]
 

@@ -573,7 +573,7 @@ def test_replay_does_not_import_live_or_service_stacks() -> None:
 def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> None:
     """symtab.c (ELF symbols, kallsyms) and sideband.c on truncated/mutated real inputs under
     ASan/UBSan (tests/native/sym_fuzz.c)."""
-    from unwindd.binaries.elfcache import ElfReader
+    from unwindd.binaries.elf import ElfReader
 
     cc = shutil.which("gcc")
     assert cc

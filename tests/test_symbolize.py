@@ -15,15 +15,10 @@ from elftools.elf.elffile import ELFFile
 from perfutil import PERF, record_perf_data
 from unwindd.binaries.demangle import demangle, demangle_full, demangle_rust_legacy
 from unwindd.binaries.elfcache import ElfCache
-from unwindd.binaries.symbolize import (
-    Kallsyms,
-    PerfMap,
-    Symbolizer,
-    load_symbol_table,
-    load_symbol_table_reference,
-    parse_kallsyms,
-    parse_perf_map,
-)
+from unwindd.binaries.elfsyms import load_symbol_table, load_symbol_table_reference
+from unwindd.binaries.kallsyms import Kallsyms, parse_kallsyms
+from unwindd.binaries.perfmaps import PerfMap, parse_perf_map
+from unwindd.binaries.symbolize import Symbolizer
 from unwindd.procs.proctable import ProcessTable
 from unwindd.source.abi import MISC_USER
 from unwindd.source.perfdata import PerfData
@@ -377,14 +372,14 @@ def test_leaf_names_match_perf_script(work: dict[str, Path]) -> None:
     assert cache.stats.errors.total() == 0, cache.stats.errors
 
 
-# -- duplicate groups decided on demangled names (symbolize._Scan._decide)
+# -- duplicate groups decided on demangled names (elfsyms._Scan._decide)
 
 
 def _decide_reference(out: object, n: int, strtab: bytes) -> None:
     """_Scan._decide as it was before demangling was avoided (kept as the reference): every
     member of an undecided group demangled, then the left-to-right fold of _a_is_best."""
     from unwindd._unwcore import ffi
-    from unwindd.binaries.symbolize import _USYM, _a_is_best, _Sym
+    from unwindd.binaries.elfsyms import _USYM, _a_is_best, _Sym
 
     raw = ffi.buffer(out, n * _USYM.size)
     keep = bytes(raw)[25 :: _USYM.size]
@@ -425,8 +420,8 @@ def _undecided_scans(path: str) -> Iterator[tuple[object, int, bytes]]:
     """(native scan output, its length, string table) of every symbol table of ``path`` and
     its debug file in which the scan left groups undecided."""
     from unwindd._unwcore import ffi, lib
-    from unwindd.binaries import symbolize as sz
-    from unwindd.binaries.elfcache import ElfReader
+    from unwindd.binaries import elfsyms as sz
+    from unwindd.binaries.elf import ElfReader
 
     cache = ElfCache()
     e = cache.acquire(None, path)
@@ -466,7 +461,7 @@ def test_decide_matches_full_demangling_on_system_binaries() -> None:
     their debug files): the shortcuts (raw steps first, plain names, constructor variants)
     change the cost only."""
     from unwindd._unwcore import ffi
-    from unwindd.binaries.symbolize import _USYM, _Scan
+    from unwindd.binaries.elfsyms import _USYM, _Scan
 
     tables = undecided = 0
     for path in _decide_binaries():
@@ -504,7 +499,7 @@ def test_decide_matches_full_demangling_on_system_binaries() -> None:
     ],
 )
 def test_ctor_twin(name: str, masked: str | None) -> None:
-    from unwindd.binaries.symbolize import _ctor_twin
+    from unwindd.binaries.elfsyms import _ctor_twin
 
     got = _ctor_twin(name)
     assert (got[2] if got else None) == masked

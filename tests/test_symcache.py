@@ -1,4 +1,4 @@
-"""symbolize.SymbolStore: finished symbol tables persisted by build-id (issue 3: replay speed).
+"""symstore.SymbolStore: finished symbol tables persisted by build-id (issue 3: replay speed).
 
 1. A table read back from its file equals a fresh ``load_symbol_table``: the columns, every
    symbol's name, lookups at every start, end - 1 and end, and at random addresses; on real
@@ -28,21 +28,20 @@ import zlib
 from pathlib import Path
 
 import pytest
-from unwindd.binaries import symbolize
-from unwindd.binaries.elfcache import CacheConfig, CacheFileError, ElfCache, ElfEntry
-from unwindd.binaries.symbolize import (
-    SymbolStore,
-    SymbolTable,
-    encode_symbol_table,
-    load_symbol_table,
-)
+from unwindd.binaries import symstore
+from unwindd.binaries.cachefiles import CacheFileError
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
+from unwindd.binaries.elfentry import ElfEntry
+from unwindd.binaries.elfsyms import load_symbol_table
+from unwindd.binaries.symstore import SymbolStore, encode_symbol_table
+from unwindd.binaries.symtab import SymbolTable
 from unwindd.unwind.engine import StackEngine
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LIBC = os.path.realpath(f"{LIB}/libc.so.6")
 LIBSTDCXX = os.path.realpath(f"{LIB}/libstdc++.so.6")
 LIBZ = os.path.realpath(f"{LIB}/libz.so.1")
-HDR = struct.Struct("<8sIIQIIIIQI4x")  # symbolize._SYM_FILE, spelled out: the format is the test
+HDR = struct.Struct("<8sIIQIIIIQI4x")  # symstore._SYM_FILE, spelled out: the format is the test
 NO_NAME = 0xFFFFFFFF
 
 
@@ -260,7 +259,7 @@ def test_other_code_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     """Files written by other code (another stamp of the modules that decide a table) are
     rebuilt: a changed demangler or rule never serves an old table."""
     _entry(LIBZ, SymbolStore(tmp_path)).symbols()
-    monkeypatch.setattr(symbolize, "_stamp", [0x1234])
+    monkeypatch.setattr(symstore, "_stamp", [0x1234])
     store = SymbolStore(tmp_path)
     _entry(LIBZ, store).symbols()
     _stats(store, stale=1, misses=1)
@@ -387,7 +386,7 @@ def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
     are guessable) or at the file itself is never written through."""
     import threading
 
-    from unwindd.binaries.elfcache import read_cache_file, write_cache_file
+    from unwindd.binaries.cachefiles import read_cache_file, write_cache_file
 
     victim = tmp_path / "victim"
     victim.write_bytes(b"keep")
@@ -404,7 +403,7 @@ def test_prune_cache_dir(tmp_path: Path) -> None:
     """The daemon bounds each cache dir at start: temporaries older than STALE_TMP_SECONDS go,
     then the least recently used files (max of atime, mtime) until the rest fits; links,
     directories and fresh temporaries are left alone."""
-    from unwindd.binaries.elfcache import STALE_TMP_SECONDS, prune_cache_dir
+    from unwindd.binaries.cachefiles import STALE_TMP_SECONDS, prune_cache_dir
 
     now = 1_000_000.0
     for i in range(5):  # a.sym (oldest use) .. e.sym (newest), 100 bytes each

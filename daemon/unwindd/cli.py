@@ -111,13 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     """The directory under which the fast replay keeps compiled CFI tables (``cfi/``,
-    cfi.CfiStore) and symbol tables (``sym/``, symbolize.SymbolStore), or None. Files are keyed
+    cfi.CfiStore) and symbol tables (``sym/``, symstore.SymbolStore), or None. Files are keyed
     by the binary's build-id and checked, so a stale or damaged file is rebuilt, never trusted;
     ~1 MB of CFI per distinct binary (libc's table is ~0.8x its .eh_frame) and ~20 B per
     symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
     if args.no_cache:
         return None
-    from .binaries.elfcache import user_cache_dir  # (the replay imports elfcache anyway)
+    from .binaries.cachefiles import user_cache_dir  # (the replay imports cachefiles anyway)
 
     return args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR") or user_cache_dir(os.environ)
 

@@ -1,3 +1,4 @@
-"""What a binary holds: ELF reading, the shared ELF cache and its disk cache, compiled CFI, symbol
-tables, demangling.
+"""What a binary holds: ELF reading (elf), the shared ELF cache (elfcache, elfentry) and its disk
+cache files (cachefiles), compiled CFI (cfi), symbol tables (symtab, elfsyms, symstore), kernel
+and JIT symbols (kallsyms, perfmaps), names for frames (symbolize), demangling (demangle).
 """

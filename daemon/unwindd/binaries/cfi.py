@@ -14,8 +14,8 @@ Invariants:
   read-only mmap (zero copies; ``.debug_frame`` is copied only when SHF_COMPRESSED).
 - ``CfiStore`` files are ``FILE_HEADER`` + blob: magic, version, arch, blob size, CRC-32. Any
   mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; reads and the
-  atomic writes (temporary file + ``os.replace``) are elfcache's ``read_cache_file`` and
-  ``write_cache_file``, shared with ``symbolize.SymbolStore``.
+  atomic writes (temporary file + ``os.replace``) are cachefiles' ``read_cache_file`` and
+  ``write_cache_file``, shared with ``symstore.SymbolStore``.
 
 Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see bench/bench_cfi.py);
 ``lookup`` is O(log R); ``rows`` decodes the blob in Python, O(R), for tests and debugging.
@@ -33,7 +33,7 @@ from enum import IntEnum
 from typing import Any
 
 from .._unwcore import ffi, lib
-from .elfcache import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
+from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 
 __all__ = [
     "ERROR_NAMES",

@@ -1,364 +1,45 @@
-"""Shared ELF cache: one entry per binary, shared by every pid that maps it.
+"""The shared ELF cache (``ElfCache``): one ``elfentry.ElfEntry`` per binary, shared by every
+pid that maps it (seeds 000/002/003, DESIGN.md "Process table and ELF cache").
 
 Invariants:
-- One ``ElfEntry`` per binary, keyed by build-id (``("b", id)``), else by file identity
-  ``("i", st_dev, st_ino, st_size, st_mtime_ns)``. Every pid mapping that binary gets the same
-  entry; per pid only the load bias differs (``ElfEntry.bias_for``). Seeds 000/002/003 and
-  DESIGN.md "Process table and ELF cache".
-- An entry is *usable* only if the file we opened is the file that was mapped: the build-id of
-  an MMAP2 build-id record, or the (dev, ino) of an inode-form MMAP2 / maps line, must match
-  the opened file. A mismatch gives an unusable entry (no symbols, no unwind table), counted
-  in ``stats.errors``; it is never put under a shared key, so a later good open still works.
-- Files are opened through ``<proc_root>/<pid>/root/<path>`` (the pid's mount namespace),
-  ``<proc_root>/<pid>/map_files/<start>-<end>`` for `` (deleted)`` paths, else the path itself;
-  with O_NONBLOCK (a FIFO must never block us) and O_NOFOLLOW on the last component (the kernel
-  reports d_path names, which contain no symlinks; one appearing there means the path changed).
-  Only regular files up to ``max_file_size`` bytes are read. The fd stays open while the entry
-  lives, so lazy loads (symbols, CFI via ``/proc/self/fd/N``) read the very file we validated,
-  even after it was deleted or replaced on disk.
-- Malformed ELF never raises out of this module: ``ElfReader`` checks every offset/size against
-  the file size and caps counts (``MAX_PHDRS``, ``MAX_SECTIONS``), so parsing costs
-  O(headers) time and memory; the error becomes a count and an unusable entry.
-- Memory: ``stats.bytes`` is an estimate of each cached entry's parsed data plus its CFI
-  table's ``nbytes``. Above ``max_bytes`` unreferenced entries are evicted least recently
-  released first; referenced entries are never evicted (the cap is then exceeded, visibly).
-  Loading a big binary's symbols and CFI leaves 10-20 MB of freed temporaries in glibc's
-  heap, which glibc keeps (RSS) unless asked: after every ``trim_bytes`` of entries loaded or
-  dropped the cache calls ``malloc_trim(0)`` (all arenas, the CFI worker's too; < 1 ms), so
-  RSS follows the cached bytes instead of the largest binary ever parsed.
-- Reference counts are per address space (``proctable``): acquire once per space that maps
-  the binary, release when the space drops its last mapping of it.
-- A file none of whose candidate paths opens (deleted, or in a namespace whose processes are
-  gone) is remembered in a bounded negative cache (``CacheConfig.negative_entries``), keyed by
-  the record's path and identity (build-id, maj/min/ino/generation), for
-  ``negative_ttl_ns``. A lookup that hits it skips the opens only when they cannot succeed for
-  this pid either: the same mapping of the same pid that just failed (a pin, then the table),
-  no per-pid path to try, or a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead
-  of up to three ``open``s). A live pid still tries its own ``root``/``map_files``, so a
-  process of another namespace is found as before; a path that appears again with the same
-  identity is found once the entry expires (or at once by a live pid). The failure is counted
-  as before (``errors``, ``misses``) plus ``negative_hits``.
+- Keyed by build-id (``("b", id)``), else by file identity ``("i", st_dev, st_ino, st_size,
+  st_mtime_ns)``; per pid only the load bias differs (``ElfEntry.bias_for``).
+- An entry is usable only if the file opened (``_candidate_paths``: O_NONBLOCK, last component
+  not followed, a regular file up to ``max_file_size``) is the file mapped: the record's
+  build-id, or (dev, ino), must match. A mismatch or any error (never raised) gives an unusable
+  entry under no shared key, counted in ``stats.errors``; a later good open still works.
+- References are per address space (``proctable``). Above ``max_bytes`` unreferenced entries
+  are evicted, least recently released first; referenced ones never (the cap is then exceeded,
+  visibly). ``malloc_trim(0)`` after every ``trim_bytes`` loaded or dropped keeps RSS near the
+  cached bytes. Files no path opens are remembered, bounded, for ``negative_ttl_ns`` (``_Failed``).
 - Not thread-safe: one owner (the daemon's event loop) calls it.
-- On-disk caches (``cfi.CfiStore``, ``symbolize.SymbolStore``) keep one file per build-id and
-  share ``read_cache_file``/``write_cache_file``: a file is read whole only if it is a regular
-  file within the store's size bound, and written to a temporary name then ``os.replace``d, so
-  a reader sees a whole old file, a whole new one, or none (never half of one). What a file
-  holds is checked by its store before anything trusts it.
 
-Cost: a hit by build-id or by a known (maj, min, ino, generation) costs one dict lookup and no
-syscalls; a miss costs open + fstat + reading the ELF/program headers and notes (a few KiB); a
-negative hit costs no syscall, or one ``stat`` for a pid other than the one that failed.
+Cost: a hit by build-id or by a known (maj, min, ino, generation) is one dict lookup and no
+syscall; a miss is open + fstat + the ELF/program headers and notes (a few KiB); a negative hit
+no syscall, or one ``stat`` for a pid other than the one that failed.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import stat
-import struct
-import threading
 import time
-import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .symbolize import SymbolTable
+from .elf import ElfError, ElfReader, find_debug_file
+from .elfentry import CfiFactory, ElfEntry, SymbolFactory
 
-__all__ = [
-    "CacheConfig",
-    "CacheFileError",
-    "CacheStats",
-    "ElfCache",
-    "ElfEntry",
-    "ElfError",
-    "ElfReader",
-    "Section",
-    "Segment",
-    "read_cache_file",
-    "write_cache_file",
-]
-
-# (path that opens the validated file, separate debug file or None, the file's build-id or
-# None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
-CfiFactory = Callable[[str, "str | None", "bytes | None"], object]
-# An entry's symbol table instead of symbolize.load_symbol_table (a symbolize.SymbolStore).
-SymbolFactory = Callable[["ElfEntry"], "SymbolTable"]
-
-# --------------------------------------------------------------------------- ELF layouts
-
-# include/uapi/linux/elf.h, Elf64_Ehdr (after e_ident[16]):
-#   u16 e_type; u16 e_machine; u32 e_version; u64 e_entry; u64 e_phoff; u64 e_shoff;
-#   u32 e_flags; u16 e_ehsize; u16 e_phentsize; u16 e_phnum; u16 e_shentsize; u16 e_shnum;
-#   u16 e_shstrndx;                                                       (64 bytes in all)
-_EHDR = struct.Struct("<HHIQQQIHHHHHH")
-# Elf64_Phdr: u32 p_type, p_flags; u64 p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_align
-_PHDR = struct.Struct("<IIQQQQQQ")
-# Elf64_Shdr: u32 sh_name, sh_type; u64 sh_flags, sh_addr, sh_offset, sh_size;
-#             u32 sh_link, sh_info; u64 sh_addralign, sh_entsize
-_SHDR = struct.Struct("<IIQQQQIIQQ")
-# Elf64_Nhdr: u32 n_namesz, n_descsz, n_type; name and desc each padded to 4 bytes
-_NHDR = struct.Struct("<III")
-
-ET_EXEC = 2
-ET_DYN = 3
-PT_LOAD = 1
-PT_NOTE = 4
-PF_X = 1
-SHT_NOBITS = 8
-SHT_NOTE = 7
-SHN_XINDEX = 0xFFFF
-PN_XNUM = 0xFFFF
-NT_GNU_BUILD_ID = 3
-
-MAX_PHDRS = 4096  # real binaries have < 20; bounds a hostile e_phnum
-MAX_SECTIONS = 1 << 16  # real binaries have < 100 (< 70k only with -ffunction-sections .o)
-MAX_NOTES_BYTES = 1 << 16  # build-id notes are tiny; never read more note data than this
-MAX_BUILD_ID = 64
-PAGE = 4096
-
-
-class ElfError(Exception):
-    """A file that is not an ELF we can read; ``reason`` is a metric label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """One PT_LOAD program header."""
-
-    vaddr: int
-    offset: int
-    filesz: int
-    memsz: int
-    flags: int
-
-    def __repr__(self) -> str:
-        return (
-            f"Segment(vaddr={self.vaddr:#x}, offset={self.offset:#x}, filesz={self.filesz:#x}, "
-            f"memsz={self.memsz:#x}, flags={self.flags:#x})"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Section:
-    name: str
-    type: int
-    flags: int
-    addr: int
-    offset: int
-    size: int
-    link: int
-    info: int
-    entsize: int
-
-    def __repr__(self) -> str:
-        return (
-            f"Section({self.name!r}, type={self.type}, addr={self.addr:#x}, "
-            f"offset={self.offset:#x}, size={self.size:#x})"
-        )
-
-
-class ElfReader:
-    """Bounds-checked reader of a 64-bit little-endian ELF on an open fd.
-
-    Every read is ``os.pread`` of a range checked against ``size``; counts are capped. Sections
-    are read on first use. Raises only ``ElfError``."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        self.size = size
-        ident = self.read(0, 64)
-        if ident[:4] != b"\x7fELF":
-            raise ElfError("bad_magic")
-        if ident[4] != 2:
-            raise ElfError("unsupported_class", f"EI_CLASS={ident[4]}")
-        if ident[5] != 1:
-            raise ElfError("unsupported_data", f"EI_DATA={ident[5]}")
-        (self.type, self.machine, _ver, self.entry, phoff, shoff, _flags, _ehsize, phentsize,
-         phnum, shentsize, shnum, shstrndx) = _EHDR.unpack_from(ident, 16)  # fmt: skip
-        self._phoff, self._phentsize, self._phnum = phoff, phentsize, phnum
-        self._shoff, self._shentsize = shoff, shentsize
-        self._shnum, self._shstrndx = shnum, shstrndx
-        self._sections: tuple[Section, ...] | None = None
-        self._by_name: dict[str, Section] | None = None
-        if phnum and phentsize < _PHDR.size:
-            raise ElfError("bad_phentsize")
-        self.segments_all = self._read_phdrs()
-
-    def read(self, off: int, n: int) -> bytes:
-        if off < 0 or n < 0 or off + n > self.size:
-            raise ElfError("out_of_bounds", f"{off:#x}+{n:#x} > {self.size:#x}")
-        try:
-            data = os.pread(self.fd, n, off)
-        except OSError as e:
-            raise ElfError("read_failed", str(e)) from None
-        if len(data) != n:
-            raise ElfError("short_read")
-        return data
-
-    def _first_shdr(self) -> tuple[int, ...] | None:
-        if not self._shoff or self._shentsize < _SHDR.size:
-            return None
-        return _SHDR.unpack(self.read(self._shoff, _SHDR.size))
-
-    def _read_phdrs(self) -> tuple[tuple[int, int, int, int, int, int, int], ...]:
-        phnum = self._phnum
-        if phnum == PN_XNUM:  # extended numbering: real count in shdr[0].sh_info
-            first = self._first_shdr()
-            phnum = first[7] if first else 0
-        if phnum > MAX_PHDRS:
-            raise ElfError("too_many_phdrs", str(phnum))
-        if phnum == 0:
-            return ()
-        raw = self.read(self._phoff, phnum * self._phentsize)
-        out = []
-        for i in range(phnum):
-            p_type, p_flags, off, vaddr, _paddr, filesz, memsz, _align = _PHDR.unpack_from(
-                raw, i * self._phentsize
-            )
-            out.append((p_type, p_flags, off, vaddr, filesz, memsz, _align))
-        return tuple(out)
-
-    def load_segments(self) -> tuple[Segment, ...]:
-        segs = []
-        for p_type, flags, off, vaddr, filesz, memsz, _ in self.segments_all:
-            if p_type != PT_LOAD:
-                continue
-            if filesz > memsz or off + filesz > self.size:
-                raise ElfError("bad_segment", f"offset={off:#x} filesz={filesz:#x}")
-            segs.append(Segment(vaddr, off, filesz, memsz, flags))
-        return tuple(segs)
-
-    # -- sections
-
-    @property
-    def sections(self) -> tuple[Section, ...]:
-        if self._sections is None:
-            self._sections = self._read_sections()
-        return self._sections
-
-    def _read_sections(self) -> tuple[Section, ...]:
-        if not self._shoff:
-            return ()
-        if self._shentsize < _SHDR.size:
-            raise ElfError("bad_shentsize")
-        shnum, strndx = self._shnum, self._shstrndx
-        if shnum == 0 or strndx == SHN_XINDEX:
-            first = self._first_shdr()
-            if first is None:
-                return ()
-            if shnum == 0:
-                shnum = first[5]  # sh_size holds the real count
-            if strndx == SHN_XINDEX:
-                strndx = first[6]  # sh_link holds the real index
-        if shnum > MAX_SECTIONS:
-            raise ElfError("too_many_sections", str(shnum))
-        raw = self.read(self._shoff, shnum * self._shentsize)
-        hdrs = [_SHDR.unpack_from(raw, i * self._shentsize) for i in range(shnum)]
-        names = b""
-        if 0 < strndx < shnum:
-            s = hdrs[strndx]
-            if s[1] != SHT_NOBITS:
-                names = self.read(s[4], s[5])
-        out = []
-        for sh_name, sh_type, flags, addr, off, size, link, info, _al, entsize in hdrs:
-            if sh_type != SHT_NOBITS and off + size > self.size:
-                raise ElfError("bad_section", f"offset={off:#x} size={size:#x}")
-            name = _cstr(names, sh_name) if sh_name < len(names) else ""
-            out.append(Section(name, sh_type, flags, addr, off, size, link, info, entsize))
-        return tuple(out)
-
-    def section(self, name: str) -> Section | None:
-        if self._by_name is None:
-            by: dict[str, Section] = {}
-            for s in self.sections:
-                by.setdefault(s.name, s)
-            self._by_name = by
-        return self._by_name.get(name)
-
-    def section_data(self, sec: Section) -> bytes:
-        if sec.type == SHT_NOBITS:
-            return b""
-        return self.read(sec.offset, sec.size)
-
-    # -- notes
-
-    def build_id(self) -> bytes | None:
-        """NT_GNU_BUILD_ID from PT_NOTE segments, else SHT_NOTE sections (debug files)."""
-        ranges = [(off, filesz) for t, _f, off, _v, filesz, _m, _a in self.segments_all
-                  if t == PT_NOTE]  # fmt: skip
-        if not ranges:
-            ranges = [(s.offset, s.size) for s in self.sections if s.type == SHT_NOTE]
-        budget = MAX_NOTES_BYTES
-        for off, size in ranges:
-            size = min(size, budget)
-            budget -= size
-            if size <= 0:
-                break
-            bid = _find_build_id(self.read(off, size))
-            if bid is not None:
-                return bid
-        return None
-
-    def debuglink(self) -> tuple[str, int] | None:
-        """``.gnu_debuglink``: (file name, CRC32 of the debug file)."""
-        sec = self.section(".gnu_debuglink")
-        if sec is None or sec.size > 4096:
-            return None
-        data = self.section_data(sec)
-        nul = data.find(b"\0")
-        if nul <= 0:
-            return None
-        crc_off = (nul + 4) & ~3
-        if crc_off + 4 > len(data):
-            return None
-        name = data[:nul].decode("utf-8", "surrogateescape")
-        if "/" in name:
-            return None
-        return name, struct.unpack_from("<I", data, crc_off)[0]
-
-
-def _cstr(buf: bytes, off: int) -> str:
-    end = buf.find(b"\0", off)
-    if end < 0:
-        end = len(buf)
-    return buf[off:end].decode("utf-8", "surrogateescape")
-
-
-def _find_build_id(notes: bytes) -> bytes | None:
-    off = 0
-    n = len(notes)
-    while off + _NHDR.size <= n:
-        namesz, descsz, ntype = _NHDR.unpack_from(notes, off)
-        name_off = off + _NHDR.size
-        desc_off = name_off + ((namesz + 3) & ~3)
-        end = desc_off + ((descsz + 3) & ~3)
-        if end > n or end <= off:
-            return None
-        if ntype == NT_GNU_BUILD_ID and notes[name_off : name_off + namesz] == b"GNU\0":
-            if 0 < descsz <= MAX_BUILD_ID:
-                return notes[desc_off : desc_off + descsz]
-            return None
-        off = end
-    return None
-
-
-# --------------------------------------------------------------------------- entries
+__all__ = ["CacheConfig", "CacheStats", "ElfCache"]
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     max_bytes: int = 512 << 20
-    # malloc_trim(0) after this many bytes of entries loaded or dropped (0: never). Measured
-    # (2026-11-22, glibc 2.36): parsing /usr/bin/node (symbols + CFI, 10.5 MB cached) left
-    # 10.5 MB free in the heap, docker 18 MB; malloc_trim(0) gave it back in 0.4-0.5 ms.
+    # malloc_trim(0) after this many bytes of entries loaded or dropped (0: never): parsing a
+    # big binary leaves about as much freed heap as it caches, which glibc keeps unless asked
     trim_bytes: int = 4 << 20
     max_file_size: int = 2 << 30
     max_debug_file_size: int = 2 << 30
@@ -381,14 +62,11 @@ class CacheStats:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-_ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry overhead
-
-
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` (malloc_trim(3): since 2.8 it releases the free pages of
-    every arena, not just the top of the main heap), or None without glibc. Called through
-    the native module (cffi_build/libcall.c), not ctypes: importing ctypes was ~5 ms of every
-    replay's start."""
+    every arena, not just the top of the main heap; the CFI worker's too), or None without
+    glibc. Called through the native module (cffi_build/libcall.c), not ctypes, whose import
+    every replay would pay."""
     from .._unwcore import lib
 
     if lib.unw_malloc_trim(1) != 0:  # (dry: is there one)
@@ -400,15 +78,16 @@ def _malloc_trim() -> Callable[[], None] | None:
     return trim
 
 
-_NOT_LOADED = object()
 _MAX_GONE = 4096  # pids remembered gone per negative entry
 
 
 @dataclass(slots=True)
 class _Failed:
-    """A negative cache entry: every candidate path of ``pid``'s mapping [start, end) failed
-    to open; ``path`` and ``reason`` are the last one's. ``gone``: pids found gone since (a
-    pid's pin, then the table's lookup of the same record: one ``stat`` for both)."""
+    """A negative cache entry, keyed by the record's path and identity (build-id, maj, min,
+    ino, generation): every candidate path of ``pid``'s mapping [start, end) failed to open;
+    ``path`` and ``reason`` are the last one's, counted again on a hit (``errors``,
+    ``misses``, plus ``negative_hits``). ``gone``: pids found gone since (a pid's pin, then the
+    table's lookup of the same record: one ``stat`` for both)."""
 
     expires_ns: int
     pid: int | None
@@ -417,185 +96,6 @@ class _Failed:
     path: str
     reason: str
     gone: set[int] = field(default_factory=set)
-
-
-_ids = itertools.count(1)
-
-
-class ElfEntry:
-    """One binary. Eagerly: identity and PT_LOAD segments (for the load bias). Lazily, once:
-    symbols (``symbols()``), separate debug file (``debug_path()``), CFI (``cfi()``)."""
-
-    __slots__ = (
-        "_cache",
-        "_cfi",
-        "_debug",
-        "_symbols",
-        "build_id",
-        "dev",
-        "error",
-        "etype",
-        "fd",
-        "filename",
-        "ino",
-        "key",
-        "mtime_ns",
-        "nbytes",
-        "path",
-        "refcount",
-        "segments",
-        "size",
-        "uid",
-    )
-
-    def __init__(
-        self,
-        *,
-        key: tuple[object, ...] | None,
-        filename: str,
-        path: str,
-        fd: int | None = None,
-        build_id: bytes | None = None,
-        etype: int = 0,
-        segments: tuple[Segment, ...] = (),
-        dev: int = 0,
-        ino: int = 0,
-        size: int = 0,
-        mtime_ns: int = 0,
-        error: str | None = None,
-        cache: ElfCache | None = None,
-    ) -> None:
-        self.uid = next(_ids)  # the unwinder's Module.key
-        self.key = key
-        self.filename = filename
-        self.path = path
-        self.fd = fd
-        self.build_id = build_id
-        self.etype = etype
-        self.segments = segments
-        self.dev, self.ino, self.size, self.mtime_ns = dev, ino, size, mtime_ns
-        self.error = error
-        self.refcount = 0
-        self.nbytes = _ENTRY_BASE_BYTES + 64 * len(segments) + 2 * len(path)
-        self._cache = cache
-        self._symbols: SymbolTable | None = None
-        self._debug: object = _NOT_LOADED
-        self._cfi: object = _NOT_LOADED
-
-    def __repr__(self) -> str:
-        bid = self.build_id.hex() if self.build_id else None
-        state = f"error={self.error}" if self.error else f"refs={self.refcount}"
-        return f"ElfEntry(#{self.uid} {self.filename!r} build_id={bid} {state})"
-
-    @property
-    def usable(self) -> bool:
-        return self.error is None and self.fd is not None
-
-    @property
-    def fd_path(self) -> str:
-        """A path that opens exactly the validated file (for readers that want a path)."""
-        return f"/proc/self/fd/{self.fd}"
-
-    def reader(self) -> ElfReader:
-        if self.fd is None:
-            raise ElfError("unusable", self.error or "closed")
-        return ElfReader(self.fd, self.size)
-
-    def bias_for(self, start: int, pgoff: int) -> int:
-        """Load bias of a mapping of this file at ``start`` from file offset ``pgoff``:
-        runtime address = ELF vaddr + bias.
-
-        File offset o of segment S is at vaddr ``S.vaddr + (o - S.offset)`` and, in a mapping
-        of offset ``pgoff`` at ``start``, at runtime ``start + (o - pgoff)``; so
-        ``bias = start - pgoff + S.offset - S.vaddr`` for the PT_LOAD S whose page-aligned file
-        range holds ``pgoff`` (the kernel maps each PT_LOAD from ``p_offset`` rounded down to a
-        page: fs/binfmt_elf.c elf_map). For ET_EXEC, start - pgoff == S.vaddr - S.offset, so the
-        bias is 0. Without a matching segment we fall back to the executable one, then to
-        vaddr == offset (bias = start - pgoff), as perf's map__map_ip does."""
-        best: Segment | None = None
-        for s in self.segments:
-            lo = s.offset - s.offset % PAGE
-            if lo <= pgoff < s.offset + max(s.filesz, 1):
-                if best is None or (s.flags & PF_X and not best.flags & PF_X):
-                    best = s
-        if best is None:
-            best = next((s for s in self.segments if s.flags & PF_X), None)
-        if best is None:
-            return start - pgoff
-        return start - pgoff + best.offset - best.vaddr
-
-    # -- lazies
-
-    def symbols(self) -> SymbolTable:
-        """The symbol table (perf's rules, see symbolize.py); loaded once, empty on error.
-        Built by the cache's ``symbol_factory`` if it has one (a ``SymbolStore``: the same
-        table, read from disk by build-id when it was built before)."""
-        if self._symbols is None:
-            from .symbolize import SymbolTable, load_symbol_table
-
-            table = SymbolTable.empty()
-            factory = self._cache.symbol_factory if self._cache is not None else None
-            if self.usable:
-                try:
-                    table = (factory or load_symbol_table)(self)
-                except ElfError as e:
-                    self._count_error(f"symbols_{e.reason}")
-            self._symbols = table
-            self._grow(table.nbytes)
-        return self._symbols
-
-    def debug_path(self) -> str | None:
-        """Separate debug file: build-id dir first, then .gnu_debuglink (validated)."""
-        if self._debug is _NOT_LOADED:
-            found: str | None = None
-            if self.usable and self._cache is not None:
-                try:
-                    found = self._cache.find_debug_file(self)
-                except ElfError as e:
-                    self._count_error(f"debug_{e.reason}")
-            self._debug = found
-        return self._debug if isinstance(self._debug, str) else None
-
-    def cfi(self) -> object | None:
-        """The unwind table from the injected factory (``CfiTable.from_elf``, or a
-        ``CfiStore`` keyed by ``build_id``), or None. With the cache's ``cfi_lookup`` (a
-        ``CfiStore``'s table by build-id alone), a table found there is taken without looking
-        for the separate debug file, which only building one needs (~0.1 ms of stats and
-        section-header reads per binary, ~65 binaries of a system-wide replay)."""
-        if self._cfi is _NOT_LOADED:
-            table: object | None = None
-            cache = self._cache
-            factory = cache.cfi_factory if cache is not None else None
-            if factory is not None and self.usable:
-                try:
-                    lookup = cache.cfi_lookup if cache is not None else None
-                    if lookup is not None and self.build_id:
-                        table = lookup(self.build_id)
-                    if table is None:
-                        table = factory(self.fd_path, self.debug_path(), self.build_id)
-                except Exception as e:  # a native compiler error must not kill the daemon
-                    self._count_error(f"cfi_{type(e).__name__}")
-            self._cfi = table
-            nbytes = getattr(table, "nbytes", 0)
-            self._grow(nbytes if isinstance(nbytes, int) else 0)
-        return self._cfi
-
-    def _grow(self, n: int) -> None:
-        self.nbytes += n
-        if self._cache is not None:
-            self._cache._grew(self, n)
-
-    def _count_error(self, reason: str) -> None:
-        if self._cache is not None:
-            self._cache.stats.errors[reason] += 1
-
-    def _close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-# --------------------------------------------------------------------------- cache
 
 
 class ElfCache:
@@ -745,7 +245,12 @@ class ElfCache:
 
     def _candidate_paths(self, pid: int | None, filename: str, start: int, end: int
                          ) -> list[tuple[str, bool]]:  # fmt: skip
-        """(path, follow_last_symlink) to try, in order."""
+        """(path, follow_last_symlink) to try, in order: ``<proc_root>/<pid>/root/<path>``
+        (the pid's mount namespace), the path itself, then the mapping's
+        ``<proc_root>/<pid>/map_files/<start>-<end>`` (the only one for `` (deleted)`` paths).
+        Opened O_NONBLOCK (a FIFO must never block us); the last component is not followed
+        but in ``map_files``: the kernel reports d_path names, which hold no symlinks, so one
+        appearing there means the path changed."""
         out: list[tuple[str, bool]] = []
         if filename.endswith(" (deleted)"):
             if pid is not None and end > start:
@@ -847,7 +352,11 @@ class ElfCache:
     def _still_fails(self, failed: _Failed, pid: int | None, start: int, end: int,
                      cands: list[tuple[str, bool]]) -> bool:  # fmt: skip
         """Whether ``cands`` must fail as ``failed``'s did (the path itself failed then and has
-        not expired): no per-pid path, the same pid's same mapping, or a pid that is gone."""
+        not expired): no per-pid path, the same pid's same mapping (a pin, then the table), or
+        a pid whose ``<proc_root>/<pid>`` is gone (one ``stat`` instead of up to three
+        ``open``s). A live pid still tries its own ``root``/``map_files``, so a process of
+        another namespace is still found; a path that appears again with the same identity
+        is found once the entry expires (or at once by a live pid)."""
         if (pid, start, end) == (failed.pid, failed.start, failed.end):
             return True
         proc = f"{self.proc_root}/"
@@ -922,166 +431,7 @@ class ElfCache:
     # -- debug files
 
     def find_debug_file(self, entry: ElfEntry) -> str | None:
-        """``<root>/.build-id/xx/rest.debug`` when the binary has a build-id and that file
-        carries the same one; else ``.gnu_debuglink`` in the binary's dir, its ``.debug/``
-        subdir and ``<root>/<dir>/`` (gdb's order; perf's dso__read_binary_type_filename),
-        accepted if its build-id matches or, without build-ids, its CRC32 does."""
-        roots = self.config.debug_roots
-        bid = entry.build_id
-        if bid:
-            h = bid.hex()
-            for root in roots:
-                cand = f"{root}/.build-id/{h[:2]}/{h[2:]}.debug"
-                if self._debug_matches(cand, bid, None):
-                    return cand
-        link = entry.reader().debuglink()
-        if link is None:
-            return None
-        name, crc = link
-        d = os.path.dirname(entry.filename.removesuffix(" (deleted)"))
-        cands = [f"{d}/{name}", f"{d}/.debug/{name}"] + [f"{r}{d}/{name}" for r in roots]
-        for cand in cands:
-            if self._debug_matches(cand, bid, crc):
-                return cand
-        return None
-
-    def _debug_matches(self, path: str, bid: bytes | None, crc: int | None) -> bool:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > self.config.max_debug_file_size:
-                return False
-            if bid:
-                return ElfReader(fd, st.st_size).build_id() == bid
-            if crc is None:
-                return False
-            c = 0
-            off = 0
-            while chunk := os.pread(fd, 1 << 20, off):
-                c = zlib.crc32(chunk, c)
-                off += len(chunk)
-            return c == crc
-        except (ElfError, OSError):
-            return False
-        finally:
-            os.close(fd)
-
-
-# --------------------------------------------------------------------------- cache files
-
-
-class CacheFileError(Exception):
-    """A cache file that exists but cannot be used as one (unreadable, not a regular file, or
-    over its store's size bound)."""
-
-
-def read_cache_file(path: str, limit: int) -> bytes | None:
-    """The whole file at ``path``; None if there is none. CacheFileError if it cannot be read
-    or is not a regular file of at most ``limit`` bytes (checked on the open fd before reading,
-    so a huge or special file costs one fstat). Cost: one open, fstat, read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CacheFileError(f"open: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CacheFileError("not a regular file or too large")
-        chunks: list[bytes] = []
-        want = st.st_size + 1  # +1: a file that grew since the fstat reads long (refused)
-        while want > 0 and (chunk := os.read(fd, want)):
-            chunks.append(chunk)
-            want -= len(chunk)
-        data = b"".join(chunks)  # one chunk (the usual case): no copy
-        if len(data) > limit:
-            raise CacheFileError("grew past its bound")
-        return data
-    except OSError as e:
-        raise CacheFileError(f"read: {e}") from None
-    finally:
-        os.close(fd)
-
-
-STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
-
-
-def user_cache_dir(env: Mapping[str, str]) -> str:
-    """The cache dir of a user who may not write the system one: ``$XDG_CACHE_HOME/unwindd``,
-    else ``~/.cache/unwindd`` (``unwindd replay``'s default; the daemon's when not root)."""
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "unwindd")
-
-
-def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tuple[int, int]:
-    """Bound one cache directory (CfiStore's or SymbolStore's, flat): remove temporaries a
-    crashed writer left (older than ``STALE_TMP_SECONDS``), then, while the files total more
-    than ``max_bytes``, the least recently used (by max(atime, mtime): a hit reads the file,
-    and relatime still moves atime past mtime once a day). Only regular files directly in
-    ``path`` are considered; errors skip a file. Returns (files removed, bytes removed).
-    Cost: one scandir and a sort of the directory's entries; run at start."""
-    now = time.time() if now is None else now
-    files: list[tuple[float, int, str]] = []
-    removed = freed = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0, 0
-    for de in entries:
-        try:
-            st = de.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        if de.name.endswith(".tmp"):
-            if now - st.st_mtime > STALE_TMP_SECONDS and discard_cache_file(de.path):
-                removed, freed = removed + 1, freed + st.st_size
-            continue
-        files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
-    total = sum(size for _, size, _ in files)
-    for _, size, p in sorted(files):
-        if total <= max_bytes:
-            break
-        if discard_cache_file(p):
-            removed, freed, total = removed + 1, freed + size, total - size
-    return removed, freed
-
-
-def discard_cache_file(path: str) -> bool:
-    """Remove a cache file (refused, stale or past the bound); False if it could not be."""
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
-def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
-    """``parts`` concatenated into ``path`` through a temporary file + ``os.replace`` (atomic
-    on one filesystem); False, the temporary removed, on any OSError. The temporary's name has
-    the pid and thread, so concurrent writers (the CFI worker thread, another process) never
-    share one; the last replace wins, and every writer of one build-id writes the same bytes."""
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        # O_EXCL | O_NOFOLLOW: never write through a symlink or into a file someone planted
-        # under the temporary's name (a root replay may be given a cache dir others can write)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)  # fmt: skip
-        with open(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-        os.replace(tmp, path)
-        return True
-    except FileExistsError:
-        return False  # not ours to remove
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        return False
+        """``entry``'s separate debug file under ``config.debug_roots`` (elf.find_debug_file)."""
+        cfg = self.config
+        return find_debug_file(entry.filename, entry.build_id, entry.reader, cfg.debug_roots,
+                               cfg.max_debug_file_size)  # fmt: skip

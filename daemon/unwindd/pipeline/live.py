@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..binaries.elfcache import ElfCache, ElfEntry
+from ..binaries.elfcache import ElfCache
+from ..binaries.elfentry import ElfEntry
 from ..procs.livetable import LiveTable, LiveTableConfig
 from ..procs.procscan import ProcFS
 from ..procs.proctable import PROT_EXEC

@@ -49,7 +49,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..binaries.elfcache import ElfEntry
+from ..binaries.elfentry import ElfEntry
 from ..source.abi import MISC_MMAP_DATA
 from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record, frozen_maker
 
@@ -496,7 +496,7 @@ class ProcessTable:
         if filename == "[vdso]":
             return self.binaries.acquire_vdso()
         if not filename.startswith("/") or filename.startswith("//"):
-            return None  # anon, [stack], //anon JIT code: no file (JIT: symbolize.PerfMap)
+            return None  # anon, [stack], //anon JIT code: no file (JIT: perfmaps.PerfMap)
         return self.binaries.acquire(
             pid, filename, start, end, build_id=ident.build_id, maj=ident.maj, min=ident.min,
             ino=ident.ino, ino_generation=ident.ino_generation,

@@ -761,7 +761,8 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
     (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root
     and the default dir not writable: the user's cache dir; a dir that cannot be made is
     logged and the daemon runs without one."""
-    from ..binaries.elfcache import CacheConfig, prune_cache_dir, user_cache_dir
+    from ..binaries.cachefiles import prune_cache_dir, user_cache_dir
+    from ..binaries.elfcache import CacheConfig
     from ..unwind.engine import CACHE_SUBDIRS, StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),

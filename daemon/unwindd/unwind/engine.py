@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from ..binaries.elfcache import _NOT_LOADED, CacheConfig, ElfCache
+from ..binaries.elfcache import CacheConfig, ElfCache
+from ..binaries.elfentry import _NOT_LOADED
 from ..binaries.symbolize import Symbolizer
 from ..procs.proctable import Mapping, ProcessTable, _State, find_mapping
 from ..source import abi
@@ -207,7 +208,7 @@ class CfiPrefetcher:
 
 
 def _cfi_loaded(entry: Any) -> bool:
-    # A read-only peek at ElfEntry's lazy slot (elfcache.py has no public "loaded?" query and
+    # A read-only peek at ElfEntry's lazy slot (elfentry.py has no public "loaded?" query and
     # is another change's file); calling cfi() would compile on this thread, which is the
     # point of asking.
     return getattr(entry, "_cfi", _NOT_LOADED) is not _NOT_LOADED
@@ -277,7 +278,7 @@ class StackEngine:
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
         (``CfiPrefetcher``). OSError if a directory cannot be made."""
         from ..binaries.cfi import CfiStore, CfiTable
-        from ..binaries.symbolize import SymbolStore
+        from ..binaries.symstore import SymbolStore
         from . import unwinder as unw
 
         if cache_dir is not None:

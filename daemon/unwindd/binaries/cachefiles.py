@@ -1,0 +1,150 @@
+"""On-disk cache files: one flat directory per store (``cfi.CfiStore``, ``symstore.SymbolStore``),
+one file per build-id, under the daemon's cache dir or ``user_cache_dir``.
+
+Rules:
+- A file is read whole only if it is a regular file (opened O_NOFOLLOW | O_NONBLOCK) within its
+  store's size bound, checked on the open fd; else ``CacheFileError``. What a file holds is
+  checked by its store before anything trusts it.
+- A file is written to a temporary name (pid and thread in it; O_EXCL | O_NOFOLLOW: never
+  through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
+  file, a whole new one, or none, never half of one. Writers of one build-id write the same
+  bytes; the last replace wins.
+- ``prune_cache_dir`` bounds a directory: temporaries a dead writer left, then the least
+  recently used files, until the total fits. Writes, discards and prunes never raise: they
+  return False or skip the file.
+
+Cost: a read is one open, fstat and read; a write one open, write and rename; a prune one
+scandir and a sort of the directory's entries, O(n log n), run at start.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+__all__ = [
+    "STALE_TMP_SECONDS",
+    "CacheFileError",
+    "discard_cache_file",
+    "prune_cache_dir",
+    "read_cache_file",
+    "user_cache_dir",
+    "write_cache_file",
+]
+
+
+class CacheFileError(Exception):
+    """A cache file that exists but cannot be used as one (unreadable, not a regular file, or
+    over its store's size bound)."""
+
+
+def read_cache_file(path: str, limit: int) -> bytes | None:
+    """The whole file at ``path``; None if there is none. CacheFileError if it cannot be read
+    or is not a regular file of at most ``limit`` bytes (checked on the open fd before reading,
+    so a huge or special file costs one fstat). Cost: one open, fstat, read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CacheFileError(f"open: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise CacheFileError("not a regular file or too large")
+        chunks: list[bytes] = []
+        want = st.st_size + 1  # +1: a file that grew since the fstat reads long (refused)
+        while want > 0 and (chunk := os.read(fd, want)):
+            chunks.append(chunk)
+            want -= len(chunk)
+        data = b"".join(chunks)  # one chunk (the usual case): no copy
+        if len(data) > limit:
+            raise CacheFileError("grew past its bound")
+        return data
+    except OSError as e:
+        raise CacheFileError(f"read: {e}") from None
+    finally:
+        os.close(fd)
+
+
+STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
+
+
+def user_cache_dir(env: Mapping[str, str]) -> str:
+    """The cache dir of a user who may not write the system one: ``$XDG_CACHE_HOME/unwindd``,
+    else ``~/.cache/unwindd`` (``unwindd replay``'s default; the daemon's when not root)."""
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "unwindd")
+
+
+def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tuple[int, int]:
+    """Bound one cache directory (CfiStore's or SymbolStore's, flat): remove temporaries a
+    crashed writer left (older than ``STALE_TMP_SECONDS``), then, while the files total more
+    than ``max_bytes``, the least recently used (by max(atime, mtime): a hit reads the file,
+    and relatime still moves atime past mtime once a day). Only regular files directly in
+    ``path`` are considered; errors skip a file. Returns (files removed, bytes removed).
+    Cost: one scandir and a sort of the directory's entries; run at start."""
+    now = time.time() if now is None else now
+    files: list[tuple[float, int, str]] = []
+    removed = freed = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0, 0
+    for de in entries:
+        try:
+            st = de.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        if de.name.endswith(".tmp"):
+            if now - st.st_mtime > STALE_TMP_SECONDS and discard_cache_file(de.path):
+                removed, freed = removed + 1, freed + st.st_size
+            continue
+        files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
+    total = sum(size for _, size, _ in files)
+    for _, size, p in sorted(files):
+        if total <= max_bytes:
+            break
+        if discard_cache_file(p):
+            removed, freed, total = removed + 1, freed + size, total - size
+    return removed, freed
+
+
+def discard_cache_file(path: str) -> bool:
+    """Remove a cache file (refused, stale or past the bound); False if it could not be."""
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
+    """``parts`` concatenated into ``path`` through a temporary file + ``os.replace`` (atomic
+    on one filesystem); False, the temporary removed, on any OSError. The temporary's name has
+    the pid and thread, so concurrent writers (the CFI worker thread, another process) never
+    share one; the last replace wins, and every writer of one build-id writes the same bytes."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        # O_EXCL | O_NOFOLLOW: never write through a symlink or into a file someone planted
+        # under the temporary's name (a root replay may be given a cache dir others can write)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)  # fmt: skip
+        with open(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(tmp, path)
+        return True
+    except FileExistsError:
+        return False  # not ours to remove
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

@@ -1,0 +1,105 @@
+"""Kernel text symbols from ``/proc/kallsyms`` (``Kallsyms``), named as perf names them.
+
+Rules:
+- A line is ``ADDR TYPE NAME``, plus a tab and ``[MODULE]`` for a module's symbol
+  (kernel/kallsyms.c s_show); text symbols (types t, T, w, W) are kept, as perf's
+  kallsyms__parse and its symbol filter keep them.
+- Ends follow symbols__fixup_end(is_kallsyms=True): up to the next symbol, except across the
+  kernel/module boundary, where a symbol gets one page.
+- Addresses all zero (kptr_restrict, not root): the table is not ``usable`` and names nothing.
+- ``Kallsyms`` parses natively (symtab.c unw_kallsyms_parse) into address columns and keeps the
+  text; ``parse_kallsyms`` is the reference parser of the same grammar.
+
+Cost: one native parse, O(n) on the kernel's sorted output (O(n log n) otherwise); a name is
+decoded from the kept text on its first lookup, once; a lookup is one bisect.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass
+
+__all__ = ["Kallsyms", "KernelSymbol", "parse_kallsyms"]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSymbol:
+    name: str
+    offset: int
+    module: str | None  # None for the kernel image ("[kernel.kallsyms]")
+
+
+# One kallsyms line: ``ADDR TYPE NAME`` plus ``\t[MODULE]`` for module symbols
+# (kernel/kallsyms.c s_show). The reference parser; Kallsyms uses the native one
+# (symtab.c unw_kallsyms_parse, same grammar).
+_KALLSYMS_TEXT = re.compile(r"^([0-9a-fA-F]+) [tTwW] (\S+)(?:[ \t]+\[([^\]\s]+)\])?[ \t]*$", re.M)
+
+
+def parse_kallsyms(text: str) -> list[tuple[int, str, str | None]]:
+    """``ADDR TYPE NAME [MODULE]`` lines -> sorted (addr, name, module) for text symbols
+    (types t/T/w/W), as perf's kallsyms__parse + symbol filtering keep them."""
+    out = [(int(a, 16), n, m or None) for a, n, m in _KALLSYMS_TEXT.findall(text)]
+    out.sort(key=lambda t: t[0])
+    return out
+
+
+# unw_ksym (unwcore.h), 32 bytes: u64 addr, end; u32 name_off, mod_off; u16 name_len, mod_len;
+# u32 line
+_KSYM = 32
+
+
+class Kallsyms:
+    """Kernel text symbols. Ends follow symbols__fixup_end(is_kallsyms=True): up to the next
+    symbol, except across the kernel/module boundary, where a symbol gets one page. Parsed
+    natively into address columns; a name is decoded from the kept text on first lookup."""
+
+    def __init__(self, text: str | bytes) -> None:
+        from .._unwcore import ffi, lib
+
+        raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
+        cap = raw.count(b"\n") + 1
+        out = ffi.new("struct unw_ksym[]", cap)
+        n = int(lib.unw_kallsyms_parse(raw, len(raw), out, cap))
+        words = memoryview(ffi.buffer(out, n * _KSYM)).cast("Q")
+        self.starts = array("Q", words[0::4].tobytes())
+        self.ends = array("Q", words[1::4].tobytes())
+        u32 = words.cast("B").cast("I")
+        self._name_off = array("I", u32[4::8].tobytes())
+        self._mod_off = array("I", u32[5::8].tobytes())
+        self._lens = array("I", u32[6::8].tobytes())  # name_len | mod_len << 16
+        self._text = raw
+        self._names: dict[int, KernelSymbol] = {}
+
+    @classmethod
+    def load(cls, proc_root: str = "/proc") -> Kallsyms:
+        with open(f"{proc_root}/kallsyms", "rb") as f:
+            return cls(f.read())
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def usable(self) -> bool:
+        """False when kptr_restrict zeroed every address (not root)."""
+        return bool(self.starts) and self.starts[-1] != 0
+
+    def _symbol(self, i: int) -> KernelSymbol:
+        """Symbol ``i`` at offset 0, decoded once."""
+        ks = self._names.get(i)
+        if ks is None:
+            t = self._text
+            name_off, mod_off, lens = self._name_off[i], self._mod_off[i], self._lens[i]
+            name_len, mod_len = lens & 0xFFFF, lens >> 16
+            name = t[name_off : name_off + name_len].decode("utf-8", "replace")
+            mod = t[mod_off : mod_off + mod_len].decode("utf-8", "replace") if mod_len else None
+            ks = self._names[i] = KernelSymbol(name, 0, mod)
+        return ks
+
+    def lookup(self, addr: int) -> KernelSymbol | None:
+        i = bisect_right(self.starts, addr) - 1
+        if i < 0 or addr >= self.ends[i] or self.starts[i] == 0:
+            return None
+        ks = self._symbol(i)
+        return KernelSymbol(ks.name, addr - self.starts[i], ks.module)

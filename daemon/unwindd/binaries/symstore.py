@@ -1,0 +1,271 @@
+"""Finished symbol tables persisted by build-id: ``SymbolStore`` (an ElfCache
+``symbol_factory``) keeps ``<dir>/<build-id hex>.sym`` and reads it back instead of scanning.
+
+Rules:
+- A table read back answers every lookup and name exactly as the one it was saved from: the
+  file holds the columns of ``SymbolTable._columns`` as ``load_symbol_table`` returned them,
+  before any lookup.
+- A file is used only if every check of ``decode_symbol_table`` passes: size, CRC-32, build-id,
+  layout version, a stamp of the code that decides the content (``_code_stamp``) and of the
+  binary's size and debug file (``source_stamp``: stripped copies keep their build-id), name
+  offsets in range. Else it is counted, removed, rebuilt and rewritten.
+- Binaries without a build-id are never persisted: nothing else identifies the content.
+- Reads and atomic writes are cachefiles'; a table over the bounds is not written.
+
+Cost: a hit is one open, fstat and read (~20 B a symbol plus the string table), one CRC pass,
+a few ``array.frombytes`` and one ``max``: O(n); a write is O(n) bulk copies + O(PLT).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from array import array
+from collections.abc import Iterable
+
+from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
+from .elfentry import ElfEntry
+from .elfsyms import content_modules, load_symbol_table
+from .symtab import NO_NAME, SymbolTable
+
+__all__ = [
+    "MAX_SYM_FILE",
+    "SYM_FILE_MAGIC",
+    "SYM_FILE_VERSION",
+    "SymbolStore",
+    "decode_symbol_table",
+    "encode_symbol_table",
+    "source_stamp",
+]
+
+# A ".sym" file, little-endian: _SYM_FILE, then the build-id, starts (u64 x n), ends (u64 x n),
+# name offsets (u32 x n), extras (u32 x m: symbol index | _EXTRA_RAW if the name is a PLT
+# entry's raw name, demangled on lookup, else the name as printed), the m extras' names (each
+# UTF-8 with surrogateescape, NUL-terminated), the string table.
+SYM_FILE_MAGIC = b"UWSYM\x00\x00\x00"
+# Bump when the file layout changes. Table content (elfsyms' rules, demangle.py's choices,
+# symtab.c) is covered by _code_stamp instead, so a code change never serves an old table.
+SYM_FILE_VERSION = 2
+# magic, version, flags (0), stamp (u64: _code_stamp() << 32 | source_stamp(entry)), build-id
+# length, n, m,
+# names length, string table length, CRC-32 of everything after the header, pad
+_SYM_FILE = struct.Struct("<8sIIQIIIIQI4x")
+_EXTRA_RAW = 1 << 31
+MAX_SYM_FILE = 1 << 30  # > any real table (4M symbols x 20 B + string table); < 2**32 offsets
+_SYM_STATS = ("hits", "misses", "corrupt", "stale", "no_build_id", "write_errors", "unsaved")
+
+
+class _BadFile(Exception):
+    """A cache file not to use; ``reason`` is a ``SymbolStore.stats`` key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+_stamp: list[int] = []
+
+
+def _code_stamp() -> int:
+    """CRC-32 of (size, mtime) of the code a table's content depends on (this module and
+    ``elfsyms.content_modules``: the rules, demangle, elf's reader and debug-file search, the
+    native scan): a reinstalled or edited package writes new tables instead of serving ones its
+    predecessor built. Once per process: a stat per module (zlib, not hashlib, whose import
+    is slow)."""
+    if not _stamp:
+        import sys
+
+        desc = []
+        for mod in (sys.modules[__name__], *content_modules()):
+            try:
+                st = os.stat(str(mod.__file__))
+                desc.append(f"{mod.__name__}:{st.st_size}:{st.st_mtime_ns}")
+            except (OSError, AttributeError):
+                desc.append(f"{mod.__name__}:?")
+        _stamp.append(zlib.crc32(";".join(desc).encode()))
+    return _stamp[0]
+
+
+def _names_in_range(offs: array[int], plt: Iterable[int], strtab_len: int) -> bool:
+    """Whether every offset in ``offs`` but those at the distinct indices ``plt`` (the
+    ``NO_NAME`` slots, set to 0 for the pass and restored) is inside a string table of
+    ``strtab_len`` bytes. One ``max``: O(n)."""
+    idx = list(plt)
+    for i in idx:
+        offs[i] = 0
+    top = max(offs, default=0)
+    for i in idx:
+        offs[i] = NO_NAME
+    return len(idx) == len(offs) or top < strtab_len
+
+
+def source_stamp(entry: ElfEntry) -> int:
+    """CRC-32 of what ``entry``'s table is built from besides its build-id: the binary's size
+    and the separate debug file found for it (path and size, or none). The build-id alone
+    does not decide it: ``strip``, ``objcopy`` and ``patchelf`` keep the build-id and change
+    the symbols (a stripped copy must not get its unstripped twin's table, nor the reverse),
+    and a debug file may be installed, removed or repaired later; each of those changes a
+    size. Cost: one stat of the debug file (its path is found once per entry anyway)."""
+    dbg = entry.debug_path()
+    dsize = -1
+    if dbg is not None:
+        try:
+            dsize = os.stat(dbg).st_size
+        except OSError:
+            pass
+    return zlib.crc32(f"{entry.size}:{dbg}:{dsize}".encode("utf-8", "surrogateescape"))
+
+
+def _stamp_of(source: int) -> int:
+    return _code_stamp() << 32 | (source & 0xFFFFFFFF)
+
+
+def encode_symbol_table(table: SymbolTable, build_id: bytes, source: int) -> list[bytes] | None:
+    """``table`` (as ``load_symbol_table`` returned it, before any lookup) as the parts of a
+    ``.sym`` file, or None if it cannot be one (over the bounds, a name that cannot be
+    encoded, or decoded names that are not PLT entries'). Cost: O(n) bulk copies + O(PLT)."""
+    n, offs = len(table.starts), table._offs
+    extras = array("I")
+    names: list[str] = []
+    for kind, d in ((0, table._named), (_EXTRA_RAW, table._plt)):
+        for i, name in d.items():
+            if not 0 <= i < min(n, _EXTRA_RAW) or offs[i] != NO_NAME:
+                return None  # a name decoded by a lookup, or not load_symbol_table's table
+            extras.append(i | kind)
+            names.append(name)
+    if len(table._named.keys() | table._plt.keys()) != len(names):
+        return None  # one slot named twice
+    try:
+        blob = b"".join(s.encode("utf-8", "surrogateescape") + b"\0" for s in names)
+    except UnicodeEncodeError:
+        return None
+    if blob.count(0) != len(names):
+        return None  # a name with a NUL would split in two
+    strtab = table._strtab
+    body = [build_id, table.starts.tobytes(), table.ends.tobytes(), offs.tobytes(),
+            extras.tobytes(), blob, strtab]  # fmt: skip
+    if _SYM_FILE.size + sum(map(len, body)) > MAX_SYM_FILE or len(strtab) >= NO_NAME:
+        return None
+    # what decode_symbol_table will check, so that no file is written only to be refused
+    if not _names_in_range(array("I", offs), (x & ~_EXTRA_RAW for x in extras), len(strtab)):
+        return None
+    crc = 0
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    head = _SYM_FILE.pack(SYM_FILE_MAGIC, SYM_FILE_VERSION, 0, _stamp_of(source),
+                          len(build_id), n, len(names), len(blob), len(strtab), crc)  # fmt: skip
+    return [head, *body]
+
+
+def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTable:
+    """The table a ``.sym`` file holds, after checking everything a lookup relies on; raises
+    ``_BadFile`` ("corrupt": truncated, damaged, another binary's, inconsistent; "stale":
+    another layout version, other code, another ``source_stamp``). Checked: header, exact total
+    size, CRC-32, build-id, stamps; that each extra names a distinct PLT slot (offset
+    ``NO_NAME``) and every other offset is inside the string table, so ``name`` has a name
+    for every index. Not re-checked: the order of starts (a Python pass as costly as the
+    load), since a misordered table can only misname (bisect and context.c's fp_sym_region
+    stay in bounds on any order) and damage is what the CRC catches. Cost: one CRC pass, four
+    ``array.frombytes``, one ``max`` over the offsets, O(n), and O(PLT) dict inserts."""
+    if len(data) < _SYM_FILE.size:
+        raise _BadFile("corrupt", "short header")
+    (magic, version, _flags, stamp, bid_len, n, m, names_len, strtab_len,
+     crc) = _SYM_FILE.unpack_from(data, 0)  # fmt: skip
+    if magic != SYM_FILE_MAGIC:
+        raise _BadFile("corrupt", "magic")
+    if version != SYM_FILE_VERSION:
+        raise _BadFile("stale", f"version {version}")
+    o_bid = _SYM_FILE.size
+    o_starts = o_bid + bid_len
+    o_ends = o_starts + 8 * n
+    o_offs = o_ends + 8 * n
+    o_extras = o_offs + 4 * n
+    o_names = o_extras + 4 * m
+    o_strtab = o_names + names_len
+    if o_strtab + strtab_len != len(data):
+        raise _BadFile("corrupt", "size")
+    mv = memoryview(data)
+    if zlib.crc32(mv[o_bid:]) != crc:
+        raise _BadFile("corrupt", "checksum")
+    if data[o_bid:o_starts] != build_id:
+        raise _BadFile("corrupt", "build-id")
+    if stamp != _stamp_of(source):
+        raise _BadFile("stale", "code, binary or debug file")
+    if strtab_len >= NO_NAME:
+        raise _BadFile("corrupt", "string table size")
+    starts, ends, offs, extras = array("Q"), array("Q"), array("I"), array("I")
+    starts.frombytes(mv[o_starts:o_ends])
+    ends.frombytes(mv[o_ends:o_offs])
+    offs.frombytes(mv[o_offs:o_extras])
+    extras.frombytes(mv[o_extras:o_names])
+    names = data[o_names:o_strtab].split(b"\0")
+    if len(names) != m + 1 or names[m]:
+        raise _BadFile("corrupt", "extra names")
+    named: dict[int, str] = {}
+    plt: dict[int, str] = {}
+    for x, raw in zip(extras, names, strict=False):
+        i = x & ~_EXTRA_RAW
+        if i >= n or offs[i] != NO_NAME:
+            raise _BadFile("corrupt", "extra index")
+        (plt if x & _EXTRA_RAW else named)[i] = raw.decode("utf-8", "surrogateescape")
+    slots = named.keys() | plt.keys()
+    if len(slots) != m:
+        raise _BadFile("corrupt", "duplicate extra")
+    # any other offset >= strtab_len would be a name outside the string table, or a
+    # NO_NAME slot without a name
+    if not _names_in_range(offs, slots, strtab_len):
+        raise _BadFile("corrupt", "name offset")
+    return SymbolTable._columns(starts, ends, offs, data[o_strtab:], named, plt)
+
+
+class SymbolStore:
+    """Finished symbol tables on disk, one file per build-id: ``<cache_dir>/<hex>.sym``; an
+    ``ElfCache`` ``symbol_factory``. A table read back answers every lookup and name exactly
+    as the ``load_symbol_table`` it was saved from (test_symcache.py).
+
+    ``stats``: ``hits`` (read from disk), ``misses`` (built, then written), ``corrupt`` and
+    ``stale`` (a file not used, removed, rebuilt and rewritten; see ``decode_symbol_table``),
+    ``no_build_id`` (built, not persisted), ``write_errors``, ``unsaved`` (a table over the
+    bounds). Binaries without a build-id are never persisted: nothing else identifies the
+    content. Not thread-safe (the ElfCache's owner calls it).
+
+    Cost of a hit: open + fstat + read of ~20 B per symbol + the string table, one CRC, a few
+    ``array.frombytes``, one ``max``: O(n), against a scan's O(n log n) and its demangling."""
+
+    def __init__(self, cache_dir: str | os.PathLike[str], *,
+                 max_file_bytes: int = MAX_SYM_FILE) -> None:  # fmt: skip
+        self.cache_dir = os.fspath(cache_dir)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        self.max_file_bytes = min(max_file_bytes, MAX_SYM_FILE)
+        self.stats: dict[str, int] = dict.fromkeys(_SYM_STATS, 0)
+
+    def path_for(self, build_id: bytes) -> str:
+        return os.path.join(self.cache_dir, build_id.hex() + ".sym")
+
+    def __call__(self, entry: ElfEntry) -> SymbolTable:
+        """``entry``'s table: from its file if that is valid, else built (ElfError raised as by
+        ``load_symbol_table``, nothing written) and written."""
+        build_id = entry.build_id
+        if not build_id:
+            self.stats["no_build_id"] += 1
+            return load_symbol_table(entry)
+        source = source_stamp(entry)
+        path = self.path_for(build_id)
+        try:
+            data = read_cache_file(path, self.max_file_bytes)
+            if data is not None:
+                table = decode_symbol_table(data, build_id, source)
+                self.stats["hits"] += 1
+                return table
+        except (CacheFileError, _BadFile) as e:
+            self.stats[e.reason if isinstance(e, _BadFile) else "corrupt"] += 1
+            discard_cache_file(path)
+        table = load_symbol_table(entry)
+        self.stats["misses"] += 1
+        parts = encode_symbol_table(table, build_id, source)
+        if parts is None or sum(map(len, parts)) > self.max_file_bytes:
+            self.stats["unsaved"] += 1
+        elif not write_cache_file(path, parts):
+            self.stats["write_errors"] += 1
+        return table

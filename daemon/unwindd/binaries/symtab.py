@@ -1,0 +1,112 @@
+"""A binary's symbol table: sorted, non-overlapping [start, end) ranges in ELF vaddr space,
+one name each, built once per binary and shared by every pid that maps it.
+
+Rules:
+- Lookup is perf's symbols__find: the last symbol with start <= addr, if addr < end (or addr is
+  its start: a zero-size symbol); else None (perf's [unknown]).
+- A name is printed as perf prints it: demangled without parameters (demangle.py), PLT entries
+  as ``<name>@plt``. It is kept as an offset into the binary's string table (``NO_NAME``: the
+  name is in ``_named``, or raw in ``_plt``) until a lookup returns it, then decoded and
+  demangled once.
+- ``starts``/``ends`` are ``array("Q")`` columns native code reads too (context.c's
+  fp_sym_region); they never change once built, only the cache of decoded names grows.
+- ``nbytes`` estimates the memory held: 20 B a symbol, the string table, the names kept.
+
+Cost: a lookup is one bisect, O(log n); names cost O(names used), decoded and demangled once.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .demangle import demangle
+
+__all__ = ["NO_NAME", "Symbol", "SymbolTable"]
+
+
+@dataclass(frozen=True, slots=True)
+class Symbol:
+    name: str
+    start: int
+    end: int
+
+    def __repr__(self) -> str:
+        return f"Symbol({self.name!r}, {self.start:#x}-{self.end:#x})"
+
+
+NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol named in _named or _plt (PLT entries)
+
+
+class SymbolTable:
+    """Sorted, non-duplicated symbols of one binary, in ELF vaddr space.
+
+    Names are kept as offsets into the binary's string table and decoded + demangled on first
+    lookup (a profile names few of a binary's symbols, and demangling is costly).
+    ``_named`` caches decoded names by index: O(names used).
+    ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too."""
+
+    __slots__ = ("_named", "_offs", "_plt", "_strtab", "ends", "nbytes", "starts")
+
+    def __init__(self, symbols: Iterable[tuple[int, int, str]]) -> None:
+        syms = sorted(symbols)
+        self.starts = array("Q", (s for s, _, _ in syms))
+        self.ends = array("Q", (e for _, e, _ in syms))
+        self._offs = array("I", bytes(4 * len(syms)))
+        self._strtab = b""
+        self._named = {i: n for i, (_, _, n) in enumerate(syms)}
+        self._plt: dict[int, str] = {}
+        self.nbytes = 20 * len(syms) + sum(49 + len(n) for _, _, n in syms)
+
+    @classmethod
+    def _columns(
+        cls, starts: array[int], ends: array[int], offs: array[int], strtab: bytes,
+        named: dict[int, str], plt: dict[int, str] | None = None,
+    ) -> SymbolTable:  # fmt: skip
+        t = cls.__new__(cls)
+        t.starts, t.ends, t._offs, t._strtab, t._named = starts, ends, offs, strtab, named
+        t._plt = plt or {}
+        # names decoded later are not counted: bounded by the string table we count whole
+        t.nbytes = 20 * len(starts) + len(strtab) + sum(
+            49 + len(n) for d in (named, t._plt) for n in d.values())  # fmt: skip
+        return t
+
+    @classmethod
+    def empty(cls) -> SymbolTable:
+        return cls(())
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def name(self, i: int) -> str:
+        """Symbol ``i``'s name as perf prints it (decoded and demangled once)."""
+        n = self._named.get(i)
+        if n is None:
+            st = self._strtab
+            off = self._offs[i]
+            if off == NO_NAME:
+                n = self._named[i] = f"{demangle(self._plt[i])}@plt"
+                return n
+            end = st.find(b"\0", off)
+            raw = st[off : end if end >= 0 else len(st)].decode("utf-8", "surrogateescape")
+            n = self._named[i] = demangle(raw)
+        return n
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name(i) for i in range(len(self.starts))]
+
+    def lookup(self, addr: int) -> tuple[str, int] | None:
+        i = bisect_right(self.starts, addr) - 1
+        if i < 0:
+            return None
+        start, end = self.starts[i], self.ends[i]
+        if addr < end or addr == start:
+            return self.name(i), addr - start
+        return None
+
+    def symbols(self) -> list[Symbol]:
+        return [Symbol(self.name(i), s, e)
+                for i, (s, e) in enumerate(zip(self.starts, self.ends, strict=True))]  # fmt: skip
