@@ -1,11 +1,17 @@
-"""Captured ring drains played back as a perf session (tests/test_livefast.py and
-bench/bench_sideband_replay.py): ``LiveProfiler`` takes it where it takes a ``PerfSession``.
+"""Ring drains captured from a real session (``capture``: tests/test_livefast.py and
+tests/test_livefast_sanitizers.py) and played back as a perf session (``Replayed``:
+tests/test_livefast.py and bench/bench_sideband_replay.py): ``LiveProfiler`` takes a
+``Replayed`` where it takes a ``PerfSession``.
 
 Invariants: each ``drain`` returns the next captured drain, in capture order, then ``[]``; it
 opens no fd and changes nothing else, so a capture replays the same way every time."""
 
 from __future__ import annotations
 
+import pickle
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 
@@ -54,3 +60,24 @@ class Replayed:
             pos += n
             sizes.append((cpu, n))
         return sizes
+
+
+def capture(path: Path, argvs: list[tuple[str, ...]]) -> list[int]:
+    """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``;
+    returns the workloads' pids in ``argvs`` order (the capture has every process of the
+    machine)."""
+    from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+
+    drains: list[list[tuple[int, bytes]]] = []
+    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
+        s.enable()
+        children = [subprocess.Popen(a, stdout=subprocess.DEVNULL) for a in argvs]
+        deadline = time.monotonic() + 60
+        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+            drains.append(s.drain(1 << 20))  # small: several passes per round sometimes
+            time.sleep(0.03)
+        s.disable()
+        drains.append(s.drain(1 << 20))
+        fmt = s.event_format
+    path.write_bytes(pickle.dumps((fmt, drains)))
+    return [c.pid for c in children]

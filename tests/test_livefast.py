@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from captured import Replayed
+from captured import Replayed, capture
 from stacks import (
     CHAIN,
     all_callers_after_calls,
@@ -33,7 +31,6 @@ from unwindd.pipeline.live import LiveProfiler
 from unwindd.pipeline.livefast import NativeStep
 from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
-from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import CFI_INLINE_MAX_BYTES, StackEngine
 from workloads.build import Workload, build_workloads
@@ -42,25 +39,6 @@ from workloads.build import Workload, build_workloads
 @pytest.fixture(scope="module")
 def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
     return build_workloads(tmp_path_factory.mktemp("livefast-wl"))
-
-
-def capture(path: Path, argvs: list[tuple[str, ...]]) -> list[int]:
-    """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``;
-    returns the workloads' pids in ``argvs`` order (the capture has every process of the
-    machine)."""
-    drains: list[list[tuple[int, bytes]]] = []
-    with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
-        s.enable()
-        children = [subprocess.Popen(a, stdout=subprocess.DEVNULL) for a in argvs]
-        deadline = time.monotonic() + 60
-        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
-            drains.append(s.drain(1 << 20))  # small: several passes per round sometimes
-            time.sleep(0.03)
-        s.disable()
-        drains.append(s.drain(1 << 20))
-        fmt = s.event_format
-    path.write_bytes(pickle.dumps((fmt, drains)))
-    return [c.pid for c in children]
 
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,

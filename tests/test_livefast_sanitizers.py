@@ -1,7 +1,7 @@
 """The live step's native API (cffi_build/live.c fp_live_*) under AddressSanitizer + UBSan
 and valgrind.
 
-Real ring drains are captured once (tests/test_livefast.py's ``capture``: a real PerfSession
+Real ring drains are captured once (captured.py's ``capture``: a real PerfSession
 while a workload runs) and written as u32 nchunks, then per chunk u32 cpu, u32 len, bytes.
 tests/native/live_fuzz.c replays them through livefast.NativeStep's call sequence (index with
 the carry, side-band flags, order with carried queue, runs with NEED_PLACE/NEED_COMM answers,
@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from captured import capture
 from nativebuild import CORE, FASTPATH, build, check_ok
-from test_livefast import capture
 from unwindd._unwcore import ffi, lib
 from unwindd.source.mapfile import layout_of
 from unwindd.source.records import EventFormat, RecordDecoder

@@ -25,12 +25,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from cfibytes import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset, offset, uleb
 from elftools.elf.constants import P_FLAGS
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cfi import EH_ADDR, X86_CIE_INSNS, EhFrame, def_cfa, def_cfa_offset, offset, uleb
 from unwindd._unwcore import ffi
 from unwindd.binaries.cfi import CfiTable
 from unwindd.source import abi, records
