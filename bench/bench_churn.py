@@ -5,7 +5,7 @@ a LiveProfiler set up like the daemon's samples every CPU under explicit caps.
     python bench/bench_churn.py [--rate 500] [--seconds 60] [--cap 256] [--cache-mib 32]
         [--store-mib 8] [--store-entries 100000] [--work 200000] [--follow-spawner]
 
-``tests/workloads/churn.c`` posix_spawns ``blip`` (main -> a -> b -> c -> spin, ~0.4 ms of
+``tests/support/workloads/churn.c`` posix_spawns ``blip`` (main -> a -> b -> c -> spin, ~0.4 ms of
 work, ~1-2 ms of life with exec) on an absolute schedule and reports the rate it achieved and
 each child's lifetime (spawn to reap). Prints the spawner's numbers, every cap's peak and
 violations (checked after every step), the blips' unwinding grade, the RSS budget derived
@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# test_live_procs, and the helpers it imports
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_live_procs import build_churn, rss_budget, run_churn

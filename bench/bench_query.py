@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from unwindd.serve.api import Api, Peer  # noqa: E402
 from unwindd.serve.httpapi import Request  # noqa: E402

@@ -176,7 +176,7 @@ def main() -> None:
         return
     if os.geteuid() != 0:
         raise SystemExit("needs root (system-wide sampling)")
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     sys.path.insert(0, str(ROOT / "bench"))
     from bench_daemon import bench_perf
     from workloads.build import build_workloads

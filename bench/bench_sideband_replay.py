@@ -38,13 +38,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
 
 def record(path: Path, seconds: float, spawn_rate: float) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
     from workloads.build import build_workloads
 

@@ -15,12 +15,12 @@ mutation the script
 4. runs the named tests from the scratch copy's own ``tests/`` with ``PYTHONPATH`` set to just
    ``<scratch>/daemon`` (an inherited PYTHONPATH is replaced, not extended). PYTHONPATH comes
    before site-packages (the installed package is a plain, non-editable one), so the scratch
-   package shadows
-   the installed one in pytest and in every subprocess the tests start (they pass
-   ``os.environ`` on: ``python -m unwindd.cli`` in tests/oracle.py and tests/daemonutil.py;
-   test_perfcore/test_perfdata set PYTHONPATH from ``unwindd.__file__``, which is the scratch
-   copy's). Before testing, a check run proves it: ``unwindd``, both extension modules and a
-   child interpreter's ``unwindd`` must all load from the scratch copy.
+   package shadows the installed one in pytest and in every subprocess the tests start (they pass
+   ``os.environ`` on: ``python -m unwindd.cli`` in tests/support/oracle.py and
+   tests/support/daemonutil.py; test_perfcore/test_perfdata set PYTHONPATH from
+   ``unwindd.__file__``, which is the scratch copy's). Before testing, a check run proves it:
+   ``unwindd``, both extension modules and a child interpreter's ``unwindd`` must all load from the
+   scratch copy.
 
 Before any mutation, the union of the selected mutations' tests runs on an unmutated scratch
 copy built the same way (the baseline). A mutation any of whose tests failed there is reported

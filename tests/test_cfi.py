@@ -1,8 +1,8 @@
 """unwindd.binaries.cfi: the native CFI compiler, checked in layers (STYLE.md 8).
 
-1. Differential, row for row, against pyelftools' decoder (tests/cfiref.py) on real binaries:
-   libc, libstdc++, python3.11, ld.so, and test programs built here (-O2 -fomit-frame-pointer;
-   -O3 -fasynchronous-unwind-tables; a .debug_frame-only one).
+1. Differential, row for row, against pyelftools' decoder (tests/support/cfiref.py) on real
+   binaries: libc, libstdc++, python3.11, ld.so, and test programs built here (-O2
+   -fomit-frame-pointer; -O3 -fasynchronous-unwind-tables; a .debug_frame-only one).
 2. Byte-literal CIE/FDE sections written field by field, one test per opcode family.
 3. Malformed input: every truncation of a real section, random corruption (Hypothesis), looping
    and absurd entries — the compiler must return a table and count errors, never crash or hang.

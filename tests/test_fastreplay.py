@@ -10,8 +10,8 @@ reference path (STYLE.md 8: differential, fuzzing, sanitizers).
 3. fp_order against RoundOrderer on random timed/untimed/marker streams (including forced
    flushes).
 4. The native code under ASan/UBSan (and its parallel unwind under TSan) with
-   tests/native/fp_fuzz.c, and symtab.c/sideband.c with
-   tests/native/sym_fuzz.c.
+   tests/support/native/fp_fuzz.c, and symtab.c/sideband.c with
+   tests/support/native/sym_fuzz.c.
 5. The side-band skip (sideband.c) is covered by 1: "mmapstorm" is a deep-recursion CPython
    recording whose records are mostly data MMAP2s. "dlmtwice" maps one stripped library twice
    in one process, for folded's aggregation by code.
@@ -54,6 +54,7 @@ from unwindd.unwind.engine import StackEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ROOT / "cffi_build"
+SUPPORT = ROOT / "tests" / "support"
 FORMATS = ("folded", "jsonl", "perf-script")
 
 
@@ -75,7 +76,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # One process, one stripped library mapped twice (dlopen + dlmopen): the same code frames
     # at two addresses, unnamed, so the unsymbolized count (per address space and pcs) tells
     # aggregation by code apart from aggregation by address.
-    src = ROOT / "tests" / "workloads"
+    src = SUPPORT / "workloads"
     lib_so, exe = tmp / "dlmtwice_lib.so", tmp / "dlmtwice"
     for argv in (["gcc", "-O2", "-fPIC", "-shared", "-o", str(lib_so), str(src / "dlmtwice_lib.c")],
                  ["strip", str(lib_so)],
@@ -502,7 +503,7 @@ def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: 
 
 def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: str,
              flags: list[str], env: dict[str, str], iters: int) -> subprocess.CompletedProcess[str]:
-    """Build tests/native/fp_fuzz.c with the native sources and flags, run it on section.
+    """Build tests/support/native/fp_fuzz.c with the native sources and flags, run it on section.
     Small PAR_* (parallel.c's parallel unwind): the ring wraps and segments end inside runs
     of the small section, so the threaded path meets its edges (fp_fuzz runs it at any
     prefix length and compares with one thread), and every job is judged (PAR_JUDGE_NS=0), so
@@ -513,7 +514,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     (tmp_path / "data").write_bytes(raw)
     exe = tmp_path / name
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
-                    "-pthread", *flags, str(ROOT / "tests" / "native" / "fp_fuzz.c"),
+                    "-pthread", *flags, str(SUPPORT / "native" / "fp_fuzz.c"),
                     *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c"),
                     str(CORE / "fold.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
@@ -572,7 +573,7 @@ def test_replay_does_not_import_live_or_service_stacks() -> None:
 
 def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> None:
     """symtab.c (ELF symbols, kallsyms) and sideband.c on truncated/mutated real inputs under
-    ASan/UBSan (tests/native/sym_fuzz.c)."""
+    ASan/UBSan (tests/support/native/sym_fuzz.c)."""
     from unwindd.binaries.elf import ElfReader
 
     cc = shutil.which("gcc")
@@ -586,7 +587,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
         (tmp_path / "str").write_bytes(r.section_data(r.sections[dynsym.link]))
     finally:
         os.close(fd)
-    kall = (ROOT / "tests" / "fakeproc" / "kallsyms").read_bytes()
+    kall = (SUPPORT / "fakeproc" / "kallsyms").read_bytes()
     (tmp_path / "kall").write_bytes(kall + Path("/proc/kallsyms").read_bytes()[:100_000])
     data = PerfData.open(files["mmapstorm"])
     raw = files["mmapstorm"].read_bytes()[data.data_offset : data.data_offset + data.data_size]
@@ -598,7 +599,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
     exe = tmp_path / "sym_fuzz"
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
                     "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    str(ROOT / "tests" / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
+                    str(SUPPORT / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
                     str(CORE / "sideband.c"), *FASTPATH, str(CORE / "unwind.c"),
                     str(CORE / "cfi.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip

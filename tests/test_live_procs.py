@@ -302,7 +302,7 @@ def _rss_kib() -> int:
 
 
 def build_churn(dest: Path, variants: int = 0) -> dict[str, Path]:
-    """The churn workload: tests/workloads/churn.c posix_spawning blip.c (~1 ms processes).
+    """The churn workload: tests/support/workloads/churn.c posix_spawning blip.c (~1 ms processes).
     With ``variants``, also ``blip.0`` .. ``blip.<variants-1>``: copies without a build-id,
     so each is its own ELF cache entry (keyed by file identity)."""
     dest.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@ and valgrind.
 
 Real ring drains are captured once (captured.py's ``capture``: a real PerfSession
 while a workload runs) and written as u32 nchunks, then per chunk u32 cpu, u32 len, bytes.
-tests/native/live_fuzz.c replays them through livefast.NativeStep's call sequence (index with
-the carry, side-band flags, order with carried queue, runs with NEED_PLACE/NEED_COMM answers,
+tests/support/native/live_fuzz.c replays them through livefast.NativeStep's call sequence (index
+with the carry, side-band flags, order with carried queue, runs with NEED_PLACE/NEED_COMM answers,
 forgets, read-back, grouping, context rebuilds, the final flush round), first whole, then as
 truncated / mutated / re-cut windows (bytes, and record headers and sample fields: other
 types incl. AUXTRACE / TRACING_DATA, sizes, absurd pids, times, counts) with absurd pids and
@@ -30,7 +30,7 @@ from unwindd.source.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = ROOT / "tests" / "native" / "live_fuzz.c"
+HARNESS = ROOT / "tests" / "support" / "native" / "live_fuzz.c"
 SOURCES = [str(HARNESS), *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c")]
 
 

@@ -1,7 +1,7 @@
 """The C core under AddressSanitizer + UBSan and under valgrind (memray's ``make valgrind``).
 
-tests/native/ring_test.c drives cffi_build/perfcore.c directly: synthetic rings whose records
-wrap the end of the data area, every kind of corrupt header, outputs that fill mid-ring, a
+tests/support/native/ring_test.c drives cffi_build/perfcore.c directly: synthetic rings whose
+records wrap the end of the data area, every kind of corrupt header, outputs that fill mid-ring, a
 random produce/drain property test, and a real perf_event_open ring that wraps many times.
 The harness prints ``ok <number of checks>``; a sanitizer report or a failed CHECK fails it.
 """
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORE = ROOT / "cffi_build"
-HARNESS = ROOT / "tests" / "native" / "ring_test.c"
+HARNESS = ROOT / "tests" / "support" / "native" / "ring_test.c"
 CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
 
 

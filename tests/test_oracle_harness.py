@@ -1,6 +1,6 @@
-"""Tests of the unwinding oracle itself (tests/oracle.py, tests/workloads/), needing no
-unwinder: the workloads build and run, perf's unwind of them shows the call chains they were
-written to produce, the perf script parser reads byte-literal and real output exactly, and
+"""Tests of the unwinding oracle itself (tests/support/oracle.py, tests/support/workloads/),
+needing no unwinder: the workloads build and run, perf's unwind of them shows the call chains they
+were written to produce, the perf script parser reads byte-literal and real output exactly, and
 ``compare`` applies each rule."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """unwindd.source.perfcore against the real kernel: sessions on real processes, decoded with
 ``records.RecordDecoder([session.event_format])``, checked against ground truth the target
-itself announces (tests/native/busy.c prints its pid and the address of a stack slot holding a
-magic value while it spins).
+itself announces (tests/support/native/busy.c prints its pid and the address of a stack slot
+holding a magic value while it spins).
 
 Layers (STYLE.md 8): argument checks and error messages; one system-wide session around a child
 that execs and exits (samples, MMAP2, COMM exec, EXIT, their order); a pid session with inherit
@@ -43,7 +43,7 @@ from unwindd.source.perfcore import (
 )
 
 HERE = pathlib.Path(__file__).resolve().parent
-BUSY_SRC = HERE / "native" / "busy.c"
+BUSY_SRC = HERE / "support" / "native" / "busy.c"
 MAGIC = 0xFEEDFACECAFEBEEF
 SP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(7)  # perf_regs.h: PERF_REG_X86_SP = 7
 IP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(8)  # PERF_REG_X86_IP = 8

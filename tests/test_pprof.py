@@ -1,5 +1,6 @@
-"""pprof encoding, checked by an independent decoder (tests/pprofcheck.py) for the invariants
-``go tool pprof`` enforces: ids defined, string table consistent, values per sample type."""
+"""pprof encoding, checked by an independent decoder (tests/support/pprofcheck.py) for the
+invariants ``go tool pprof`` enforces: ids defined, string table consistent, values per sample
+type."""
 
 from __future__ import annotations
 

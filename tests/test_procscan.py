@@ -1,5 +1,5 @@
 """procscan: /proc/<pid>/stat and maps parsing (sans-IO) and ProcFS on the committed fake tree
-(tests/fakeproc) and on the real /proc."""
+(tests/support/fakeproc) and on the real /proc."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from unwindd.procs.procscan import (
     ticks_from_monotonic,
 )
 
-FAKEPROC = Path(__file__).parent / "fakeproc"
+FAKEPROC = Path(__file__).parent / "support" / "fakeproc"
 
 STAT = (
     "11078 (cat) R 11074 11074 4554 0 -1 4194304 100 0 0 0 0 0 0 0 20 0 1 0 193117 3133440 "

@@ -247,7 +247,8 @@ def test_non_root_peer_sees_only_its_own_processes(daemon: DaemonProc, workload_
     script = ("import json,sys; sys.path.insert(0, sys.argv[2]); from daemonutil import raw_http;"
               "print(json.dumps([json.loads(raw_http(sys.argv[1], p)[2]) for p in "
               "('/v1/processes', '/v1/stacks?pid=%d' % int(sys.argv[3]))]))")
-    res = subprocess.run(["python3", "-c", script, str(daemon.sock), str(Path(__file__).parent),
+    helpers = Path(__file__).parent / "support"  # daemonutil, for the child
+    res = subprocess.run(["python3", "-c", script, str(daemon.sock), str(helpers),
                           str(workload_pid)], user=nobody, capture_output=True, text=True,
                          timeout=30)  # fmt: skip
     busy.kill()

@@ -1,6 +1,6 @@
 """The unwind core (cffi_build/cfi.c + unwind.c) under AddressSanitizer + UBSan and valgrind.
 
-tests/native/unw_fuzz.c feeds it libc's real .eh_frame/.eh_frame_hdr, then ~300 truncations,
+tests/support/native/unw_fuzz.c feeds it libc's real .eh_frame/.eh_frame_hdr, then ~300 truncations,
 random mutations (also as .debug_frame), corrupted compiled blobs and random registers/stacks
 for the unwinder, every buffer malloc'd at its exact size so an over-read is reported. The
 harness prints ``ok <checks>``; a sanitizer report or a failed CHECK fails the test.
@@ -18,7 +18,7 @@ from elftools.elf.elffile import ELFFile
 from nativebuild import CORE, build, check_ok
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-HARNESS = ROOT / "tests" / "native" / "unw_fuzz.c"
+HARNESS = ROOT / "tests" / "support" / "native" / "unw_fuzz.c"
 SOURCES = [str(HARNESS), str(CORE / "cfi.c"), str(CORE / "unwind.c")]
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 

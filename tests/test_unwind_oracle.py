@@ -1,14 +1,13 @@
 """unwindd's DWARF unwinding judged against perf's on the same perf.data (DESIGN.md "Oracle").
 
-For each workload in tests/workloads/: record it with ``perf record --call-graph dwarf``, take
-perf's unwind (``perf script``, with the mappings it saw, so our absolute ips can be put in
-perf's mapping-relative form) and ours (``unwindd replay --format jsonl``), and require the
-same samples, and the same user frames for every sample but at most ``MAX_MISMATCHED`` per
-workload, each shown as a warning in the run's summary (on a clean tree none is seen).
-``oracle.compare`` says what "the same" means: the ips exactly, the names where perf has one,
-the binary's own symbols where it has none, and a longer stack only down to the stack's base.
-``pytest -s`` prints one summary line per workload; a failure message shows the worst
-differing stacks side by side.
+For each workload in tests/support/workloads/: record it with ``perf record --call-graph dwarf``,
+take perf's unwind (``perf script``, with the mappings it saw, so our absolute ips can be put in
+perf's mapping-relative form) and ours (``unwindd replay --format jsonl``), and require the same
+samples, and the same user frames for every sample but at most ``MAX_MISMATCHED`` per workload,
+each shown as a warning in the run's summary (on a clean tree none is seen). ``oracle.compare``
+says what "the same" means: the ips exactly, the names where perf has one, the binary's own symbols
+where it has none, and a longer stack only down to the stack's base. ``pytest -s`` prints one
+summary line per workload; a failure message shows the worst differing stacks side by side.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """unwindd.unwind.unwinder on real samples and on synthetic stacks (STYLE.md 8).
 
-1. Real: tests/native/unw_chain.c (-O2 -fomit-frame-pointer) sampled with the project's own perf
-   core (unwindd.source.perfcore); the address space comes from the child's /proc/<pid>/maps (a
-   small helper here; the process table builds the real one) and tables from CfiTable.from_elf.
+1. Real: tests/support/native/unw_chain.c (-O2 -fomit-frame-pointer) sampled with the project's own
+   perf core (unwindd.source.perfcore); the address space comes from the child's /proc/<pid>/maps
+   (a small helper here; the process table builds the real one) and tables from CfiTable.from_elf.
    Frames are named with pyelftools symbol tables (libc's locals from libc6-dbg's build-id file).
    * chain: >= 95% of user samples unwind spin <- c <- b <- a <- main <- __libc_start_call_main
      and end OK (glibc's _start marks the outermost frame with an undefined RA).
@@ -38,7 +38,7 @@ from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
 HERE = pathlib.Path(__file__).resolve().parent
-SRC = HERE / "native" / "unw_chain.c"
+SRC = HERE / "support" / "native" / "unw_chain.c"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 REGS = abi.regs_in_mask(abi.X86_64_REGS_MASK)  # perf register numbers in dump order
 PERF = {name: n for n, name in enumerate(abi.X86_REG_NAMES)}

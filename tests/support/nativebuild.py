@@ -1,4 +1,4 @@
-"""Building and judging the C harnesses in tests/native/ that the sanitizer tests run.
+"""Building and judging the C harnesses in tests/support/native/ that the sanitizer tests run.
 
 A harness is compiled together with the project's own C sources (no cffi), prints a final
 ``ok <checks>`` line when every CHECK held, and exits non-zero on a failed CHECK or a sanitizer
@@ -10,7 +10,7 @@ import pathlib
 import shutil
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
 # -pthread: parallel.c runs a worker thread (its parallel unwind)
 CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]

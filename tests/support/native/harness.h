@@ -1,4 +1,4 @@
-/* harness.h: what the fuzz harnesses in tests/native share — CHECK (counts every check, exits
+/* harness.h: what the fuzz harnesses in tests/support/native share — CHECK (counts every check, exits
  * 3 on the first failure so the pytest side sees a non-zero status), a xorshift64 generator
  * seeded per harness (define HARNESS_SEED before including) so runs are reproducible, and
  * slurp() of a whole file into an exact-size buffer. static inline: a harness that does not use
