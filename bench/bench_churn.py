@@ -9,8 +9,8 @@ a LiveProfiler set up like the daemon's samples every CPU under explicit caps.
 work, ~1-2 ms of life with exec) on an absolute schedule and reports the rate it achieved and
 each child's lifetime (spawn to reap). Prints the spawner's numbers, every cap's peak and
 violations (checked after every step), the blips' unwinding grade, the RSS budget derived
-from the caps (tests/test_live_procs.py: rss_budget) and an RSS trace. The test
-``tests/test_live_procs.py::test_state_stays_within_caps_under_churn`` runs 6 s of it.
+from the caps (tests/integration/test_live_procs.py: rss_budget) and an RSS trace. The test
+``tests/integration/test_live_procs.py::test_state_stays_within_caps_under_churn`` runs 6 s of it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 # test_live_procs, and the helpers it imports
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
 
 from test_live_procs import build_churn, rss_budget, run_churn
 

@@ -43,7 +43,7 @@ Run (as root, like the suite: the tests open perf events), from anywhere:
   python3 tests/mutants.py --list                  # the mutations and their tests
   python3 tests/mutants.py --check                 # only verify every snippet still applies
   python3 tests/mutants.py -k drop-last-frame      # one mutation (repeat -k for more)
-  python3 tests/mutants.py -k bogus-trailing-frame --tests tests/test_unwind_oracle.py
+  python3 tests/mutants.py -k bogus-trailing-frame --tests tests/differential/test_unwind_oracle.py
   python3 tests/mutants.py                         # all of them: slow, see --list
 It is a script, not a test module: pytest collects only ``test_*.py`` (pyproject sets no
 ``python_files``), so ``pytest tests`` never runs it. The machine is shared: one build and one
@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 new="    *count = n > 1 ? n - 1 : n; /* MUTANT */\n    *fpf = nfp;\n",
             ),
         ),
-        tests=("tests/test_unwinder.py", "tests/test_unwind_oracle.py"),
+        tests=("tests/integration/test_unwinder.py", "tests/differential/test_unwind_oracle.py"),
     ),
     Mutation(
         name="bogus-trailing-frame",
@@ -126,7 +126,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # The oracle counts "ours longer" as a match today: test_unwinder's exact synthetic
         # results catch it, the oracle does not (yet).
-        tests=("tests/test_unwinder.py", "tests/test_unwind_oracle.py"),
+        tests=("tests/integration/test_unwinder.py", "tests/differential/test_unwind_oracle.py"),
     ),
     Mutation(
         name="cfi-lookup-at-return-address",
@@ -140,8 +140,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(
-            "tests/test_unwinder.py::test_return_address_uses_pc_minus_one",
-            "tests/test_unwind_oracle.py",
+            "tests/integration/test_unwinder.py::test_return_address_uses_pc_minus_one",
+            "tests/differential/test_unwind_oracle.py",
         ),
     ),
     # -- the C indexer and orderers (index.c, order.c): the native replay and live paths only,
@@ -160,9 +160,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # Only multi-threaded recordings tell: the "threads" files of each.
         tests=(
-            "tests/test_fastreplay.py::test_fast_equals_slow",
-            "tests/test_livefast.py::test_native_step_matches_slow_step",
-            "tests/test_unwind_oracle.py",
+            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
+            "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
+            "tests/differential/test_unwind_oracle.py",
         ),
     ),
     Mutation(
@@ -182,9 +182,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # The fuzz tests of the C indexer: it against records.RecordDecoder.
         tests=(
-            "tests/test_fastreplay.py::test_indexer_matches_decoder_on_truncations",
-            "tests/test_fastreplay.py::test_indexer_matches_decoder_on_mutations",
-            "tests/test_fastreplay.py::test_indexer_garbage",
+            "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_truncations",
+            "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_mutations",
+            "tests/differential/test_fastreplay.py::test_indexer_garbage",
         ),
     ),
     Mutation(
@@ -199,8 +199,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(
-            "tests/test_fastreplay.py::test_fp_order_equals_round_orderer",
-            "tests/test_fastreplay.py::test_fast_equals_slow",
+            "tests/differential/test_fastreplay.py::test_fp_order_equals_round_orderer",
+            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
         ),
     ),
     Mutation(
@@ -214,7 +214,10 @@ MUTATIONS: tuple[Mutation, ...] = (
                 new="uint64_t lim = o->max_time; /* MUTANT */",
             ),
         ),
-        tests=("tests/test_livefast.py::test_native_step_matches_slow_step", "tests/test_live.py"),
+        tests=(
+            "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
+            "tests/integration/test_live.py",
+        ),
     ),
     # -- the Python side
     Mutation(
@@ -233,7 +236,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # Its truncation and fuzz tests (test_fastreplay's indexer tests re-implement the
         # framing in the test, so they do not see this one).
-        tests=("tests/test_records.py", "tests/test_perfdata.py"),
+        tests=("tests/unit/test_records.py", "tests/unit/test_perfdata.py"),
     ),
     Mutation(
         name="caller-at-return-address",
@@ -258,7 +261,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # All paths alike, so fast = slow cannot see it; the oracle accepts ra and ra - 1
         # today, and the end-to-end tests check names only.
-        tests=("tests/test_unwind_oracle.py", "tests/test_live.py", "tests/test_service.py"),
+        tests=(
+            "tests/differential/test_unwind_oracle.py",
+            "tests/integration/test_live.py",
+            "tests/integration/test_service.py",
+        ),
     ),
     Mutation(
         name="gap-named-after-previous-symbol",
@@ -275,9 +282,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # The oracle lets any name of ours stand for perf's [unknown]: it cannot see this.
         tests=(
-            "tests/test_symbolize.py",
-            "tests/test_fastreplay.py::test_sym_region_is_symbol_table_lookup",
-            "tests/test_unwind_oracle.py",
+            "tests/unit/test_symbolize.py",
+            "tests/differential/test_fastreplay.py::test_sym_region_is_symbol_table_lookup",
+            "tests/differential/test_unwind_oracle.py",
         ),
     ),
     Mutation(
@@ -293,9 +300,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         # The oracle drops kernel frames on both sides; folded fast replay names kernel ips
         # from C (fp_kernel_ips), so only its folded comparison may differ.
         tests=(
-            "tests/test_fastreplay.py::test_fast_equals_slow",
-            "tests/test_live.py",
-            "tests/test_service.py",
+            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
+            "tests/integration/test_live.py",
+            "tests/integration/test_service.py",
         ),
     ),
     Mutation(
@@ -309,7 +316,11 @@ MUTATIONS: tuple[Mutation, ...] = (
                 new="pass  # MUTANT",
             ),
         ),
-        tests=("tests/test_metrics.py", "tests/test_service.py", "tests/test_cli.py"),
+        tests=(
+            "tests/unit/test_metrics.py",
+            "tests/integration/test_service.py",
+            "tests/integration/test_cli.py",
+        ),
     ),
 )
 

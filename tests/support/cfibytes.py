@@ -1,5 +1,5 @@
-"""Builders of exact DWARF call-frame bytes, for tests: tests/test_cfi.py's byte literals and
-tests/test_unwinder.py's synthetic tables.
+"""Builders of exact DWARF call-frame bytes, for tests: tests/unit/test_cfi.py's byte literals and
+tests/integration/test_unwinder.py's synthetic tables.
 
 Invariants:
 - Every encoding is written out here (ULEB128/SLEB128, the DW_CFA_* opcodes of DWARF 5 section

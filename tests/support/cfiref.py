@@ -1,4 +1,4 @@
-"""The reference side of tests/test_cfi.py: pyelftools' CFI decoder turned into our row model.
+"""The reference side of tests/unit/test_cfi.py: pyelftools' CFI decoder turned into our row model.
 
 Invariants:
 - Rows come only from pyelftools (``EH_CFI_entries`` / ``CFI_entries`` -> ``get_decoded``); the

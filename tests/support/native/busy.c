@@ -1,4 +1,4 @@
-/* A sampling target for tests/test_perfcore.py. It announces, on stdout, its pid and the address
+/* A sampling target for tests/integration/test_perfcore.py. It announces, on stdout, its pid and the address
  * of a stack slot holding MAGIC while it spins, so a test can check a sample's user sp and stack
  * copy against ground truth: for a sample taken inside spin(), sp <= &magic < sp + dyn_size and
  * the copied stack holds MAGIC at &magic - sp.

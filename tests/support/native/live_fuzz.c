@@ -1,11 +1,11 @@
 /* live_fuzz.c: the live step's native API (cffi_build/live.c fp_live_*) under ASan/UBSan
- * and valgrind (tests/test_livefast_sanitizers.py).
+ * and valgrind (tests/native/test_livefast_sanitizers.py).
  *
  * usage: live_fuzz DRAINS sample_type regs_mask nprefix i_ip i_tid i_time i_cpu i_period
  *                  read_group read_times read_per_value branch_hw_index branch_counters nregs
  *                  ITERS
  *
- * DRAINS: real ring drains (tests/test_livefast.py's capture), each as u32 nchunks, then per
+ * DRAINS: real ring drains (tests/support/captured.py's capture), each as u32 nchunks, then per
  * chunk u32 cpu, u32 len, len bytes. Each stream replays the drains through the call sequence
  * of daemon/unwindd/pipeline/livefast.py's NativeStep: per round the carry (records still queued, copied
  * by fp_live_gather) plus 1-3 drains' chunks are indexed (fp_live_index), side-band records get

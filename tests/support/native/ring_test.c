@@ -1,5 +1,5 @@
 /* Native harness for cffi_build/perfcore.c, run under ASan+UBSan and under valgrind by
- * tests/test_native_sanitizers.py.
+ * tests/native/test_native_sanitizers.py.
  *
  * Synthetic rings use the real struct perf_event_mmap_page for the control page and an
  * exactly-sized heap block for the data area, so any read past the data area's end (a wrap

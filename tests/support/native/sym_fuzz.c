@@ -1,4 +1,4 @@
-/* sym_fuzz.c: cffi_build/symtab.c and sideband.c under ASan/UBSan (tests/test_symbolize.py).
+/* sym_fuzz.c: cffi_build/symtab.c and sideband.c under ASan/UBSan (tests/unit/test_symbolize.py).
  *
  * usage: sym_fuzz SYMS STRTAB KALLSYMS DATA sample_type regs_mask nprefix i_tid i_time i_cpu
  *                 i_period nregs sid_size t_off c_off ITERS

@@ -1,4 +1,4 @@
-/* Sampling target for tests/test_unwinder.py: a fixed call chain main -> a -> b -> c -> spin,
+/* Sampling target for tests/integration/test_unwinder.py: a fixed call chain main -> a -> b -> c -> spin,
  * built -O2 -fomit-frame-pointer so only DWARF CFI can unwind it.
  *
  *   unw_chain chain ITER     read one byte from stdin (the "session is open" signal), then spin

@@ -247,7 +247,7 @@ def test_non_root_peer_sees_only_its_own_processes(daemon: DaemonProc, workload_
     script = ("import json,sys; sys.path.insert(0, sys.argv[2]); from daemonutil import raw_http;"
               "print(json.dumps([json.loads(raw_http(sys.argv[1], p)[2]) for p in "
               "('/v1/processes', '/v1/stacks?pid=%d' % int(sys.argv[3]))]))")
-    helpers = Path(__file__).parent / "support"  # daemonutil, for the child
+    helpers = Path(__file__).parents[1] / "support"  # daemonutil, for the child
     res = subprocess.run(["python3", "-c", script, str(daemon.sock), str(helpers),
                           str(workload_pid)], user=nobody, capture_output=True, text=True,
                          timeout=30)  # fmt: skip
@@ -395,7 +395,7 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     analyze, exe = shutil.which("systemd-analyze"), shutil.which("unwindd")
     assert analyze, "systemd-analyze is part of the systemd package (.ci/run installs it)"
     assert exe, "the unwindd console script is installed"
-    unit = (Path(__file__).parent.parent / "systemd" / "unwindd.service").read_text()
+    unit = (Path(__file__).parents[2] / "systemd" / "unwindd.service").read_text()
     assert "Type=notify" in unit and "WatchdogSec=" in unit and "Restart=on-failure" in unit
     copy = tmp_path / "unwindd.service"
     copy.write_text(unit.replace("/usr/local/bin/unwindd", os.path.realpath(exe)))

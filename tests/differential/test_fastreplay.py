@@ -52,7 +52,7 @@ from unwindd.source.records import BadRecord, FinishedRound, RecordDecoder, Unkn
 from unwindd.source.streamstats import StreamStats
 from unwindd.unwind.engine import StackEngine
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
 SUPPORT = ROOT / "tests" / "support"
 FORMATS = ("folded", "jsonl", "perf-script")

@@ -42,8 +42,8 @@ from unwindd.source.perfcore import (
     ring_pages_cap,
 )
 
-HERE = pathlib.Path(__file__).resolve().parent
-BUSY_SRC = HERE / "support" / "native" / "busy.c"
+TESTS = pathlib.Path(__file__).resolve().parents[1]
+BUSY_SRC = TESTS / "support" / "native" / "busy.c"
 MAGIC = 0xFEEDFACECAFEBEEF
 SP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(7)  # perf_regs.h: PERF_REG_X86_SP = 7
 IP = abi.regs_in_mask(abi.X86_64_REGS_MASK).index(8)  # PERF_REG_X86_IP = 8

@@ -21,7 +21,7 @@ from unwindd.source.abi import MISC_COMM_EXEC, MISC_MMAP_DATA, MISC_USER
 from unwindd.source.perfdata import PerfData
 from unwindd.source.records import NO_SAMPLE_ID, Comm, Exit, Fork, Mmap, Mmap2, Sample
 
-FAKEPROC = Path(__file__).parent / "support" / "fakeproc"
+FAKEPROC = Path(__file__).parents[1] / "support" / "fakeproc"
 RX, R = 5, 1
 
 

@@ -24,7 +24,7 @@ from unwindd.source.abi import MISC_USER
 from unwindd.source.perfdata import PerfData
 from unwindd.source.records import Sample
 
-FAKEPROC = Path(__file__).parent / "support" / "fakeproc"
+FAKEPROC = Path(__file__).parents[1] / "support" / "fakeproc"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
 LIBC_WORK_C = r"""

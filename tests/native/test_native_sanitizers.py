@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
 HARNESS = ROOT / "tests" / "support" / "native" / "ring_test.c"
 CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]

@@ -29,7 +29,7 @@ from unwindd.source.mapfile import layout_of
 from unwindd.source.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "live_fuzz.c"
 SOURCES = [str(HARNESS), *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c")]
 

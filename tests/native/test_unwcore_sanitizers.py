@@ -17,7 +17,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from nativebuild import CORE, build, check_ok
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "unw_fuzz.c"
 SOURCES = [str(HARNESS), str(CORE / "cfi.c"), str(CORE / "unwind.c")]
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"

@@ -16,7 +16,7 @@ from unwindd.procs.procscan import (
     ticks_from_monotonic,
 )
 
-FAKEPROC = Path(__file__).parent / "support" / "fakeproc"
+FAKEPROC = Path(__file__).parents[1] / "support" / "fakeproc"
 
 STAT = (
     "11078 (cat) R 11074 11074 4554 0 -1 4194304 100 0 0 0 0 0 0 0 20 0 1 0 193117 3133440 "

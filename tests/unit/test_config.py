@@ -22,7 +22,7 @@ from unwindd.serve.config import (
     restart_keys,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_empty_file_is_all_defaults() -> None:

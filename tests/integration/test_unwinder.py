@@ -37,8 +37,8 @@ from unwindd.source import abi, records
 from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
-HERE = pathlib.Path(__file__).resolve().parent
-SRC = HERE / "support" / "native" / "unw_chain.c"
+TESTS = pathlib.Path(__file__).resolve().parents[1]
+SRC = TESTS / "support" / "native" / "unw_chain.c"
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 REGS = abi.regs_in_mask(abi.X86_64_REGS_MASK)  # perf register numbers in dump order
 PERF = {name: n for n, name in enumerate(abi.X86_REG_NAMES)}
