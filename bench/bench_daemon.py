@@ -3,6 +3,7 @@ same run, plus lost samples and /v1/stacks query latency while sampling.
 
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
                                   [--repeat N] [--before DIR] [--ring-pages 256|0|64,0,256]
+                                  [--record]
 
 For each frequency, with a steady load (one C workload looping per CPU):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
@@ -18,6 +19,8 @@ With ``--repeat N`` each frequency is measured N times, the runs alternated (unw
 noisy machine only measurements taken side by side compare. ``--before DIR``: also an older
 unwindd from ``PYTHONPATH=DIR`` (e.g. ``pip install --no-deps --target DIR`` of an older
 checkout), its sampling window only.
+With ``--record``, ``unwindd record --all --format folded`` too (and the ``--before`` build's):
+warmed up the same 3 s, its CPU over the same window per sample it counted.
 Root is needed (system-wide sampling).
 """
 
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -111,6 +115,43 @@ def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: s
     return out
 
 
+def bench_record(freq: int, seconds: float, stack: int, ring_pages: int,
+                 pythonpath: str | None = None) -> dict[str, float]:  # fmt: skip
+    """``unwindd record --all --format folded`` on the same load, warmed up like the daemon
+    (3 s), then its CPU over a window of ``seconds`` and the samples it counted meanwhile (its
+    ``--status-interval`` lines, read as they come: the counts at the window's two ends)."""
+    argv = [sys.executable, "-m", "unwindd.cli", "record", "--all", "-F", str(freq),
+            "--stack-size", str(stack), "--ring-pages", str(ring_pages), "--format", "folded",
+            "--status-interval", "0.25", "--duration", str(3 + seconds + 2)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=env)  # fmt: skip
+    assert p.stderr is not None
+    last = [0]
+
+    def read() -> None:
+        assert p.stderr is not None
+        for line in p.stderr:
+            if m := re.search(r" samples=(\d+) ", line):
+                last[0] = int(m[1])
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while not last[0]:  # sampling once it prints a count
+        time.sleep(0.05)
+    time.sleep(3.0)  # warm-up, as the daemon's
+    c0, s0, t0 = cpu_seconds(p.pid), last[0], time.monotonic()
+    time.sleep(seconds)
+    c1, s1, t1 = cpu_seconds(p.pid), last[0], time.monotonic()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    reader.join(5)
+    samples = s1 - s0
+    return {"cpu_s": c1 - c0, "wall_s": t1 - t0, "samples": samples,
+            "us_per_sample": (c1 - c0) / max(samples, 1) * 1e6,
+            "total_cpu_s": ru.ru_utime + ru.ru_stime, "rc": p.returncode}  # fmt: skip
+
+
 def bench_perf(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, float]:
     data = tmp / f"perf{freq}.data"
     argv = ["perf", "record", "-q", "-a", "-F", str(freq), "-e", "cpu-clock", "--call-graph",
@@ -139,6 +180,8 @@ def main() -> None:
     ap.add_argument("--stack-size", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
+    ap.add_argument("--record", action="store_true",
+                    help="also time unwindd record --all --format folded (and --before's)")
     ap.add_argument("--ring-pages", default="256",
                     help="the daemon's [sampling] ring_pages; 0: its auto size; a comma list "
                     "runs each (alternated), named unwindd@N")  # fmt: skip
@@ -164,6 +207,13 @@ def main() -> None:
                     if args.before is not None:
                         runs["before"] = bench_daemon(f, args.seconds, args.stack_size, tmp,
                                                       str(args.before), False)
+                    if args.record:
+                        rp = int(args.ring_pages.split(",")[0])
+                        runs["record"] = bench_record(f, args.seconds, args.stack_size, rp)
+                        if args.before is not None:
+                            runs["record_before"] = bench_record(f, args.seconds,
+                                                                 args.stack_size, rp,
+                                                                 str(args.before))  # fmt: skip
                     runs["perf"] = bench_perf(f, args.seconds, args.stack_size, tmp)
                     for name, r in runs.items():
                         per.setdefault(name, []).append(r["us_per_sample"])
