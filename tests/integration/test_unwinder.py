@@ -477,7 +477,7 @@ def test_python_epilogue_real_table() -> None:
     exe = "/usr/bin/python3.11"
     t = CfiTable.from_elf(exe)
     row = t.lookup(0x5C53E3)
-    assert row is not None and (row.cfa_reg, row.cfa_off, row.fp_off) == (7, 8, -32)
+    assert row is not None and (row.cfa_reg, row.cfa_off, row.frameptr_off) == (7, 8, -32)
     space = AddressSpace([Module(0x41F000, 0x6F0000, 0, t, 1)])
     # RA into PyNumber_Remainder's caller region (any pc with CFI), then 0 through a CFA+8 frame
     ra = 0x5C53E3  # a return into the same epilogue: CFA sp+8, RA at [sp+8] = 0

@@ -175,5 +175,5 @@ def native_rule(row: Any) -> Rule:
         return (k, r, off)
 
     saved = tuple(reg(k, r, o) for _c, k, r, o in row.saved)
-    return (cfa, reg(row.fp_kind, row.fp_reg, row.fp_off),
+    return (cfa, reg(row.frameptr_kind, row.frameptr_reg, row.frameptr_off),
             reg(row.ra_kind, row.ra_reg, row.ra_off), row.signal, saved)  # fmt: skip

@@ -126,7 +126,7 @@ def test_libc_special_rows() -> None:
     # DW_OP_breg7 160; DW_OP_deref -> uc_mcontext.rsp; rip at rsp+168, rbp at rsp+120
     assert (r.cfa_kind, r.cfa_reg, r.cfa_off) == (CfaKind.SIGFRAME, 7, 160)
     assert (r.ra_kind, r.ra_reg, r.ra_off) == (RegKind.AT_REG, 7, 168)
-    assert (r.fp_kind, r.fp_reg, r.fp_off) == (RegKind.AT_REG, 7, 120)
+    assert (r.frameptr_kind, r.frameptr_reg, r.frameptr_off) == (RegKind.AT_REG, 7, 120)
     assert table.lookup(r.pc + 1) == r
     # the table is smaller than the .eh_frame it came from
     with open(LIBC, "rb") as f:
@@ -198,7 +198,7 @@ def rules(table: CfiTable) -> list[tuple[int, str]]:
             out.append((row.pc, "none"))
             continue
         cfa = f"{row.cfa_kind.name.lower()}(r{row.cfa_reg}{row.cfa_off:+d})"
-        s = f"{cfa}|{reg(row.fp_kind, row.fp_reg, row.fp_off)}|"
+        s = f"{cfa}|{reg(row.frameptr_kind, row.frameptr_reg, row.frameptr_off)}|"
         s += reg(row.ra_kind, row.ra_reg, row.ra_off) + ("|S" if row.signal else "")
         s += "".join(f"|r{c}={reg(k, r, o)}" for c, k, r, o in row.saved if k != RegKind.SAME)
         out.append((row.pc, s))

@@ -93,17 +93,17 @@ SavedRule = tuple[int, "RegKind", int, int]  # (DWARF column, kind, reg, off)
 @dataclass(frozen=True, slots=True)
 class CfiRow:
     """One row: valid from ``pc`` (ELF vaddr) to the next row's pc. ``cfa_reg`` is a DWARF
-    register number (for ``CfaKind.PLT``, the DW_OP_lit threshold); ``fp``/``ra`` are the rules for
-    the frame pointer (rbp) and return address columns; ``saved`` those of the other
+    register number (for ``CfaKind.PLT``, the DW_OP_lit threshold); ``frameptr``/``ra`` are the
+    rules for the frame pointer (rbp) and return address columns; ``saved`` those of the other
     callee-saved columns (``SAVED_X86_64`` order), as (column, kind, reg, off)."""
 
     pc: int
     cfa_kind: CfaKind
     cfa_reg: int
     cfa_off: int
-    fp_kind: RegKind
-    fp_reg: int
-    fp_off: int
+    frameptr_kind: RegKind
+    frameptr_reg: int
+    frameptr_off: int
     ra_kind: RegKind
     ra_reg: int
     ra_off: int
@@ -116,7 +116,7 @@ class CfiRow:
         )
         return (
             f"CfiRow(pc={self.pc:#x}, cfa={self.cfa_kind.name}({self.cfa_reg},{self.cfa_off}), "
-            f"fp={self.fp_kind.name}({self.fp_reg},{self.fp_off}), "
+            f"frameptr={self.frameptr_kind.name}({self.frameptr_reg},{self.frameptr_off}), "
             f"ra={self.ra_kind.name}({self.ra_reg},{self.ra_off}){other}"
             f"{', signal' if self.signal else ''})"
         )
