@@ -207,9 +207,9 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out);
 
 /* Stacks [from, to) in bulk (one call instead of one fp_stack each): fp_stacks_words gives
  * the room fids (its return value) and kc (*nkc) need; fp_stacks_export fills per stack its
- * comm id, space id, status, regs_none, npcs and nkc, and the frame ids and raw callchain words of all
- * of them back to back; returns the stacks exported. fp_stack_counts: every stack's count
- * (out holds fp_nstacks). O(stacks + their words). */
+ * comm id, space id, status, regs_none, npcs and nkc, and the frame ids and raw callchain
+ * words of all of them back to back; returns the stacks exported. fp_stack_counts: every
+ * stack's count (out holds fp_nstacks). O(stacks + their words). */
 uint64_t fp_stacks_words(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *nkc);
 uint32_t fp_stacks_export(const struct fp_ctx *c, uint32_t from, uint32_t to, uint32_t *comm,
                           uint32_t *space, uint8_t *status, uint8_t *regs_none, uint32_t *npcs, uint32_t *nkc,

@@ -114,7 +114,8 @@ struct unw_sections {
     uint64_t eh_frame_off, eh_frame_size, eh_frame_addr;
     uint64_t eh_hdr_off, eh_hdr_size, eh_hdr_addr;
     uint64_t text_addr;
-    uint64_t data_addr;     /* base for DW_EH_PE_datarel outside .eh_frame_hdr (GOT); 0 if unknown */
+    /* data_addr: base for DW_EH_PE_datarel outside .eh_frame_hdr (GOT); 0 if unknown */
+    uint64_t data_addr;
 };
 
 /* Compile eh_frame(+hdr) from img, then debug_frame (from dbg, which may be img) for pcs the

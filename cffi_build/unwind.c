@@ -375,7 +375,8 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
             }
             if (rule.cfa_kind == UNW_CFA_SIGFRAME) {
                 /* The interrupted context, every register of it, from the saved sigcontext.
-                 * (On aarch64 the pc column is separate from the RA (x30): its desc will name it.) */
+                 * (On aarch64 the pc column is separate from the RA (x30): its desc will name
+                 * it.) */
                 for (uint8_t d = 0; d < a->ndwarf; d++) {
                     uint64_t v;
                     if (a->sigctx_off[d] < 0)
