@@ -100,7 +100,7 @@ CACHE_SUBDIRS = ("cfi", "sym")
 class CfiPrefetcher:
     """The ELF cache's CFI factory, able to compile ahead in one worker thread, so that the
     first sample of a binary nobody has unwound yet does not stall the event loop for the
-    compile (a big binary's outlasts the rings' headroom: they would overflow meanwhile).
+    compile (a big binary's takes longer than the rings' headroom: they would overflow).
 
     Rules: the worker runs only the pure ``compile(path, debug, build_id)`` (it reads the file
     and compiles; cffi releases the GIL inside the C compiler); the ElfCache and its entries
