@@ -1,11 +1,14 @@
-"""cffi (API mode) builder for ``unwindd._unwcore``: the CFI compiler and the unwinder.
+"""cffi (API mode) builder for ``unwindd._unwcore``: the CFI compiler, the unwinder, symbol
+table scans, side-band filtering, file prefaulting, library calls and the native pipeline
+context.
 
 Same layout as ``build_perfcore.py`` (cryptography's ``src/_cffi_src/build_*.py``): the project's
-own ``cfi.c`` and ``unwind.c`` are compiled as extra sources, and ``unwcore.h`` is used twice, as
-the cdef (so the Python-visible interface cannot drift from the C one) and as the header the
-generated module includes. setup.py names this file as ``cffi_build/build_unwcore.py:ffibuilder``.
-``daemon/unwindd/binaries/cfi.py``, ``daemon/unwindd/unwind/unwinder.py`` and
-``daemon/unwindd/pipeline/fastreplay.py`` are the only importers.
+own C files (``SOURCES``) are compiled as extra sources, and ``unwcore.h`` and ``fastpath.h``
+are used twice, as the cdef (so the Python-visible interface cannot drift from the C one) and
+as the headers the generated module includes. setup.py names this file as
+``cffi_build/build_unwcore.py:ffibuilder``. Its importers are in ``daemon/unwindd/``:
+binaries/ (cfi, demangle, elfcache, elfsyms, kallsyms), unwind/unwinder, pipeline/ (context,
+fastreplay, livefast) and source/mapfile.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "unwcore.h"
-FAST_HEADER = HERE / "fastpath.h"  # the native replay path, same module
-# the native replay path's stages (fastpath.h), each file one stage; tests/nativebuild.py
-# FASTPATH lists them too, for the sanitizer harnesses
+FAST_HEADER = HERE / "fastpath.h"  # the native pipeline context (replay and live), same module
+# the native pipeline context's stages (fastpath.h), each file one stage; the tests'
+# nativebuild.py FASTPATH lists them too, for the sanitizer harnesses
 FASTPATH = ["index.c", "order.c", "context.c", "parallel.c", "live.c"]
 SOURCES = [HERE / "cfi.c", HERE / "unwind.c", *(HERE / f for f in FASTPATH), HERE / "symtab.c",
            HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c", HERE / "libcall.c"]

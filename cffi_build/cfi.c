@@ -1262,7 +1262,7 @@ int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule
  * only if it meets exactly the conditions the binary search would end on (row in this pc's page,
  * pc_lo <= key, next row of the page > key), so a stale or wrong hint -- even one remembered for
  * another table that now sits at the same address -- costs the search, never a wrong row.
- * Reads only the header fields it needs (the 96-byte header copy showed up in profiles).
+ * Reads only the header fields it needs, not a copy of the whole 96-byte header per lookup.
  * Cost: O(1) with a correct hint, else O(log rows in the page). */
 static inline int64_t find_row(const uint8_t *blob, uint64_t pc, uint32_t hint, uint32_t *page_out,
                                uint32_t *npages_out)

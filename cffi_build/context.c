@@ -347,7 +347,7 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
 }
 
 /* by code: (space, pc, exact) -> frame id, direct-mapped. Every sample turns each of its pcs
- * into a frame id (a module search and a set probe, ~30 ns); the same return addresses recur,
+ * into a frame id (a module search and a set probe); the same return addresses recur,
  * so a memo hit makes that one compare. Exact: frame ids never change, and a space id names
  * one snapshot (fp_set_space), so its modules, and the pc's frame, are fixed. 96 KiB. */
 #define FID_MEMO 4096

@@ -1,8 +1,9 @@
-/* fastpath.h: the native replay path of unwindd._unwcore: index a perf.data data section,
- * order it by perf's round rule, unwind runs of SAMPLE records straight from the raw bytes and
- * aggregate identical stacks. Python (daemon/unwindd/pipeline/fastreplay.py) decodes only the
- * rare non-SAMPLE records, applies them to the process table and symbolizes each unique stack
- * once. The live step (daemon/unwindd/pipeline/livefast.py) runs the same stages on ring chunks.
+/* fastpath.h: the native pipeline context of unwindd._unwcore: index a perf.data data section
+ * or ring chunks, order them by perf's round rule, unwind runs of SAMPLE records straight from
+ * the raw bytes and aggregate identical stacks. Python decodes only the rare non-SAMPLE
+ * records, applies them to the process table and symbolizes each unique stack once; its two
+ * drivers are the replay (daemon/unwindd/pipeline/fastreplay.py) and the live step
+ * (daemon/unwindd/pipeline/livefast.py), their shared vocabulary pipeline/context.py.
  *
  * fp_ / FP_ stands for fastpath (this interface and its internals), never for frame pointer:
  * the unwinder's frame-pointer names say fpwalk (unwcore.h fpwalk_frames).
@@ -20,10 +21,12 @@
  * - Every read of the data buffer is bounds-checked against [data, data + len): garbage, cut
  *   and hostile input end the index with a counted error, never a read outside.
  * - fp_index validates every SAMPLE exactly as records.RecordDecoder._sample does, with the same
- *   error names (FP_ERR_*, in fastreplay.SAMPLE_ERRORS), so the decode counts are the same.
+ *   error names (FP_ERR_*, in context.SAMPLE_ERRORS), so the decode counts are the same.
  * - fp_order reproduces ordering.RoundOrderer.feed_file_order (same delivery order, same stats).
- * - A struct fp_ctx owns all its memory (fp_ctx_new / fp_ctx_free); the index arrays returned by
- *   fp_index are malloc'd and released with unw_free. Nothing else allocates across calls.
+ * - A struct fp_ctx owns all its memory (fp_ctx_new / fp_ctx_free), and so do struct
+ *   fp_live_order, fp_live_groups and fp_fold (their _new / _free); the index arrays returned
+ *   by fp_index and fp_live_index are malloc'd and released with unw_free. Nothing else
+ *   allocates across calls.
  * Cost: fp_index O(records); fp_order O(records log queued); fp_unwind_run O(samples * depth *
  * (log modules + log rows)) plus O(stack words) to hash each stack.
  */
@@ -33,7 +36,7 @@
 #define FP_MARKER 4     /* FINISHED_ROUND: ends a round, is not delivered */
 #define FP_SAMPLE 8     /* a SAMPLE that decoded (err == 0): the native path owns it */
 
-/* SAMPLE decode errors, records.py's reasons in this order (fastreplay.SAMPLE_ERRORS) */
+/* SAMPLE decode errors, records.py's reasons in this order (context.SAMPLE_ERRORS) */
 #define FP_ERR_NONE 0
 #define FP_ERR_SHORT_BODY 1
 #define FP_ERR_BAD_CALLCHAIN_NR 2
@@ -204,9 +207,9 @@ int fp_stack(const struct fp_ctx *c, uint32_t id, struct fp_stack *out);
 
 /* Stacks [from, to) in bulk (one call instead of one fp_stack each): fp_stacks_words gives
  * the room fids (its return value) and kc (*nkc) need; fp_stacks_export fills per stack its
- * comm id, space id, status, regs_none, npcs and nkc, and the frame ids and raw callchain words of all
- * of them back to back; returns the stacks exported. fp_stack_counts: every stack's count
- * (out holds fp_nstacks). O(stacks + their words). */
+ * comm id, space id, status, regs_none, npcs and nkc, and the frame ids and raw callchain
+ * words of all of them back to back; returns the stacks exported. fp_stack_counts: every
+ * stack's count (out holds fp_nstacks). O(stacks + their words). */
 uint64_t fp_stacks_words(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *nkc);
 uint32_t fp_stacks_export(const struct fp_ctx *c, uint32_t from, uint32_t to, uint32_t *comm,
                           uint32_t *space, uint8_t *status, uint8_t *regs_none, uint32_t *npcs, uint32_t *nkc,
@@ -318,8 +321,9 @@ int fp_live_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *da
                 uint32_t *touched, uint64_t *touched_t, uint64_t *ntouched);
 
 /* Per-(time / bucket_ns, pid, tid, stack id) sample counts accumulated across rounds until
- * the caller takes them (the daemon stores them every ~100 ms, not every round: a group of a
- * busy stack recurs in most rounds of a bucket and costs a Python store update each time).
+ * the caller takes them (the daemon stores them at an interval, service.py _FLUSH_SECONDS,
+ * not every round: a group of a busy stack recurs in most rounds of a bucket and costs a
+ * Python store update each time).
  * Groups keep first-seen order; each keeps its newest time (the store's last_seen_ns). */
 struct fp_live_groups;
 /* NULL on allocation failure or a zero bucket_ns. */

@@ -22,18 +22,18 @@
 #include "fastpath_util.h"
 
 /* Functions one fastpath file lends another: hidden, so the module exports the fastpath.h
- * interface only, as when they were static functions of one file. */
+ * interface only. */
 #define FP_INTERNAL __attribute__((visibility("hidden")))
 
 /* The parallel unwind's knobs (parallel.c; tests build with small ones). fp_ctx_new reads PAR_MIN.
- * PAR_MIN: on the issue-3 bench file cut into calls of n samples, the worker made
- * fp_unwind_run slower at n = 32 and 64 (0.22, 0.20 s vs 0.18 s on one thread) and faster
- * from 128 on (0.15 s at 128, 0.14 s at 256), at ~1.3x the CPU time: 256 keeps a margin. */
+ * PAR_MIN: below some length a ready prefix costs more to hand to the worker than the worker
+ * saves (waking it, claiming blocks, waiting for the last one); 256 is past where the worker
+ * starts to pay on the replay benchmark, with a margin. */
 #ifndef PAR_SEG
 #define PAR_SEG 8192        /* samples scanned for readiness at a time (fp_unwind_run) */
 #endif
 #ifndef PAR_BLOCK
-#define PAR_BLOCK 32        /* samples per claim (~40 us of unwinding) */
+#define PAR_BLOCK 32        /* samples per claim: enough unwinding to outweigh the lock */
 #endif
 #ifndef PAR_NBLOCKS
 #define PAR_NBLOCKS 32      /* blocks in the ring (par_wake: a full ring sleeps till half free) */

@@ -2,13 +2,12 @@
  * aggregates by function (fastreplay.py, --format folded): stacks named, merged, sorted and
  * rendered natively.
  *
- * Why: done in Python, each of the ~7k unique stacks of the issue-3 file became a joined
- * string of ~50 names, a dict entry, a string sort and ~7 MB of text: ~0.06 s of a ~0.5 s
- * replay. Here a stack is a sequence of name ranks (u32), so merging is one hash and sorting
- * compares ~50 u32 pairs at most.
+ * Why: done in Python, each unique stack becomes a joined string of its names, a dict entry
+ * and a string sort, and the whole text one more copy. Here a stack is a sequence of name
+ * ranks (u32), so merging is one hash and sorting compares at most depth u32 pairs.
  *
  * Invariants:
- * - The same bytes as stackfmt.render_folded over the same stacks (tests/test_fastreplay.py
+ * - The same bytes as stackfmt.render_folded over the same stacks (test_fastreplay.py
  *   compares with the slow path): a stack's names are its comm's, then its user frames'
  *   outermost first (none when its sample had no user registers and it has kernel frames: the
  *   engine's kernel_only), then its kernel ips' outermost first (engine.kernel_ips: the

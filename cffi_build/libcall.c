@@ -2,11 +2,11 @@
  * ctypes: libstdc++'s __cxa_demangle (demangle.py; found with dlopen/dlsym on first use) and
  * glibc's malloc_trim (elfcache.py).
  *
- * Why: ctypes costs a replay ~5 ms to import and ~5 us of argument marshalling a call (C++
- * demangling: ~8 ms for the issue-3 file); the native module is loaded anyway and a cffi
- * call costs well under a microsecond. The same functions of the same libraries are called,
- * so the results are the same (demangle.py keeps ctypes as its fallback where no libstdc++
- * is found here).
+ * Why: ctypes costs a replay its import, and argument marshalling on every call (demangling
+ * makes one call per distinct mangled name); the native module is loaded anyway and a cffi
+ * call costs far less. The same functions of the same libraries are called, so the
+ * results are the same (demangle.py keeps ctypes as its fallback where no libstdc++ is found
+ * here).
  *
  * Invariants: unw_cxa_demangle reads the NUL-terminated name and writes at most cap bytes of
  * out; it frees what __cxa_demangle returns; the library is looked up once per process

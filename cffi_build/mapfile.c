@@ -2,11 +2,11 @@
  * (daemon/unwindd/source/mapfile.py: the perf.data file a replay reads in place).
  *
  * Why a function of its own: a replay reads every page of the file (fp_index the record
- * headers, the unwinder the stack copies), and one batch of page-table fills costs about a
- * third of taking the faults one by one. MAP_POPULATE does the batch inside mmap(2), on the
- * calling thread and, in CPython's mmap module, with the GIL held (~0.03-0.05 s for the
- * 673 MB issue-3 file on a VM); called from a Python thread through cffi (which releases the
- * GIL) it runs while the replay imports its modules and parses the file header.
+ * headers, the unwinder the stack copies), and one batch of page-table fills costs less than
+ * taking the faults one by one. MAP_POPULATE does the batch inside mmap(2), on the calling
+ * thread and, in CPython's mmap module, with the GIL held, O(pages) of kernel time; called
+ * from a Python thread through cffi (which releases the GIL) it runs while the replay imports
+ * its modules and parses the file header.
  *
  * Invariants: reads [p, p + len) only, writes nothing; p must be the start of a mapping of at
  * least len bytes that stays mapped for the whole call (mapfile.py joins this call's thread

@@ -2,11 +2,10 @@
  * one worker thread; context.c does the unwinding (unwind_sample) and the interning
  * (intern_sample).
  *
- * Why: unwinding (unw_unwind_one) is most of fp_unwind_run (on the issue-3 bench file ~3/4 of
- * it; interning the stacks the rest), and samples unwind independently: the calling thread
- * and one worker thread (the machines have 2 vCPUs) unwind blocks of a run's ready prefix into
- * ring slots, and the calling thread alone interns them in sample order, so frame and stack
- * ids, counts and pairs are exactly the one-thread ones.
+ * Why: unwinding (unw_unwind_one) is most of fp_unwind_run (interning the stacks is the
+ * rest), and samples unwind independently: the calling thread and one worker thread unwind
+ * blocks of a run's ready prefix into ring slots, and the calling thread alone interns them in
+ * sample order, so frame and stack ids, counts and pairs are exactly the one-thread ones.
  *
  * Thread safety of the unwind half (unwind_sample): it reads the record, the buffer, the
  * space table (space_slot: the calling thread does not change spaces during a job) and the
@@ -16,11 +15,10 @@
  * Bounds: one worker per context (created on first use, joined by fp_ctx_free); ring = g *
  * PAR_NBLOCKS samples of max_depth pcs and kinds, at most ~PAR_RING_BYTES (g shrinks for deep
  * max_depth, at least 1; 1024 samples, 1.2 MB at max_depth 128). A run stopped by
- * FP_RUN_NEED_SYMS has unwound at most ring samples past the stop, unwound again on resume
- * (bench file: ~3k extra unwinds of 80k, 30 stops). Lock traffic: O(1) per block; futex
- * wakes of the worker: O(1) per job plus one per half ring it waits for (par_wake). Measured
- * on the bench file with the second vCPU idle: fp_unwind_run 0.16-0.17 s -> 0.10-0.11 s, at
- * ~1.15x the CPU time. */
+ * FP_RUN_NEED_SYMS has unwound at most ring samples past the stop, unwound again on resume.
+ * Lock traffic: O(1) per block; futex wakes of the worker: O(1) per job plus one per half
+ * ring it waits for (par_wake). BENCHMARKS.md has the wall and CPU times with and without the
+ * worker. */
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -288,13 +286,13 @@ static uint64_t clock_ns(clockid_t id)
 
 /* Why: the two threads help only if the process gets a second CPU. On a busy shared machine
  * it does not (with autogroup scheduling a session's share stays the same however many
- * threads it runs), and then the worker only adds its overhead: on the issue-3 bench file,
- * under load from other jobs, fp_unwind_run took ~10% longer with the worker than without,
- * where an idle second CPU makes it ~40% shorter. So the jobs are judged, every PAR_JUDGE_NS
- * of their wall time, by the CPU time their threads got over that wall time: under 1.3 CPUs,
- * busy; the next PAR_BACKOFF << streak samples (streak: busy verdicts in a row, at most 6)
- * then run on one thread, and the jobs after them probe again. Cost: four clock reads per
- * job. A verdict changes only which thread unwinds, never a result. */
+ * threads it runs), and then the worker only adds its overhead: fp_unwind_run takes longer
+ * with it than without, where an idle second CPU makes it much shorter. So the jobs are
+ * judged, every PAR_JUDGE_NS of their wall time, by the CPU time their threads got over that
+ * wall time: under 1.3 CPUs, busy; the next PAR_BACKOFF << streak samples (streak: busy
+ * verdicts in a row, at most 6) then run on one thread, and the jobs after them probe again.
+ * Cost: four clock reads per job. A verdict changes only which thread unwinds, never a
+ * result. */
 static void par_judge(struct fp_par *P, uint64_t wall, uint64_t cpu)
 {
     P->acc_wall += wall;

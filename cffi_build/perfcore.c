@@ -3,7 +3,7 @@
  * Cost bounds: pc_open / pc_ring_map are one syscall each (two for a build_id fallback).
  * pc_drain is O(bytes copied + number of rings) with two memcpy per wrapped record and no
  * syscalls; it is the only per-batch call on the hot path, so Python crosses into C once per
- * batch, never per record (DESIGN.md, "Native core").
+ * batch, never per record (docs/architecture.md, "Cross the native boundary per batch").
  */
 #define _GNU_SOURCE
 #include <errno.h>

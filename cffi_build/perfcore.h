@@ -82,7 +82,7 @@ int64_t pc_drain(pc_ring *rings, size_t nrings, size_t start, unsigned char *out
 /* pc_drain, and each SAMPLE record of pc_sample_type's layout with REGS_USER (nregs registers)
  * and STACK_USER is written with its user stack copy cut to dyn_size rounded up to 8: the
  * kernel always reserves the requested size, but only dyn_size bytes hold the stack (often a
- * quarter of it), and every later copy and read of the record pays for the rest. The cut
+ * small part of it), and every later copy and read of the record pays for the rest. The cut
  * record decodes the same except for its size fields (stack size = the kept bytes). A record
  * that does not parse as that layout is copied whole (its decoder judges it). Only the kept
  * bytes are copied out of the ring. nregs PC_NO_TRIM: pc_drain. */

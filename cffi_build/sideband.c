@@ -1,9 +1,9 @@
 /* sideband.c: find the side-band records a replay may skip, natively (fastreplay.py).
  *
- * Why: deep CPython recursion mmaps/munmaps frame chunks, so a 10 s profile can carry ~500k
- * MMAP2 records of anonymous read/write memory. Decoding and applying each in Python costs
- * ~15 us; none of them changes the process table (proctable.py: a non-executable mapping is
- * never inserted and cuts only what it overlaps).
+ * Why: deep CPython recursion mmaps/munmaps frame chunks, so a profile can carry hundreds of
+ * thousands of MMAP2 records of anonymous read/write memory, each costly to decode and apply
+ * in Python; none of them changes the process table (proctable.py: a non-executable mapping
+ * is never inserted and cuts only what it overlaps).
  *
  * Invariants (the proof that a skipped record is a no-op for ProcessTable.apply in replay):
  * - Every mapping a replay's table ever holds is a piece of the range of an executable

@@ -1,8 +1,9 @@
 /* symtab.c: ELF symbol tables and /proc/kallsyms scanned in one native pass (elfsyms.py,
  * kallsyms.py).
  *
- * Why native: a Python loop over .symtab costs ~1 us per symbol (python3.11 and libc's debug
- * file hold ~10-40k symbols each), and the replay path loads ~45 binaries; here it is ~20 ns.
+ * Why native: a Python loop over .symtab costs a bytecode loop per symbol, tables hold tens of
+ * thousands of symbols, and a replay loads every binary its samples touch; here a symbol is a
+ * few compares and stores.
  *
  * Invariants:
  * - Same selection and order as perf 6.1 (tools/perf/util/symbol-elf.c dso__load_sym,
@@ -257,7 +258,7 @@ int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *o
     }
     /* /proc/kallsyms lists the kernel's text in address order (modules after it, usually
      * above it): the sort is skipped when the symbols already are in (addr, line) order, an
-     * O(n) check (qsort's merge sort took ~20 ms for 120k symbols, sorted or not). */
+     * O(n) check (glibc's qsort, a merge sort, costs O(n log n) on sorted input too). */
     uint64_t sorted = 1;
     while (sorted < n && cmp_ksym(&out[sorted - 1], &out[sorted]) <= 0)
         sorted++;

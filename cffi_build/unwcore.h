@@ -1,4 +1,6 @@
-/* unwcore.h: the native CFI compiler (cfi.c) and unwinder (unwind.c) of unwindd._unwcore.
+/* unwcore.h: the native CFI compiler (cfi.c) and unwinder (unwind.c) of unwindd._unwcore, and
+ * the helpers beside them: symbol table scans (symtab.c), library calls (libcall.c) and the
+ * side-band filter (sideband.c). The pipeline context's interface is fastpath.h.
  *
  * This file is both the cffi cdef and the C header (see build_unwcore.py), so it includes
  * nothing and uses only fixed-width types and integer #defines.
@@ -25,12 +27,12 @@
  * Rows of page p are page_first[p] .. page_first[p+1]-1, pcs strictly ascending overall.
  * Row i covers [pc_i, pc_{i+1}); the last row is always a UNW_CFA_NONE row ("no CFI here"), so
  * lookups past the end find no rule. A row with the same rule as its predecessor is never
- * emitted, so a row costs 2 + idx_width bytes (4 for every binary seen so far: rules number in
- * the hundreds), plus 4 bytes per 64 KiB of text. libc: ~0.8x the size of its .eh_frame.
+ * emitted, so a row costs 2 + idx_width bytes (idx_width 2 up to 65536 rules; real binaries
+ * have hundreds), plus 4 bytes per 64 KiB of text.
  */
 
 #define UNW_TABLE_MAGIC 0x54574e55 /* "UNWT" */
-#define UNW_TABLE_VERSION 3 /* 3: every callee-saved column (unw_rule.regs), not just fp/RA */
+#define UNW_TABLE_VERSION 3 /* bumped with the layout; unw_table_validate refuses others */
 #define UNW_HDR_SIZE 96
 #define UNW_NSAVED 12         /* register columns a rule carries (aarch64: x19..x30)         */
 
@@ -112,7 +114,8 @@ struct unw_sections {
     uint64_t eh_frame_off, eh_frame_size, eh_frame_addr;
     uint64_t eh_hdr_off, eh_hdr_size, eh_hdr_addr;
     uint64_t text_addr;
-    uint64_t data_addr;     /* base for DW_EH_PE_datarel outside .eh_frame_hdr (GOT); 0 if unknown */
+    /* data_addr: base for DW_EH_PE_datarel outside .eh_frame_hdr (GOT); 0 if unknown */
+    uint64_t data_addr;
 };
 
 /* Compile eh_frame(+hdr) from img, then debug_frame (from dbg, which may be img) for pcs the

@@ -1,8 +1,8 @@
 /* unwind.c: the batched DWARF CFI unwinder over compiled tables (cfi.c).
  *
- * Contract (framehop's, STYLE.md 5): the caller supplies modules (absolute [start,end), load bias,
- * compiled table) and, per sample, perf's REGS_USER dump and the STACK_USER copy; we return
- * absolute pcs only, leaf first, and one status per sample.
+ * Contract (framehop's: the unwinder returns addresses only): the caller supplies modules
+ * (absolute [start,end), load bias, compiled table) and, per sample, perf's REGS_USER dump and
+ * the STACK_USER copy; we return absolute pcs only, leaf first, and one status per sample.
  *
  * Invariants:
  *   - Every memory read is a read of the sample's stack copy, bounds-checked against
@@ -18,8 +18,8 @@
  *     read (outside the stack copy) only makes that register unknown ("lost"). A walk fails
  *     only when an unknown register is needed: the CFA base, the return address, or the base
  *     of a rule that is itself needed; the status is TRUNCATED if the register was lost to the
- *     copy's bounds, else BAD_CFI. Example: python3.11 0x5c53e3, an epilogue after the pops,
- *     has "CFA=rsp+8, rbp at CFA-32": rbp's slot is below sp, yet the caller never needs it.
+ *     copy's bounds, else BAD_CFI. Example: an epilogue after the pops can have
+ *     "CFA=rsp+8, rbp at CFA-32": rbp's slot is below sp, yet the caller never needs it.
  *   - Across an ordinary frame, callee-saved registers follow their rules (default: same value),
  *     sp becomes the CFA and the pc the return address; caller-saved registers become unknown.
  *     At a UNW_CFA_SIGFRAME frame every register is restored from the kernel's saved context
@@ -79,9 +79,9 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  *
  * Why: a profile's stacks repeat the same return addresses, and the two binary searches per
  * frame -- modules, then the rows of a table of up to ~10^5 rows, a cache miss per probe --
- * were a third of the unwinder's time. On the issue-3 benchmark file (80k samples, 2.5M
- * frames, at most ~18k distinct (address space, pc) pairs) 98.5% of lookups hit with 4096
- * entries (94% with 1024, 99.3% with 16384; time alike); BENCHMARKS.md "Unwinder loop".
+ * are a large part of an unwind; a profile's distinct (address space, pc) pairs are few
+ * enough that a cache of 1 << LK_BITS entries serves nearly every lookup (BENCHMARKS.md,
+ * "Unwinder loop", has the hit rate).
  *
  * Why it cannot change a result: an entry is only a hint, checked against the current inputs
  * before use. The module hint is used only if it indexes the item's own module array and that
@@ -89,7 +89,7 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  * the one find_module returns. The row hint goes to unw_table_lookup_hint, which accepts it only
  * if it meets the search's own end conditions in the current table (cfi.c find_row). So a stale
  * entry (a module array or table freed and another allocated at the same address, another
- * process) costs the searches, never a different row (tests/test_unwinder.py
+ * process) costs the searches, never a different row (test_unwinder.py
  * test_lookup_cache_never_serves_stale_entries). The cache never dereferences a pointer it
  * holds: mods is only compared, and the index is checked against the item's nmods first.
  *
@@ -215,7 +215,7 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
     /* Two frames used in turn: the callee (*f) and the caller being built (*nf). Only the
      * valid/lost masks are reset per frame, never the 34 registers: regs[d] is read only when
      * valid bit d is set (reg_get), and the FP fallback copies unset ones only to mask them off
-     * again. (Copying the whole struct per frame was a third of this function's time.) */
+     * again, so a frame costs no copy of the whole register file. */
     struct frame fr[2];
     struct frame *f = &fr[0], *nf = &fr[1];
     uint32_t n = 0;      /* pcs written; stored to *count on every return */
@@ -229,7 +229,7 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
         return UNW_NO_REGS;
     /* perf dumps registers in ascending bit order of regs_mask (kernel perf_output_sample_regs):
      * pos[p] = index of perf register p in the dump, for the bits set in regs_mask (a
-     * popcount per register was a libgcc call without -mpopcnt). */
+     * popcount per register would be a libgcc call without -mpopcnt). */
     uint8_t pos[64];
     uint32_t k = 0;
     for (uint64_t msk = it->regs_mask; msk; msk &= msk - 1)
@@ -375,7 +375,8 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
             }
             if (rule.cfa_kind == UNW_CFA_SIGFRAME) {
                 /* The interrupted context, every register of it, from the saved sigcontext.
-                 * (On aarch64 the pc column is separate from the RA (x30): its desc will name it.) */
+                 * (On aarch64 the pc column is separate from the RA (x30): its desc will name
+                 * it.) */
                 for (uint8_t d = 0; d < a->ndwarf; d++) {
                     uint64_t v;
                     if (a->sigctx_off[d] < 0)

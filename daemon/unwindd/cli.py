@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from . import __version__
 from .unwind import stackfmt
 
-# Imports are per command: `unwindd replay` (the fast path) must not pay for the capture,
-# output, config or service stacks it does not run (~40 ms of a ~0.4 s cold replay start),
-# nor for json/select/signal (~3 ms), which only the other commands and formats use.
+# Imports are per command: `unwindd replay` (the fast path) must not pay at start-up for the
+# capture, output, config or service stacks it does not run, nor for json/select/signal, which
+# only the other commands and formats use.
 if TYPE_CHECKING:
     from .pipeline.live import LiveProfiler
     from .source.capture import StreamPipeline
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .unwind.engine import StackEngine
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
-# (tests/test_fastreplay.py checks they agree).
+# (test_fastreplay.py checks they agree).
 _DEFAULT_CONFIG = "/etc/unwindd/config.toml"
 
 
@@ -113,8 +113,8 @@ def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     """The directory under which the fast replay keeps compiled CFI tables (``cfi/``,
     cfi.CfiStore) and symbol tables (``sym/``, symstore.SymbolStore), or None. Files are keyed
     by the binary's build-id and checked, so a stale or damaged file is rebuilt, never trusted;
-    ~1 MB of CFI per distinct binary (libc's table is ~0.8x its .eh_frame) and ~20 B per
-    symbol plus the string table of symbols (libc with its debug file: ~0.2 MB)."""
+    a CFI file is O(the binary's .eh_frame), a symbol file 20 B per symbol plus the string
+    table of symbols."""
     if args.no_cache:
         return None
     from .binaries.cachefiles import user_cache_dir  # (the replay imports cachefiles anyway)
@@ -446,12 +446,12 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     gc_was_on = gc.isenabled()
     if fast and not args.slow_path:
         # A one-shot native replay keeps what it allocates (modules, names, stacks) until it
-        # exits: cyclic GC passes (~1-2% of its CPU, from its imports on) find nothing to free.
+        # exits: cyclic GC passes (from its imports on) traverse it all and find nothing to free.
         # Back on below: the slow path builds an object per record, and a caller of main()
         # keeps its own setting.
         gc.disable()
         # Mapped first, its page tables filled on a thread (mapfile.py) while the replay's
-        # modules are imported and the header parsed (~0.05 s of each on the issue-3 file).
+        # modules are imported and the header parsed: the two overlap instead of adding up.
         from .source.mapfile import MappedFile
 
         try:
@@ -545,9 +545,9 @@ def _fast_replay(
 
 # Set when a native replay has written and flushed all of its output to stdout: the command
 # then ends the process at once (``entry``), skipping the interpreter's teardown, which frees
-# every object of the replay one by one (~20-40 ms for the issue-3 file, ~5% of the replay)
-# and has nothing left to do: no atexit handlers, cache files are complete (renamed into
-# place), and the daemon threads left (page-table fill, unmap, kallsyms) hold nothing.
+# every object of the replay one by one, O(objects), and has nothing left to do: no atexit
+# handlers, cache files are complete (renamed into place), and the daemon threads left
+# (page-table fill, unmap, kallsyms) hold nothing.
 _exit_at_once = False
 
 

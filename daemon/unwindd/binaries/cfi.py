@@ -1,4 +1,4 @@
-"""Compiled CFI unwind tables: the only module (with ``unwinder``) that imports ``_unwcore``.
+"""Compiled CFI unwind tables (``CfiTable``) and their on-disk store (``CfiStore``).
 
 Invariants:
 - A ``CfiTable`` is an immutable ``bytes`` blob built by the native compiler
@@ -17,7 +17,7 @@ Invariants:
   atomic writes (temporary file + ``os.replace``) are cachefiles' ``read_cache_file`` and
   ``write_cache_file``, shared with ``symstore.SymbolStore``.
 
-Cost: compiling is O(E log E + R) for E FDEs and R rows (libc: a few ms, see bench/bench_cfi.py);
+Cost: compiling is O(E log E + R) for E FDEs and R rows (bench/bench_cfi.py measures it);
 ``lookup`` is O(log R); ``rows`` decodes the blob in Python, O(R), for tests and debugging.
 """
 
@@ -278,8 +278,8 @@ class CfiTable:
     @property
     def cbuf(self) -> Any:
         """The blob as one ``uint8_t[]`` cdata, made once and shared by every native address
-        space that maps this binary (each used to hold its own: ~80 B per module per
-        mapping generation)."""
+        space that maps this binary, so a new mapping generation of a process adds no copy
+        of it."""
         if self._cbuf is None:
             self._cbuf = ffi.from_buffer("uint8_t[]", self._blob)
         return self._cbuf

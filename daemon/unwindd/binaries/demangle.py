@@ -1,6 +1,6 @@
 """Symbol demangling the way ``perf script`` prints names (C++ Itanium, Rust legacy).
 
-Rules (verified on this machine, perf 6.1 built with libiberty's ``cplus_demangle``):
+Rules (perf 6.1 built with libiberty's ``cplus_demangle``):
 - perf demangles with ``DMGL_NO_OPTS`` unless ``-v`` (tools/perf/util/symbol-elf.c
   demangle_sym): no parameter list, no return type, no ``[clone .cold]`` suffix. So
   ``_ZN2ns3BoxIlE4spinElRKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE`` prints as
@@ -32,8 +32,8 @@ __all__ = ["demangle", "demangle_full", "demangle_rust_legacy", "strip_function_
 
 
 class _Cxx:
-    """libstdc++'s demangler, loaded on the first mangled name (loading costs ~8 ms of a
-    replay's start-up, and C-only profiles never need it)."""
+    """libstdc++'s demangler, loaded on the first mangled name (loading it adds to a replay's
+    start-up, and C-only profiles never need it)."""
 
     def __init__(self) -> None:
         self.fn: ctypes._NamedFuncPointer | None = None
@@ -41,7 +41,7 @@ class _Cxx:
         self.loaded = False
 
     def load(self) -> None:
-        import ctypes  # ~5 ms of imports: only when a mangled name shows up
+        import ctypes  # not cheap to import: only when a mangled name shows up
 
         self.loaded = True
         try:
@@ -66,7 +66,7 @@ def _cdll(soname: str, name: str) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(soname)
     except OSError:
-        import ctypes.util  # (subprocess, shutil...: ~6 ms, only when the soname fails)
+        import ctypes.util  # (subprocess, shutil...: only when the soname fails)
 
         found = ctypes.util.find_library(name)
         if found is None:
@@ -79,7 +79,7 @@ _cxx = _Cxx()
 
 class _Native:
     """``__cxa_demangle`` through the native module (cffi_build/libcall.c): the same
-    function as the ctypes path, without ctypes' import (~5 ms) and per-call cost."""
+    function as the ctypes path, without ctypes' import and per-call marshalling."""
 
     def __init__(self) -> None:
         self.cap = 4096

@@ -1,5 +1,5 @@
 """The shared ELF cache (``ElfCache``): one ``elfentry.ElfEntry`` per binary, shared by every
-pid that maps it (seeds 000/002/003, DESIGN.md "Process table and ELF cache").
+pid that maps it (docs/architecture.md, "Binaries are shared").
 
 Invariants:
 - Keyed by build-id (``("b", id)``), else by file identity ``("i", st_dev, st_ino, st_size,

@@ -1,52 +1,23 @@
-"""The native fast path of ``unwindd replay --format folded|jsonl|perf-script``.
-
-The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed -> stackfmt) builds
-a Python object per record and per sample; this module crosses into C once per data section
-(index), once per file (ordering) and once per run of samples between two side-band records
-(unwind + aggregate, ``cffi_build/context.c``), and symbolizes each unique frame once; folded
-output is merged, sorted and rendered in C (``cffi_build/fold.c``) from names ranked here.
+"""The native fast path of ``unwindd replay --format folded|jsonl|perf-script``: it crosses
+into C once per data section (index), once per file (ordering) and once per run of samples
+between two side-band records (unwind + aggregate, ``cffi_build/context.c``), and names each
+unique frame once. The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed
+-> stackfmt), a Python object per record and per sample, stays the reference.
 
 Invariants:
-- Same answer as the slow path, which stays the reference (tests/test_fastreplay.py compares
-  them byte for byte): the same records decoded (non-SAMPLE records and SAMPLEs that fail to
-  decode go through ``RecordDecoder.decode_one`` itself), the same delivery order (fp_order is
-  ``RoundOrderer.feed_file_order``), side-band records applied to the process table in that
-  order between runs, each sample unwound against its pid's snapshot of that moment (a pid's
-  native space is dropped on the C side whenever a record of that pid is applied, and re-taken
-  from ``StackEngine.snapshot`` at its next sample), the comm of that moment (all comm ids are
-  dropped at each COMM), and the engine's own ``user_frames``/``kernel_frames`` for names.
-- Side-band records that cannot change the process table are not decoded or applied, only
-  counted where the slow path counts them: data (non-exec) MMAP2s overlapping no executable
-  range of the file, after their pid's first (``cffi_build/sideband.c`` states the proof), and
-  data MMAP2s over nothing the pid's space maps (``_data_mmap_is_noop``). Deep CPython
-  recursion makes ~50k of them per second of profile. FINISHED_ROUND records (one a round)
-  are marked and counted in bulk: decoding one yields nothing else.
-- Same counts: ``DecodeStats`` (records by type, errors), ``PerfData.errors``, ``StreamStats``,
-  ``OrderStats`` and the engine's per-status sample and frame counts. (``EngineStats.batches``
-  counts native runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique
-  stacks exist, as the slow path re-symbolizes after clearing its cache.)
+- Same output and same counts as the slow path (test_fastreplay.py compares them byte for
+  byte; ``_Replay.run`` says how).
+- Side-band records that cannot change the process table are counted where the slow path
+  counts them, never decoded or applied (``_Replay.run``, ``_data_mmap_is_noop``).
 - ``Unsupported`` is raised before any state changes, for inputs the native path does not take
-  (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized HEADER_ATTR
-  records,
-  record types > 255): the caller then runs the slow path.
-- Memory: the file is mmap'd read-only (``mapfile.MappedFile``, possibly mapped, filled and
-  indexed by the CLI before this module is imported); stacks are read in place. Per record 56
-  bytes of index
-  plus 4 of order; per unique stack its key words and its rendered frames. Folded output
-  aggregates by function (``fp_ctx_by_code(ctx, 2)``: a frame is its binary and the symbol
-  region of its ELF vaddr in the table ``frame_at`` names it from, handed to C once per
-  binary; stacks without their address space), so N processes running the same code cost what
-  one does, and the addresses of one function are one frame; a snapshot is held
-  only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held between
-  ordering and applying them (decoded again, ``RecordDecoder.redecode``).
+  (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized
+  HEADER_ATTR records, record types > 255): the caller then runs the slow path.
+- Memory: the file is mapped, never copied; per record 56 bytes of index plus 4 of order; per
+  unique stack its key words and its rendering (``_Replay``).
 
 Cost: O(records) native work plus O(table-changing side-band records + unique frames + runs)
-Python work for folded output (its stacks never cross into Python: counts from
-``fp_fold_stats``, text from ``fp_fold_text``); jsonl/perf-script add O(unique stacks) and one
-string format per sample (~2-4 us). A long
-run's samples are unwound by the calling thread and a worker thread the C context owns while
-the machine has a CPU to spare (``fp_ctx_par``; the stacks are interned in sample order, so
-the output does not depend on it).
+Python work for folded output; jsonl/perf-script add O(unique stacks) and one string format
+per sample.
 """
 
 from __future__ import annotations
@@ -135,9 +106,8 @@ def replay(
             raise Unsupported(f"format {fmt}")
         lay = native_layout(data)
         # The page tables filled first (mapfile.c): the replay reads every page (headers, then
-        # stack copies), and faulting them in as one batch costs about a third of taking ~2
-        # faults per record (673 MB: 0.035 s vs 0.06-0.08 s in the index alone, plus the
-        # unwinder's stack pages). A mapping from the caller may still be filling: waited for.
+        # stack copies), and faulting them in as one batch costs less than taking a fault or
+        # two per record. A mapping from the caller may still be filling: waited for.
         if mapped is None:
             try:
                 mapped = MappedFile(path)
@@ -148,8 +118,8 @@ def replay(
             mapped.wait()
         # No cyclic GC while replaying: what a replay allocates (names, stacks, snapshots, ELF
         # entries) lives until it ends, so the collections its allocation counts trigger only
-        # traverse live objects (~2-3% of a replay's CPU, ~15 ms on the issue-3 file); its
-        # cyclic garbage (exceptions caught on error paths) waits at most until it returns.
+        # traverse live objects, O(objects) each for nothing; its cyclic garbage (exceptions
+        # caught on error paths) waits at most until it returns.
         gc.disable()
         return _Replay(data, mapped, lay, fmt, out, engine, stream_stats, order_stats,
                        max_queued).run()  # fmt: skip
@@ -157,13 +127,25 @@ def replay(
         if gc_was_on:
             gc.enable()
         # unmapped on a thread (the run did so already unless an exception came first), not
-        # waited for: nothing reads it any more, and the caller has output to finish (~15 ms
-        # of munmap for 673 MB); a view still exported (an exception unwinding): GC unmaps
+        # waited for: nothing reads it any more, and the caller has output to finish (munmap
+        # is O(pages)); a view still exported (an exception unwinding): GC unmaps
         if mapped is not None:
             mapped.close(background=True)
 
 
 class _Replay:
+    """One replay of one mapped file.
+
+    Memory: the file is mmap'd read-only (``mapfile.MappedFile``, possibly mapped, filled and
+    indexed by the CLI before this module is imported); stacks are read in place. Per record
+    56 bytes of index plus 4 of order; per unique stack its key words and its rendered frames.
+    Folded output aggregates by function (``fp_ctx_by_code(ctx, 2)``: a frame is its binary
+    and the symbol region of its ELF vaddr in the table ``frame_at`` names it from, handed to
+    C once per binary; stacks without their address space), so N processes running the same
+    code cost what one does, and the addresses of one function are one frame. A snapshot is
+    held only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held
+    between ordering and applying them (decoded again, ``RecordDecoder.redecode``)."""
+
     def __init__(
         self,
         data: PerfData,
@@ -237,12 +219,12 @@ class _Replay:
         # by the distinct callchains of the file
         self._ktext: dict[bytes, list[str]] = {}
         self._kframe_text: dict[Frame, str] = {}
-        # (snapshot, frame ids) already counted, packed: ~4 bytes per frame instead of a tuple
-        # of ~36 (ids past 256 are separate int objects); by code, C keeps the pairs instead
+        # (snapshot, frame ids) already counted, packed: 4 bytes per frame instead of a tuple
+        # slot and, past 256, an int object per id; by code, C keeps the pairs instead
         self._seen: set[bytes] = set()
         self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
         self._npairs = 0  # by code: fp_pairs consumed
-        # out-parameters of the per-run calls, made once (ffi.new zeroes: ~100 runs a file)
+        # out-parameters of the per-run calls, made once (ffi.new zeroes them on every call)
         self._pair_bufs = (ffi.new("uint32_t[]", 4096), ffi.new("uint32_t[]", 4096),
                            ffi.new("uint64_t[]", 4096))  # fmt: skip
         self._frame_out = (ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *"))
@@ -252,6 +234,19 @@ class _Replay:
     # -- the whole file
 
     def run(self) -> FastResult:
+        """The whole file, with the slow path's answer and counts: the same records decoded
+        (non-SAMPLE records and SAMPLEs that fail to decode go through
+        ``RecordDecoder.decode_one`` itself), the same delivery order (fp_order is
+        ``RoundOrderer.feed_file_order``), side-band records applied to the process table in
+        that order between runs, each sample unwound against its pid's snapshot of that moment
+        (a pid's native space is dropped on the C side whenever a record of that pid is
+        applied, and re-taken from ``StackEngine.snapshot`` at its next sample), the comm of
+        that moment (all comm ids are dropped at each COMM), and the engine's own
+        ``user_frames``/``kernel_frames`` for names. The same counts: ``DecodeStats`` (records
+        by type, errors), ``PerfData.errors``, ``StreamStats``, ``OrderStats`` and the
+        engine's per-status sample and frame counts (``EngineStats.batches`` counts native
+        runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique stacks
+        exist, as the slow path re-symbolizes after clearing its cache)."""
         if self.lay.sample_type & _CALLCHAIN:
             self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
         idx = self.mapped.take_index(self.lay, self.start, self.length)
@@ -268,7 +263,11 @@ class _Replay:
                 raise Unsupported("HEADER_ATTR in the data section")
 
         # -- data MMAP2 records that cannot change the process table (sideband.c): their index
-        # entries get time/cpu natively and they are never decoded into objects
+        # entries get time/cpu natively and they are never decoded into objects. Data
+        # (non-exec) MMAP2s overlapping no executable range of the file, after their pid's
+        # first (sideband.c states the proof), are only counted where the slow path counts
+        # them (_skip_data_mmaps); so are data MMAP2s over nothing the pid's space maps
+        # (_data_mmap_is_noop). Deep CPython recursion makes them by the hundred thousand.
         data, dec = self.data, self.data.decoder
         cand = ffi.new("uint8_t[]", max(1, n))
         cand_pids = ffi.new("uint32_t[]", max(1, n))
@@ -283,8 +282,8 @@ class _Replay:
             nrest = int(p_rest[0])
 
         # -- decode what is not a good SAMPLE, exactly as PerfData.records() does. MMAP2
-        # objects (thousands per hundred processes, ~0.5 KB each) are counted and dropped,
-        # and decoded again when applied (_record): a replay holds their bytes, not objects.
+        # objects (many per process) are counted and dropped, and decoded again when applied
+        # (_record): a replay holds their bytes, not objects.
         mv = memoryview(self.mm)
         objs: dict[int, Record] = {}
         sstats = self.sstats
@@ -295,7 +294,7 @@ class _Replay:
             if r.type == _T_FINISHED_ROUND:
                 # decode_one makes a FinishedRound of any body, never an error, and nothing
                 # but its counts follows from it (PerfData._user_record ignores its type): one
-                # a round, ~3k a file, counted below instead of decoded (~6 us each)
+                # a round, counted below in bulk instead of decoded one by one
                 r.flags = marker
                 rounds += 1
                 continue
@@ -378,7 +377,7 @@ class _Replay:
                 lib.fp_forget_space(self.ctx, rpid)
                 self._unhold(rpid)
         # Nothing reads the file any more (names, counts and output come from the context):
-        # unmapped on a thread while the output is built (munmap of 673 MB: ~0.015 s).
+        # unmapped on a thread while the output is built (munmap is O(pages)).
         mv.release()
         ffi.release(self._whole)
         self.buf = ffi.NULL
@@ -459,7 +458,7 @@ class _Replay:
             return
         s.by_type["SAMPLE"] += nsamples
         # the samples' pids (cpus), counted in C in first-seen order (what Counter over them
-        # gives, without an int object per record: ~10 ms less for 80k samples)
+        # gives, without an int object per record)
         for pid, c in count_flagged(is_sample, pids):
             s.samples_by_pid[pid] += c
         if cpus is None:
@@ -472,6 +471,11 @@ class _Replay:
     # -- native runs
 
     def _run(self, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
+        """Unwind the samples perm[a, b), a run between two side-band records, answering
+        the run's stops (space, comm, symbols). A long run's samples are unwound by the
+        calling thread and a worker thread the C context owns while the machine has a CPU to
+        spare (``fp_ctx_par``; the stacks are interned in sample order, so the output does
+        not depend on it)."""
         stopped, need_pid, need_tid = self._run_out
         k = a
         while True:
@@ -517,7 +521,7 @@ class _Replay:
     def _set_symbols(self, pid: int, index: int) -> None:
         """By function: give C the symbol table of module ``index`` of ``pid``'s space, the
         table ``frame_at`` names that module's frames from (``Symbolizer.table`` of the
-        mapping's entry): once per module key, ~30 binaries in a typical profile."""
+        mapping's entry): once per module key."""
         snap = self._snaps[self._pid_sid[pid]]
         mod = snap.native.modules[index]
         m = snap.find(mod.start)
@@ -680,7 +684,7 @@ class _Replay:
         if self.fmt == "folded":  # folded_key's name of the frame (no comm, no sample object)
             return stackfmt.folded_names(frames)[0]
         if self.fmt == "jsonl":
-            import json  # (a folded replay does not import it: ~2 ms)
+            import json  # (a folded replay does not pay for importing it)
 
             u = UnwoundSample(None, None, None, None, "", None, "", frames)
             return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
@@ -771,8 +775,8 @@ class _Replay:
         name (comms, frame texts, kernel frames named now, once per ip) sorted as Python
         sorts str, so C's order of rank sequences is render_folded's order of name tuples;
         names cross as UTF-8 with surrogates passed through, so decoding gives back the
-        same str. Written in pieces of ~256 KiB (one buffer reused: a ~7 MB text built whole
-        page-faults fresh memory, ~5 us a page on a VM)."""
+        same str. Written in pieces of 256 KiB (one buffer reused: a text built whole would
+        page-fault fresh memory for every page of it)."""
         kf = self.engine.kernel_frame
         cap = 4096
         while True:

@@ -3,36 +3,16 @@ stack store, one round at a time. The service's event loop and ``unwindd record`
 
 Invariants:
 - ``step()`` never blocks: it drains what the rings hold now (one round, see capture.py),
-  unwinds it and adds it to the store. Whoever owns the loop decides when to call it (poll on
-  ``fds`` plus a timer, so a quiet ring is still drained every tick).
+  unwinds it and adds it to the store; its work is bounded by the ring sizes.
 - Every record drained is counted (``pipeline.stats``) before anything else happens to it;
   every sample delivered by the orderer becomes exactly one stored ``UnwoundSample``.
 - ``close()`` drains and flushes what is left before closing the rings: stopping loses nothing
   that was already recorded (samples held for a rescan included).
-- The table is live (livetable.py): ``start()`` enables the rings *first* and then loads every
-  existing process from /proc, in slices with a drain between them (so a slow scan of a big
-  machine cannot overflow the rings). Enabling first means every change after the scan's
-  moment is also in the record stream, which is replayed on top of the scan in time order.
-- Binaries are pinned when their MMAP2 is *drained*, not when the orderer delivers it (up to a
-  round later): the ELF cache entry, and its open fd, is acquired right away through
-  ``/proc/<pid>/root`` or ``map_files`` while the process still exists, and released once the
-  record has been applied (the table then holds its own reference). A process that lives
-  10 ms in another mount namespace, or runs a binary deleted right after exec, is still
-  unwound and symbolized, the CFI compiled later from the held fd.
-- ``native=True`` (the daemon's default) runs each step through livefast.NativeStep: the same
-  records, order, placement and counts as the Python step (tests/test_livefast.py replays
-  captured ring chunks through both), with sample objects built only for store subscribers;
-  ``last_step`` describes what any step stored. A step still drains one whole round (the round
-  rule needs every ring emptied, capture.py), so its work is bounded by the ring sizes, not
-  by a record count: per sample that is ~1 us of C, and what can take long is per new binary
-  (its CFI compile now runs in a worker, engine.CfiPrefetcher; symbol tables still load on the
-  step that first names one of its frames).
-- Memory under process churn follows the table's cap: the native step keeps one snapshot
-  (mappings, named frames, stacks) per (pid, generation) it placed a sample in, dead pids'
-  too, until its context is dropped whole past ``max_spaces``; that bound is twice
-  ``LiveTableConfig.max_processes`` (at most livefast's 4096), so a small cap bounds it too.
-  Measured under churn (bench/bench_churn.py, 2026-11-22): ~8 KB per dead snapshot; with the
-  fixed 4096, ~33 MB that no configured cap accounted for.
+- ``start()`` enables the rings before it loads the existing processes from /proc.
+- A binary is pinned when its MMAP2 is drained, not when it is delivered (``_pin``).
+- ``native=True`` (the daemon's) steps through livefast.NativeStep: the same records, order,
+  placement and counts as the Python step (test_livefast.py holds them to it).
+- Memory under process churn follows the table's cap (``native_max_spaces``).
 """
 
 from __future__ import annotations
@@ -58,8 +38,12 @@ _NATIVE_MAX_SPACES = 4096  # livefast.NativeStep's default
 
 
 def native_max_spaces(max_processes: int) -> int:
-    """Snapshots the native step's context may hold before it is dropped whole (see the
-    module doc): 2x the table's cap (live spaces plus as many dead ones), 64..4096."""
+    """Snapshots the native step's context may hold before it is dropped whole: 2x the
+    table's cap (live spaces plus as many dead ones), 64..4096. The native step keeps one
+    snapshot (mappings, named frames, stacks) per (pid, generation) it placed a sample in,
+    dead pids' too, until its context is dropped whole past ``max_spaces``; tying that bound
+    to ``LiveTableConfig.max_processes`` (at most livefast's 4096) makes a small table cap
+    bound it too, where a fixed 4096 held memory no configured cap accounted for."""
     return max(64, min(_NATIVE_MAX_SPACES, 2 * max_processes))
 
 
@@ -151,8 +135,14 @@ class LiveProfiler:
         return self.session.fds
 
     def start(self) -> list[UnwoundSample]:
-        """Enable sampling, then load the processes that already exist (see module doc).
-        Returns the samples processed while bootstrapping."""
+        """Enable sampling, then load the processes that already exist. Returns the samples
+        processed while bootstrapping.
+
+        The table is live (livetable.py): the rings are enabled *first*, then every existing
+        process is loaded from /proc in slices with a drain between them (so a slow scan of a
+        big machine cannot overflow the rings). Enabling first means every change after the
+        scan's moment is also in the record stream, which is replayed on top of the scan in
+        time order."""
         self.session.enable()
         out: list[UnwoundSample] = []
         if self.bootstrap:
@@ -169,7 +159,15 @@ class LiveProfiler:
 
     def step(self) -> list[UnwoundSample]:
         """Drain one round and process it; returns the samples it stored (the native step
-        builds them only for the store's subscribers; ``last_step`` always counts them)."""
+        builds them only for the store's subscribers; ``last_step`` always counts them).
+        Whoever owns the loop decides when to call it (poll on ``fds`` plus a timer, so a
+        quiet ring is still drained every tick).
+
+        A step drains one whole round (the round rule needs every ring emptied, capture.py),
+        so its work is bounded by the ring sizes, not by a record count: per sample it is a
+        little C, and what can take long is per new binary (its CFI compile runs in a worker,
+        engine.CfiPrefetcher; its symbol table loads on the step that first names one of its
+        frames)."""
         if self.fast is not None:
             out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES)
             return out
@@ -181,6 +179,13 @@ class LiveProfiler:
         return self.fast.flush_counts() if self.fast is not None else StepInfo()
 
     def _pin(self, rec: Record) -> None:
+        """Pin the binary of an executable MMAP2 as it is *drained*, not when the orderer
+        delivers it (up to a round later): the ELF cache entry, and its open fd, is acquired
+        right away through ``/proc/<pid>/root`` or ``map_files`` while the process still
+        exists, and released once the record has been applied (``_unpin``: the table then
+        holds its own reference). A process that lives briefly in another mount namespace, or
+        runs a binary deleted right after exec, is still unwound and symbolized, the CFI
+        compiled later from the held fd."""
         if not isinstance(rec, Mmap2) or not rec.prot & PROT_EXEC:
             return
         name = rec.filename

@@ -1,50 +1,18 @@
 """The native live step: ring chunks -> C index -> C round ordering -> C placement, unwinding
 and per-(bucket, pid, tid, stack) counts -> ``StackStore.add_counts``. The slow step
 (``live.drain_round`` + ``StackEngine.feed`` + ``StackStore.add``) stays the reference;
-tests/test_livefast.py replays the same recorded chunks through both.
+test_livefast.py replays the same recorded chunks through both.
 
 Invariants:
-- Same records, same order, same counts as the slow step: chunks are indexed per ring
-  (``fp_live_index``: fp_index, i.e. records.py's SAMPLE checks); every record that is not a
-  good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
-  ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it leaves
-  the ring; samples are counted in the decoder, stream and ordering stats natively. Its C
-  index entry gets the time/cpu/flags ``context.mark_record`` would give it, computed once
-  at decode and rewritten from them whenever the record is carried into the next round
-  (records are re-indexed from the carry buffer). Ordering is ``RoundOrderer``'s rule kept
-  in C across rounds (``fp_live_order_round``); records still queued after a round are copied
-  into the next round's buffer (each sample's bytes are copied once more, ~1 memcpy per
-  sample), decoded side-band objects ride along by index. Rings are drained straight into the
-  round's buffer after the carry (``PerfSession.drain_into``).
+- Same records, same order, same counts as the slow step (``_round``).
 - Side-band records are applied in delivered order between runs of samples, exactly as
-  ``StackEngine.feed`` does (COMM -> ``set_comm``; ``table.apply``; ``live.observe``).
-- Placement: the C pid table holds, per pid, the engine's current snapshot (modules + mapping
-  ranges). It is valid only while the process table has not changed that pid's space since
-  Python set it: a side-band record of the pid, any ``LiveTable.place`` call for it (rescan,
-  verify), a drop (``StackEngine.drop_listeners``) forget it; LOST (epoch bump: every space
-  must be re-verified), ``live.due()`` retries and bootstrap forget all. A sample whose pid is
-  not in the C table or whose user pc is outside every mapping (``FP_RUN_NEED_PLACE``) is
-  decoded and given to ``LiveTable.place`` (rescan / hold / give-up, unchanged); placed samples
-  then unwind natively against the snapshot ``place`` left. Held samples come back from
-  ``live.due()`` and are unwound by the engine's Python path, as in the slow step. A placed
-  sample whose binaries still compile in the CFI worker is deferred with its space's mapping
-  list and its comm as they were (``AddressSpace.state``, ``engine.comm_of``) and unwound
-  against those later (``engine.unwind_as_of``), so an exec or dlopen applied meanwhile does
-  not change its result: the same as the slow step, which unwinds it in place.
-- Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all forgotten on
-  COMM, on a drop and whenever a rescan may have set a comm (``LiveTable.on_comm``).
-- Names: each distinct (snapshot, pc) frame is named once by ``engine.frame_at`` and each
-  unique stack's frames tuple built once (the same tuple object each time: the store interns
-  by identity first). Engine stats are counted per group (``unsymbolized`` per new (snapshot,
-  frames), as ``user_frames`` does; ``batches`` counts native runs).
-- ``UnwoundSample`` objects are built only when the store has subscribers (the live stream).
-- Counts: each round's samples are counted per (bucket, pid, tid, stack) in C
-  (``fp_live_groups_add``) and reach the store (``flush_counts`` -> ``StackStore.add_counts``)
-  every round, or every ``flush_interval`` seconds and on demand, and always before the
-  context (whose stack ids they name) is dropped and at close.
-- Memory: the C context (stacks, frames, spaces) and the Python caches that mirror it are
-  dropped whole when they pass ``max_stacks`` stacks or ``max_spaces`` snapshots (a cold
-  context only costs re-naming), so they are bounded under process churn.
+  ``StackEngine.feed`` does (``_apply``).
+- Each sample is unwound against its pid's space, and named with its thread's comm, as they
+  were when it was placed, as in the slow step (``_run``, ``_defer``).
+- Each distinct (snapshot, pc) frame is named once, each unique stack built once (``_name_new``).
+- Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
+  or ``max_spaces`` snapshots (``_new_ctx``); the counts they name reach the store first,
+  and at close (``flush_counts``).
 
 Cost per step: O(records) native; Python O(side-band records + unplaceable samples + new
 frames), plus O(groups) per flush and O(samples) only with stream subscribers.
@@ -152,10 +120,9 @@ class NativeStep:
         self.orderer = orderer
         # Two arenas, reused for the life of the step: the rings are drained into the current
         # one (the carry already at its head), the carry gathered into the other, and they
-        # swap. A fresh buffer per round cost a zero-fill or a page-faulting mmap per round
-        # (then ~a quarter ring of samples each, 74 rounds/s at 1000 Hz): ~8 % of the daemon's
-        # CPU in clear_page_erms. Each grows to the largest round seen (at most the ring bytes
-        # of one drain round plus one carry), never shrinks.
+        # swap. A fresh buffer per round would cost a zero-fill or a page-faulting mmap per
+        # round, kernel time in proportion to the bytes drained. Each grows to the largest
+        # round seen (at most the ring bytes of one drain round plus one carry), never shrinks.
         self._arenas = [bytearray(1 << 20), bytearray(1 << 20)]
         self._cur = 0
         self._carry_len = 0
@@ -171,7 +138,7 @@ class NativeStep:
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
         # Samples waiting for a CFI compile in the worker (engine.cfi_prefetch), each with the
-        # entries it waits for; at most max_deferred, then the loop compiles (the old way).
+        # entries it waits for; at most max_deferred, then the loop compiles them itself.
         # Each with its space's mapping list and its comm as they were when it was placed:
         # records applied meanwhile (exec, dlopen, COMM) must not change how it is unwound.
         # (sample, binaries still compiling, mapping state, comm, binaries it holds a ref on)
@@ -198,6 +165,10 @@ class NativeStep:
     # -- context and the caches mirroring it
 
     def _new_ctx(self) -> None:
+        """A fresh C context and empty mirrors. ``step`` drops the context (stacks, frames,
+        spaces) and the Python caches that mirror it whole when they pass ``max_stacks``
+        stacks or ``max_spaces`` snapshots (a cold context only costs re-naming), so they are
+        bounded under process churn."""
         ctx = lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth)
         if ctx == ffi.NULL:
             raise MemoryError("fp_ctx_new")
@@ -285,7 +256,20 @@ class NativeStep:
                ) -> tuple[list[UnwoundSample], StepInfo]:  # fmt: skip
         """One live round (``flush``: the orderer's flush_all instead of end_round) over the
         current arena's ``[0, bounds[-1])``: the carry, then the part drained from ring
-        ``cpus[i]`` in ``[bounds[i + 1], bounds[i + 2])``."""
+        ``cpus[i]`` in ``[bounds[i + 1], bounds[i + 2])``.
+
+        Same records, same order, same counts as the slow step: chunks are indexed per ring
+        (``fp_live_index``: fp_index, i.e. records.py's SAMPLE checks); every record that is
+        not a good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
+        ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it
+        leaves the ring; samples are counted in the decoder, stream and ordering stats
+        natively. Its C index entry gets the time/cpu/flags ``context.mark_record`` would give
+        it, computed once at decode and rewritten from them whenever the record is carried
+        into the next round (records are re-indexed from the carry buffer). Ordering is
+        ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records
+        still queued after a round are copied into the next round's buffer (each sample's
+        bytes once more: one memcpy per sample), decoded side-band objects ride along by
+        index (``_carry_round``)."""
         engine, live = self.engine, self.live
         info = StepInfo()
         due_out: list[UnwoundSample] = []
@@ -376,6 +360,7 @@ class NativeStep:
             info.depths[len(s.frames)] += 1
             if s.pid is not None:
                 info.pids.add(s.pid)
+        # ``UnwoundSample`` objects only when the store has subscribers (the live stream)
         subs = self.store.subscribers
         out: list[UnwoundSample] = []
         if subs:
@@ -466,6 +451,23 @@ class NativeStep:
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
              stack_ids: Any) -> None:  # fmt: skip
+        """Place and unwind the samples perm[a, b), a run between two side-band records.
+
+        Placement: the C pid table holds, per pid, the engine's current snapshot (modules +
+        mapping ranges). It is valid only while the process table has not changed that pid's
+        space since Python set it: a side-band record of the pid, any ``LiveTable.place`` call
+        for it (rescan, verify), a drop (``StackEngine.drop_listeners``) forget it; LOST (epoch
+        bump: every space must be re-verified), ``live.due()`` retries and bootstrap forget
+        all. A sample whose pid is not in the C table or whose user pc is outside every
+        mapping (``FP_RUN_NEED_PLACE``) is decoded and given to ``LiveTable.place`` (rescan /
+        hold / give-up, as in the slow step); placed samples then unwind natively against the
+        snapshot ``place`` left. Held samples come back from ``live.due()`` and are unwound by
+        the engine's Python path, as in the slow step; a sample whose binaries still compile
+        in the CFI worker is deferred (``_defer``).
+
+        Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all
+        forgotten on COMM, on a drop and whenever a rescan may have set a comm
+        (``LiveTable.on_comm``)."""
         live, engine, ctx = self.live, self.engine, self.ctx
         u64 = self._u64s
         stopped, rt, ntouched = u64 + 6, u64 + 7, u64 + 8
@@ -519,7 +521,11 @@ class NativeStep:
 
     def _defer(self, s: Sample) -> bool:
         """Hold a placed sample while a binary of its space compiles in the worker (see
-        engine.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile."""
+        engine.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile. It
+        keeps its space's mapping list and its comm as they were (``AddressSpace.state``,
+        ``engine.comm_of``) and is unwound against those later (``engine.unwind_as_of``), so
+        an exec or dlopen applied meanwhile does not change its result: the same as the slow
+        step, which unwinds it in place."""
         pre = self.engine.cfi_prefetch
         if pre is None or s.pid is None or len(self._deferred) >= self.max_deferred:
             return False
@@ -586,7 +592,10 @@ class NativeStep:
 
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
-        slow path names them in): each fp frame once with ``engine.frame_at``."""
+        slow path names them in): each fp frame once with ``engine.frame_at``, and each
+        unique stack's frames tuple built once (the same tuple object each time: the store
+        interns by identity first). Engine stats are counted per group (``unsymbolized`` per
+        new (snapshot, frames), as ``user_frames`` does; ``batches`` counts native runs)."""
         engine, ctx = self.engine, self.ctx
         frames, unsym = self._frames, self._unsym
         first = len(frames)
@@ -631,8 +640,10 @@ class NativeStep:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
         one call per (bucket, pid, tid, stack) group, not per round) and count them in the
         engine stats; their depths go to ``info`` (samples were counted when the
-        rounds added them, their pids as they left the ring). The service calls it before it
-        reads the store. O(groups)."""
+        rounds added them, their pids as they left the ring). It runs every round, or every
+        ``flush_interval`` seconds and on demand (the service calls it before it reads the
+        store), and always before the context whose stack ids the groups name is dropped and
+        at close. O(groups)."""
         info = info if info is not None else StepInfo()
         self._flushed_at = time.monotonic()
         acc = self._acc

@@ -1,6 +1,8 @@
 """The process table on a live machine: bootstrap from /proc, backfill and rescans, pid-reuse
 checks, held samples, retirement and caps. The engine consults it for every sample (``place``)
-and tells it about every side-band record (``observe``); see seeds 001/002 for the traps.
+and tells it about every side-band record (``observe``). The traps it handles: processes that
+existed before sampling began have no MMAP2 (bootstrap, rescans), a pid may be reused
+(verification), and samples may arrive after their process's EXIT (retirement's grace).
 
 Invariants:
 - Ordering. Records reach the table in time order (ordering.py). A /proc read happens *now*,
@@ -26,7 +28,7 @@ Invariants:
 - Sans-IO apart from the injected ``ProcFS`` (tests give a fake tree) and ``clock``.
 
 Cost: ``place`` of a placeable sample is one dict lookup and one bisect; a rescan is one
-``maps`` read plus one or two ``stat`` reads (~0.1 ms); per pid at most one /proc read per
+``maps`` read plus one or two ``stat`` reads; per pid at most one /proc read per
 ``rescan_interval_ns``. Bootstrap is O(processes + mappings): see ``procscan``.
 """
 

@@ -5,7 +5,7 @@ Invariants:
 - Parsing is sans-IO (``parse_stat``, ``exec_mappings``): text in, frozen values out, never
   raising on malformed input (a bad line or file gives ``None`` / is skipped).
 - ``ProcFS`` is the only thing that touches the file system, under an injectable ``proc_root``
-  (tests use the committed fake tree ``tests/fakeproc`` and the real /proc). A process may exit
+  (tests use a committed fake /proc tree and the real /proc). A process may exit
   or its pid be reused between any two reads; every read tolerates that (``None``), and
   ``ProcFS.info`` reads ``stat`` before and after ``maps`` and discards the pair when the start
   time changed in between, so a snapshot never mixes two processes.
@@ -15,10 +15,9 @@ Invariants:
 - Kernel threads (PF_KTHREAD in ``stat`` field 9) have no user mappings: their ``maps`` is not
   read at all.
 
-Cost: per process, two ``stat`` reads (~0.3 KiB each) and one ``maps`` read (~100 bytes per
-mapping; ``max_maps_bytes`` bounds it); a full scan is O(processes + their mappings), about
-0.1 ms per user process and 0.02 ms per kernel thread here (bench: ``tests/test_procscan.py``
-measures the real machine, BENCHMARKS.md states it for 10k processes).
+Cost: per process, two small ``stat`` reads and one ``maps`` read (a line per mapping;
+``max_maps_bytes`` bounds it); a full scan is O(processes + their mappings), kernel threads
+only their ``stat`` (test_procscan.py measures it on the real machine).
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ Invariants:
   space at that point belongs to the old image.
 - FORK of a new process copies the parent's space in O(1) (spaces share an immutable state
   object; a change replaces the state) plus one reference per distinct binary.
-- EXIT of the main thread retires the pid: the space stays queryable (late samples, seed 002)
-  until ``drop(pid)``; ``on_retire`` is the hook for the retirement policy. ``reap(now, grace)``
-  drops spaces retired more than ``grace`` ns (record time) ago, oldest first; ``evict_to(cap)``
-  enforces a cap on tracked spaces (retired first, then least recently used live ones, which a
-  /proc rescan can rebuild). Every drop is counted by reason in ``stats.drops`` and reported
-  through ``on_drop`` (so caches keyed by pid can forget it).
+- EXIT of the main thread retires the pid: the space stays queryable (a sample taken before
+  the EXIT may be delivered after it) until ``drop(pid)``; ``on_retire`` is the hook for the
+  retirement policy. ``reap(now, grace)`` drops spaces retired more than ``grace`` ns (record
+  time) ago, oldest first; ``evict_to(cap)`` enforces a cap on tracked spaces (retired first,
+  then least recently used live ones, which a /proc rescan can rebuild). Every drop is counted
+  by reason in ``stats.drops`` and reported through ``on_drop`` (so caches keyed by pid can
+  forget it).
 - A space knows which process it is: ``start_time`` (``/proc/<pid>/stat`` starttime ticks, exact
   when read from /proc, estimated from the FORK record's time otherwise). A pid whose start
   time changed is a new process: its space is cleared, never inherited (pid reuse).
@@ -276,7 +277,7 @@ class AddressSpace:
         return None
 
 
-# Mapping(start, end, pgoff, prot, flags, filename, identity, entry, bias), 3x faster than
+# Mapping(start, end, pgoff, prot, flags, filename, identity, entry, bias), cheaper than
 # its __init__: one per executable MMAP2 (records.frozen_maker)
 _make_mapping = frozen_maker(Mapping)
 

@@ -24,7 +24,7 @@ Invariants:
   store keeps (O(entries added since the last query) to bring them up to date); with filters,
   or when functions tie where the order matters, it walks the entries (O(entries)).
 - Answers are the same bytes as the straightforward computation (``stack_json``,
-  ``top_functions`` over ``StackStore.query``); tests/test_query_equiv.py checks it.
+  ``top_functions`` over ``StackStore.query``); test_query_equiv.py checks it.
 """
 
 from __future__ import annotations

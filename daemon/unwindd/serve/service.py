@@ -6,8 +6,8 @@ Invariants:
   reloads and the answer cache never run concurrently, so the sans-IO stages need no locks.
   The one exception is read-only: store queries (stacks, top, processes) run on one worker
   thread against an immutable ``StackStore.snapshot()`` taken on the loop (O(buckets)), so a
-  query over a big window (tens to hundreds of ms of Python) no longer holds the rings
-  undrained; the loop gets the GIL back at least every ``sys.getswitchinterval()`` (5 ms).
+  query over a big window (O(entries in it) of Python) does not hold the rings undrained; the
+  loop gets the GIL back at least every ``sys.getswitchinterval()``.
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
   sizes, see capture.drain_round) and unwinds it in the native live step (livefast.py: Python
   only for side-band records, unplaceable samples and new frames), and every socket wait has a
@@ -512,7 +512,7 @@ class Daemon:
             sc.offer(samples)
 
     # The store calls _fanout only while a stream is open: with a subscriber the native step
-    # builds an UnwoundSample per sample (~3 us each at 1000 Hz), which nobody would read.
+    # builds an UnwoundSample per sample, which nobody would read.
     def _add_stream(self, sc: _StreamClient) -> None:
         if not self._streams:
             self.profiler.store.subscribers.append(self._fanout)
@@ -756,11 +756,11 @@ def describe_target(cfg: Config) -> str:
 
 def _engine_with_disk_cache(cfg: Config) -> StackEngine:
     """The daemon's engine. Compiled CFI and symbol tables persist by build-id under the
-    cache dir (``config.cache_dir``): a restart loads them, ~1-2 ms a binary, instead of
-    compiling (0.1-1 s for a big binary) and re-reading symbols. The dir is bounded at start
-    (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root
-    and the default dir not writable: the user's cache dir; a dir that cannot be made is
-    logged and the daemon runs without one."""
+    cache dir (``config.cache_dir``): a restart loads them (a read and a check per binary)
+    instead of compiling and re-reading symbols. The dir is bounded at start
+    (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root and the
+    default dir not writable: the user's cache dir; a dir that cannot be made is logged and
+    the daemon runs without one."""
     from ..binaries.cachefiles import prune_cache_dir, user_cache_dir
     from ..binaries.elfcache import CacheConfig
     from ..unwind.engine import CACHE_SUBDIRS, StackEngine
@@ -772,8 +772,8 @@ def _engine_with_disk_cache(cfg: Config) -> StackEngine:
         return make()
     if root == CACHE_DIR_FALLBACK and os.geteuid() != 0:
         root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
-    # measured here: 9.1 MB of CFI and 8.0 MB of symbol files for ~150 binaries (the daemon's
-    # cache), 6.7 / 3.6 MB for the replay bench's 95: split the bound 60 / 40
+    # CFI files take more of the dir than symbol files for the same binaries: split the bound
+    # 60 / 40
     for sub, share in zip(CACHE_SUBDIRS, (0.6, 0.4), strict=True):
         n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
         if n:
@@ -805,7 +805,8 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
                        max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
                        max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
     # Counts reach the store once a second and before every read of it (Daemon._flush), not
-    # every drain: a busy stack's group recurs in most of the ~30-70 drains a second at 1000 Hz.
+    # every drain: a busy stack's group recurs in most drains of a second, and each store
+    # update of it is Python work.
     return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
                              flush_interval=_FLUSH_SECONDS)  # fmt: skip
 
@@ -830,7 +831,7 @@ def run_daemon(config_path: str | None) -> int:
     # garbage, which the daemon makes little of, waits longer). Middle and full passes keep
     # CPython's ratios (10 and 10; a full pass also waits until the objects added since the
     # last one are 25 % of the old), so cycles that reached the old generation are not kept
-    # for much longer than that. Replay of a 1000 Hz capture: ~5 % less CPU (with 20, 100).
+    # for much longer than that.
     gc.set_threshold(20_000, 10, 10)
     daemon = Daemon(cfg, config_path=config_path)
     try:

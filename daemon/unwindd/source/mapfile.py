@@ -14,10 +14,9 @@ Invariants:
 - Light to import (os, mmap, threading and the native module; records only when a layout is
   made): the CLI maps the file before it imports the replay's modules.
 
-Cost: mapping O(1); the fill O(pages) of kernel time (~0.03-0.05 s for 673 MB on a VM) and
-the index O(records) (~0.02 s), both off the calling thread (cffi releases the GIL in native
-calls), so they cost wall time only when no other CPU is free; unmapping O(pages) (~0.015 s),
-also on a thread with ``close(background=True)``.
+Cost: mapping O(1); the fill O(pages) of kernel time and the index O(records), both off the
+calling thread (cffi releases the GIL in native calls), so they cost wall time only when no
+other CPU is free; unmapping O(pages), also on a thread with ``close(background=True)``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Invariants:
   config it opened with (``config``) and what auto sizing wanted (``ring_pages_wanted``).
 
 Cost: ``open`` is O(CPUs x tasks) syscalls plus one mmap per CPU; ``drain`` is one cffi call
-(~0.3 us) plus one ``bytes`` copy per ring that had data, independent of the record count.
+plus one ``bytes`` copy per ring that had data, independent of the record count.
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ MAX_RING_PAGES = 1 << 20
 # 17 x86_64 user registers, the stack size and dyn_size words and a kernel callchain of a few
 # dozen entries. The kernel reserves the whole stack_size per sample whatever it fills.
 _SAMPLE_OVERHEAD = 512
-# Time the half ring left after the wake-up (the daemon is woken at half full) must cover:
-# 256 pages at 1000 Hz with 8 KiB stacks (~60 ms) lost nothing in bench_daemon's windows,
-# where 128 pages lost 2-3.5 % and 64 pages 4-18 % (BENCHMARKS.md).
+# Time the half ring left after the wake-up (the daemon is woken at half full) must cover: the
+# daemon's longest stretch between a wake-up and its drain, with a margin (BENCHMARKS.md has
+# the bench_daemon.py runs that set it).
 _HEADROOM_S = 0.06
-# The smallest ring auto sizing picks (the old fixed default: 99 Hz with 8 KiB stacks keeps
-# it), and the smallest an EPERM retry goes down to.
+# The smallest ring auto sizing picks (what 99 Hz with 8 KiB stacks gets), and the smallest
+# an EPERM retry goes down to.
 AUTO_MIN_PAGES = 64
 RETRY_MIN_PAGES = 16
 # The largest ring auto sizing picks: 1 MiB per CPU (64 MiB on a 64-CPU machine).
@@ -404,10 +404,9 @@ class PerfSession:
             c.sample_regs_user = config.regs_mask
             c.sample_stack_user = config.stack_size
             # Wake poll() at half the ring (the kernel's own default, as perf record has it):
-            # each wake starts a daemon step with a fixed Python cost, and at a quarter the
-            # rings of a 1000 Hz session started ~70 steps a second (measured: ~20 % more
-            # daemon CPU than at half, 55 vs 38 steps/s). The other half is the drain's
-            # headroom before LOST: 1 MiB rings at 1000 Hz with 8 KiB stacks, ~60 ms.
+            # each wake starts a daemon step with a fixed Python cost, so waking earlier (at a
+            # quarter) means more steps a second and more daemon CPU for the same samples. The
+            # other half is the drain's headroom before LOST (``_HEADROOM_S``).
             c.wakeup_watermark = config.ring_pages * page // 2
             c.sideband = int(sideband)
             c.build_id = int(config.build_id)
@@ -589,8 +588,8 @@ class PerfSession:
         ``drain``'s two copies of every record (into the C buffer, then into bytes objects),
         and each sample's user stack copy is cut to the bytes the kernel filled
         (``pc_drain_trim``: its ``stack_size`` then says what was kept; the stack, registers
-        and everything else decode the same), ~2-3 KiB of the 8 KiB reserved on a typical
-        C program here."""
+        and everything else decode the same), usually a small part of the ``stack_size`` the
+        kernel reserves."""
         self._check_open()
         cap = len(out)
         if cap < MAX_RECORD_SIZE:

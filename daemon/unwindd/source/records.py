@@ -75,13 +75,13 @@ class DecodeError(Exception):
 
 
 def frozen_maker(cls: type[_T]) -> Callable[..., _T]:
-    """A positional constructor for the frozen slots dataclass ``cls``, ~3x faster than its
-    ``__init__`` (which sets each field with ``object.__setattr__``, ~100 ns a field, 1-3 us
-    for a record): it fills an instance of a mutable twin with the same ``__slots__`` by plain
-    attribute stores, then sets ``__class__`` to ``cls``. The result is an ordinary ``cls``
-    instance (type, fields, equality, hash and immutability are its own); CPython refuses the
-    ``__class__`` assignment unless the two layouts are identical, so a mismatch fails loudly
-    here, at import. Every field is a required positional argument (no defaults applied)."""
+    """A positional constructor for the frozen slots dataclass ``cls``, cheaper than its
+    ``__init__`` (which sets each field with an ``object.__setattr__`` call): it fills an
+    instance of a mutable twin with the same ``__slots__`` by plain attribute stores, then
+    sets ``__class__`` to ``cls``. The result is an ordinary ``cls`` instance (type, fields,
+    equality, hash and immutability are its own); CPython refuses the ``__class__``
+    assignment unless the two layouts are identical, so a mismatch fails loudly here, at
+    import. Every field is a required positional argument (no defaults applied)."""
     names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
     if tuple(names) != tuple(getattr(cls, "__slots__", ())):
         raise TypeError(f"{cls.__name__}: fields and slots differ")
@@ -476,7 +476,7 @@ Record = (
 
 
 # The hot side-band records and trailers are built by frozen_maker's constructors in the
-# decoder (1-3 us saved per record under process churn); values are those of __init__.
+# decoder (process churn makes millions of them); values are those of __init__.
 _new_sample_id = frozen_maker(SampleId)
 _new_mmap2 = frozen_maker(Mmap2)
 _new_comm = frozen_maker(Comm)
@@ -852,7 +852,8 @@ _PREFIX_SLOTS = (
 @dataclass(frozen=True, slots=True)
 class _SampleLayout:
     """A format's SAMPLE layout compiled once, so decoding a sample does no flag arithmetic on
-    IntFlag values (which costs ~1 us each) and unpacks its fixed prefix in one call."""
+    IntFlag values (each operation a Python-level call) and unpacks its fixed prefix in one
+    call."""
 
     sample_type: int
     prefix: struct.Struct

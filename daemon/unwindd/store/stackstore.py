@@ -27,7 +27,7 @@ Invariants:
   next version's new counts; dropped with the bucket). Together at most ``max_bytes // 8``,
   never filled past ``max_bytes``, and dropped whole before a bucket is evicted for bytes.
   Answers do not depend on them: ``top`` equals ``top_functions(query(...))`` and ``query_top``
-  equals ``query(...)[:limit]`` (tests/test_query_equiv.py).
+  equals ``query(...)[:limit]`` (test_query_equiv.py).
 - Cost: ``add`` is O(frames) per new stack, O(1) dict work per sample otherwise; ``add_counts``
   is the same per (pid, tid, comm, bucket, stack) group, whatever the samples in it; evicting
   is O(entries evicted); releasing stacks is O(stacks whose count dropped), not O(stacks); a
@@ -49,18 +49,14 @@ from ..unwind.stackfmt import Frame, UnwoundSample
 
 Stack = tuple[Frame, ...]
 _Key = tuple[int, int, str, int]  # pid, tid, comm, stack id
-# Bytes per unit for ``stats.bytes_estimate`` and the ``max_bytes`` bound, measured with
-# tracemalloc (CPython 3, 64-bit; bytes retained by the store after the samples are dropped):
-# - entry: 157 (bucket Counter slot, key tuple of 4, its ints); a pid's summary adds 201
-#   (_procs tuple + slot, _pid_entries slot): 50,000 entries of one pid vs 50,000 pids.
-# - stack: 338 fixed (tuple header, _stack_ids/_stacks/_stack_refs/_by_obj slots, the id int)
-#   plus 8 per frame slot: 50,000 distinct 20-frame stacks of shared frames.
-# - frame: 235 per distinct Frame object (88 object, its ip/offset/rel ints, the _frame_refs
-#   slot; symbol and dso strings are shared with the ELF cache, so not counted): 100,000 new
-#   frames in 5,000 stacks.
-# Check on real samples (6 s system-wide at 999 Hz, C and CPython workloads, unpickled so the
-# frames are new): 3,296 entries, 29 pids, 3,092 stacks, 60,454 slots, 10,394 frames held
-# 4.55 MB; the estimate says 4.49 MB (-1.3%).
+# Bytes per unit for ``stats.bytes_estimate`` and the ``max_bytes`` bound: what tracemalloc
+# shows the store retaining per unit (CPython 3, 64-bit; after the samples are dropped):
+# - entry: a bucket Counter slot, a key tuple of 4 and its ints; a pid's summary adds its
+#   _procs tuple and slot and its _pid_entries slot.
+# - stack: fixed (tuple header, _stack_ids/_stacks/_stack_refs/_by_obj slots, the id int)
+#   plus one pointer per frame slot.
+# - frame: per distinct Frame object (the object, its ip/offset/rel ints, the _frame_refs
+#   slot; symbol and dso strings are shared with the ELF cache, so not counted).
 _ENTRY_BYTES = 160
 _PID_BYTES = 200
 _STACK_BYTES = 340

@@ -2,37 +2,19 @@
 pipeline run after ordering.
 
 Invariants:
-- Records must arrive in time order (ordering.py first): side-band records (MMAP/MMAP2/COMM/
-  FORK/EXIT) are applied to the process table exactly where they fall between samples, so every
-  sample is unwound against the address space its process had when it was taken.
-- Samples are batched for the native unwinder (one cffi call per ``batch_size`` samples) without
-  changing that: each queued sample holds the immutable native address space and mapping list
-  of its own moment (``proctable`` replaces, never mutates, a space's state), so a later MMAP2
-  cannot leak into an earlier sample. A COMM flushes the queue first, so each sample is named
-  with the comm its thread had when it was taken (as perf does), whatever the batch size.
-- Output order = input order of samples; one ``UnwoundSample`` per ``Sample``, whatever
-  happened (a failed unwind still gives the kernel frames and the leaf, with a status).
-- Frames follow perf script's conventions so the two can be compared: leaf first, kernel frames
-  (from the kernel callchain) first; a caller frame's ``ip`` is its return address minus 1
-  (perf's unwinders report ``pc - 1`` for non-activation frames: unwind-libunwind-local.c,
-  "Decrement the IP for any non-activation frames"), and the symbol is looked up there, so a
-  call that ends a function is attributed to the caller, not to the next function.
-- Live mode (``attach(LiveTable)``): every sample is first offered to ``live.place``, which may
-  rescan /proc for its pid or *hold* it for a rate-limited rescan; held samples come back from
-  ``live.due()`` at the start of a later ``feed`` and are unwound then (so in live mode output
-  order is input order except for those, each still exactly once); ``finish()`` returns the
-  rest. After each batch is unwound ``live.end_batch()`` drops retired/over-cap pids, and a
-  dropped pid's comms are forgotten here.
-- Cost: a stack already seen in the same address-space generation costs one dict lookup; a new
-  one costs one dict hit per frame already named in that generation (profiles repeat callers:
-  only leaves vary), else one bisect for the mapping and one dict hit per (binary, address)
-  already symbolized, else one bisect in the binary's symbol table.
-- Memory: every per-process cache (snapshots, stacks, frames) is keyed by pid and dropped with
-  the pid when the process table drops it (``on_drop``: exit grace, cap, reuse), so under
-  process churn it is bounded by the live pids, not by how many pids ever existed; each pid
-  keeps only its newest snapshot, at most ``_PID_STACKS`` stacks and ``_PID_FRAMES`` frames,
-  and all pids together at most ``sym_cache_size`` stacks (cleared whole past it: a cold cache
-  only costs re-naming). Frames are at most ``max_depth`` long, so these are byte bounds too.
+- Records arrive in time order (ordering.py first); side-band records are applied to the
+  process table exactly where they fall between samples, so every sample is unwound against
+  the address space its process had when it was taken and named with the comm its thread had
+  then, whatever the batch size (``feed``).
+- One ``UnwoundSample`` per ``Sample``, in input order (in live mode, samples held for a
+  rescan come later, each still exactly once: ``attach``); a failed unwind still gives the
+  kernel frames and the leaf, with a status.
+- Frames follow perf script's conventions: leaf first, kernel frames first, a caller frame
+  named at its return address - 1 (``user_frames``).
+- Cost: one native unwinder call per ``batch_size`` samples; a stack already seen in an
+  address-space generation is one dict lookup (``user_frames``).
+- Memory: every cache is bounded, and per-process ones are dropped with the pid
+  (``_PID_STACKS``).
 """
 
 from __future__ import annotations
@@ -60,6 +42,12 @@ KERNEL_DSO = "[kernel.kallsyms]"
 # Frame(ip, dso, sym, offset, kernel, inlined, rel, <hash cache>): every frame of a new
 # process is built anew (ASLR), so its constructor is the fast one (records.frozen_maker).
 _new_frame = frozen_maker(Frame)
+# Memory: every per-process cache (snapshots, stacks, frames) is keyed by pid and dropped with
+# the pid when the process table drops it (``on_drop``: exit grace, cap, reuse), so under
+# process churn it is bounded by the live pids, not by how many pids ever existed; each pid
+# keeps only its newest snapshot, at most _PID_STACKS stacks and _PID_FRAMES frames, and all
+# pids together at most ``sym_cache_size`` stacks (cleared whole past it: a cold cache only
+# costs re-naming). Frames are at most ``max_depth`` long, so these are byte bounds too.
 _PID_STACKS = 4096  # stacks cached per pid (one pid's JIT or deep recursion cannot hog the rest)
 _PID_FRAMES = 16384  # named frames cached per pid
 _MAX_SNAPS = 4096  # snapshots held outside live mode, where nothing tells us a pid is gone
@@ -101,9 +89,9 @@ class Snapshot:
         return find_mapping(self.starts, self.mappings, addr)
 
 
-# With prefetch_cfi, binaries up to this size are compiled on the loop all the same: measured
-# here ~1-2.5 ms per MB of file (libc 1.9 MB: 3.7 ms; libcrypto 4.7 MB: 11 ms), so <= ~10 ms
-# of a step, well inside the ring's headroom (half a 1 MiB ring is ~60 ms at 1000 Hz).
+# With prefetch_cfi, binaries up to this size are compiled on the loop all the same: the
+# compile is O(file size), and at this size it takes a small part of the ring's headroom
+# (perfcore._HEADROOM_S).
 CFI_INLINE_MAX_BYTES = 4 << 20
 # StackEngine.create(cache_dir=): where in it the CFI and the symbol tables are kept
 CACHE_SUBDIRS = ("cfi", "sym")
@@ -112,7 +100,7 @@ CACHE_SUBDIRS = ("cfi", "sym")
 class CfiPrefetcher:
     """The ELF cache's CFI factory, able to compile ahead in one worker thread, so that the
     first sample of a binary nobody has unwound yet does not stall the event loop for the
-    compile (0.1-1 s for a big binary: the rings overflow meanwhile).
+    compile (a big binary's takes longer than the rings' headroom: they would overflow).
 
     Rules: the worker runs only the pure ``compile(path, debug, build_id)`` (it reads the file
     and compiles; cffi releases the GIL inside the C compiler); the ElfCache and its entries
@@ -125,10 +113,10 @@ class CfiPrefetcher:
 
     A binary of at most ``inline_max_bytes``, or whose table ``cached(build_id)`` says is on
     disk, is not sent to the worker: ``ready`` says yes and the loop compiles or loads it when
-    ``cfi()`` asks, ~1-10 ms (libc: ~2 ms; a stored table: one read). A sample that
-    waits for the worker is unwound later by the engine's Python path (~0.2 ms a sample, 100x
-    the native one), so on a machine that runs many new small binaries (builds, tests) the
-    wait cost far more than the compile it spared the loop.
+    ``cfi()`` asks (a stored table: one read). A sample that waits for the worker is unwound
+    later by the engine's Python path, far slower per sample than the native one, so on a
+    machine that runs many new small binaries (builds, tests) waiting would cost more than
+    the compile it spared the loop.
     """
 
     def __init__(self, compile: Callable[[str, str | None, bytes | None], object],
@@ -183,7 +171,7 @@ class CfiPrefetcher:
         f = self._futures.get(key)
         if f is None:
             if self._pool is None:
-                # imported here: concurrent.futures (with logging) costs a replay ~5 ms of
+                # imported here: concurrent.futures (with logging) would add to a replay's
                 # start-up, and only the daemon prefetches
                 from concurrent.futures import ThreadPoolExecutor
 
@@ -208,9 +196,8 @@ class CfiPrefetcher:
 
 
 def _cfi_loaded(entry: Any) -> bool:
-    # A read-only peek at ElfEntry's lazy slot (elfentry.py has no public "loaded?" query and
-    # is another change's file); calling cfi() would compile on this thread, which is the
-    # point of asking.
+    # A read-only peek at ElfEntry's lazy slot (elfentry.py has no public "loaded?" query):
+    # calling cfi() would compile on this thread, which asking is meant to avoid.
     return getattr(entry, "_cfi", _NOT_LOADED) is not _NOT_LOADED
 
 
@@ -314,6 +301,13 @@ class StackEngine:
     # -- records in, samples out
 
     def feed(self, recs: Iterable[Record]) -> list[UnwoundSample]:
+        """Unwind the samples of ``recs`` (time-ordered), applying the side-band records
+        between them. Samples are batched for the native unwinder (one cffi call per
+        ``batch_size`` samples) without changing what they are unwound against: each queued
+        sample holds the immutable native address space and mapping list of its own moment
+        (``proctable`` replaces, never mutates, a space's state), so a later MMAP2 cannot leak
+        into an earlier sample. A COMM flushes the queue first, so each sample is named with
+        the comm its thread had when it was taken (as perf does)."""
         out: list[UnwoundSample] = []
         pending: list[tuple[Snapshot, Sample]] = []
         live = self.live
@@ -350,7 +344,7 @@ class StackEngine:
     def note_comm(self, rec: Record) -> bool:
         """Track task names: a COMM names its tid; a FORK's new task starts with its parent's
         name until its own COMM (exec or prctl), as perf's thread__fork copies the parent's
-        comm (tools/perf/util/thread.c) — without it a child sampled before it execs had no
+        comm (tools/perf/util/thread.c), so a child sampled before it execs has its parent's
         name. True when a name changed (callers caching (pid, tid) -> comm must forget)."""
         if isinstance(rec, Comm):
             comm: str | None = rec.comm
@@ -390,7 +384,13 @@ class StackEngine:
     # -- live mode
 
     def attach(self, live: LiveTable) -> None:
-        """Run in live mode (see the module doc); ``live.table`` must be ``self.table``."""
+        """Run in live mode; ``live.table`` must be ``self.table``. Every sample is first
+        offered to ``live.place``, which may rescan /proc for its pid or *hold* it for a
+        rate-limited rescan; held samples come back from ``live.due()`` at the start of a later
+        ``feed`` and are unwound then (so in live mode output order is input order except for
+        those, each still exactly once); ``finish()`` returns the rest. After each batch is
+        unwound ``live.end_batch()`` drops retired/over-cap pids, and a dropped pid's comms are
+        forgotten here."""
         if live.table is not self.table:
             raise ValueError("the LiveTable must wrap this engine's process table")
         self.live = live
@@ -500,7 +500,19 @@ class StackEngine:
         """Symbolized user frames for unwound ``pcs`` (leaf first, return addresses as the
         unwinder found them; ``signal_frames``: the unwinder's mask of signal-trampoline
         frames, ``UnwindResult.signal_frames``). Profiles repeat the same stacks: each
-        (address space, stack) is symbolized once (the mask is a function of both)."""
+        (address space, stack) is symbolized once (the mask is a function of both).
+
+        Frames follow perf script's conventions so the two can be compared: a caller frame's
+        ``ip`` is its return address minus 1 (perf's unwinders report ``pc - 1`` for
+        non-activation frames: unwind-libunwind-local.c, "Decrement the IP for any
+        non-activation frames"), and the symbol is looked up there, so a call that ends a
+        function is attributed to the caller, not to the next function.
+
+        Cost: a stack already seen in the same address-space generation costs one dict
+        lookup; a new one costs one dict hit per frame already named in that generation
+        (profiles repeat callers: only leaves vary), else one bisect for the mapping and one
+        dict hit per (binary, address) already symbolized, else one bisect in the binary's
+        symbol table."""
         spid, gen = snap.key
         per = self._stacks.get(spid)
         if per is None:
@@ -553,7 +565,7 @@ class StackEngine:
         return out
 
     def kernel_frame(self, ip: int) -> Frame:
-        """The frame of kernel ip, the same in every callchain: named once (~4 us), since new
+        """The frame of kernel ip, the same in every callchain: named once, since new
         callchains mostly repeat the entry, interrupt and syscall paths. At most 65,536 kept."""
         f = self._kframes.get(ip)
         if f is None:

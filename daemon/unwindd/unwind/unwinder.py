@@ -3,19 +3,19 @@
 Invariants:
 - Sans-IO: no /proc, no files. The caller (process table / ELF cache) describes each address
   space as ``Module``s (absolute [start, end), load bias, shared ``CfiTable``); we return absolute
-  pcs, leaf first, plus a ``UnwindStatus`` saying why the walk stopped (framehop's contract,
-  STYLE.md 5). Symbolization is a later stage.
-- One cffi call per batch (STYLE.md 3): all samples' registers go into one ``uint64_t`` array,
-  stacks are passed in place (no copy), all results go into one preallocated pcs array plus
-  per-sample count/status/fp-frame arrays, reused between batches.
+  pcs, leaf first, plus a ``UnwindStatus`` saying why the walk stopped (framehop's contract:
+  the unwinder returns addresses only). Symbolization is a later stage.
+- One cffi call per batch (docs/architecture.md: the native boundary is crossed per batch):
+  all samples' registers go into one ``uint64_t`` array, stacks are passed in place (no copy),
+  all results go into one preallocated pcs array plus per-sample count/status/fp-frame
+  arrays, reused between batches.
 - Memory safety does not depend on the samples: the C side reads only inside each sample's stack
   copy (``cffi_build/unwind.c``); tables were validated when their ``CfiTable`` was built and are
   immutable ``bytes`` kept alive by the ``AddressSpace`` that points at them.
 - ``AddressSpace`` is immutable; build a new one when the caller's mappings change (O(modules)).
 
 Cost: ``unwind_batch`` is O(samples x depth x (log modules + log rows)) native; Python does a few
-attribute stores per sample and one tuple per result (~3 us/sample for 8-frame stacks, most of
-it Python packing and result objects).
+attribute stores per sample and builds one pcs tuple and one result object per sample.
 """
 
 from __future__ import annotations
