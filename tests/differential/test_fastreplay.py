@@ -1,5 +1,5 @@
 """The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.h) against the Python
-reference path (STYLE.md 8: differential, fuzzing, sanitizers).
+reference path (differential, fuzzing, sanitizers).
 
 1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, and a
    system-wide recording with several CPUs): folded, jsonl and perf-script output byte for byte,

@@ -1,4 +1,4 @@
-"""unwindd's DWARF unwinding judged against perf's on the same perf.data (DESIGN.md "Oracle").
+"""unwindd's DWARF unwinding judged against perf's on the same perf.data (perf is the oracle).
 
 For each workload in tests/support/workloads/: record it with ``perf record --call-graph dwarf``,
 take perf's unwind (``perf script``, with the mappings it saw, so our absolute ips can be put in

@@ -3,7 +3,7 @@
 itself announces (tests/support/native/busy.c prints its pid and the address of a stack slot
 holding a magic value while it spins).
 
-Layers (STYLE.md 8): argument checks and error messages; one system-wide session around a child
+Layers: argument checks and error messages; one system-wide session around a child
 that execs and exits (samples, MMAP2, COMM exec, EXIT, their order); a pid session with inherit
 that must see a grandchild forked after it opened; a cgroup v2 session; the output-full path
 of drain on real rings. Needs root (or CAP_PERFMON), cgroup v2 and gcc, all present on the dev

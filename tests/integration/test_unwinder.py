@@ -1,4 +1,4 @@
-"""unwindd.unwind.unwinder on real samples and on synthetic stacks (STYLE.md 8).
+"""unwindd.unwind.unwinder on real samples and on synthetic stacks.
 
 1. Real: tests/support/native/unw_chain.c (-O2 -fomit-frame-pointer) sampled with the project's own
    perf core (unwindd.source.perfcore); the address space comes from the child's /proc/<pid>/maps

@@ -289,7 +289,7 @@ def _run(argv: Sequence[str], timeout: float = 300) -> str:
 
 
 def perf_script_stacks(path: Path) -> list[OracleSample]:
-    """perf's unwind of every sample in ``path`` (exactly the DESIGN.md oracle command)."""
+    """perf's unwind of every sample in ``path`` (exactly the oracle command, ``SCRIPT_FIELDS``)."""
     return parse_perf_script(_run([PERF, "script", "-i", str(path), *SCRIPT_FIELDS])).samples
 
 

@@ -1,4 +1,4 @@
-"""unwindd.binaries.cfi: the native CFI compiler, checked in layers (STYLE.md 8).
+"""unwindd.binaries.cfi: the native CFI compiler, checked in layers.
 
 1. Differential, row for row, against pyelftools' decoder (tests/support/cfiref.py) on real
    binaries: libc, libstdc++, python3.11, ld.so, and test programs built here (-O2

@@ -1,6 +1,6 @@
 """perf.data reader: differential tests against the real perf, byte-literal units, fuzzing.
 
-Layers (STYLE.md 8):
+Layers:
 - Real recordings (file mode, pipe mode into a file, and a live ``perf record -o - |`` pipe),
   one of each per module, checked against ``perf script``, ``perf report --stats``,
   ``perf buildid-list`` and ``perf report --header-only`` on the same bytes.
