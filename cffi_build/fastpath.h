@@ -20,7 +20,7 @@
  * Invariants:
  * - Every read of the data buffer is bounds-checked against [data, data + len): garbage, cut
  *   and hostile input end the index with a counted error, never a read outside.
- * - fp_index validates every SAMPLE exactly as records.RecordDecoder._sample does, with the same
+ * - fp_index validates every SAMPLE exactly as decoder.RecordDecoder._sample does, with the same
  *   error names (FP_ERR_*, in context.SAMPLE_ERRORS), so the decode counts are the same.
  * - fp_order reproduces ordering.RoundOrderer.feed_file_order (same delivery order, same stats).
  * - A struct fp_ctx owns all its memory (fp_ctx_new / fp_ctx_free), and so do struct
@@ -36,7 +36,7 @@
 #define FP_MARKER 4     /* FINISHED_ROUND: ends a round, is not delivered */
 #define FP_SAMPLE 8     /* a SAMPLE that decoded (err == 0): the native path owns it */
 
-/* SAMPLE decode errors, records.py's reasons in this order (context.SAMPLE_ERRORS) */
+/* SAMPLE decode errors, decoder.py's reasons in this order (context.SAMPLE_ERRORS) */
 #define FP_ERR_NONE 0
 #define FP_ERR_SHORT_BODY 1
 #define FP_ERR_BAD_CALLCHAIN_NR 2
@@ -52,7 +52,7 @@
 #define FP_END_BAD_SIZE 2           /* decoder.stats.errors["bad_size"] */
 #define FP_END_PAYLOAD_TRUNCATED 3  /* PerfData.errors["payload_truncated"] */
 
-/* A format's SAMPLE layout: the same numbers records._SampleLayout computes. */
+/* A format's SAMPLE layout: the same numbers formats.SampleLayout computes. */
 struct fp_layout {
     uint64_t sample_type;
     uint64_t regs_mask;     /* sample_regs_user */

@@ -134,7 +134,7 @@ static inline struct comm_ent *comm_slot(const struct fp_ctx *c, uint32_t pid, u
 
 /* index.c: fp_index's framing of data[0, len); payloads: skip the AUXTRACE / TRACING_DATA
  * payloads after header.size (perf.data framing, fp_index), 0 for ring chunks (live.c's
- * fp_live_index: records.RecordDecoder.decode frames them by header.size only). */
+ * fp_live_index: decoder.RecordDecoder.decode frames them by header.size only). */
 FP_INTERNAL int index_records(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
                               int payloads, struct fp_rec **recs, uint64_t *nrec,
                               uint64_t *other, int *end, uint64_t *stopped_at);

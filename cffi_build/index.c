@@ -4,7 +4,7 @@
  * stages need and where its variable parts are; columns of the indexed records
  * (fp_select_other, fp_columns).
  *
- * Layouts followed (include/uapi/linux/perf_event.h, Linux 6.x), as records.py decodes them:
+ * Layouts followed (include/uapi/linux/perf_event.h, Linux 6.x), as decoder.py decodes them:
  *
  *   struct perf_event_header { u32 type; u16 misc; u16 size; };      size includes the header
  *   PERF_RECORD_SAMPLE body:
@@ -21,8 +21,8 @@
  * Invariants: every read is bounds-checked against [data, data + len) first (a record's header
  * before its body, each part's count before the part): garbage, cut and hostile input end the
  * index with a counted FP_END_*, never a read outside. parse_sample makes
- * records.RecordDecoder._sample's checks in its order, so the FP_ERR_* counts are its counts.
- * Offsets are computed in unsigned __int128, so no count in the input can wrap them (records.py
+ * decoder.RecordDecoder._sample's checks in its order, so the FP_ERR_* counts are its counts.
+ * Offsets are computed in unsigned __int128, so no count in the input can wrap them (decoder.py
  * uses Python integers; the comparisons here are the same ones).
  * Cost: O(records) time; one array of 56-byte entries (doubling); nothing kept across calls.
  */
@@ -57,7 +57,7 @@ struct sample_view {
     uint64_t stack_off, dyn;
 };
 
-/* records.RecordDecoder._sample's checks, in its order; 0 or FP_ERR_*. */
+/* decoder.RecordDecoder._sample's checks, in its order; 0 or FP_ERR_*. */
 static int parse_sample(const struct fp_layout *L, const uint8_t *b, uint64_t n,
                         struct sample_view *v)
 {
@@ -135,7 +135,7 @@ static int parse_sample(const struct fp_layout *L, const uint8_t *b, uint64_t n,
 }
 
 /* fp_index; payloads: skip AUXTRACE/TRACING_DATA payloads (perf.data framing). Ring chunks
- * have none (records.RecordDecoder.decode frames them by header.size only). */
+ * have none (decoder.RecordDecoder.decode frames them by header.size only). */
 int index_records(const struct fp_layout *lay, const uint8_t *data, uint64_t len,
                   int payloads, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
                   int *end, uint64_t *stopped_at)

@@ -1,5 +1,5 @@
 /* live.c: the live step's native half (daemon/unwindd/pipeline/livefast.py): ring chunks in
- * place of a file. fp_live_index indexes each ring's drain as records.RecordDecoder.decode
+ * place of a file. fp_live_index indexes each ring's drain as decoder.RecordDecoder.decode
  * frames ring chunks: by perf_event_header.size alone (include/uapi/linux/perf_event.h; a
  * chunk holds whole records, perfcore.c's drain copies up to the head the kernel publishes
  * after whole records, kernel/events/ring_buffer.c), no perf.data payloads. fp_live_gather

@@ -24,7 +24,7 @@
  *   { u64 nr; u64 ips[nr]; }                      kernel part only: exclude_callchain_user
  *   { u64 abi; u64 regs[hweight64(mask)]; }       REGS_USER, when a mask is given
  *   { u64 size; char data[size]; u64 dyn_size; }  STACK_USER, when a size is given
- * records.RecordDecoder decodes exactly this from pc_sample_type's value. */
+ * decoder.RecordDecoder decodes exactly this from pc_sample_type's value. */
 #define PC_BASE_SAMPLE_TYPE                                                                     \
     (PERF_SAMPLE_IP | PERF_SAMPLE_TID | PERF_SAMPLE_TIME | PERF_SAMPLE_CPU | PERF_SAMPLE_PERIOD | \
      PERF_SAMPLE_CALLCHAIN)

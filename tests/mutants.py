@@ -180,7 +180,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "            size = (uint16_t)(len - pos);\n",
             ),
         ),
-        # The fuzz tests of the C indexer: it against records.RecordDecoder.
+        # The fuzz tests of the C indexer: it against decoder.RecordDecoder.
         tests=(
             "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_truncations",
             "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_mutations",
@@ -226,7 +226,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the buffer is decoded from the bytes there instead of counted as truncated",
         edits=(
             Edit(
-                "daemon/unwindd/source/records.py",
+                "daemon/unwindd/source/decoder.py",
                 old="            if size < HEADER_SIZE or off + size > n:\n"
                 '                self.stats.errors["truncated" if size >= HEADER_SIZE else'
                 ' "bad_size"] += 1\n',

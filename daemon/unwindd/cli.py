@@ -460,7 +460,8 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         except (OSError, ValueError):
             mapped = None  # PerfData.open reports it, or the replay maps it itself
     try:
-        from .source.perfdata import PerfData, PerfDataError
+        from .source.perfdata import PerfData
+        from .source.perfheader import PerfDataError
 
         try:
             src = sys.stdin.buffer if args.file == "-" else args.file

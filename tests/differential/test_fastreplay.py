@@ -5,7 +5,7 @@ reference path (differential, fuzzing, sanitizers).
    system-wide recording with several CPUs): folded, jsonl and perf-script output byte for byte,
    and every count (decode records/errors, file errors, stream, ordering, per-status samples,
    frames) equal.
-2. The C indexer against records.RecordDecoder on every truncation of a real data section and on
+2. The C indexer against decoder.RecordDecoder on every truncation of a real data section and on
    Hypothesis-mutated ones: same records, same SAMPLE errors, same end-of-stream error.
 3. fp_order against RoundOrderer on random timed/untimed/marker streams (including forced
    flushes).
@@ -45,10 +45,11 @@ from unwindd import cli
 from unwindd._unwcore import ffi, lib
 from unwindd.pipeline import context, fastreplay
 from unwindd.source.capture import StreamPipeline
+from unwindd.source.decoder import RecordDecoder
 from unwindd.source.mapfile import layout_of
 from unwindd.source.ordering import OrderStats, RoundOrderer
 from unwindd.source.perfdata import PerfData
-from unwindd.source.records import BadRecord, FinishedRound, RecordDecoder, Unknown
+from unwindd.source.records import BadRecord, FinishedRound, Unknown
 from unwindd.source.streamstats import StreamStats
 from unwindd.unwind.engine import StackEngine
 
@@ -354,7 +355,7 @@ Indexed = tuple[list[tuple[int, int, int, int, str]], str]
 
 def _python_index(dec: RecordDecoder, buf: bytes) -> Indexed:
     """(offset, type, misc, size, SAMPLE error or "") per record, and the end error, per
-    records.py."""
+    decoder.py."""
     out = []
     off = 0
     end = ""
@@ -448,7 +449,7 @@ def test_indexer_matches_decoder_on_mutations(section: tuple[Any, RecordDecoder,
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=4096))
 def test_indexer_garbage(buf: bytes) -> None:
-    from unwindd.source.records import EventFormat
+    from unwindd.source.formats import EventFormat
 
     fmt = EventFormat(sample_type=0x3FFFF, sample_regs_user=0xFF0FFF, read_format=0xF)
     dec = RecordDecoder([fmt])

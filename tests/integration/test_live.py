@@ -25,8 +25,9 @@ from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.pipeline.live import LiveProfiler
 from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
+from unwindd.source.decoder import RecordDecoder
 from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
-from unwindd.source.records import Mmap2, RecordDecoder
+from unwindd.source.records import Mmap2
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import StackEngine
 from workloads.build import Workload, build_workloads

@@ -1,5 +1,5 @@
 """unwindd.source.perfcore against the real kernel: sessions on real processes, decoded with
-``records.RecordDecoder([session.event_format])``, checked against ground truth the target
+``decoder.RecordDecoder([session.event_format])``, checked against ground truth the target
 itself announces (tests/support/native/busy.c prints its pid and the address of a stack slot
 holding a magic value while it spins).
 
@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from unwindd.source import abi, perfcore, records
+from unwindd.source.decoder import RecordDecoder
 from unwindd.source.perfcore import (
     AUTO_MAX_PAGES,
     PerfOpenError,
@@ -86,7 +87,7 @@ def read_announce(proc: subprocess.Popen[bytes]) -> Announce:
 @dataclass
 class Capture:
     per_cpu: dict[int, list[records.Record]]
-    decoder: records.RecordDecoder
+    decoder: RecordDecoder
 
     def all(self) -> Iterator[records.Record]:
         for recs in self.per_cpu.values():
@@ -100,7 +101,7 @@ class Capture:
 def collect(session: PerfSession, done: Callable[[], bool], timeout: float = 10.0) -> Capture:
     """Drain every 5 ms until ``done()`` (checked *before* a drain, so the drain after it sees
     everything written up to then) or the timeout."""
-    dec = records.RecordDecoder([session.event_format])
+    dec = RecordDecoder([session.event_format])
     per_cpu: dict[int, list[records.Record]] = defaultdict(list)
     deadline = time.monotonic() + timeout
     while True:
@@ -558,7 +559,7 @@ def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
         session.disable()
         pending = sum(session.pending())
         assert pending > 3 * 65536, pending  # enough to need several small drains
-        dec = records.RecordDecoder([session.event_format])
+        dec = RecordDecoder([session.event_format])
         drained = 0
         calls = 0
         while True:
@@ -612,7 +613,7 @@ def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
     with busy_run(busy, config, 300) as session:
         pending = session.pending_bytes()
         assert pending == sum(session.pending()) and pending > 3 * 65536, pending
-        dec = records.RecordDecoder([session.event_format])
+        dec = RecordDecoder([session.event_format])
         arena = bytearray(b"\xa5" * (3 * 65536))
         consumed = written = calls = cut = 0
         while True:
@@ -671,7 +672,7 @@ def test_cut_of_a_sample_whose_stack_copy_failed(busy: pathlib.Path) -> None:
     assert n == size - 8192 - 8  # the 8 KiB copy and dyn_size gone, the size field kept
     cut = bytes(rec[:n])
     assert struct.unpack_from("<H", cut, 6)[0] == n and struct.unpack_from("<Q", cut, n - 8) == (0,)
-    dec = records.RecordDecoder([fmt])
+    dec = RecordDecoder([fmt])
     (orig,) = dec.decode(bytes(data[pos : pos + size - 8]) + bytes(8))
     (got,) = dec.decode(cut)
     assert dec.stats.error_count == 0

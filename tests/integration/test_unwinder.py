@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from unwindd._unwcore import ffi
 from unwindd.binaries.cfi import CfiTable
-from unwindd.source import abi, records
+from unwindd.source import abi, decoder, records
 from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
 from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
@@ -197,7 +197,7 @@ def capture(exe: str, mode: str, iters: int) -> tuple[list[records.Sample], Spac
         config = SamplingConfig(frequency=2000, stack_size=16384)
         samples: list[records.Sample] = []
         with PerfSession.open(Target(pids=(pid,)), config) as session:
-            dec = records.RecordDecoder([session.event_format])
+            dec = decoder.RecordDecoder([session.event_format])
             session.enable()
             proc.stdin.write(b"x")
             proc.stdin.flush()

@@ -25,8 +25,9 @@ import pytest
 from captured import capture
 from nativebuild import CORE, FASTPATH, build, check_ok
 from unwindd._unwcore import ffi, lib
+from unwindd.source.decoder import RecordDecoder
+from unwindd.source.formats import EventFormat
 from unwindd.source.mapfile import layout_of
-from unwindd.source.records import EventFormat, RecordDecoder
 from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Builders of exact perf record bytes, for tests.
 
 Invariants:
-- Independent of ``unwindd.source.records``: every layout is written out here, field by field, from
+- Independent of ``unwindd.source.decoder``: every layout is written out here, field by field, from
   ``include/uapi/linux/perf_event.h`` (Linux 6.x) and perf's ``tools/lib/perf/include/perf/
   event.h``; the numbers are repeated (not imported from ``unwindd.source.abi``) so a wrong constant
   there shows up as a test failure instead of agreeing with itself.

@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from unwindd.binaries.elfcache import CacheStats
 from unwindd.procs.livetable import LiveTableStats
 from unwindd.serve.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
+from unwindd.source.decoder import DecodeStats
 from unwindd.source.ordering import OrderStats
-from unwindd.source.records import DecodeStats
 from unwindd.source.streamstats import StreamStats
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import EngineStats

@@ -18,16 +18,10 @@ from collections.abc import Iterable, Sequence
 import recordbytes as rb
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from unwindd.source.decoder import RecordDecoder
+from unwindd.source.formats import EventFormat
 from unwindd.source.ordering import OrderStats, RoundOrderer, lateness_bucket
-from unwindd.source.records import (
-    BadRecord,
-    EventFormat,
-    FinishedRound,
-    Record,
-    RecordDecoder,
-    Sample,
-    Unknown,
-)
+from unwindd.source.records import BadRecord, FinishedRound, Record, Sample, Unknown
 
 _tags = itertools.count(1)
 

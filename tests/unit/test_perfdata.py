@@ -39,9 +39,11 @@ from perfutil import (
     perf_stats,
     record_perf_data,
 )
-from unwindd.source import perfdata, records
+from unwindd.source import perfdata, perfheader, records
 from unwindd.source.abi import RecordType
-from unwindd.source.perfdata import AttrInfo, Feature, PerfData, PerfDataError
+from unwindd.source.decoder import RecordDecoder
+from unwindd.source.perfdata import PerfData
+from unwindd.source.perfheader import AttrInfo, Feature, PerfDataError
 
 STACK = 8192
 WORKLOAD_SECS = "0.25"
@@ -381,7 +383,7 @@ def test_feature_sections_literal() -> None:
     pd, _ = _drain(base + table + bid + arch + b"abc")
     assert pd is not None and not pd.errors
     assert pd.arch == "x86_64"
-    assert pd.build_ids == [perfdata.BuildIdEntry(-1, bytes(range(1, 21)), "/bin/x", 2 | 1 << 15)]
+    assert pd.build_ids == [perfheader.BuildIdEntry(-1, bytes(range(1, 21)), "/bin/x", 2 | 1 << 15)]
     assert pd.features[100] == b"abc"
     # a corrupt build-id section (size field past its end) is counted, the rest still parses
     bad = bytearray(bid)
@@ -496,7 +498,7 @@ def test_truncated_everywhere(stored: Reading) -> None:
     reading = stored
     data = _reading_bytes(reading)
     if reading.pd.pipe_mode:
-        start, end = perfdata.PIPE_HEADER_SIZE, len(data)
+        start, end = perfheader.PIPE_HEADER_SIZE, len(data)
     else:
         start = reading.pd.data_offset
         end = start + reading.pd.data_size
@@ -528,7 +530,7 @@ def _section(data: bytes) -> tuple[int, int]:
     (perf_file_header: u64 magic, size, attr_size; then {u64 offset, size} of the attrs at 24,
     the data at 40 and the event types at 56, in the 72- and the 104-byte form alike)."""
     (hsize,) = struct.unpack_from("<Q", data, 8)
-    if hsize == perfdata.PIPE_HEADER_SIZE:
+    if hsize == perfheader.PIPE_HEADER_SIZE:
         return hsize, len(data)
     off, size = struct.unpack_from("<QQ", data, 40)
     if off + size > len(data):  # read what is there, counted as data_section_truncated
@@ -593,7 +595,7 @@ def _check_records(data: bytes, pd: PerfData, recs: list[records.Record]) -> str
     if not any(f[1] == _T_HEADER_ATTR for f in frames):
         # No attr arrived with the records, so one decoder's formats held throughout: each
         # value is exactly the decoding of its record's bytes [off + 8, off + size).
-        ref = records.RecordDecoder(pd.decoder.formats, pd.decoder.ids)
+        ref = RecordDecoder(pd.decoder.formats, pd.decoder.ids)
         mv = memoryview(data)
         assert recs == [ref.decode_one(t, m, mv[o + 8 : o + n]) for o, t, m, n in frames]
     errors = pd.decoder.stats.errors

@@ -1,4 +1,4 @@
-"""Byte-level tests of ``unwindd.source.records``: every record type field by field, the sample_id
+"""Byte-level tests of ``unwindd.source.decoder``: every record type field by field, the sample_id
 trailer under every sample_type combination, format selection by id, and "decode or count an
 error, never raise, never hang" under truncation, corruption and random bytes.
 
@@ -17,10 +17,11 @@ import recordbytes as rb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from unwindd.source import abi
+from unwindd.source.decoder import RecordDecoder
+from unwindd.source.formats import EventFormat
 from unwindd.source.records import (
     BadRecord,
     Comm,
-    EventFormat,
     Exit,
     FinishedRound,
     Fork,
@@ -29,7 +30,6 @@ from unwindd.source.records import (
     Mmap,
     Mmap2,
     Record,
-    RecordDecoder,
     Sample,
     SampleId,
     Throttle,
@@ -704,7 +704,7 @@ def test_short_bodies() -> None:
 def _frames(buf: bytes) -> tuple[list[tuple[int, int]], str]:
     """(offset, size) of every whole record of ``buf``, framed by ``header.size`` alone, and how
     the buffer ends: "" on a record boundary, "truncated" when a header or the body its size
-    announces is cut off, "bad_size" at a size below the 8-byte header (records.py: no way to
+    announces is cut off, "bad_size" at a size below the 8-byte header (decoder.py: no way to
     resynchronise after either). The framing of perf_event.h written out here, so the
     decoder's framing is checked against it rather than against itself."""
     out: list[tuple[int, int]] = []

@@ -5,7 +5,7 @@ chunks) and the replay (fastreplay.py, a perf.data file) speak to the same C con
 Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``
   (unwinder.UnwindStatus), ``SAMPLE_ERRORS[i]`` the decoder's reason for ``FP_ERR_*`` ``i``
-  (records.RecordDecoder._sample's reasons), ``END_ERRORS`` the decode error an index run
+  (decoder.RecordDecoder._sample's reasons), ``END_ERRORS`` the decode error an index run
   ends on (``FP_END_*``): the same counters the Python decoder keeps.
 - ``record_marks`` is what a decoded non-SAMPLE record's C index entry (``struct fp_rec``)
   must carry so the C orderer places it exactly where ordering.RoundOrderer would: its time

@@ -259,7 +259,7 @@ class NativeStep:
         ``cpus[i]`` in ``[bounds[i + 1], bounds[i + 2])``.
 
         Same records, same order, same counts as the slow step: chunks are indexed per ring
-        (``fp_live_index``: fp_index, i.e. records.py's SAMPLE checks); every record that is
+        (``fp_live_index``: fp_index, i.e. decoder.py's SAMPLE checks); every record that is
         not a good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
         ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it
         leaves the ring; samples are counted in the decoder, stream and ordering stats

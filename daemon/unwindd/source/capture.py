@@ -21,8 +21,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .decoder import MAX_RECORD_SIZE, RecordDecoder
+from .formats import EventFormat
 from .ordering import RoundOrderer
-from .records import MAX_RECORD_SIZE, EventFormat, Record, RecordDecoder
+from .records import Record
 from .streamstats import StreamStats
 
 

@@ -39,10 +39,10 @@ class Unsupported(Exception):
 
 
 def layout_of(fmt: Any) -> Any:
-    """The ``struct fp_layout`` of an ``EventFormat``: records._SampleLayout's numbers."""
-    from .records import _SampleLayout
+    """The ``struct fp_layout`` of an ``EventFormat``: formats.SampleLayout's numbers."""
+    from .formats import SampleLayout
 
-    lay = _SampleLayout.of(fmt)
+    lay = SampleLayout.of(fmt)
     c = ffi.new("struct fp_layout *")
     c.sample_type = lay.sample_type
     c.regs_mask = lay.regs_mask % (1 << 64)
@@ -67,7 +67,7 @@ def native_layout(data: PerfData) -> Any:
         raise Unsupported("pipe mode")
     dec = data.decoder
     # Several attrs (perf -a adds a dummy event) are fine when they lay SAMPLEs out alike: then
-    # the event id that picks a format (records.RecordDecoder._format_for_sample) cannot matter.
+    # the event id that picks a format (decoder.RecordDecoder._format_for_sample) cannot matter.
     shapes = {(f.sample_type, f.sample_regs_user, f.read_format, f.branch_sample_type)
               for f in dec.formats}  # fmt: skip
     if len(shapes) != 1:

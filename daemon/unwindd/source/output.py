@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .abi import X86_REG_NAMES, regs_in_mask
+from .decoder import DecodeStats
 from .ordering import OrderStats
-from .records import DecodeStats, Record, Sample, SampleId, record_type_name
+from .records import Record, Sample, SampleId, record_type_name
 from .streamstats import StreamStats
 
 _HEX_FIELDS = frozenset({"ip", "start", "length", "pgoff", "addr"})

@@ -9,7 +9,7 @@ Invariants:
   (``PERF_EVENT_IOC_SET_OUTPUT``), so there is exactly one stream per CPU, time-ordered within
   itself.
 - ``drain`` is one native call for all rings and returns only whole records, each chunk decodable
-  with ``records.RecordDecoder([session.event_format])``. Records it could not fit stay in their
+  with ``decoder.RecordDecoder([session.event_format])``. Records it could not fit stay in their
   ring for the next call, so nothing is lost by a small ``max_bytes``; only ring overflow loses
   data, and the kernel reports that in-band as PERF_RECORD_LOST.
 - ``event_format`` is computed from the same C function that builds the attr
@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 from .._perfcore import ffi, lib
-from . import abi, records
+from . import abi, decoder, formats
 
 # include/uapi/linux/perf_event.h: enum perf_type_id / perf_sw_ids, PERF_FLAG_PID_CGROUP.
 PERF_TYPE_SOFTWARE = 1
@@ -48,7 +48,7 @@ EVENTS: dict[str, tuple[int, int]] = {
 }
 
 MAX_STACK_SIZE = int(lib.PC_MAX_STACK_USER)
-MAX_RECORD_SIZE = records.MAX_RECORD_SIZE
+MAX_RECORD_SIZE = decoder.MAX_RECORD_SIZE
 MAX_RING_PAGES = 1 << 20
 
 # What a sample costs in the ring besides its user stack copy: the header and sample fields,
@@ -315,7 +315,7 @@ class PerfSession:
 
     fds: list[int]
     cpus: list[int]
-    event_format: records.EventFormat
+    event_format: formats.EventFormat
     build_id_mmap2: bool
     skipped_cpus: list[int]
     config: SamplingConfig  # as opened: ring_pages concrete
@@ -327,7 +327,7 @@ class PerfSession:
         cpus: list[int],
         fds: list[int],
         all_fds: list[int],
-        event_format: records.EventFormat,
+        event_format: formats.EventFormat,
         build_id_mmap2: bool,
         skipped_cpus: list[int],
         config: SamplingConfig,
@@ -531,7 +531,7 @@ class PerfSession:
             if cg_fd >= 0:
                 os.close(cg_fd)  # the events hold their own reference to the cgroup
 
-        fmt = records.EventFormat(
+        fmt = formats.EventFormat(
             sample_type=int(lib.pc_sample_type(sb_attr)),
             sample_regs_user=config.regs_mask,
             sample_id_all=True,

@@ -1,15 +1,19 @@
 """Reading perf.data, in file mode (seekable, sections) and pipe mode (a plain record stream).
 
+The header-side bytes (file header, attrs, feature sections, build-ids) are parsed by
+``perfheader``; this module reads the stream, frames records and decodes them with
+``decoder.RecordDecoder``.
+
 Invariants:
 - Sans-IO apart from the stream the caller hands in (or the one ``PerfData.open`` opens for a
-  path): no other files, no /proc, no clocks. Every parser below the ``PerfData`` class takes
-  bytes and returns values.
+  path): no other files, no /proc, no clocks.
 - Only a broken *main* header (bad magic, wrong header size, attrs section unreadable) raises,
-  and it raises ``PerfDataError`` with a message. Everything after that - a corrupt feature
-  section, ids out of bounds, a truncated data section, a record whose size field is garbage -
-  becomes a count in ``PerfData.errors`` (section level) or ``decoder.stats.errors`` (record
-  level, the same keys ``RecordDecoder.decode`` uses: ``truncated``, ``bad_size``) and reading
-  goes on with what is left. Any other exception escaping this module is a bug.
+  and it raises ``perfheader.PerfDataError`` with a message. Everything after that - a
+  corrupt feature section, ids out of bounds, a truncated data section, a record whose size
+  field is garbage - becomes a count in ``PerfData.errors`` (section level) or
+  ``decoder.stats.errors`` (record level, the same keys ``RecordDecoder.decode`` uses:
+  ``truncated``, ``bad_size``) and reading goes on with what is left. Any other exception
+  escaping this module is a bug.
 - Every record in the data section (file mode) or stream (pipe mode) becomes exactly one value
   from ``records()``, in stream order, including perf's own user records (HEADER_ATTR,
   HEADER_FEATURE, FINISHED_ROUND, ID_INDEX, ...) as ``records.Unknown``/``FinishedRound``.
@@ -21,8 +25,7 @@ Invariants:
   read whole but capped (``MAX_SECTION``), so an absurd size is an error, not an allocation.
 - Cost: O(file size) for ``records()``; O(header + feature sections) for ``open``.
 
-Only little-endian files are read: perf writes host byte order, and the daemon runs on the host
-that recorded. A byte-swapped magic is a ``PerfDataError`` that says so.
+Only little-endian files are read (see ``perfheader``).
 """
 
 from __future__ import annotations
@@ -34,145 +37,45 @@ import struct
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from enum import IntEnum
 from types import TracebackType
 from typing import IO, cast
 
-from . import records
-from .abi import MISC_BUILD_ID_SIZE, RecordType
+from .abi import RecordType
+from .decoder import DecodeStats, RecordDecoder
+from .formats import EventFormat
+from .perfheader import (
+    ATTR_SIZE_VER0,
+    FILE_HEADER,
+    FILE_HEADER_SIZE,
+    MAX_ATTR_SIZE,
+    OLD_FILE_HEADER_SIZE,
+    PARSE_ERRORS,
+    PIPE_HEADER_SIZE,
+    SECTION,
+    AttrInfo,
+    BuildIdEntry,
+    Feature,
+    PerfDataError,
+    feature_name,
+    header_size,
+    parse_attr,
+    parse_attr_record,
+    parse_build_id_record,
+    parse_build_ids,
+    parse_event_desc,
+    parse_perf_string,
+    parse_string_list,
+)
+from .records import Record
 
-__all__ = [
-    "CHUNK",
-    "ERROR_HELP",
-    "MAX_ATTRS",
-    "AttrInfo",
-    "BuildIdEntry",
-    "Feature",
-    "PerfData",
-    "PerfDataError",
-    "parse_attr",
-    "parse_build_ids",
-    "parse_event_desc",
-    "parse_perf_string",
-]
+__all__ = ["CHUNK", "ERROR_HELP", "MAX_ATTRS", "PerfData"]
 
-CHUNK = 1 << 20  # data-section read size; bounds memory, see module invariants
-MAX_SECTION = 64 << 20  # cap on any header-side section (attrs, ids, one feature) we read whole
-MAX_ATTRS = 4096  # perf's own evlists are far smaller; bounds pipe-mode decoder rebuilds
-
-# --------------------------------------------------------------------------- layouts
-
-# tools/perf/util/header.h (perf 6.1):
-#
-#   struct perf_file_section { u64 offset; u64 size; };          // offset from file start
-#
-#   struct perf_file_header {                     // byte offset
-#       u64 magic;                                //   0  "PERFILE2"
-#       u64 size;                                 //   8  sizeof(struct perf_file_header) = 104
-#       u64 attr_size;                            //  16  sizeof(struct perf_file_attr)
-#       struct perf_file_section attrs;           //  24
-#       struct perf_file_section data;            //  40
-#       struct perf_file_section event_types;     //  56  unused since 2012
-#       DECLARE_BITMAP(adds_features, 256);       //  72  32 bytes, bit n = feature n
-#   };                                            // 104
-#
-#   struct perf_pipe_file_header { u64 magic; u64 size; };       // size = 16
-#
-# perf_file_header__read accepts size 72 too (files older than the feature bitmap).
-FILE_MAGIC = b"PERFILE2"
-_SWAPPED_MAGIC = FILE_MAGIC[::-1]  # "2ELIFREP": written on a host of the other endianness
-_V1_MAGIC = b"PERFFILE"  # perf before 2.6.37; no longer written by anyone
-_FILE_HEADER = struct.Struct("<8sQQQQQQQQ32s")
-FILE_HEADER_SIZE = _FILE_HEADER.size  # 104
-_OLD_FILE_HEADER_SIZE = 72
-PIPE_HEADER_SIZE = 16
-_SECTION = struct.Struct("<QQ")
 _HDR = struct.Struct("<IHH")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-
-# include/uapi/linux/perf_event.h, struct perf_event_attr (Linux 6.x):
-#
-#     0  u32 type;                 4  u32 size;            // size = this struct's size
-#     8  u64 config;
-#    16  u64 sample_period | sample_freq;
-#    24  u64 sample_type;
-#    32  u64 read_format;
-#    40  u64 disabled:1 (bit 0), inherit:1, pinned:1, exclusive:1, exclude_user:1,
-#            exclude_kernel:1, exclude_hv:1, exclude_idle:1, mmap:1 (8), comm:1, freq:1 (10),
-#            inherit_stat:1, enable_on_exec:1, task:1 (13), watermark:1, precise_ip:2 (15-16),
-#            mmap_data:1 (17), sample_id_all:1 (18), exclude_host:1, exclude_guest:1,
-#            exclude_callchain_kernel:1 (21), exclude_callchain_user:1 (22), mmap2:1 (23),
-#            comm_exec, use_clockid, context_switch, write_backward, namespaces, ksymbol,
-#            bpf_event, aux_output, cgroup, text_poke (33), build_id:1 (34), ...
-#    48  u32 wakeup_events;       52  u32 bp_type;
-#    56  u64 bp_addr | config1;                             // PERF_ATTR_SIZE_VER0 = 64
-#    64  u64 bp_len | config2;                              // VER1 = 72
-#    72  u64 branch_sample_type;                            // VER2 = 80
-#    80  u64 sample_regs_user;
-#    88  u32 sample_stack_user;   92  s32 clockid;          // VER3 = 96
-#    96  u64 sample_regs_intr;                              // VER4 = 104
-#   104  u32 aux_watermark; 108 u16 sample_max_stack; ...   // VER5 = 112 ... VER8 = 136
-#
-# Fields past ``size`` are absent and read as zero, like perf's read_attr (header.c) does.
-ATTR_SIZE_VER0 = 64
-_ATTR_HEAD = struct.Struct("<IIQQQQQ")  # type, size, config, period, sample_type, read_fmt, flags
-_ATTR_FLAG_SAMPLE_ID_ALL = 1 << 18
-_ATTR_FLAG_BUILD_ID = 1 << 34
-_ATTR_OFF_BRANCH_SAMPLE_TYPE = 72
-_ATTR_OFF_REGS_USER = 80
-_ATTR_OFF_STACK_USER = 88
-_ATTR_OFF_REGS_INTR = 96
-_MAX_ATTR_SIZE = 4096  # the kernel's own limit is a page
-
-
-class Feature(IntEnum):
-    """``enum`` of feature bits in tools/perf/util/header.h (perf 6.1)."""
-
-    RESERVED = 0
-    TRACING_DATA = 1
-    BUILD_ID = 2
-    HOSTNAME = 3
-    OSRELEASE = 4
-    VERSION = 5
-    ARCH = 6
-    NRCPUS = 7
-    CPUDESC = 8
-    CPUID = 9
-    TOTAL_MEM = 10
-    CMDLINE = 11
-    EVENT_DESC = 12
-    CPU_TOPOLOGY = 13
-    NUMA_TOPOLOGY = 14
-    BRANCH_STACK = 15
-    PMU_MAPPINGS = 16
-    GROUP_DESC = 17
-    AUXTRACE = 18
-    STAT = 19
-    CACHE = 20
-    SAMPLE_TIME = 21
-    MEM_TOPOLOGY = 22
-    CLOCKID = 23
-    DIR_FORMAT = 24
-    BPF_PROG_INFO = 25
-    BPF_BTF = 26
-    COMPRESSED = 27
-    CPU_PMU_CAPS = 28
-    CLOCK_DATA = 29
-    HYBRID_TOPOLOGY = 30
-    PMU_CAPS = 31
-    # perf 6.1's HEADER_LAST_FEATURE. In pipe mode perf_event__synthesize_features ends the
-    # feature records with one carrying this id and no data: an end marker, not a section.
-    LAST_FEATURE_6_1 = 32
-
-
-def _feature_name(n: int) -> str:
-    try:
-        return Feature(n).name.lower()
-    except ValueError:
-        return f"feature{n}"
-
+CHUNK = 1 << 20  # data-section read size; bounds memory, see module invariants
+MAX_SECTION = 64 << 20  # cap on any header-side section (attrs, ids, one feature) we read whole
+MAX_ATTRS = 4096  # perf's own evlists are far smaller; bounds pipe-mode decoder rebuilds
 
 # Explanations for ``PerfData.errors`` keys that need more than their name.
 ERROR_HELP: dict[str, str] = {
@@ -190,229 +93,6 @@ ERROR_HELP: dict[str, str] = {
 }
 
 
-class PerfDataError(Exception):
-    """The input is not a perf.data stream we can read at all (bad main header)."""
-
-
-class _Corrupt(Exception):
-    """A section or record body that does not parse; becomes a count, never escapes."""
-
-
-_PARSE_ERRORS = (_Corrupt, struct.error, IndexError, ValueError, UnicodeError, OverflowError)
-
-
-# --------------------------------------------------------------------------- values
-
-
-@dataclass(frozen=True, slots=True)
-class AttrInfo:
-    """One event of the recording: its record layout, identity, ids and (if known) name.
-
-    ``name`` comes from HEADER_EVENT_DESC; it is "" when the file has none."""
-
-    fmt: records.EventFormat
-    type: int
-    config: int
-    ids: tuple[int, ...]
-    name: str = ""
-    sample_stack_user: int = 0
-    flags: int = 0  # the attr's bitfield word (offset 40), e.g. bit 18 = sample_id_all
-
-    def __repr__(self) -> str:
-        return (
-            f"AttrInfo({self.name!r}, type={self.type}, config={self.config:#x}, "
-            f"ids={list(self.ids)}, {self.fmt!r})"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class BuildIdEntry:
-    """One ``struct perf_record_header_build_id`` (HEADER_BUILD_ID feature or record 67).
-
-    ``misc & abi.MISC_CPUMODE_MASK`` says kernel/user/guest; ``pid`` is -1 for the host kernel
-    (perf's HOST_KERNEL_ID)."""
-
-    pid: int
-    build_id: bytes
-    filename: str
-    misc: int
-
-    def __repr__(self) -> str:
-        return f"BuildIdEntry({self.build_id.hex()} {self.filename!r} pid={self.pid})"
-
-
-# --------------------------------------------------------------------------- parsers
-
-
-def _cstr(raw: bytes | memoryview) -> str:
-    b = bytes(raw)
-    nul = b.find(b"\0")
-    return (b if nul < 0 else b[:nul]).decode("utf-8", "surrogateescape")
-
-
-def parse_perf_string(data: bytes | memoryview, off: int) -> tuple[str, int]:
-    """A header.c ``do_write_string`` string at ``off``; returns (text, offset after it).
-
-    ::
-
-        struct perf_header_string { u32 len; char string[len]; };  // NUL-terminated, then
-                                                                   // NUL-padded to 64 bytes
-    """
-    if off + 4 > len(data):
-        raise _Corrupt("short string length")
-    (n,) = _U32.unpack_from(data, off)
-    end = off + 4 + n
-    if end > len(data):
-        raise _Corrupt("string past section end")
-    return _cstr(data[off + 4 : end]), end
-
-
-def parse_attr(raw: bytes | memoryview) -> tuple[records.EventFormat, int, int, int, int, int]:
-    """Parse a ``perf_event_attr`` (layout above) from the start of ``raw``.
-
-    Returns (format, type, config, attr size, sample_stack_user, flags). The attr's own
-    ``size`` decides how much of ``raw`` is the attr (0 means PERF_ATTR_SIZE_VER0, as in perf's
-    read_attr); fields past it are zero."""
-    if len(raw) < ATTR_SIZE_VER0:
-        raise _Corrupt("attr shorter than PERF_ATTR_SIZE_VER0")
-    size = _U32.unpack_from(raw, 4)[0] or ATTR_SIZE_VER0
-    if size < ATTR_SIZE_VER0 or size > min(len(raw), _MAX_ATTR_SIZE):
-        raise _Corrupt("bad attr size")
-    body = bytes(raw[:size]).ljust(136, b"\0")
-    atype, _, config, _, sample_type, read_format, flags = _ATTR_HEAD.unpack_from(body, 0)
-
-    def u64(off: int) -> int:
-        return int(_U64.unpack_from(body, off)[0])
-
-    fmt = records.EventFormat(
-        sample_type=sample_type,
-        sample_regs_user=u64(_ATTR_OFF_REGS_USER),
-        read_format=read_format,
-        branch_sample_type=u64(_ATTR_OFF_BRANCH_SAMPLE_TYPE),
-        sample_regs_intr=u64(_ATTR_OFF_REGS_INTR),
-        sample_id_all=bool(flags & _ATTR_FLAG_SAMPLE_ID_ALL),
-        build_id_mmap=bool(flags & _ATTR_FLAG_BUILD_ID),
-    )
-    stack_user = int(_U32.unpack_from(body, _ATTR_OFF_STACK_USER)[0])
-    return fmt, int(atype), int(config), size, stack_user, int(flags)
-
-
-# tools/perf/util/header.c write_buildid / perf_header__read_build_ids, and
-# tools/lib/perf/include/perf/event.h:
-#
-#   struct perf_record_header_build_id {       // byte offset
-#       struct perf_event_header header;       //   0  type 0 in the feature section (not MMAP:
-#                                              //      perf never sets it), 67 as a pipe record;
-#                                              //      misc = cpumode | MISC_BUILD_ID_SIZE(1<<15)
-#       pid_t pid;                             //   8  s32; -1 for the host kernel
-#       union {                                //  12
-#           u8 build_id[24];                   //      old form: always 20 bytes of id
-#           struct { u8 data[20];              //      with MISC_BUILD_ID_SIZE: data[0..size)
-#                    u8 size;                  //  32
-#                    u8 reserved1__; u16 reserved2__; };
-#       };
-#       char filename[];                       //  36  NUL-padded to 64 (NAME_ALIGN)
-#   };                                         //      header.size covers all of it; records
-#                                              //      are packed back to back (4-aligned)
-_BUILD_ID_FIXED = 36
-_BUILD_ID_MAX = 20  # BUILD_ID_SIZE (build-id.h)
-
-
-def _build_id_entry(misc: int, body: bytes | memoryview) -> BuildIdEntry:
-    """One build-id record's body (the bytes after its 8-byte header)."""
-    if len(body) < _BUILD_ID_FIXED - 8:
-        raise _Corrupt("short build-id record")
-    (pid,) = struct.unpack_from("<i", body, 0)
-    n = _BUILD_ID_MAX
-    if misc & MISC_BUILD_ID_SIZE:
-        n = body[4 + 20]
-        if n > _BUILD_ID_MAX:
-            raise _Corrupt("build-id size > 20")
-    return BuildIdEntry(pid, bytes(body[4 : 4 + n]), _cstr(body[28:]), misc)
-
-
-def parse_build_ids(data: bytes | memoryview) -> list[BuildIdEntry]:
-    """The HEADER_BUILD_ID feature section: build-id records back to back (layout above).
-
-    Raises ``_Corrupt`` on the first bad record; callers count it."""
-    out: list[BuildIdEntry] = []
-    off = 0
-    n = len(data)
-    while off < n:
-        if off + _BUILD_ID_FIXED > n:
-            raise _Corrupt("build-id section has a partial record")
-        _, misc, size = _HDR.unpack_from(data, off)
-        if size < _BUILD_ID_FIXED or off + size > n:
-            raise _Corrupt("build-id record size out of bounds")
-        out.append(_build_id_entry(misc, data[off + 8 : off + size]))
-        off += size
-    return out
-
-
-# header.c write_event_desc / read_event_desc:
-#
-#   u32 nr;                          // number of events
-#   u32 attr_size;                   // sizeof(struct perf_event_attr) as written
-#   struct {
-#       struct perf_event_attr attr; // attr_size bytes
-#       u32 nr_ids;
-#       struct perf_header_string name;
-#       u64 ids[nr_ids];
-#   } events[nr];
-def parse_event_desc(data: bytes | memoryview) -> list[tuple[str, tuple[int, ...], int, int]]:
-    """HEADER_EVENT_DESC: a list of (name, ids, attr.type, attr.config)."""
-    if len(data) < 8:
-        raise _Corrupt("short event_desc")
-    nr, attr_size = struct.unpack_from("<II", data, 0)
-    if attr_size < ATTR_SIZE_VER0 or attr_size > _MAX_ATTR_SIZE:
-        raise _Corrupt("bad event_desc attr size")
-    # each event needs attr + nr_ids + string length at least: bounds ``nr`` by the data
-    if nr * (attr_size + 8) > len(data):
-        raise _Corrupt("event_desc nr too large")
-    out: list[tuple[str, tuple[int, ...], int, int]] = []
-    off = 8
-    for _ in range(nr):
-        if off + attr_size + 4 > len(data):
-            raise _Corrupt("event_desc entry past section end")
-        atype, _, config = struct.unpack_from("<IIQ", data, off)
-        off += attr_size
-        (nr_ids,) = _U32.unpack_from(data, off)
-        name, off = parse_perf_string(data, off + 4)
-        if off + 8 * nr_ids > len(data):
-            raise _Corrupt("event_desc ids past section end")
-        ids = struct.unpack_from(f"<{nr_ids}Q", data, off)
-        off += 8 * nr_ids
-        out.append((name, tuple(int(i) for i in ids), int(atype), int(config)))
-    return out
-
-
-def _parse_string_list(data: bytes | memoryview) -> tuple[str, ...]:
-    # header.c write_cmdline: u32 nr; struct perf_header_string strings[nr];
-    if len(data) < 4:
-        raise _Corrupt("short string list")
-    (nr,) = _U32.unpack_from(data, 0)
-    if nr * 4 > len(data):
-        raise _Corrupt("string list nr too large")
-    out = []
-    off = 4
-    for _ in range(nr):
-        s, off = parse_perf_string(data, off)
-        out.append(s)
-    return tuple(out)
-
-
-def _attr_record(body: memoryview) -> tuple[records.EventFormat, int, int, tuple[int, ...],
-                                            int, int]:  # fmt: skip
-    # PERF_RECORD_HEADER_ATTR (tools/lib/perf/include/perf/event.h):
-    #   struct perf_record_header_attr { struct perf_event_header header;
-    #                                    struct perf_event_attr attr;   // attr.size bytes
-    #                                    u64 id[]; };                   // up to header.size
-    fmt, atype, config, size, stack_user, flags = parse_attr(body)
-    nids = (len(body) - size) // 8
-    ids = struct.unpack_from(f"<{nids}Q", body, size)
-    return fmt, atype, config, tuple(int(i) for i in ids), stack_user, flags
-
-
 # --------------------------------------------------------------------------- framing
 
 
@@ -427,7 +107,7 @@ class _Framer:
         self,
         stream: IO[bytes],
         limit: int | None,
-        stats: records.DecodeStats,
+        stats: DecodeStats,
         errors: Counter[str],
         chunk: int = CHUNK,
     ) -> None:
@@ -516,7 +196,7 @@ def _payload_after(rtype: int, body: memoryview) -> int:
 # --------------------------------------------------------------------------- reader
 
 
-_PLACEHOLDER_FORMAT = records.EventFormat(sample_type=0, sample_id_all=False)
+_PLACEHOLDER_FORMAT = EventFormat(sample_type=0, sample_id_all=False)
 
 PathOrStream = str | os.PathLike[str] | IO[bytes]
 
@@ -556,7 +236,7 @@ class PerfData:
         self.errors: Counter[str] = Counter()
         self.data_offset = 0
         self.data_size = 0
-        self._stats = records.DecodeStats()
+        self._stats = DecodeStats()
         self.decoder = self._make_decoder()
         self._base = 0
         self._read_header()
@@ -622,18 +302,10 @@ class PerfData:
         head = self._read_exact(PIPE_HEADER_SIZE)
         if len(head) < PIPE_HEADER_SIZE:
             raise PerfDataError(f"not perf.data: only {len(head)} bytes")
-        magic, size = struct.unpack_from("<8sQ", head)
-        if magic == _SWAPPED_MAGIC:
-            raise PerfDataError("perf.data from a host of the other byte order: not supported")
-        if magic == _V1_MAGIC:
-            raise PerfDataError("perf.data version 1 (magic PERFFILE): not supported")
-        if magic != FILE_MAGIC:
-            raise PerfDataError(f"not perf.data: magic {magic!r}, expected {FILE_MAGIC!r}")
+        size = header_size(head)
         if size == PIPE_HEADER_SIZE:
             self.pipe_mode = True
             return
-        if size not in (FILE_HEADER_SIZE, _OLD_FILE_HEADER_SIZE):
-            raise PerfDataError(f"bad perf.data header size {size}")
         if not self._seekable():
             raise PerfDataError(
                 "file-mode perf.data needs a seekable stream; use `perf record -o -` for pipes"
@@ -656,15 +328,15 @@ class PerfData:
 
     def _read_file_header(self, hsize: int, raw: bytes) -> None:
         (_, _, attr_size, attrs_off, attrs_size, data_off, data_size, _, _, bitmap) = (
-            _FILE_HEADER.unpack(raw)
+            FILE_HEADER.unpack(raw)
         )
-        if hsize == _OLD_FILE_HEADER_SIZE:
+        if hsize == OLD_FILE_HEADER_SIZE:
             bitmap = b""  # the bitmap postdates these files (perf_file_header__read)
         self._stream.seek(0, io.SEEK_END)
         file_size = self._stream.tell() - self._base
 
         # perf_file_attr = { perf_event_attr attr; perf_file_section ids; }, attr_size of them
-        if not ATTR_SIZE_VER0 + _SECTION.size <= attr_size <= _MAX_ATTR_SIZE + _SECTION.size:
+        if not ATTR_SIZE_VER0 + SECTION.size <= attr_size <= MAX_ATTR_SIZE + SECTION.size:
             raise PerfDataError(f"bad attr_size {attr_size} in perf.data header")
         if attrs_size > MAX_SECTION or attrs_off + attrs_size > file_size:
             raise PerfDataError(
@@ -679,13 +351,13 @@ class PerfData:
             entry = attr_blob[i * attr_size : (i + 1) * attr_size]
             try:
                 fmt, atype, config, asize, stack_user, flags = parse_attr(
-                    entry[: attr_size - _SECTION.size]
+                    entry[: attr_size - SECTION.size]
                 )
-            except _PARSE_ERRORS as e:
+            except PARSE_ERRORS as e:
                 raise PerfDataError(f"attr {i} does not parse: {e}") from e
-            if asize != attr_size - _SECTION.size:
+            if asize != attr_size - SECTION.size:
                 self.errors["attr_size_mismatch"] += 1
-            ids_off, ids_size = _SECTION.unpack_from(entry, attr_size - _SECTION.size)
+            ids_off, ids_size = SECTION.unpack_from(entry, attr_size - SECTION.size)
             ids: tuple[int, ...] = ()
             if ids_size % 8 or ids_size > MAX_SECTION or ids_off + ids_size > file_size:
                 self.errors["attr_ids_bad"] += 1
@@ -711,24 +383,24 @@ class PerfData:
             return
         table_off = data_off + data_size
         table = b""
-        if table_off + len(feats) * _SECTION.size <= file_size:
-            table = self._file_bytes(table_off, len(feats) * _SECTION.size)
-        if len(table) < len(feats) * _SECTION.size:
+        if table_off + len(feats) * SECTION.size <= file_size:
+            table = self._file_bytes(table_off, len(feats) * SECTION.size)
+        if len(table) < len(feats) * SECTION.size:
             self.errors["feature_table_truncated"] += 1
             return
         for i, feat in enumerate(feats):
-            off, size = _SECTION.unpack_from(table, i * _SECTION.size)
+            off, size = SECTION.unpack_from(table, i * SECTION.size)
             if size > MAX_SECTION or off + size > file_size:
-                self.errors[f"feature_{_feature_name(feat)}_out_of_bounds"] += 1
+                self.errors[f"feature_{feature_name(feat)}_out_of_bounds"] += 1
                 continue
             self._feature(feat, self._file_bytes(off, size))
 
     # -- attrs, features
 
-    def _make_decoder(self) -> records.RecordDecoder:
+    def _make_decoder(self) -> RecordDecoder:
         formats = [a.fmt for a in self.attrs] or [_PLACEHOLDER_FORMAT]
         ids = {i: n for n, a in enumerate(self.attrs) for i in a.ids}
-        dec = records.RecordDecoder(formats, ids)
+        dec = RecordDecoder(formats, ids)
         dec.stats = self._stats  # one DecodeStats across every decoder this reader makes
         return dec
 
@@ -754,11 +426,11 @@ class PerfData:
                 # header.c write_nrcpus: u32 nr_cpus_avail (max present cpu); u32 nr_cpus_online
                 self.nr_cpus_avail, self.nr_cpus_online = struct.unpack_from("<II", data, 0)
             elif feat == Feature.CMDLINE:
-                self.cmdline = _parse_string_list(data)
+                self.cmdline = parse_string_list(data)
             elif feat == Feature.EVENT_DESC:
                 self._name_attrs(parse_event_desc(data))
-        except _PARSE_ERRORS:
-            self.errors[f"feature_{_feature_name(feat)}_corrupt"] += 1
+        except PARSE_ERRORS:
+            self.errors[f"feature_{feature_name(feat)}_corrupt"] += 1
 
     def _name_attrs(self, descs: list[tuple[str, tuple[int, ...], int, int]]) -> None:
         # perf (header.c process_event_desc -> evlist__set_event_name) finds each desc's
@@ -785,7 +457,7 @@ class PerfData:
                     # each new attr rebuilds the decoder (O(attrs)): cap the quadratic case
                     self.errors["too_many_attrs"] += 1
                     return
-                fmt, atype, config, ids, stack_user, flags = _attr_record(body)
+                fmt, atype, config, ids, stack_user, flags = parse_attr_record(body)
                 self._set_attrs([*self.attrs, AttrInfo(fmt, atype, config, ids, "",
                                                        stack_user, flags)])  # fmt: skip
             elif rtype == RecordType.HEADER_FEATURE:
@@ -794,15 +466,15 @@ class PerfData:
                 if feat != Feature.LAST_FEATURE_6_1 or len(body) > 8:
                     self._feature(int(feat), bytes(body[8:]))
             elif rtype == RecordType.HEADER_BUILD_ID:
-                self.build_ids.append(_build_id_entry(misc, body))
+                self.build_ids.append(parse_build_id_record(misc, body))
             elif rtype in (RecordType.COMPRESSED, RecordType.COMPRESSED2):
                 self.errors["compressed_unsupported"] += 1
-        except _PARSE_ERRORS:
+        except PARSE_ERRORS:
             self.errors[f"{_record_name(rtype)}_corrupt"] += 1
 
     # -- data
 
-    def records(self) -> Iterator[records.Record]:
+    def records(self) -> Iterator[Record]:
         """Every record of the data section (file mode) or stream (pipe mode), in order."""
         if self.pipe_mode:
             if self._consumed:
