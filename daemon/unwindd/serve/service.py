@@ -1,25 +1,17 @@
-"""The daemon: the thin asyncio (uvloop) shell around the live profiler, the query socket, the
-metrics listener and systemd's notify protocol.
+"""The daemon: the thin asyncio (uvloop) shell around the live profiler, its lifecycle and the
+loop that drains the rings (connections.py, streams.py, answers.py and startup.py hold the rest).
 
 Invariants:
-- Everything that changes state runs on one event-loop thread: ``step()``, metric scrapes,
-  reloads and the answer cache never run concurrently, so the sans-IO stages need no locks.
-  The one exception is read-only: store queries (stacks, top, processes) run on one worker
-  thread against an immutable ``StackStore.snapshot()`` taken on the loop (O(buckets)), so a
-  query over a big window (O(entries in it) of Python) does not hold the rings undrained; the
-  loop gets the GIL back at least every ``sys.getswitchinterval()``.
+- Everything that changes state runs on the event-loop thread (steps, scrapes, reloads, the
+  answer cache), so the sans-IO stages need no locks. The one exception is read-only: store
+  queries run on one worker thread against a ``StackStore.snapshot()`` taken on the loop
+  (O(buckets)), so a big window (O(entries in it) of Python) does not leave the rings undrained.
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
-  sizes, see capture.drain_round) and unwinds it in the native live step (livefast.py: Python
-  only for side-band records, unplaceable samples and new frames), and every socket wait has a
-  timeout.
+  sizes, capture.drain_round) and unwinds it natively (livefast.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
-  ``[daemon] tick_ms`` by a timer. A ring fd that stays readable without yielding records (a
-  sampled pid exited: POLLHUP) is dropped from the reader set until the next tick, so it cannot
-  spin the loop.
-- Store queries are answered through the answer cache (answers.py); connections and their
-  limits are connections.py's, the live stream streams.py's, and what can fail at start up
-  (socket path and permissions, opening the profiler) startup.py's.
-- Lifecycle: READY=1 after the rings are open and the socket listens; WATCHDOG=1 at half of
+  ``[daemon] tick_ms``. A ring fd readable without records (a sampled pid exited: POLLHUP) is
+  dropped from the reader set until the next tick, so it cannot spin the loop.
+- Lifecycle: READY=1 once the rings are open and the socket listens; WATCHDOG=1 at half of
   WATCHDOG_USEC while steps keep completing; SIGHUP -> RELOADING=1, re-read the config, apply
   the live keys, READY=1; SIGTERM/SIGINT -> STOPPING=1, stop accepting, end streams, drain the
   rings into the store, remove the socket, exit 0.

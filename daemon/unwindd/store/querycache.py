@@ -245,7 +245,7 @@ def top_summaries(
         i = j
     if runs:
         first = first_seen({k for i, j in runs for k in ranked[i:j]}, buckets, stacks,
-                            bucket_ns, since_ns, until_ns)  # fmt: skip
+                           bucket_ns, since_ns, until_ns)  # fmt: skip
         for i, j in runs:
             ranked[i:j] = sorted(ranked[i:j], key=first.__getitem__)
     return samples, [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]

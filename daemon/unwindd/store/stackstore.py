@@ -1,32 +1,24 @@
 """In-memory store of unwound samples, aggregated by stack in time buckets, with bounded memory.
 
 Invariants:
-- Sans-IO: the caller passes samples and the current time; the store never reads a clock.
-- Time is the samples' own clock (CLOCK_MONOTONIC ns, what perf_event_open was told to use), so
-  queries name windows on the same clock. Samples without a time go to the newest bucket.
-- A sample is stored as one count in the bucket ``time // bucket_ns`` under the key
-  (pid, tid, comm, stack). Stacks (tuples of frames) are interned and reference-counted by the
-  bucket entries that use them, so a stack seen a million times is stored once, and dropped
-  with its last bucket entry.
-- Bounded: at most ``max_buckets`` buckets (retention = max_buckets * bucket_ns), at most
-  ``max_entries`` bucket entries in all, and at most ``max_bytes`` of estimated memory
-  (``stats.bytes_estimate``: entries, interned stacks and their frames, see ``_ENTRY_BYTES``,
-  and the query caches, querycache.py). Past any bound the query caches go first, then the
-  OLDEST bucket is evicted whole, and what it held is counted in ``stats.evicted_samples`` —
-  old data goes first, never silently. The byte bound is what holds under process churn, where
-  every process brings new stacks (ASLR: new addresses, new frames).
-- The per-process summary (``processes()``) covers exactly the processes with samples still
-  held: a pid's summary goes with its last bucket entry (O(evicted entries), not O(pids)).
-- Subscribers (the live stream) get every added batch through a callback; they must not block.
-- Snapshots (``snapshot()``) are immutable views a worker thread may query while the owner keeps
-  adding: O(buckets) to take. Buckets are copy-on-write (the first write to a bucket a snapshot
-  shares copies that bucket's dict, O(its entries), once per snapshot), stacks released while a
-  snapshot is open are freed when the last one closes, and the per-process summary is copied.
-- Cost: ``add`` is O(frames) per new stack, O(1) dict work per sample otherwise; ``add_counts``
-  is the same per (pid, tid, comm, bucket, stack) group, whatever the samples in it; evicting
-  is O(entries evicted); releasing stacks is O(stacks whose count dropped), not O(stacks).
-  Queries (queries.py) are O(entries in the window); ``top`` is served from per-bucket summaries
-  (querycache.py).
+- Sans-IO: the caller passes samples and their times (CLOCK_MONOTONIC ns, the samples' own
+  clock, so queries name windows on it); the store never reads a clock. Samples without a time
+  go to the newest bucket.
+- A sample is one count in bucket ``time // bucket_ns`` under (pid, tid, comm, stack). Stacks
+  are interned and reference-counted by the entries that use them: stored once, dropped with
+  their last entry.
+- Bounded: at most ``max_buckets`` buckets, ``max_entries`` entries and ``max_bytes`` of
+  estimated memory (``stats.bytes_estimate``, see ``_ENTRY_BYTES``; what holds under process
+  churn, where every process brings new stacks). Past a bound the query caches go first, then
+  the OLDEST bucket whole, counted in ``stats.evicted_samples``: never silently.
+- ``processes()`` covers exactly the pids with samples still held.
+- Subscribers get every added batch through a callback; they must not block.
+- Snapshots are immutable views a worker thread may query while the owner keeps adding:
+  buckets are copy-on-write, stacks released while one is open are freed when the last closes.
+- Cost: ``add`` is O(frames) per new stack, O(1) per sample otherwise (``add_counts``: per
+  group); evicting is O(entries evicted); releasing is O(stacks whose count dropped); a snapshot
+  is O(buckets), its first write to a shared bucket O(its entries). Queries: queries.py; the
+  caches behind ``render`` and ``top``: querycache.py.
 """
 
 from __future__ import annotations
@@ -412,7 +404,7 @@ class StoreSnapshot(Queries):
     ) -> tuple[int, list[FunctionCount]]:
         if pids is None and tid is None and comm is None:
             return top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
-                                  since_ns, until_ns, limit)  # fmt: skip
+                                 since_ns, until_ns, limit)  # fmt: skip
         stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
         return sum(s.count for s in stacks), top_functions(stacks, limit)
 
