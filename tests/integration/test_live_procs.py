@@ -382,7 +382,7 @@ def run_churn(
     probe: Callable[[LiveProfiler], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """``per_second`` short-lived processes (churn.c spawning blip.c, ~1 ms each) for
-    ``seconds`` while a LiveProfiler set up like the daemon's (service.open_profiler_for:
+    ``seconds`` while a LiveProfiler set up like the daemon's (startup.open_profiler_for:
     native step, CFI compiled off the loop) samples every CPU (``follow_spawner``: only the
     spawner and its children, so no other binary on the machine is loaded) under explicit
     caps. Checks every cap after every step and returns: the spawner's numbers, each cap's

@@ -181,8 +181,9 @@ def test_stream_is_live(
     started = time.monotonic_ns()
     child = held(workloads["c_o3"].argv)
     s.sendall(f"GET /v1/stream?pid={child.pid}&limit=20 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    # The daemon subscribes the stream before it sends the response head (service.py _stream):
-    # once the head is in, the workload starts, and every line is a live sample of it.
+    # The daemon subscribes the stream before it sends the response head (streams.py,
+    # StreamFanout.serve): once the head is in, the workload starts, and every line is a live
+    # sample of it.
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = s.recv(65536)
@@ -360,7 +361,7 @@ def test_sigterm_drains_and_exits_zero(daemon: DaemonProc) -> None:
 def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> None:
     """`pip install . && unwindd` as a user who cannot create /run/unwindd: the daemon says
     where it listens instead (checked on the helper, not by starting a second sampler)."""
-    from unwindd.serve.service import prepare_socket_path
+    from unwindd.serve.startup import prepare_socket_path
 
     env_before = os.environ.get("XDG_RUNTIME_DIR")
     os.environ["XDG_RUNTIME_DIR"] = str(tmp_path)
@@ -376,7 +377,7 @@ def test_default_socket_falls_back_when_run_is_not_writable(tmp_path: Path) -> N
             target = str(ro / "unwindd" / "unwindd.sock")
         got = prepare_socket_path(target, is_default=True)
         assert got == str(tmp_path / "unwindd" / "unwindd.sock")
-        from unwindd.serve.service import StartupError
+        from unwindd.serve.startup import StartupError
 
         with pytest.raises(StartupError, match=r"\[api\] socket"):
             prepare_socket_path(target, is_default=False)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pprofcheck import check_valid, decode, fields_of, read_varint
 from unwindd.store.pprof import encode_profile, varint
-from unwindd.store.stackstore import StackCount
+from unwindd.store.queries import StackCount
 from unwindd.unwind.stackfmt import Frame
 
 SPIN = Frame(0x401136, "/w/chain_o2", "spin", 6, rel=0x1136)

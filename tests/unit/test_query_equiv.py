@@ -16,7 +16,9 @@ import pytest
 from unwindd.serve.api import Api, Peer, stack_json
 from unwindd.serve.httpapi import Request
 from unwindd.store.pprof import encode_profile
-from unwindd.store.stackstore import StackStore, _top_summaries, top_functions
+from unwindd.store.queries import top_functions
+from unwindd.store.querycache import top_summaries
+from unwindd.store.stackstore import StackStore
 from unwindd.unwind import stackfmt
 from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
@@ -93,8 +95,8 @@ def reference_folded(store: Any, since: int | None, limit: int) -> bytes:
 
 
 def cache_sum(store: StackStore) -> int:
-    return (sum(size for _, _, size in store._texts.values())
-            + sum(sm.nbytes for sm in store._summaries.values()))  # fmt: skip
+    return (sum(size for _, _, size in store.caches.texts.values())
+            + sum(sm.nbytes for sm in store.caches.summaries.values()))  # fmt: skip
 
 
 def get(api: Api, target: str, peer: Peer) -> bytes:
@@ -147,7 +149,7 @@ def test_answers_equal_reference(seed: int) -> None:
             if view == "snapshot":
                 snap.close()
         st = store.stats
-        assert 0 <= st.cache_bytes <= store.max_cache_bytes
+        assert 0 <= st.cache_bytes <= store.caches.max_bytes
         assert st.cache_bytes == cache_sum(store)
         assert st.bytes_estimate <= store.max_bytes or not store._buckets
     assert store.stats.evicted_buckets > 0  # eviction happened along the way
@@ -161,10 +163,10 @@ def test_summary_path_answers_without_ties() -> None:
                          (6 * SEC, 2, 2, "b", (f[4], f[5]), 11)]  # fmt: skip
     store.add_counts(groups)
     snap = store.snapshot()
-    fast = _top_summaries(store, snap._buckets, snap._stacks, SEC, None, None, 50)
+    fast = top_summaries(store, snap._buckets, snap._stacks, SEC, None, None, 50)
     assert fast == (21, top_functions(snap.query(), 50))
     snap.close()
-    assert store._summaries and store.stats.cache_bytes > 0
+    assert store.caches.summaries and store.stats.cache_bytes > 0
     # a later version of bucket 6: the summary is brought up to date incrementally
     store.add_counts([(6 * SEC, 1, 1, "a", (f[3], f[1], f[2]), 2)])
     assert store.top() == (23, top_functions(store.query(), 50))
@@ -179,10 +181,10 @@ def test_caches_emptied_with_their_data_and_bounded() -> None:
         get(api, "/v1/stacks", Peer(0))
         get(api, "/v1/top", Peer(0))
         assert store.stats.cache_bytes > 0
-        assert len(store._texts) <= store.stats.stacks
-        assert set(store._summaries) <= set(store._buckets)
+        assert len(store.caches.texts) <= store.stats.stacks
+        assert set(store.caches.summaries) <= set(store._buckets)
     # the rendered stacks and summaries of evicted buckets are gone
-    for frames, _, _ in store._texts.values():
+    for frames, _, _ in store.caches.texts.values():
         assert frames in store._stack_ids
     store.drop_caches()
     assert store.stats.cache_bytes == 0
@@ -192,7 +194,7 @@ def test_caches_emptied_with_their_data_and_bounded() -> None:
     api = Api(Source(small, 0))
     body = get(api, "/v1/stacks", Peer(0))
     assert body == reference_stacks(small, None, 50)
-    assert small.stats.cache_bytes <= small.max_cache_bytes
+    assert small.stats.cache_bytes <= small.caches.max_bytes
 
 
 def test_queries_on_a_thread_while_adding() -> None:
@@ -233,5 +235,5 @@ def test_queries_on_a_thread_while_adding() -> None:
     assert not errors, errors[0]
     store.add_counts([])  # the last deferred releases
     assert store.stats.cache_bytes == cache_sum(store)
-    for frames, _, _ in store._texts.values():
+    for frames, _, _ in store.caches.texts.values():
         assert frames in store._stack_ids

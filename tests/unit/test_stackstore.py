@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unwindd.store.stackstore import StackStore, top_functions
+from unwindd.store.queries import top_functions
+from unwindd.store.stackstore import StackStore
 from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
 S = 1_000_000_000

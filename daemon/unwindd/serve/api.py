@@ -37,7 +37,8 @@ from functools import partial
 from typing import Any, Protocol
 
 from ..store.pprof import encode_profile
-from ..store.stackstore import Stack, StackCount, StackStore
+from ..store.queries import Stack, StackCount
+from ..store.stackstore import StackStore
 from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
 from .httpapi import Request, Response, StreamStart, error_response, json_response

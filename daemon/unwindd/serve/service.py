@@ -1,27 +1,17 @@
-"""The daemon: the thin asyncio (uvloop) shell around the live profiler, the query socket, the
-metrics listener and systemd's notify protocol.
+"""The daemon: the thin asyncio (uvloop) shell around the live profiler, its lifecycle and the
+loop that drains the rings (connections.py, streams.py, answers.py and startup.py hold the rest).
 
 Invariants:
-- Everything that changes state runs on one event-loop thread: ``step()``, metric scrapes,
-  reloads and the answer cache never run concurrently, so the sans-IO stages need no locks.
-  The one exception is read-only: store queries (stacks, top, processes) run on one worker
-  thread against an immutable ``StackStore.snapshot()`` taken on the loop (O(buckets)), so a
-  query over a big window (O(entries in it) of Python) does not hold the rings undrained; the
-  loop gets the GIL back at least every ``sys.getswitchinterval()``.
+- Everything that changes state runs on the event-loop thread (steps, scrapes, reloads, the
+  answer cache), so the sans-IO stages need no locks. The one exception is read-only: store
+  queries run on one worker thread against a ``StackStore.snapshot()`` taken on the loop
+  (O(buckets)), so a big window (O(entries in it) of Python) does not leave the rings undrained.
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
-  sizes, see capture.drain_round) and unwinds it in the native live step (livefast.py: Python
-  only for side-band records, unplaceable samples and new frames), and every socket wait has a
-  timeout.
+  sizes, capture.drain_round) and unwinds it natively (livefast.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
-  ``[daemon] tick_ms`` by a timer. A ring fd that stays readable without yielding records (a
-  sampled pid exited: POLLHUP) is dropped from the reader set until the next tick, so it cannot
-  spin the loop.
-- Identical queries within ``_ANSWER_TTL`` share one answer (bounded cache of 64).
-- Per connection: a request must arrive completely within ``[api] request_timeout`` (else 408),
-  its head within ``max_header_bytes`` (431) and its body within ``max_body_bytes`` (413); more
-  than ``max_connections`` open connections get 503 at once; a stream client that does not keep
-  up loses samples (counted), never slows the sampler.
-- Lifecycle: READY=1 after the rings are open and the socket listens; WATCHDOG=1 at half of
+  ``[daemon] tick_ms``. A ring fd readable without records (a sampled pid exited: POLLHUP) is
+  dropped from the reader set until the next tick, so it cannot spin the loop.
+- Lifecycle: READY=1 once the rings are open and the socket listens; WATCHDOG=1 at half of
   WATCHDOG_USEC while steps keep completing; SIGHUP -> RELOADING=1, re-read the config, apply
   the live keys, READY=1; SIGTERM/SIGINT -> STOPPING=1, stop accepting, end streams, drain the
   rings into the store, remove the socket, exit 0.
@@ -32,122 +22,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import grp
 import logging
 import os
 import signal
-import socket
-import stat
-import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import __version__
 from ..pipeline.live import LiveProfiler
 from ..pipeline.livefast import StepInfo
-from ..unwind.stackfmt import UnwoundSample
-from .api import Api, Peer, stream_line
+from .answers import AnswerCache, cacheable
+from .api import Api, Peer
 from .config import (
-    CACHE_DIR_FALLBACK,
     DEFAULT_SOCKET,
     Config,
     ConfigError,
-    cache_dir,
     changed_keys,
-    fallback_socket,
     load_config,
     merge_live,
     parse_listen,
     restart_keys,
 )
-from .httpapi import (
-    CLOSED,
-    NEED_DATA,
-    HttpSession,
-    Request,
-    Response,
-    StreamStart,
-    error_response,
-)
+from .connections import Connections, peer_of
+from .httpapi import Request, Response, StreamStart, error_response
 from .metrics import Measurements, UnwinddCollector
 from .sdnotify import Notifier
-
-if TYPE_CHECKING:
-    from ..unwind.engine import StackEngine
+from .startup import (
+    StartupError,
+    apply_socket_perms,
+    describe_target,
+    open_profiler_for,
+    prepare_socket_path,
+    remove_stale_socket,
+)
+from .streams import StreamFanout
 
 log = logging.getLogger("unwindd")
 
-_READ_CHUNK = 65536
-# Identical stack/top/process queries (same target, same peer uid) within this many seconds
-# share one answer: a burst of dashboards or scripts costs one pass over the store, not one
-# each. Status is never cached (it is cheap and reload tests read it back at once).
-_ANSWER_TTL = 0.5
-# The longest the native step holds sample counts before storing them (a read flushes first):
-# bounds the engine stats' lag and the C group table (<= one entry per sample held).
-_FLUSH_SECONDS = 1.0
-_CACHED_PATHS = frozenset({"/v1/stacks", "/v1/top", "/v1/processes"})
 _UID_CACHE_MAX = 65536
-
-
-class StartupError(Exception):
-    """The daemon cannot start for a reason the operator can fix (message says which)."""
-
-
-def prepare_socket_path(path: str, is_default: bool) -> str:
-    """Create the socket's directory. When it is the built-in default and cannot be created
-    (not root: /run is not writable), fall back to a per-user directory and say so."""
-    d = os.path.dirname(path)
-    try:
-        os.makedirs(d, mode=0o755, exist_ok=True)
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise PermissionError(13, "not writable", d)
-        return path
-    except OSError as e:
-        if not is_default:
-            raise StartupError(f"[api] socket: cannot create {d}: {e.strerror or e}") from None
-        fb = fallback_socket()
-        try:
-            os.makedirs(os.path.dirname(fb), mode=0o700, exist_ok=True)
-        except OSError as e2:
-            msg = f"cannot create {d} ({e.strerror}) nor {fb} ({e2.strerror})"
-            raise StartupError(msg) from None
-        log.warning("cannot create %s (%s); listening on %s instead", d, e.strerror, fb)
-        return fb
-
-
-def remove_stale_socket(path: str) -> None:
-    """A socket file left by a crashed daemon is removed; a live one is an error."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise StartupError(f"[api] socket: {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise StartupError(f"another unwindd is already listening on {path}")
-
-
-def peer_of(writer: asyncio.StreamWriter) -> Peer:
-    sock = writer.get_extra_info("socket")
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _gid = struct.unpack("3i", raw)
-    except (OSError, AttributeError):
-        return Peer(None)
-    return Peer(uid, pid)
 
 
 def read_uid(proc_root: str, pid: int) -> int | None:
@@ -183,18 +99,17 @@ class Daemon:
         self.m = Measurements.create()
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
-        self.connections = 0
-        self.rejected: Counter[str] = Counter()
-        self.stream_dropped = 0
         self.reloads = 0
         self.reload_errors: list[str] = []
         self.pending_restart: list[str] = []
         self.socket_path = ""
         self.last_step_mono = time.monotonic()
-        self._streams: set[_StreamClient] = set()
         self._uid_cache: dict[int, tuple[int | None, str | None, float]] = {}
-        self._answers: dict[tuple[str, int | None], tuple[float, Response]] = {}
+        self._answers = AnswerCache()
         self._stop = asyncio.Event()
+        self.streams = StreamFanout(lambda: self.config.api, self._stop,
+                                    lambda: self.profiler.store.subscribers)  # fmt: skip
+        self.conns = Connections(lambda: self.config.api, self._stop, self.streams.serve)
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._readers_on = False
@@ -202,6 +117,20 @@ class Daemon:
         self.metrics_address: tuple[str, int] | None = None
         self._query_pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # .store: the snapshot a worker-thread query reads
+
+    # -- what metrics and status read
+
+    @property
+    def connections(self) -> int:
+        return self.conns.open
+
+    @property
+    def rejected(self) -> Counter[str]:
+        return self.conns.rejected
+
+    @property
+    def stream_dropped(self) -> int:
+        return self.streams.dropped
 
     # -- Source protocol (api.Api reads these)
 
@@ -282,7 +211,7 @@ class Daemon:
                       "bytes": st.bytes_estimate, "evicted_samples": st.evicted_samples,
                       "window_ns": list(window) if window else None},
             "api": {"socket": self.socket_path, "connections": self.connections,
-                    "streams": len(self._streams), "rejected": dict(self.rejected)},
+                    "streams": len(self.streams.clients), "rejected": dict(self.rejected)},
             "reloads": self.reloads,
             "reload_errors": self.reload_errors[-5:],
             "pending_restart": self.pending_restart,
@@ -344,17 +273,17 @@ class Daemon:
         path = prepare_socket_path(cfg.api.socket, cfg.api.socket == DEFAULT_SOCKET)
         remove_stale_socket(path)
         server = await asyncio.start_unix_server(
-            lambda r, w: self._connection(r, w, self._api_request, peer_of(w)), path=path,
+            lambda r, w: self.conns.serve(r, w, self._api_answer, peer_of(w)), path=path,
             backlog=1024,
         )  # fmt: skip
         self._servers.append(server)
         self.socket_path = path
-        self._apply_socket_perms()
+        apply_socket_perms(self.config.api, self.socket_path)
         if cfg.metrics.enabled:
             host, port = parse_listen(cfg.metrics.listen)
             try:
                 msrv = await asyncio.start_server(
-                    lambda r, w: self._connection(r, w, self._metrics_request, Peer(None)),
+                    lambda r, w: self.conns.serve(r, w, self._metrics_answer, Peer(None)),
                     host=host, port=port, reuse_address=True,
                 )  # fmt: skip
             except OSError as e:
@@ -368,26 +297,12 @@ class Daemon:
             self.registry = CollectorRegistry(auto_describe=False)
             self.registry.register(UnwinddCollector(self, self.m))
 
-    def _apply_socket_perms(self) -> None:
-        api = self.config.api
-        try:
-            if api.group:
-                gid = int(api.group) if api.group.isdigit() else grp.getgrnam(api.group).gr_gid
-                os.chown(self.socket_path, -1, gid)
-            os.chmod(self.socket_path, api.mode)
-        except (KeyError, OSError) as e:
-            msg = f"[api] group/mode: cannot apply to {self.socket_path}: {e}"
-            if isinstance(e, KeyError):
-                msg = f"[api] group: no such group {api.group!r}"
-            raise StartupError(msg) from None
-
     async def _shutdown(self) -> None:
         self.notifier.stopping()
         log.info("stopping: draining rings")
         for srv in self._servers:
             srv.close()
-        for sc in list(self._streams):
-            sc.close()
+        self.streams.close_all()
         self._set_readers(False)
         if self._timer is not None:
             self._timer.cancel()
@@ -439,7 +354,7 @@ class Daemon:
         store.max_buckets = max(1, s.retention_seconds // s.bucket_seconds)
         logging.getLogger().setLevel(self.config.daemon.log_level.upper())
         try:
-            self._apply_socket_perms()
+            apply_socket_perms(self.config.api, self.socket_path)
         except StartupError as e:
             self.reload_errors.append(str(e))
             log.error("%s", e)
@@ -507,114 +422,34 @@ class Daemon:
         """Counts the sampler holds (see open_profiler_for) into the store, before a read."""
         self._observe_stored(self.profiler.flush())
 
-    def _fanout(self, samples: Sequence[UnwoundSample]) -> None:
-        for sc in self._streams:
-            sc.offer(samples)
+    # -- requests
 
-    # The store calls _fanout only while a stream is open: with a subscriber the native step
-    # builds an UnwoundSample per sample, which nobody would read.
-    def _add_stream(self, sc: _StreamClient) -> None:
-        if not self._streams:
-            self.profiler.store.subscribers.append(self._fanout)
-        self._streams.add(sc)
+    async def _api_answer(self, req: Request, peer: Peer) -> Response | StreamStart:
+        if self._offloaded(req):
+            return await self._api_request_off_loop(req, peer)
+        return self._api_request(req, peer)
 
-    def _drop_stream(self, sc: _StreamClient) -> None:
-        self._streams.discard(sc)
-        subs = self.profiler.store.subscribers
-        if not self._streams and self._fanout in subs:
-            subs.remove(self._fanout)
-
-    # -- connections
-
-    async def _connection(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        handle: Callable[[Request, Peer], Response | StreamStart],
-        peer: Peer,
-    ) -> None:
-        api = self.config.api
-        session = HttpSession(max_header_bytes=api.max_header_bytes,
-                              max_body_bytes=api.max_body_bytes)  # fmt: skip
-        if self.connections >= api.max_connections:
-            self.rejected["too_many_connections"] += 1
-            writer.write(session.error(503, "too many connections"))
-            await self._close(writer)
-            return
-        self.connections += 1
-        loop = asyncio.get_running_loop()
-        try:
-            while not self._stop.is_set():
-                deadline = loop.time() + api.request_timeout
-                item = session.next_request()
-                while item is NEED_DATA:
-                    remaining = deadline - loop.time()
-                    try:
-                        if remaining <= 0:
-                            raise TimeoutError
-                        data = await asyncio.wait_for(reader.read(_READ_CHUNK), remaining)
-                    except TimeoutError:
-                        self.rejected["timeout"] += 1
-                        writer.write(session.error(408, "request not received in time"))
-                        return
-                    session.receive(data)
-                    item = session.next_request()
-                if item is CLOSED:
-                    return
-                if isinstance(item, Response):
-                    self.rejected[f"http_{item.status}"] += 1
-                    writer.write(session.respond(item))
-                    return
-                assert isinstance(item, Request)
-                try:
-                    if handle == self._api_request and self._offloaded(item):
-                        result = await self._api_request_off_loop(item, peer)
-                    else:
-                        result = handle(item, peer)
-                except Exception:
-                    log.exception("handling %s", item.target)
-                    result = error_response(500, "internal error")
-                if isinstance(result, StreamStart):
-                    await self._stream(session, reader, writer, result)
-                    return
-                writer.write(session.respond(result))
-                await asyncio.wait_for(writer.drain(), api.request_timeout)
-                if not session.keep_alive:
-                    return
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            self.connections -= 1
-            await self._close(writer)
-
-    async def _close(self, writer: asyncio.StreamWriter) -> None:
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-            writer.close()
-            await asyncio.wait_for(writer.wait_closed(), 1.0)
-        except (OSError, TimeoutError, RuntimeError):
-            writer.transport.abort()
+    async def _metrics_answer(self, req: Request, peer: Peer) -> Response | StreamStart:
+        return self._metrics_request(req, peer)
 
     def _api_request(self, req: Request, peer: Peer) -> Response | StreamStart:
-        cacheable = req.method == "GET" and req.path in _CACHED_PATHS
+        cached = cacheable(req)
         key = (req.target, peer.uid)
         now = time.monotonic()
-        if cacheable and (hit := self._cached_answer(req, key, now)) is not None:
+        if cached and (hit := self._cached_answer(req, key, now)) is not None:
             return hit
         self._flush()
         res = self.api.handle(req, peer)
-        if cacheable:
-            self._remember_answer(key, res, now)
-        full = len(self._streams) >= self.config.api.max_stream_clients
+        if cached:
+            self._answers.put(key, res, now)
+        full = len(self.streams.clients) >= self.config.api.max_stream_clients
         if isinstance(res, StreamStart) and full:
             self.rejected["too_many_streams"] += 1
             return error_response(429, "too many stream clients")
         return res
 
     def _offloaded(self, req: Request) -> bool:
-        return (req.method == "GET" and req.path in _CACHED_PATHS
-                and hasattr(self.profiler.store, "snapshot"))  # fmt: skip
+        return cacheable(req) and hasattr(self.profiler.store, "snapshot")
 
     async def _api_request_off_loop(self, req: Request, peer: Peer) -> Response | StreamStart:
         """``_api_request`` for a store query: the cache on the loop, the query itself on the
@@ -636,28 +471,15 @@ class Daemon:
                 snap.close()
 
         res = await asyncio.get_running_loop().run_in_executor(self._query_pool, run)
-        self._remember_answer(key, res, time.monotonic())
+        self._answers.put(key, res, time.monotonic())
         return res
 
     def _cached_answer(self, req: Request, key: tuple[str, int | None],
                        now: float) -> Response | None:  # fmt: skip
-        """The answer to the same query from the same uid, if younger than _ANSWER_TTL."""
-        hit = self._answers.get(key)
-        if hit is None or hit[0] <= now:
-            return None
-        self.api.requests[req.path] += 1
-        return hit[1]
-
-    def _remember_answer(self, key: tuple[str, int | None], res: Response | StreamStart,
-                         now: float) -> None:  # fmt: skip
-        """Keep a 200 answer for _ANSWER_TTL; at most 64 answers (expired ones go first, then
-        new ones are not kept until some expire)."""
-        if not isinstance(res, Response) or res.status != 200:
-            return
-        if len(self._answers) >= 64:
-            self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
-        if len(self._answers) < 64:
-            self._answers[key] = (now + _ANSWER_TTL, res)
+        hit = self._answers.get(key, now)
+        if hit is not None:
+            self.api.requests[req.path] += 1
+        return hit
 
     def _metrics_request(self, req: Request, peer: Peer) -> Response | StreamStart:
         if req.method != "GET":
@@ -668,148 +490,6 @@ class Daemon:
 
         self._flush()
         return Response(200, generate_latest(self.registry), CONTENT_TYPE_LATEST)
-
-    async def _stream(
-        self,
-        session: HttpSession,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        start: StreamStart,
-    ) -> None:
-        p = start.params
-        sc = _StreamClient(p["accept"], self.config.api.stream_queue, self)
-        limit: int | None = p.get("limit")
-        seconds: float | None = p.get("seconds")
-        loop = asyncio.get_running_loop()
-        end = None if seconds is None else loop.time() + seconds
-        self._add_stream(sc)
-        sent = 0
-        try:
-            writer.write(session.start_stream(start.content_type))
-            await asyncio.wait_for(writer.drain(), self.config.api.request_timeout)
-            while not sc.closed and not self._stop.is_set():
-                timeout = 1.0 if end is None else min(1.0, end - loop.time())
-                if timeout <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sc.wake.wait(), timeout)
-                if reader.at_eof() or writer.is_closing():
-                    return
-                batch = sc.take()
-                if limit is not None:
-                    batch = batch[: limit - sent]
-                if batch:
-                    writer.write(session.stream_data(b"".join(stream_line(s) for s in batch)))
-                    sent += len(batch)
-                    # A client that cannot take a batch within the timeout is dropped.
-                    await asyncio.wait_for(writer.drain(), self.config.api.request_timeout)
-                if limit is not None and sent >= limit:
-                    break
-            writer.write(session.end_stream())
-            await asyncio.wait_for(writer.drain(), 1.0)
-        except (TimeoutError, ConnectionError):
-            pass
-        finally:
-            self._drop_stream(sc)
-
-
-class _StreamClient:
-    """One live-stream subscriber: a bounded queue the sampler fills without waiting."""
-
-    def __init__(self, accept: Callable[[UnwoundSample], bool], cap: int, daemon: Daemon) -> None:
-        self.accept = accept
-        self.cap = cap
-        self.daemon = daemon
-        self.queue: list[UnwoundSample] = []
-        self.wake = asyncio.Event()
-        self.closed = False
-
-    def offer(self, samples: Sequence[UnwoundSample]) -> None:
-        got = [s for s in samples if self.accept(s)]
-        if not got:
-            return
-        room = self.cap - len(self.queue)
-        if room < len(got):
-            self.daemon.stream_dropped += len(got) - max(room, 0)
-            got = got[: max(room, 0)]
-        self.queue += got
-        self.wake.set()
-
-    def take(self) -> list[UnwoundSample]:
-        out, self.queue = self.queue, []
-        self.wake.clear()
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-        self.wake.set()
-
-
-def describe_target(cfg: Config) -> str:
-    s = cfg.sampling
-    if s.target == "pids":
-        return "pids " + ",".join(map(str, s.pids))
-    if s.target == "cgroup":
-        return f"cgroup {s.cgroup}"
-    return "all CPUs"
-
-
-def _engine_with_disk_cache(cfg: Config) -> StackEngine:
-    """The daemon's engine. Compiled CFI and symbol tables persist by build-id under the
-    cache dir (``config.cache_dir``): a restart loads them (a read and a check per binary)
-    instead of compiling and re-reading symbols. The dir is bounded at start
-    (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root and the
-    default dir not writable: the user's cache dir; a dir that cannot be made is logged and
-    the daemon runs without one."""
-    from ..binaries.cachefiles import prune_cache_dir, user_cache_dir
-    from ..binaries.elfcache import CacheConfig
-    from ..unwind.engine import CACHE_SUBDIRS, StackEngine
-
-    make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
-                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
-    root = cache_dir(cfg.cache, os.environ)
-    if root is None:
-        return make()
-    if root == CACHE_DIR_FALLBACK and os.geteuid() != 0:
-        root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
-    # CFI files take more of the dir than symbol files for the same binaries: split the bound
-    # 60 / 40
-    for sub, share in zip(CACHE_SUBDIRS, (0.6, 0.4), strict=True):
-        n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
-        if n:
-            log.info("cache dir %s/%s: removed %d files (%d bytes) past its bound", root, sub, n,
-                     freed)  # fmt: skip
-    try:
-        return make(cache_dir=root)
-    except OSError as e:  # the directory cannot be made: run without it, and say so
-        log.warning("cache dir %s unusable (%s): CFI and symbols are not persisted", root, e)
-        return make()
-
-
-def open_profiler_for(cfg: Config) -> LiveProfiler:
-    from ..source.perfcore import SamplingConfig, Target
-    from ..store.stackstore import StackStore
-
-    s = cfg.sampling
-    if s.target == "pids":
-        target = Target(pids=s.pids)
-    elif s.target == "cgroup":
-        target = Target(cgroup=s.cgroup)
-    else:
-        target = Target(all_cpus=True)
-    sampling = SamplingConfig(event=s.event, frequency=s.frequency, stack_size=s.stack_size,
-                              ring_pages=s.ring_pages)  # fmt: skip
-    engine = _engine_with_disk_cache(cfg)
-    st = cfg.store
-    store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
-                       max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
-                       max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
-    # Counts reach the store once a second and before every read of it (Daemon._flush), not
-    # every drain: a busy stack's group recurs in most drains of a second, and each store
-    # update of it is Python work.
-    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
-                             flush_interval=_FLUSH_SECONDS)  # fmt: skip
-
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(format="unwindd: %(levelname)s: %(message)s", level=level.upper())

@@ -32,7 +32,7 @@ import gzip
 from collections.abc import Iterable
 
 from ..unwind.stackfmt import Frame
-from .stackstore import StackCount
+from .queries import StackCount
 
 
 def varint(v: int) -> bytes:

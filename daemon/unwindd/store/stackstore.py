@@ -1,54 +1,38 @@
 """In-memory store of unwound samples, aggregated by stack in time buckets, with bounded memory.
 
 Invariants:
-- Sans-IO: the caller passes samples and the current time; the store never reads a clock.
-- Time is the samples' own clock (CLOCK_MONOTONIC ns, what perf_event_open was told to use), so
-  queries name windows on the same clock. Samples without a time go to the newest bucket.
-- A sample is stored as one count in the bucket ``time // bucket_ns`` under the key
-  (pid, tid, comm, stack). Stacks (tuples of frames) are interned and reference-counted by the
-  bucket entries that use them, so a stack seen a million times is stored once, and dropped
-  with its last bucket entry.
-- Bounded: at most ``max_buckets`` buckets (retention = max_buckets * bucket_ns), at most
-  ``max_entries`` bucket entries in all, and at most ``max_bytes`` of estimated memory
-  (``stats.bytes_estimate``: entries, interned stacks and their frames, see ``_ENTRY_BYTES``).
-  Past any bound the OLDEST bucket is evicted whole, and what it held is counted in
-  ``stats.evicted_samples`` — old data goes first, never silently. The byte bound is what holds
-  under process churn, where every process brings new stacks (ASLR: new addresses, new frames).
-- The per-process summary (``processes()``) covers exactly the processes with samples still
-  held: a pid's summary goes with its last bucket entry (O(evicted entries), not O(pids)).
-- Subscribers (the live stream) get every added batch through a callback; they must not block.
-- Snapshots (``snapshot()``) are immutable views a worker thread may query while the owner keeps
-  adding: O(buckets) to take. Buckets are copy-on-write (the first write to a bucket a snapshot
-  shares copies that bucket's dict, O(its entries), once per snapshot), stacks released while a
-  snapshot is open are freed when the last one closes, and the per-process summary is copied.
-- Query caches (for the query thread; ``stats.cache_bytes``, part of ``bytes_estimate``): a
-  rendering per interned stack (``render``; dropped with the stack) and a top summary per
-  bucket (``top``; from one frozen version of the bucket's counts, brought up to date from the
-  next version's new counts; dropped with the bucket). Together at most ``max_bytes // 8``,
-  never filled past ``max_bytes``, and dropped whole before a bucket is evicted for bytes.
-  Answers do not depend on them: ``top`` equals ``top_functions(query(...))`` and ``query_top``
-  equals ``query(...)[:limit]`` (test_query_equiv.py).
-- Cost: ``add`` is O(frames) per new stack, O(1) dict work per sample otherwise; ``add_counts``
-  is the same per (pid, tid, comm, bucket, stack) group, whatever the samples in it; evicting
-  is O(entries evicted); releasing stacks is O(stacks whose count dropped), not O(stacks); a
-  query is O(entries in the window) (C-level merges; ``query_top`` builds only ``limit``
-  results); an unfiltered ``top`` is O(entries added since the last one + functions).
+- Sans-IO: the caller passes samples and their times (CLOCK_MONOTONIC ns, the samples' own
+  clock, so queries name windows on it); the store never reads a clock. Samples without a time
+  go to the newest bucket.
+- A sample is one count in bucket ``time // bucket_ns`` under (pid, tid, comm, stack). Stacks
+  are interned and reference-counted by the entries that use them: stored once, dropped with
+  their last entry.
+- Bounded: at most ``max_buckets`` buckets, ``max_entries`` entries and ``max_bytes`` of
+  estimated memory (``stats.bytes_estimate``, see ``_ENTRY_BYTES``; what holds under process
+  churn, where every process brings new stacks). Past a bound the query caches go first, then
+  the OLDEST bucket whole, counted in ``stats.evicted_samples``: never silently.
+- ``processes()`` covers exactly the pids with samples still held.
+- Subscribers get every added batch through a callback; they must not block.
+- Snapshots are immutable views a worker thread may query while the owner keeps adding:
+  buckets are copy-on-write, stacks released while one is open are freed when the last closes.
+- Cost: ``add`` is O(frames) per new stack, O(1) per sample otherwise (``add_counts``: per
+  group); evicting is O(entries evicted); releasing is O(stacks whose count dropped); a snapshot
+  is O(buckets), its first write to a shared bucket O(its entries). Queries: queries.py; the
+  caches behind ``render`` and ``top``: querycache.py.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
-from ..unwind.stackfmt import Frame, UnwoundSample
+from ..unwind.stackfmt import UnwoundSample
+from .queries import FunctionCount, Key, ProcessInfo, Queries, Stack, process_list, top_functions
+from .querycache import QueryCaches, top_summaries
 
-Stack = tuple[Frame, ...]
-_Key = tuple[int, int, str, int]  # pid, tid, comm, stack id
 # Bytes per unit for ``stats.bytes_estimate`` and the ``max_bytes`` bound: what tracemalloc
 # shows the store retaining per unit (CPython 3, 64-bit; after the samples are dropped):
 # - entry: a bucket Counter slot, a key tuple of 4 and its ints; a pid's summary adds its
@@ -62,39 +46,6 @@ _PID_BYTES = 200
 _STACK_BYTES = 340
 _SLOT_BYTES = 8
 _FRAME_BYTES = 235
-# Query caches (``stats.cache_bytes``, in the estimate; at most ``max_bytes // 8``, never filled
-# past ``max_bytes``, and dropped whole before any bucket is evicted for bytes): a rendered
-# stack costs its characters plus ~150 (str header, dict slot, key tuple); a bucket summary ~100
-# per function key in its two Counters plus ~50 per entry of the bucket counts it retains (a
-# dict slot: the key tuples are shared with the store's).
-_TEXT_BYTES = 150
-_SUMMARY_KEY_BYTES = 100
-_SUMMARY_ENTRY_BYTES = 50
-
-
-@dataclass(frozen=True, slots=True)
-class StackCount:
-    pid: int
-    tid: int
-    comm: str
-    frames: Stack
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessInfo:
-    pid: int
-    comm: str
-    samples: int
-    last_seen_ns: int
-
-
-@dataclass(frozen=True, slots=True)
-class FunctionCount:
-    sym: str
-    dso: str | None
-    self_count: int
-    total_count: int
 
 
 @dataclass
@@ -120,7 +71,7 @@ class StoreStats:
 
 @dataclass
 class _Bucket:
-    counts: Counter[_Key] = field(default_factory=Counter)
+    counts: Counter[Key] = field(default_factory=Counter)
     shared: bool = False  # a snapshot holds ``counts``: copy before writing
 
 
@@ -128,45 +79,7 @@ class _Bucket:
 CountGroup = tuple[int | None, int | None, int | None, str, Stack, int]
 
 
-class _Queries:
-    """``query`` and ``query_top`` of a StackStore and of its snapshots, over the bucket counts
-    each one sees (``_bucket_counts``)."""
-
-    bucket_ns: int
-    _stacks: dict[int, Stack]
-
-    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
-        raise NotImplementedError
-
-    def query(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-    ) -> list[StackCount]:
-        """Stacks with counts over the buckets overlapping [since_ns, until_ns), filtered.
-        Resolution is one bucket: a window edge inside a bucket includes the whole bucket."""
-        return self.query_top(since_ns, until_ns, pids=pids, tid=tid, comm=comm)[0]
-
-    def query_top(
-        self,
-        since_ns: int | None = None,
-        until_ns: int | None = None,
-        *,
-        pids: Iterable[int] | None = None,
-        tid: int | None = None,
-        comm: str | None = None,
-        limit: int | None = None,
-    ) -> tuple[list[StackCount], int]:
-        """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
-        return _query_top(self._bucket_counts(), self._stacks, self.bucket_ns, since_ns,
-                          until_ns, pids, tid, comm, limit)  # fmt: skip
-
-
-class StackStore(_Queries):
+class StackStore(Queries):
     def __init__(
         self,
         *,
@@ -202,14 +115,9 @@ class StackStore(_Queries):
         # more could not free them sooner), freed when the last snapshot closes.
         self._deferred: set[int] = set()
         self._frame_refs: Counter[int] = Counter()  # id(frame) -> slots of accounted stacks
-        # Query caches, read and filled by the query thread (under _lock), emptied here when
-        # what they describe goes: (kind, id(stack)) -> (stack, its rendering), and bucket
-        # idx -> the top summary of one (frozen) version of that bucket's counts.
-        self.max_cache_bytes = max_bytes // 8
-        self._texts: dict[tuple[str, int], tuple[Stack, Any, int]] = {}
-        self._text_kinds: set[str] = set()
-        self._text_refused = 0  # inserts refused since the texts were last dropped (full)
-        self._summaries: dict[int, _Summary] = {}
+        # Read and filled by the query thread (under _lock), emptied here when what they
+        # describe goes.
+        self.caches = QueryCaches(self.stats, self._lock, max_bytes // 8)
 
     # -- writing
 
@@ -359,23 +267,11 @@ class StackStore(_Queries):
             hit = self._by_obj.get(id(frames))
             if hit is not None and hit[0] is frames:
                 del self._by_obj[id(frames)]  # or it would keep the stack and its frames alive
-            if self._texts:
-                self._drop_texts(frames)
-
-    def _drop_texts(self, frames: Stack) -> None:
-        with self._lock:
-            for kind in self._text_kinds:
-                hit = self._texts.get((kind, id(frames)))
-                if hit is not None and hit[0] is frames:
-                    del self._texts[(kind, id(frames))]
-                    self.stats.cache_bytes -= hit[2]
+            self.caches.drop_stack(frames)
 
     def drop_caches(self) -> None:
         """Empty the query caches (they refill on the next queries)."""
-        with self._lock:
-            self._texts.clear()
-            self._summaries.clear()
-            self.stats.cache_bytes = 0
+        self.caches.clear()
 
     def _enforce_bounds(self) -> None:
         st = self.stats
@@ -389,11 +285,7 @@ class StackStore(_Queries):
             idx = next(iter(self._buckets))
             b = self._buckets.pop(idx)
             st.evicted_buckets += 1
-            if self._summaries:
-                with self._lock:
-                    old = self._summaries.pop(idx, None)
-                    if old is not None:
-                        st.cache_bytes -= old.nbytes
+            self.caches.drop_bucket(idx)
             procs, pid_entries, refs, dirty = (self._procs, self._pid_entries, self._stack_refs,
                                                self._dirty)  # fmt: skip
             for (pid, _, _, sid), n in b.counts.items():
@@ -448,61 +340,24 @@ class StackStore(_Queries):
         """``fn(frames)``, cached per interned stack (``kind`` names ``fn``): a stack is
         immutable, and its entry goes when the stack does. ``fn`` must return a str or a tuple
         of str."""
-        return self._render(kind, frames, fn)
+        return self.caches.render(self, kind, frames, fn)
 
-    def _render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
-        key = (kind, id(frames))
-        hit = self._texts.get(key)
-        if hit is not None and hit[0] is frames:
-            return hit[1]
-        out = fn(frames)
-        size = _TEXT_BYTES + (len(out) if isinstance(out, str)
-                              else 8 * len(out) + sum(map(len, out)))  # fmt: skip
-        st = self.stats
-        with self._lock:
-            if st.bytes_estimate + size > self.max_bytes:
-                return out  # never past the store's bound (the data has the room)
-            if st.cache_bytes + size > self.max_cache_bytes:
-                # Full: keep what is cached (a query ranks its stacks by count, so the hot ones
-                # came first) unless refusals show the cached set is no longer what is asked.
-                self._text_refused += 1
-                if self._text_refused <= 4 * len(self._texts):
-                    return out
-                self._text_refused = 0
-                for k in [k for k in self._texts if k[0] == kind]:
-                    st.cache_bytes -= self._texts.pop(k)[2]
-                if st.cache_bytes + size > self.max_cache_bytes:
-                    return out
-            interned = self._by_obj.get(id(frames))
-            if (interned is None or interned[0] is not frames) and self._stacks.get(
-                    self._stack_ids.get(frames, -1)) is not frames:  # fmt: skip
-                return out  # not interned (or no longer): nothing would drop the entry
-            self._text_kinds.add(kind)
-            old = self._texts.get(key)
-            if old is not None:
-                st.cache_bytes -= old[2]
-            self._texts[key] = (frames, out, size)
-            st.cache_bytes += size
-        return out
+    def holds_stack(self, frames: Stack) -> bool:
+        """``frames`` is (this very object) an interned stack: the caches may key on it."""
+        interned = self._by_obj.get(id(frames))
+        return (interned is not None and interned[0] is frames) or self._stacks.get(
+            self._stack_ids.get(frames, -1)) is frames  # fmt: skip
 
-    def _put_summary(self, idx: int, summ: _Summary) -> None:
-        st = self.stats
-        with self._lock:
-            old = self._summaries.pop(idx, None)
-            if old is not None:
-                st.cache_bytes -= old.nbytes
-            if (idx in self._buckets and st.cache_bytes + summ.nbytes <= self.max_cache_bytes
-                    and st.bytes_estimate + summ.nbytes <= self.max_bytes):  # fmt: skip
-                self._summaries[idx] = summ
-                st.cache_bytes += summ.nbytes
+    def holds_bucket(self, idx: int) -> bool:
+        return idx in self._buckets
 
     def processes(self) -> list[ProcessInfo]:
         """The processes with samples still held (in some bucket), by pid: the last comm seen,
         the samples held (evicted ones no longer count) and the newest sample's time. A pid
         whose last sample is evicted is no longer listed."""
-        return _processes(self._procs)
+        return process_list(self._procs)
 
-    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
+    def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         return [(idx, b.counts) for idx, b in self._buckets.items()]
 
     def snapshot(self) -> StoreSnapshot:
@@ -519,13 +374,13 @@ class StackStore(_Queries):
             self._readers -= 1
 
 
-class StoreSnapshot(_Queries):
+class StoreSnapshot(Queries):
     """What ``StackStore.snapshot`` returns: ``query``/``processes``/``window`` of one moment."""
 
     def __init__(
         self,
         store: StackStore,
-        buckets: list[tuple[int, Counter[_Key]]],
+        buckets: list[tuple[int, Counter[Key]]],
         procs: dict[int, tuple[str, int, int]],
         window: tuple[int, int] | None,
     ) -> None:
@@ -548,20 +403,20 @@ class StoreSnapshot(_Queries):
         limit: int = 50,
     ) -> tuple[int, list[FunctionCount]]:
         if pids is None and tid is None and comm is None:
-            return _top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
-                                  since_ns, until_ns, limit)  # fmt: skip
+            return top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
+                                 since_ns, until_ns, limit)  # fmt: skip
         stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
         return sum(s.count for s in stacks), top_functions(stacks, limit)
 
-    def _bucket_counts(self) -> list[tuple[int, Counter[_Key]]]:
+    def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         return self._buckets
 
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
         store = self._store
-        return fn(frames) if store is None else store._render(kind, frames, fn)
+        return fn(frames) if store is None else store.caches.render(store, kind, frames, fn)
 
     def processes(self) -> list[ProcessInfo]:
-        return _processes(self._procs)
+        return process_list(self._procs)
 
     def window(self) -> tuple[int, int] | None:
         return self._window
@@ -570,253 +425,3 @@ class StoreSnapshot(_Queries):
         if self._store is not None:
             self._store._close_snapshot()
             self._store = None
-
-
-def _query_top(
-    buckets: Iterable[tuple[int, Counter[_Key]]],
-    stacks: dict[int, Stack],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-    pids: Iterable[int] | None,
-    tid: int | None,
-    comm: str | None,
-    limit: int | None,
-) -> tuple[list[StackCount], int]:
-    total = _merged(buckets, bucket_ns, since_ns, until_ns, pids, tid, comm)
-    # most_common(): sorted by count, descending, stable; nlargest is the same order (ties
-    # keep insertion order) without sorting what the limit drops.
-    ranked = (total.most_common() if limit is None or limit >= len(total)
-              else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
-    return [
-        StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
-    ], len(total)
-
-
-def _merged(
-    buckets: Iterable[tuple[int, Counter[_Key]]],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-    pids: Iterable[int] | None,
-    tid: int | None,
-    comm: str | None,
-) -> Counter[_Key]:
-    lo = None if since_ns is None else since_ns // bucket_ns
-    hi = None if until_ns is None else (until_ns - 1) // bucket_ns
-    want = None if pids is None else set(pids)
-    total: Counter[_Key] = Counter()
-    for idx, counts in buckets:
-        if (lo is not None and idx < lo) or (hi is not None and idx > hi):
-            continue
-        if want is None and tid is None and comm is None:
-            total.update(counts)  # C loop: the common unfiltered query
-            continue
-        for key, n in counts.items():
-            pid, ktid, kcomm, _ = key
-            if want is not None and pid not in want:
-                continue
-            if (tid is not None and ktid != tid) or (comm is not None and kcomm != comm):
-                continue
-            total[key] += n
-    return total
-
-
-class _Summary(NamedTuple):
-    """What ``top`` needs of one bucket: computed from one frozen version of its counts (a
-    snapshot's: the store copies a shared bucket before writing it), so it stays valid for that
-    version; the next version's summary adds only what changed (counts only grow)."""
-
-    counts: Counter[_Key]
-    samples: int
-    self_c: Counter[_FuncKey]
-    total_c: Counter[_FuncKey]
-    nbytes: int
-
-
-def _summarize(counts: Counter[_Key], stacks: dict[int, Stack], base: _Summary | None) -> _Summary:
-    by_sid: dict[int, int] = {}
-    get = by_sid.get
-    if base is not None:
-        old = base.counts
-        oget = old.get
-        seen = 0
-        for key, n in counts.items():
-            o = oget(key)
-            if o is not None:
-                seen += 1
-                if n == o:
-                    continue
-                if n < o:
-                    seen = -1
-                    break
-                n -= o
-            sid = key[3]
-            by_sid[sid] = get(sid, 0) + n
-        if seen == len(old):
-            samples = base.samples
-            self_c = Counter(base.self_c)
-            total_c = Counter(base.total_c)
-        else:  # not a later version of the same bucket (evicted, then a late sample)
-            base = None
-            by_sid = {}
-            get = by_sid.get
-    if base is None:
-        for key, n in counts.items():
-            sid = key[3]
-            by_sid[sid] = get(sid, 0) + n
-        samples = 0
-        self_c = Counter()
-        total_c = Counter()
-    for sid, n in by_sid.items():
-        samples += n
-        keys = _func_keys(stacks[sid])
-        if keys:
-            self_c[keys[0]] += n
-            for k in keys[1]:
-                total_c[k] += n
-    nbytes = (len(self_c) + len(total_c)) * _SUMMARY_KEY_BYTES + len(counts) * _SUMMARY_ENTRY_BYTES
-    return _Summary(counts, samples, self_c, total_c, nbytes)
-
-
-def _top_summaries(
-    store: StackStore | None,
-    buckets: Sequence[tuple[int, Counter[_Key]]],
-    stacks: dict[int, Stack],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-    limit: int,
-) -> tuple[int, list[FunctionCount]]:
-    """``top_functions`` of an unfiltered query, merged from per-bucket summaries (cached in
-    the store, made incrementally)."""
-    lo = None if since_ns is None else since_ns // bucket_ns
-    hi = None if until_ns is None else (until_ns - 1) // bucket_ns
-    cache = store._summaries if store is not None else {}
-    summs: list[_Summary] = []
-    for idx, counts in buckets:
-        if (lo is not None and idx < lo) or (hi is not None and idx > hi):
-            continue
-        base = cache.get(idx)
-        if base is None or base.counts is not counts:
-            base = _summarize(counts, stacks, base)
-            if store is not None:
-                store._put_summary(idx, base)
-        summs.append(base)
-    if not summs:
-        return 0, []
-    if len(summs) == 1:
-        self_c, total_c, samples = summs[0].self_c, summs[0].total_c, summs[0].samples
-    else:
-        self_c, total_c = Counter(summs[0].self_c), Counter(summs[0].total_c)
-        for sm in summs[1:]:
-            self_c.update(sm.self_c)
-            total_c.update(sm.total_c)
-        samples = sum(sm.samples for sm in summs)
-    ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[0]))
-    # Functions tied on (self, total, sym) (same name, other dso) keep top_functions' order:
-    # the order in which its walk over the ranked entries first meets them.
-    runs: list[tuple[int, int]] = []  # [start, end) of tied runs that reach into the limit
-    i = 0
-    while i < min(limit, len(ranked)):
-        a, j = ranked[i], i + 1
-        while (j < len(ranked) and ranked[j][0] == a[0] and self_c[ranked[j]] == self_c[a]
-               and total_c[ranked[j]] == total_c[a]):  # fmt: skip
-            j += 1
-        if j - i > 1:
-            runs.append((i, j))
-        i = j
-    if runs:
-        first = _first_seen({k for i, j in runs for k in ranked[i:j]}, buckets, stacks,
-                            bucket_ns, since_ns, until_ns)  # fmt: skip
-        for i, j in runs:
-            ranked[i:j] = sorted(ranked[i:j], key=first.__getitem__)
-    return samples, [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
-
-
-def _first_seen(
-    wanted: set[_FuncKey],
-    buckets: Iterable[tuple[int, Counter[_Key]]],
-    stacks: dict[int, Stack],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-) -> dict[_FuncKey, int]:
-    """Where top_functions first counts each wanted function: its walk goes over the query's
-    entries ranked by count, the distinct stacks in that order, each stack's distinct keys in
-    frame order. Stops when all are found."""
-    total = _merged(buckets, bucket_ns, since_ns, until_ns, None, None, None)
-    out: dict[_FuncKey, int] = {}
-    seen: set[int] = set()
-    pos = 0
-    for key, _ in total.most_common():
-        sid = key[3]
-        if sid in seen:
-            continue
-        seen.add(sid)
-        keys = _func_keys(stacks[sid])
-        if not keys:
-            continue
-        for k in keys[1]:
-            if k in wanted and k not in out:
-                out[k] = pos
-            pos += 1
-        if len(out) == len(wanted):
-            break
-    return out
-
-
-def _processes(procs: dict[int, tuple[str, int, int]]) -> list[ProcessInfo]:
-    return [
-        ProcessInfo(pid, comm, n, last)
-        for pid, (comm, n, last) in sorted(procs.items())
-        if pid >= 0
-    ]
-
-
-def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[FunctionCount]:
-    """Self (leaf frame) and total (anywhere in the stack, once per sample) counts per function;
-    frames without a symbol are grouped as ``[dso]``."""
-    self_c: Counter[tuple[str, str | None]] = Counter()
-    total_c: Counter[tuple[str, str | None]] = Counter()
-    # Aggregate by stack first (entries differ by pid/tid/comm, stacks repeat); interned stacks
-    # are the same tuple object, so the first level is an identity lookup.
-    by_stack: dict[int, list[Any]] = {}
-    for sc in stacks:
-        hit = by_stack.get(id(sc.frames))
-        if hit is None:
-            by_stack[id(sc.frames)] = [sc.frames, sc.count]
-        else:
-            hit[1] += sc.count
-    for frames, count in by_stack.values():
-        keys = _func_keys(frames)
-        if keys:
-            self_c[keys[0]] += count
-            for key in keys[1]:
-                total_c[key] += count
-    ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[0]))
-    return [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
-
-
-_FuncKey = tuple[str, str | None]
-_Keys = tuple[_FuncKey, tuple[_FuncKey, ...]]
-# id(stack) -> (stack, keys): the entry holds the stack, so its id cannot be reused while cached
-_KEYS_CACHE: dict[int, tuple[Stack, _Keys]] = {}
-_KEYS_CACHE_MAX = 1 << 16
-
-
-def _func_keys(frames: Stack) -> _Keys | tuple[()]:
-    """(self key, distinct keys) of a stack; cached (bounded, by identity: the store interns
-    stacks, so hashing 20 frames per lookup is avoided) because a stack is ranked by every top
-    query while it stays in the window."""
-    if not frames:
-        return ()
-    hit = _KEYS_CACHE.get(id(frames))
-    if hit is not None and hit[0] is frames:
-        return hit[1]
-    keys = [(f.sym or f"[{f.dso or 'unknown'}]", f.dso) for f in frames]
-    out = (keys[0], tuple(dict.fromkeys(keys)))
-    if len(_KEYS_CACHE) >= _KEYS_CACHE_MAX:
-        _KEYS_CACHE.clear()
-    _KEYS_CACHE[id(frames)] = (frames, out)
-    return out

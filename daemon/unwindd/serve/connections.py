@@ -1,0 +1,137 @@
+"""The HTTP connections of the query socket and the metrics listener: one coroutine each.
+
+Rules:
+- A request must arrive completely within ``[api] request_timeout`` (else 408), its head within
+  ``max_header_bytes`` (431) and its body within ``max_body_bytes`` (413); a malformed one gets
+  its 4xx and the connection closes. Each refusal is counted in ``rejected`` by reason.
+- More than ``max_connections`` open connections: the new one gets 503 at once.
+- Every socket wait has a timeout (a response must drain within ``request_timeout``, a close
+  within a second, else the transport is aborted), so a slow or silent client holds only its
+  own coroutine, never the loop.
+- Keep-alive: requests on one connection are answered in order until the client or the
+  daemon stops; a handler's exception is logged and answered 500, and the connection goes on.
+- A ``StreamStart`` answer hands the connection to the stream fan-out (streams.py) for good.
+- The limits are read per connection from the effective config, so a reload applies to new
+  connections.
+- Cost: O(bytes received) of h11 parsing per request (httpapi.py) plus the handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from .api import Peer
+from .config import ApiSection
+from .httpapi import (
+    CLOSED,
+    NEED_DATA,
+    HttpSession,
+    Request,
+    Response,
+    StreamStart,
+    error_response,
+)
+
+log = logging.getLogger("unwindd")
+
+_READ_CHUNK = 65536
+
+Handler = Callable[[Request, Peer], Awaitable[Response | StreamStart]]
+StreamServer = Callable[
+    [HttpSession, asyncio.StreamReader, asyncio.StreamWriter, StreamStart], Awaitable[None]
+]
+
+
+def peer_of(writer: asyncio.StreamWriter) -> Peer:
+    sock = writer.get_extra_info("socket")
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", raw)
+    except (OSError, AttributeError):
+        return Peer(None)
+    return Peer(uid, pid)
+
+
+class Connections:
+    """The open connections (``open``) and the refusals (``rejected``, by reason)."""
+
+    def __init__(self, api: Callable[[], ApiSection], stop: asyncio.Event,
+                 stream: StreamServer) -> None:  # fmt: skip
+        self._api = api  # the effective [api] section (live keys change on reload)
+        self._stop = stop
+        self._stream = stream
+        self.open = 0
+        self.rejected: Counter[str] = Counter()
+
+    async def serve(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handle: Handler,
+        peer: Peer,
+    ) -> None:
+        api = self._api()
+        session = HttpSession(max_header_bytes=api.max_header_bytes,
+                              max_body_bytes=api.max_body_bytes)  # fmt: skip
+        if self.open >= api.max_connections:
+            self.rejected["too_many_connections"] += 1
+            writer.write(session.error(503, "too many connections"))
+            await close_writer(writer)
+            return
+        self.open += 1
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._stop.is_set():
+                deadline = loop.time() + api.request_timeout
+                item = session.next_request()
+                while item is NEED_DATA:
+                    remaining = deadline - loop.time()
+                    try:
+                        if remaining <= 0:
+                            raise TimeoutError
+                        data = await asyncio.wait_for(reader.read(_READ_CHUNK), remaining)
+                    except TimeoutError:
+                        self.rejected["timeout"] += 1
+                        writer.write(session.error(408, "request not received in time"))
+                        return
+                    session.receive(data)
+                    item = session.next_request()
+                if item is CLOSED:
+                    return
+                if isinstance(item, Response):
+                    self.rejected[f"http_{item.status}"] += 1
+                    writer.write(session.respond(item))
+                    return
+                assert isinstance(item, Request)
+                try:
+                    result = await handle(item, peer)
+                except Exception:
+                    log.exception("handling %s", item.target)
+                    result = error_response(500, "internal error")
+                if isinstance(result, StreamStart):
+                    await self._stream(session, reader, writer, result)
+                    return
+                writer.write(session.respond(result))
+                await asyncio.wait_for(writer.drain(), api.request_timeout)
+                if not session.keep_alive:
+                    return
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            self.open -= 1
+            await close_writer(writer)
+
+
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), 1.0)
+    except (OSError, TimeoutError, RuntimeError):
+        writer.transport.abort()

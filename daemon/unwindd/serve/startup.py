@@ -1,0 +1,169 @@
+"""What the daemon does once before it is ready, and the operator can get wrong: the query
+socket's path and permissions, and the live profiler opened from the config.
+
+Rules:
+- An error the operator can fix is a ``StartupError`` whose message names the config key; the
+  daemon logs it and exits 2.
+- The built-in default socket path falls back to a per-user directory when it cannot be made
+  (not root: /run is not writable), and says so; a configured path never falls back.
+- A socket file left by a crashed daemon is removed; a live one (something answers on it) is an
+  error, so two daemons never share a path.
+- The profiler is the native live step with the store sized from ``[store]``; its counts reach
+  the store every ``FLUSH_SECONDS`` and before every read (the daemon flushes first).
+- The on-disk CFI and symbol cache is pruned to its bound once, here (O(files in it)); a cache
+  dir that cannot be made is logged and the daemon runs without one.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import socket
+import stat
+from functools import partial
+from typing import TYPE_CHECKING
+
+from ..pipeline.live import LiveProfiler
+from .config import (
+    CACHE_DIR_FALLBACK,
+    ApiSection,
+    Config,
+    cache_dir,
+    fallback_socket,
+)
+
+if TYPE_CHECKING:
+    from ..unwind.engine import StackEngine
+
+log = logging.getLogger("unwindd")
+
+# The longest the native step holds sample counts before storing them (a read flushes first):
+# bounds the engine stats' lag and the C group table (<= one entry per sample held).
+FLUSH_SECONDS = 1.0
+
+
+class StartupError(Exception):
+    """The daemon cannot start for a reason the operator can fix (message says which)."""
+
+
+def prepare_socket_path(path: str, is_default: bool) -> str:
+    """Create the socket's directory. When it is the built-in default and cannot be created
+    (not root: /run is not writable), fall back to a per-user directory and say so."""
+    d = os.path.dirname(path)
+    try:
+        os.makedirs(d, mode=0o755, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable", d)
+        return path
+    except OSError as e:
+        if not is_default:
+            raise StartupError(f"[api] socket: cannot create {d}: {e.strerror or e}") from None
+        fb = fallback_socket()
+        try:
+            os.makedirs(os.path.dirname(fb), mode=0o700, exist_ok=True)
+        except OSError as e2:
+            msg = f"cannot create {d} ({e.strerror}) nor {fb} ({e2.strerror})"
+            raise StartupError(msg) from None
+        log.warning("cannot create %s (%s); listening on %s instead", d, e.strerror, fb)
+        return fb
+
+
+def remove_stale_socket(path: str) -> None:
+    """A socket file left by a crashed daemon is removed; a live one is an error."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"[api] socket: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise StartupError(f"another unwindd is already listening on {path}")
+
+
+def apply_socket_perms(api: ApiSection, path: str) -> None:
+    """``[api] group`` and ``mode`` on the socket file (at start and on every reload)."""
+    try:
+        if api.group:
+            gid = int(api.group) if api.group.isdigit() else grp.getgrnam(api.group).gr_gid
+            os.chown(path, -1, gid)
+        os.chmod(path, api.mode)
+    except (KeyError, OSError) as e:
+        msg = f"[api] group/mode: cannot apply to {path}: {e}"
+        if isinstance(e, KeyError):
+            msg = f"[api] group: no such group {api.group!r}"
+        raise StartupError(msg) from None
+
+
+def describe_target(cfg: Config) -> str:
+    s = cfg.sampling
+    if s.target == "pids":
+        return "pids " + ",".join(map(str, s.pids))
+    if s.target == "cgroup":
+        return f"cgroup {s.cgroup}"
+    return "all CPUs"
+
+
+def engine_with_disk_cache(cfg: Config) -> StackEngine:
+    """The daemon's engine. Compiled CFI and symbol tables persist by build-id under the
+    cache dir (``config.cache_dir``): a restart loads them (a read and a check per binary)
+    instead of compiling and re-reading symbols. The dir is bounded at start
+    (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root and the
+    default dir not writable: the user's cache dir; a dir that cannot be made is logged and
+    the daemon runs without one."""
+    from ..binaries.cachefiles import prune_cache_dir, user_cache_dir
+    from ..binaries.elfcache import CacheConfig
+    from ..unwind.engine import CACHE_SUBDIRS, StackEngine
+
+    make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
+                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
+    root = cache_dir(cfg.cache, os.environ)
+    if root is None:
+        return make()
+    if root == CACHE_DIR_FALLBACK and os.geteuid() != 0:
+        root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
+    # CFI files take more of the dir than symbol files for the same binaries: split the bound
+    # 60 / 40
+    for sub, share in zip(CACHE_SUBDIRS, (0.6, 0.4), strict=True):
+        n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
+        if n:
+            log.info("cache dir %s/%s: removed %d files (%d bytes) past its bound", root, sub, n,
+                     freed)  # fmt: skip
+    try:
+        return make(cache_dir=root)
+    except OSError as e:  # the directory cannot be made: run without it, and say so
+        log.warning("cache dir %s unusable (%s): CFI and symbols are not persisted", root, e)
+        return make()
+
+
+def open_profiler_for(cfg: Config) -> LiveProfiler:
+    from ..source.perfcore import SamplingConfig, Target
+    from ..store.stackstore import StackStore
+
+    s = cfg.sampling
+    if s.target == "pids":
+        target = Target(pids=s.pids)
+    elif s.target == "cgroup":
+        target = Target(cgroup=s.cgroup)
+    else:
+        target = Target(all_cpus=True)
+    sampling = SamplingConfig(event=s.event, frequency=s.frequency, stack_size=s.stack_size,
+                              ring_pages=s.ring_pages)  # fmt: skip
+    engine = engine_with_disk_cache(cfg)
+    st = cfg.store
+    store = StackStore(bucket_ns=st.bucket_seconds * 1_000_000_000,
+                       max_buckets=max(1, st.retention_seconds // st.bucket_seconds),
+                       max_entries=st.max_entries, max_bytes=st.max_bytes)  # fmt: skip
+    # Counts reach the store once a second and before every read of it (Daemon._flush), not
+    # every drain: a busy stack's group recurs in most drains of a second, and each store
+    # update of it is Python work.
+    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
+                             flush_interval=FLUSH_SECONDS)  # fmt: skip
