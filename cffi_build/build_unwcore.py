@@ -24,8 +24,12 @@ FAST_HEADER = HERE / "fastpath.h"  # the native pipeline context (replay and liv
 # the native pipeline context's stages (fastpath.h), each file one stage; the tests'
 # nativebuild.py FASTPATH lists them too, for the sanitizer harnesses
 FASTPATH = ["index.c", "order.c", "context.c", "parallel.c", "live.c"]
-SOURCES = [HERE / "cfi.c", HERE / "unwind.c", *(HERE / f for f in FASTPATH), HERE / "symtab.c",
-           HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c", HERE / "libcall.c"]
+# the CFI compiler (cfi_int.h): register model, section reader, CFA interpreter, table builder,
+# table lookup; nativebuild.py CFI lists them too
+CFI = ["arch.c", "ehframe.c", "cfaprog.c", "cfitable.c", "cfilookup.c"]
+SOURCES = [*(HERE / f for f in CFI), HERE / "unwind.c", *(HERE / f for f in FASTPATH),
+           HERE / "symtab.c", HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c",
+           HERE / "libcall.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())
@@ -40,8 +44,8 @@ ffibuilder.set_source(
     # -pthread: parallel.c's unwind runs a worker thread (pthreads)
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
     extra_link_args=["-pthread", "-ldl"],  # (-ldl: libcall.c's dlopen before glibc 2.34)
-    depends=[str(HERE / h) for h in ("unwcore.h", "unwcore_int.h", "fastpath.h", "fastpath_int.h",
-                                      "fastpath_util.h")],
+    depends=[str(HERE / h) for h in ("unwcore.h", "unwcore_int.h", "cfi_int.h", "fastpath.h",
+                                      "fastpath_int.h", "fastpath_util.h")],
 )
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-/* unwcore.h: the native CFI compiler (cfi.c) and unwinder (unwind.c) of unwindd._unwcore, and
- * the helpers beside them: symbol table scans (symtab.c), library calls (libcall.c) and the
- * side-band filter (sideband.c). The pipeline context's interface is fastpath.h.
+/* unwcore.h: the native CFI compiler (cfi_int.h: arch.c, ehframe.c, cfaprog.c, cfitable.c,
+ * cfilookup.c) and unwinder (unwind.c) of unwindd._unwcore, and the helpers beside them:
+ * symbol table scans (symtab.c), library calls (libcall.c) and the side-band filter
+ * (sideband.c). The pipeline context's interface is fastpath.h.
  *
  * This file is both the cffi cdef and the C header (see build_unwcore.py), so it includes
  * nothing and uses only fixed-width types and integer #defines.

@@ -1,4 +1,5 @@
-/* unwcore_int.h: internals shared by cfi.c and unwind.c (not part of the cffi interface).
+/* unwcore_int.h: internals shared by the CFI compiler (cfi_int.h) and unwind.c (not part of the
+ * cffi interface).
  *
  * The arch descriptor is the whole register model: which DWARF columns are the stack pointer,
  * frame pointer and return address, and where each DWARF register sits in perf's REGS_USER dump.
@@ -45,7 +46,7 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
                        uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,
                        uint16_t *fpwalk_frames, uint16_t *sig_frames);
 
-/* unw_table_lookup for the unwinder's lookup cache (cfi.c): the same row and *rule (no
+/* unw_table_lookup for the unwinder's lookup cache (cfilookup.c): the same row and *rule (no
  * row_start), trying row `hint` first. The hint is checked against the table in O(1), so any
  * value is safe (a wrong one costs the O(log rows) search); UINT32_MAX for none. */
 int64_t unw_table_lookup_hint(const uint8_t *blob, uint64_t pc, uint32_t hint,

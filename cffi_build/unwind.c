@@ -1,4 +1,4 @@
-/* unwind.c: the batched DWARF CFI unwinder over compiled tables (cfi.c).
+/* unwind.c: the batched DWARF CFI unwinder over compiled tables (cfitable.c).
  *
  * Contract (framehop's: the unwinder returns addresses only): the caller supplies modules
  * (absolute [start,end), load bias, compiled table) and, per sample, perf's REGS_USER dump and
@@ -87,8 +87,8 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  * before use. The module hint is used only if it indexes the item's own module array and that
  * module covers the pc; modules are sorted and non-overlapping (unwcore.h), so that module is
  * the one find_module returns. The row hint goes to unw_table_lookup_hint, which accepts it only
- * if it meets the search's own end conditions in the current table (cfi.c find_row). So a stale
- * entry (a module array or table freed and another allocated at the same address, another
+ * if it meets the search's own end conditions in the current table (cfilookup.c find_row). So
+ * a stale entry (a module array or table freed and another allocated at the same address, another
  * process) costs the searches, never a different row (test_unwinder.py
  * test_lookup_cache_never_serves_stale_entries). The cache never dereferences a pointer it
  * holds: mods is only compared, and the index is checked against the item's nmods first.

@@ -38,7 +38,7 @@ import oracle
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nativebuild import FASTPATH
+from nativebuild import CFI, FASTPATH
 from oracle import Workload
 from perfutil import record_perf_data
 from unwindd import cli
@@ -516,7 +516,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     exe = tmp_path / name
     subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
                     "-pthread", *flags, str(SUPPORT / "native" / "fp_fuzz.c"),
-                    *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c"),
+                    *FASTPATH, str(CORE / "unwind.c"), *CFI,
                     str(CORE / "fold.c"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
@@ -602,7 +602,7 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
                     "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
                     str(SUPPORT / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
                     str(CORE / "sideband.c"), *FASTPATH, str(CORE / "unwind.c"),
-                    str(CORE / "cfi.c"), "-o", str(exe)],
+                    *CFI, "-o", str(exe)],
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from captured import capture
-from nativebuild import CORE, FASTPATH, build, check_ok
+from nativebuild import CFI, CORE, FASTPATH, build, check_ok
 from unwindd._unwcore import ffi, lib
 from unwindd.source.decoder import RecordDecoder
 from unwindd.source.formats import EventFormat
@@ -32,7 +32,7 @@ from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "live_fuzz.c"
-SOURCES = [str(HARNESS), *FASTPATH, str(CORE / "unwind.c"), str(CORE / "cfi.c")]
+SOURCES = [str(HARNESS), *FASTPATH, str(CORE / "unwind.c"), *CFI]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The unwind core (cffi_build/cfi.c + unwind.c) under AddressSanitizer + UBSan and valgrind.
+"""The unwind core (the CFI compiler and unwind.c) under AddressSanitizer + UBSan and valgrind.
 
 tests/support/native/unw_fuzz.c feeds it libc's real .eh_frame/.eh_frame_hdr, then ~300 truncations,
 random mutations (also as .debug_frame), corrupted compiled blobs and random registers/stacks
@@ -15,11 +15,11 @@ import subprocess
 
 import pytest
 from elftools.elf.elffile import ELFFile
-from nativebuild import CORE, build, check_ok
+from nativebuild import CFI, CORE, build, check_ok
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "unw_fuzz.c"
-SOURCES = [str(HARNESS), str(CORE / "cfi.c"), str(CORE / "unwind.c")]
+SOURCES = [str(HARNESS), *CFI, str(CORE / "unwind.c")]
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
 
@@ -62,9 +62,9 @@ def test_unwcore_valgrind(tmp_path: pathlib.Path, sections: list[str]) -> None:
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])
 def test_unwcore_compiles_warning_free(tmp_path: pathlib.Path, flag: str) -> None:
     cc = shutil.which("gcc") or "cc"
-    for src in ("cfi.c", "unwind.c"):
+    for src in [*CFI, str(CORE / "unwind.c")]:
         subprocess.run(
             [cc, flag, "-Wall", "-Wextra", "-Werror", "-std=gnu11", f"-I{CORE}", "-c",
-             str(CORE / src), "-o", str(tmp_path / (src + ".o"))],
+             src, "-o", str(tmp_path / (pathlib.Path(src).name + ".o"))],
             check=True, capture_output=True, text=True,
         )  # fmt: skip

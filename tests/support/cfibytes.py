@@ -3,7 +3,7 @@ tests/integration/test_unwinder.py's synthetic tables.
 
 Invariants:
 - Every encoding is written out here (ULEB128/SLEB128, the DW_CFA_* opcodes of DWARF 5 section
-  7.24, the .eh_frame CIE/FDE layout of LSB 10.6.1), independently of cffi_build/cfi.c.
+  7.24, the .eh_frame CIE/FDE layout of LSB 10.6.1), independently of cffi_build/ehframe.c.
 - ``EhFrame`` places its section at ``addr`` (``EH_ADDR`` unless given) and encodes FDE
   pc_begin as DW_EH_PE_pcrel|sdata4 from there; ``cie``/``fde`` return each entry's offset.
 """

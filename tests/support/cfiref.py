@@ -3,8 +3,8 @@
 Invariants:
 - Rows come only from pyelftools (``EH_CFI_entries`` / ``CFI_entries`` -> ``get_decoded``); the
   expression kinds come from pyelftools' own ``DWARFExprParser``, so nothing here shares code
-  or byte patterns with cffi_build/cfi.c.
-- Table assembly mirrors the documented policy of the native compiler (cffi_build/cfi.c,
+  or byte patterns with the native compiler (cffi_build/cfi_int.h).
+- Table assembly mirrors the documented policy of the native compiler (cffi_build/cfitable.c,
   unw_cfi_compile): per FDE rows clipped to [start, end), last row wins at one pc; eh_frame FDEs
   sorted by start, later overlapping ones dropped; debug_frame FDEs only where they overlap no
   eh_frame FDE; a "none" row at every gap; consecutive equal rules merged.

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from unwindd.procs.livetable import LiveTable, LiveTableConfig, user_pc
+from unwindd.procs.procmaps import parse_proc_maps
 from unwindd.procs.procscan import ProcFS
-from unwindd.procs.proctable import ProcessTable, parse_proc_maps
+from unwindd.procs.proctable import ProcessTable
 from unwindd.source import abi
 from unwindd.source.records import NO_SAMPLE_ID, Exit, Fork, Lost, Mmap2, Sample, SampleId
 

@@ -11,12 +11,9 @@ import pytest
 from perfutil import build_busy, record_perf_data
 from procutil import wait_mapped
 from unwindd.binaries.elfcache import ElfCache
-from unwindd.procs.proctable import (
-    PROT_EXEC,
-    Identity,
-    ProcessTable,
-    parse_proc_maps,
-)
+from unwindd.procs.mapping import PROT_EXEC, Identity
+from unwindd.procs.procmaps import parse_proc_maps
+from unwindd.procs.proctable import ProcessTable
 from unwindd.source.abi import MISC_COMM_EXEC, MISC_MMAP_DATA, MISC_USER
 from unwindd.source.perfdata import PerfData
 from unwindd.source.records import NO_SAMPLE_ID, Comm, Exit, Fork, Mmap, Mmap2, Sample

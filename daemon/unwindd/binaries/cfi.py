@@ -2,7 +2,7 @@
 
 Invariants:
 - A ``CfiTable`` is an immutable ``bytes`` blob built by the native compiler
-  (``cffi_build/cfi.c``; layout drawn in ``cffi_build/unwcore.h``) and checked by
+  (``cffi_build/cfitable.c``; layout drawn in ``cffi_build/unwcore.h``) and checked by
   ``unw_table_validate`` before any native code trusts it (at compile, at cache load). One table
   serves every process that maps the binary: rows are keyed by ELF virtual address, and only the
   unwinder's per-mapping load bias differs.
@@ -82,7 +82,7 @@ class RegKind(IntEnum):
     UNSUPPORTED = int(lib.UNW_REG_UNSUPPORTED)
 
 
-# DWARF columns of unw_rule.regs slots 2.. for x86_64 (cffi_build/cfi.c ARCH_X86_64.saved; slot 0
+# DWARF columns of unw_rule.regs slots 2.. for x86_64 (cffi_build/arch.c ARCH_X86_64.saved; slot 0
 # is rbp, slot 1 the return address): the other callee-saved registers, System V AMD64 ABI 3.2.1.
 SAVED_X86_64: tuple[int, ...] = (3, 12, 13, 14, 15)  # rbx r12 r13 r14 r15
 NSAVED = int(lib.UNW_NSAVED)

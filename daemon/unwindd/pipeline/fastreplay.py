@@ -34,7 +34,7 @@ from typing import Any, TextIO
 from .._unwcore import ffi, lib
 from ..binaries.cfi import ARCH_X86_64
 from ..binaries.symtab import SymbolTable
-from ..procs.proctable import PROT_EXEC, Mapping
+from ..procs.mapping import PROT_EXEC, Mapping
 from ..source.abi import RecordType, SampleType
 from ..source.mapfile import MappedFile, Unsupported, _Index, native_layout
 from ..source.ordering import OrderStats

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from ..binaries.elfcache import ElfCache
 from ..binaries.elfentry import ElfEntry
 from ..procs.livetable import LiveTable, LiveTableConfig
+from ..procs.mapping import PROT_EXEC
 from ..procs.procscan import ProcFS
-from ..procs.proctable import PROT_EXEC
 from ..source.capture import StreamPipeline
 from ..source.perfcore import MAX_RECORD_SIZE, PerfSession, SamplingConfig, Target
 from ..source.records import Mmap2, Record

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from ..source import abi
 from ..source.records import Fork, Lost, Record, Sample
 from .procscan import ProcFS, ProcInfo, ticks_from_monotonic
-from .proctable import AddressSpace, ProcessTable
+from .proctable import ProcessTable
+from .space import AddressSpace
 
 __all__ = ["LiveTable", "LiveTableConfig", "LiveTableStats"]
 

@@ -27,7 +27,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .proctable import PROT_EXEC, Mapping, parse_proc_maps
+from .mapping import PROT_EXEC, Mapping
+from .procmaps import parse_proc_maps
 
 __all__ = [
     "PF_KTHREAD",

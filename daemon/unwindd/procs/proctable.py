@@ -1,17 +1,17 @@
-"""Process table core: per-pid address spaces built from MMAP/MMAP2/COMM/FORK/EXIT records.
+"""Process table: per-pid address spaces built from MMAP/MMAP2/COMM/FORK/EXIT records.
 
 Invariants:
-- Sans-IO: records (or /proc/<pid>/maps *text*) in, address-space values out. The only
-  outside effect is through the injected ``binaries`` resolver (the ELF cache, which opens
-  files); with ``binaries=None`` mappings carry no binary and the table touches nothing.
+- Sans-IO: records (or /proc/<pid>/maps mappings, procmaps.py) in, address spaces (space.py)
+  out. The only outside effect is through the injected ``binaries`` resolver (the ELF cache,
+  which opens files); with ``binaries=None`` mappings carry no binary and the table touches
+  nothing.
 - Records are applied in stream order (the caller runs ordering.py first). One space per
   process (pid = tgid); threads (FORK with pid == ppid) share it.
 - A space's mappings are sorted and disjoint, executable only (MMAP2 ``prot & PROT_EXEC``, MMAP
   without ``PERF_RECORD_MISC_MMAP_DATA``). A new mapping removes what it overlaps, keeping the
-  non-overlapped head and tail pieces (tail pgoff advanced by the cut), like perf's
-  maps__fixup_overlappings (tools/perf/util/maps.c). A non-executable mapping also cuts what
-  it overlaps (the old code is gone) but is not inserted: better than perf, which only sees it
-  with mmap_data.
+  non-overlapped head and tail pieces (mapping.py ``cut``, after perf's maps__fixup_overlappings
+  in tools/perf/util/maps.c). A non-executable mapping also cuts what it overlaps (the old code
+  is gone) but is not inserted: better than perf, which only sees it with mmap_data.
 - COMM with the exec flag for pid == tid clears the space: the kernel emits it from
   begin_new_exec (fs/exec.c) *before* load_elf_binary maps the new image, so everything in the
   space at that point belongs to the old image.
@@ -34,12 +34,10 @@ Invariants:
   non-overlapping mappings are kept for samples still in flight).
 - References: each space holds one reference per distinct binary (ELF cache entry) it maps,
   taken when the first mapping of it arrives and released when the last one goes.
-- Cost: ``find`` is one bisect, O(log n); a mapping change is O(n) in the space's mapping
-  count (tens to hundreds) for the new immutable tuple, and finding what it overlaps is one
-  bisect on the cached starts (a MMAP2 over nothing, most of them, cuts nothing and copies the
-  tuple once); ``modules()``/``native_space()`` are rebuilt only when the mapping list changed
-  since the last call (``generation``). MMAP2 identities are interned (one ``Identity`` per
-  file, at most 4096 held).
+- Cost: a mapping change is O(n) in the space's mapping count (tens to hundreds) for the new
+  immutable tuple, and finding what it overlaps is one bisect on the cached starts (a MMAP2
+  over nothing, most of them, cuts nothing and copies the tuple once). MMAP2 identities are
+  interned (one ``Identity`` per file, at most 4096 held).
 """
 
 from __future__ import annotations
@@ -52,72 +50,23 @@ from typing import Any, Protocol
 
 from ..binaries.elfentry import ElfEntry
 from ..source.abi import MISC_MMAP_DATA
-from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record, frozen_maker
+from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record
+from .mapping import (
+    MAP_PRIVATE,
+    NO_IDENTITY,
+    PROT_EXEC,
+    PROT_READ,
+    Identity,
+    Mapping,
+    cut,
+    holes,
+    make_mapping,
+    overlapping,
+)
+from .procmaps import parse_proc_maps
+from .space import AddressSpace
 
-__all__ = [
-    "PROT_EXEC",
-    "AddressSpace",
-    "BinaryResolver",
-    "Mapping",
-    "ProcessTable",
-    "parse_proc_maps",
-]
-
-PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
-MAP_SHARED, MAP_PRIVATE = 1, 2
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """What the record says the mapped file is: build-id, or device + inode."""
-
-    build_id: bytes | None = None
-    maj: int | None = None
-    min: int | None = None
-    ino: int | None = None
-    ino_generation: int | None = None
-
-    def __repr__(self) -> str:
-        if self.build_id:
-            return f"Identity({self.build_id.hex()})"
-        if self.ino is not None:
-            return f"Identity({self.maj:x}:{self.min:x} ino={self.ino})"
-        return "Identity()"
-
-
-NO_IDENTITY = Identity()
-
-
-@dataclass(frozen=True, slots=True)
-class Mapping:
-    """[start, end) of ``filename`` from file offset ``pgoff``; runtime = ELF vaddr + bias."""
-
-    start: int
-    end: int
-    pgoff: int
-    prot: int
-    flags: int
-    filename: str
-    identity: Identity = NO_IDENTITY
-    entry: ElfEntry | None = field(default=None, compare=False)
-    bias: int = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"Mapping({self.start:#x}-{self.end:#x} pgoff={self.pgoff:#x} prot={self.prot} "
-            f"{self.filename!r} bias={self.bias:#x})"
-        )
-
-    def __contains__(self, addr: int) -> bool:
-        return self.start <= addr < self.end
-
-    @property
-    def anonymous(self) -> bool:
-        return not self.filename.startswith("/") or self.filename.startswith("//anon")
-
-    def vaddr(self, addr: int) -> int:
-        """ELF vaddr (what symbol tables and CFI are keyed by) of runtime ``addr``."""
-        return addr - self.bias
+__all__ = ["BinaryResolver", "ProcessTable", "TableStats"]
 
 
 class BinaryResolver(Protocol):
@@ -144,181 +93,8 @@ class BinaryResolver(Protocol):
     def release(self, entry: ElfEntry) -> None: ...
 
 
-def find_mapping(starts: Sequence[int], mappings: Sequence[Mapping], addr: int) -> Mapping | None:
-    """The mapping of sorted, disjoint ``mappings`` (``starts`` their start addresses) that
-    contains ``addr``, or None. One bisect: O(log n)."""
-    i = bisect_right(starts, addr) - 1
-    if i >= 0:
-        m = mappings[i]
-        if addr < m.end:
-            return m
-    return None
-
-
-class _State:
-    """Immutable once built: the mapping list of one or more spaces (shared after FORK),
-    plus the lazily built modules / native space of exactly this list."""
-
-    __slots__ = ("generation", "mappings", "modules", "native", "starts")
-
-    def __init__(self, mappings: tuple[Mapping, ...], generation: int,
-                 starts: list[int] | None = None) -> None:  # fmt: skip
-        self.mappings = mappings
-        self.starts = [m.start for m in mappings] if starts is None else starts
-        self.generation = generation
-        self.modules: list[Any] | None = None
-        self.native: object | None = None
-
-
-_EMPTY = _State((), 0)
-_generations = iter(range(1, 1 << 62))
-
-
-class AddressSpace:
-    """One process's executable mappings (the ``space_for`` view)."""
-
-    def __init__(self, pid: int, table: ProcessTable) -> None:
-        self.pid = pid
-        self._table = table
-        self._state = _EMPTY
-        self._refs: dict[int, int] = {}  # entry uid -> mappings of it here (> 0)
-        self._entries: dict[int, ElfEntry] = {}
-        self.retired = False
-        self.retired_at: int | None = None
-        self.from_proc_maps = False
-        self.start_time: int | None = None  # /proc/<pid>/stat starttime (ticks since boot)
-        self.start_exact = False  # read from /proc (else estimated from a FORK record's time)
-        self.verified_epoch = 0  # the table epoch this space was last known to be current in
-        self.last_used = 0  # record time of the last sample placed in it (cap eviction order)
-
-    def __repr__(self) -> str:
-        state = " retired" if self.retired else ""
-        return f"AddressSpace(pid={self.pid}, {len(self._state.mappings)} mappings{state})"
-
-    @property
-    def mappings(self) -> tuple[Mapping, ...]:
-        return self._state.mappings
-
-    @property
-    def generation(self) -> int:
-        """Changes whenever the mapping list changes (and only then)."""
-        return self._state.generation
-
-    def __len__(self) -> int:
-        return len(self._state.mappings)
-
-    def find(self, addr: int) -> Mapping | None:
-        st = self._state
-        return find_mapping(st.starts, st.mappings, addr)
-
-    def entries(self) -> list[ElfEntry]:
-        """Distinct binaries this space holds a reference to."""
-        return list(self._entries.values())
-
-    @property
-    def state(self) -> object:
-        """An opaque handle on the current mapping list (immutable): ``modules`` and
-        ``native_space`` take it to build what the space was then, after later changes."""
-        return self._state
-
-    def modules(self, factory: Callable[..., Any] | None = None,
-                state: object | None = None) -> list[Any]:  # fmt: skip
-        """Unwinder modules ``factory(start, end, bias, table, key)`` (``unwinder.Module``),
-        one per mapping with a usable binary; cached until the mapping list changes."""
-        st = self._state if state is None else state
-        assert isinstance(st, _State)
-        if st.modules is None:
-            make = factory or self._table.module_factory()
-            mods = []
-            for m in st.mappings:
-                e = m.entry
-                if e is None or not e.usable:
-                    continue
-                mods.append(make(m.start, m.end, m.bias, e.cfi(), self._table.code_key(e, m)))
-            st.modules = mods
-        return st.modules
-
-    def native_space(self, state: object | None = None) -> object:
-        """The native ``AddressSpace(modules)``, rebuilt only after a mapping change (of the
-        current mapping list, or of ``state``, a ``state`` handle taken earlier)."""
-        st = self._state if state is None else state
-        assert isinstance(st, _State)
-        if st.native is None:
-            cls = self._table.space_factory()
-            st.native = cls(self.modules(state=st))
-        return st.native
-
-    # -- mutation (ProcessTable only)
-
-    def _set(self, mappings: tuple[Mapping, ...], starts: list[int] | None = None) -> None:
-        self._state = _State(mappings, next(_generations), starts)
-
-    def _hold(self, entry: ElfEntry | None) -> bool:
-        """Count one more mapping of ``entry``; True if it is the first one here."""
-        if entry is None:
-            return True
-        uid = entry.uid
-        n = self._refs.get(uid, 0)
-        if not n:
-            self._entries[uid] = entry
-        self._refs[uid] = n + 1
-        return not n
-
-    def _unhold(self, entry: ElfEntry | None) -> ElfEntry | None:
-        """Drop one mapping's hold; the entry if this space no longer maps it."""
-        if entry is None:
-            return None
-        uid = entry.uid
-        n = self._refs.get(uid, 0) - 1
-        if n <= 0:
-            self._refs.pop(uid, None)
-            return self._entries.pop(uid)
-        self._refs[uid] = n
-        return None
-
-
-# Mapping(start, end, pgoff, prot, flags, filename, identity, entry, bias), cheaper than
-# its __init__: one per executable MMAP2 (records.frozen_maker)
-_make_mapping = frozen_maker(Mapping)
-
 # Module keys past every ElfEntry uid (a process-wide counter): aliased mapping names.
 _ALIAS_KEYS = 1 << 48
-
-
-def _overlap(starts: Sequence[int], mappings: Sequence[Mapping], start: int, end: int
-             ) -> tuple[int, int]:  # fmt: skip
-    """[lo, hi): the indices of sorted, disjoint ``mappings`` (``starts`` their starts) that
-    overlap [start, end). lo == hi (the insertion point) when none does. O(log n + overlaps):
-    the common MMAP2 (a new mapping over nothing) costs one bisect, not a pass over the space."""
-    lo = bisect_right(starts, start)
-    if lo and mappings[lo - 1].end > start:
-        lo -= 1  # the one starting at or before start reaches into [start, end)
-    hi = lo
-    n = len(mappings)
-    while hi < n and mappings[hi].start < end:
-        hi += 1
-    return lo, hi
-
-
-def _cut(
-    mappings: Sequence[Mapping], start: int, end: int, starts: Sequence[int] | None = None
-) -> tuple[list[Mapping], list[Mapping], list[Mapping]]:
-    """maps__fixup_overlappings: (mappings with [start, end) removed, removed originals,
-    new head/tail pieces). Pieces keep their binary and bias (start - pgoff is unchanged);
-    a tail piece's pgoff advances by what was cut. O(n) (the copy), O(log n) to find."""
-    if starts is None:
-        starts = [m.start for m in mappings]
-    lo, hi = _overlap(starts, mappings, start, end)
-    removed = list(mappings[lo:hi])
-    pieces: list[Mapping] = []
-    for m in removed:
-        if m.start < start:
-            pieces.append(replace(m, end=start))
-        if m.end > end:
-            pieces.append(replace(m, start=end, pgoff=m.pgoff + (end - m.start)))
-    # what was removed was contiguous and the pieces lie inside its span: order is kept
-    kept = [*mappings[:lo], *pieces, *mappings[hi:]]
-    return kept, removed, pieces
 
 
 @dataclass
@@ -457,7 +233,7 @@ class ProcessTable:
             return None
         sp = self.space_for(pid)
         st = sp._state
-        lo, hi = _overlap(st.starts, st.mappings, start, end)
+        lo, hi = overlapping(st.starts, st.mappings, start, end)
         if lo == hi:  # overlaps nothing (most records): no cut, one insertion
             if not prot & PROT_EXEC:
                 return None  # a data mapping over nothing we track: no change
@@ -465,7 +241,7 @@ class ProcessTable:
             maps = st.mappings
             sp._set((*maps[:lo], m, *maps[lo:]), [*st.starts[:lo], start, *st.starts[lo:]])
             return m
-        kept, removed, pieces = _cut(st.mappings, start, end, st.starts)
+        kept, removed, pieces = cut(st.mappings, start, end, st.starts)
         new: Mapping | None = None
         if prot & PROT_EXEC:
             new = self._new_mapping(sp, pid, start, end, pgoff, prot, flags, filename, identity)
@@ -487,7 +263,7 @@ class ProcessTable:
         )  # fmt: skip
         if not sp._hold(entry):
             self._release(entry)  # the space already had its one reference
-        return _make_mapping(start, end, pgoff, prot, flags, name, identity, entry, bias)
+        return make_mapping(start, end, pgoff, prot, flags, name, identity, entry, bias)
 
     def _resolve(
         self, pid: int, start: int, end: int, filename: str, ident: Identity
@@ -646,10 +422,10 @@ class ProcessTable:
             self._clear(sp)
         new = [m for m in maps if m.prot & PROT_EXEC and m.end > m.start]
         if mode == "fill":
-            new = _holes(sp.mappings, new)
+            new = holes(sp.mappings, new)
         elif mode == "override":
             for m in new:
-                kept, removed, pieces = _cut(sp.mappings, m.start, m.end)
+                kept, removed, pieces = cut(sp.mappings, m.start, m.end)
                 for p in pieces:
                     sp._hold(p.entry)
                 for r in removed:
@@ -686,58 +462,3 @@ class ProcessTable:
         if sp.start_exact:
             return sp.start_time == start_time
         return abs(sp.start_time - start_time) <= slack
-
-
-def _holes(have: Sequence[Mapping], new: Sequence[Mapping]) -> list[Mapping]:
-    """The parts of ``new`` (sorted, disjoint) that no mapping in ``have`` (sorted, disjoint)
-    covers; a piece keeps its mapping's bias (pgoff advances by the cut). O(n + m)."""
-    out: list[Mapping] = []
-    i = 0
-    for m in new:
-        lo = m.start
-        while i < len(have) and have[i].end <= lo:
-            i += 1
-        j = i
-        while lo < m.end:
-            if j < len(have) and have[j].start < m.end:
-                h = have[j]
-                if h.start > lo:
-                    out.append(replace(m, start=lo, end=h.start, pgoff=m.pgoff + (lo - m.start)))
-                lo = max(lo, h.end)
-                j += 1
-            else:
-                out.append(replace(m, start=lo, pgoff=m.pgoff + (lo - m.start)))
-                break
-    return out
-
-
-def parse_proc_maps(text: str) -> list[Mapping]:
-    """Lines of /proc/<pid>/maps (fs/proc/task_mmu.c show_map_vma)::
-
-        start-end perms offset maj:min inode [pathname]
-        55a966728000-55a96672d000 r-xp 00002000 fe:00 260131   /usr/bin/cat
-
-    all hex except the decimal inode; the pathname may contain spaces and ends with
-    `` (deleted)`` for an unlinked file. Malformed lines are skipped."""
-    out: list[Mapping] = []
-    for line in text.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        try:
-            lo, hi = (int(x, 16) for x in parts[0].split("-", 1))
-            perms = parts[1]
-            pgoff = int(parts[2], 16)
-            maj, mnr = (int(x, 16) for x in parts[3].split(":", 1))
-            ino = int(parts[4])
-        except ValueError:
-            continue
-        if len(perms) < 4:
-            continue
-        prot = ((PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0)
-                | (PROT_EXEC if perms[2] == "x" else 0))  # fmt: skip
-        flags = MAP_SHARED if perms[3] == "s" else MAP_PRIVATE
-        name = parts[5].rstrip("\n") if len(parts) > 5 else ""
-        ident = Identity(None, maj, mnr, ino, None) if ino else NO_IDENTITY
-        out.append(Mapping(lo, hi, pgoff, prot, flags, name, ident))
-    return out

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, cast
 from ..binaries.elfcache import CacheConfig, ElfCache
 from ..binaries.elfentry import _NOT_LOADED
 from ..binaries.symbolize import Symbolizer
-from ..procs.proctable import Mapping, ProcessTable, _State, find_mapping
+from ..procs.mapping import Mapping, find_mapping
+from ..procs.proctable import ProcessTable
+from ..procs.space import _State
 from ..source import abi
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample

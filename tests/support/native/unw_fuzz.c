@@ -1,4 +1,4 @@
-/* Sanitizer/valgrind harness for cffi_build/cfi.c + unwind.c (tests/native/test_unwcore_sanitizers.py).
+/* Sanitizer/valgrind harness for the CFI compiler + unwind.c (tests/native/test_unwcore_sanitizers.py).
  *
  *   unw_fuzz EH_FRAME_FILE EH_ADDR HDR_FILE HDR_ADDR ITERATIONS
  *
