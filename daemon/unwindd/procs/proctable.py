@@ -121,7 +121,9 @@ class ProcessTable:
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
         """``unwinder``: an object with ``Module`` and ``AddressSpace`` attributes (the
-        ``unwindd.unwind.unwinder`` module); imported on first use when not given."""
+        ``unwindd.unwind.unwinder`` module, given by the stage above: the table builds native
+        address spaces with it but does not import it); without one, spaces have mappings
+        and no native form."""
         self.binaries = binaries
         self._unwinder = unwinder
         self.on_retire = on_retire
@@ -162,9 +164,7 @@ class ProcessTable:
 
     def _unwinder_module(self) -> Any:
         if self._unwinder is None:
-            import importlib
-
-            self._unwinder = importlib.import_module("unwindd.unwind.unwinder")
+            raise RuntimeError("this ProcessTable was given no unwinder: no native spaces")
         return self._unwinder
 
     # -- queries
