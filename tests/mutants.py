@@ -440,8 +440,10 @@ def run_tests(scratch: Path, tests: Sequence[str], basetemp: Path, log: Path,
     # -p no:cacheprovider: no .pytest_cache (no --lf state between copies); a basetemp of our
     # own keeps these runs out of the shared /tmp/pytest-of-<user> rotation (short: the daemon
     # tests bind AF_UNIX sockets under tmp_path, at most 107 bytes of path).
+    # --assert=plain: only pass/fail counts here, and pytest's introspected message for two
+    # unequal long values (a mutant's replay output) can take minutes to write
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
-            "-q", "-ra", *(["-x"] if exitfirst else []), *tests]  # fmt: skip
+            "--assert=plain", "-q", "-ra", *(["-x"] if exitfirst else []), *tests]  # fmt: skip
     t0 = time.monotonic()
     with open(log, "wb") as f:
         # Own session, so its group is pytest and what it started: killed whole at the end.
