@@ -162,6 +162,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=(
             "tests/differential/test_fastreplay.py::test_fast_equals_slow",
             "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
+            "tests/integration/test_livefast.py::test_native_step_keeps_thread_ids",
+            "tests/integration/test_service.py::test_threads_are_sampled_under_their_pid_with_their_tids",
             "tests/differential/test_unwind_oracle.py",
         ),
     ),
