@@ -217,6 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(
+            "tests/differential/test_fastreplay.py::test_fp_live_order_equals_round_orderer",
             "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
             "tests/integration/test_live.py",
         ),

@@ -502,6 +502,62 @@ def test_fp_order_equals_round_orderer(events: list[tuple[str, int, int]], cap: 
     assert Counter(lateness_bucket(x) for x in late[0 : nlate[0]]) == s.late_buckets
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from(["t", "t", "t", "u"]), st.integers(0, 60),
+                                   st.integers(0, 3)), max_size=30), min_size=1, max_size=8),
+       st.integers(1, 20))  # fmt: skip
+def test_fp_live_order_equals_round_orderer(rounds: list[list[tuple[str, int, int]]],
+                                            cap: int) -> None:  # fmt: skip
+    """The live step's C orderer (fp_live_order_round, one call a drained round, the records
+    still queued carried into the next call in its keep order, flush_all at the end) delivers
+    what RoundOrderer delivers for the same rounds (push every record, end_round), round by
+    round, with the same counts."""
+    from unwindd.source.records import NO_SAMPLE_ID, SampleId
+
+    ro = RoundOrderer(max_queued=cap)
+    o = ffi.gc(lib.fp_live_order_new(cap), lib.fp_live_order_free)
+    carry: list[tuple[int, int, int, int]] = []  # (id, flags, time, cpu) still queued in C
+    totals: Counter[str] = Counter()
+    late = 0
+    nid = 0
+    for r, events in enumerate([*rounds, []]):
+        final = r == len(rounds)
+        new = []
+        for kind, t, cpu in events:
+            if kind == "u":
+                rec = Unknown(100, nid, b"", SampleId(cpu=cpu) if cpu else NO_SAMPLE_ID)
+                new.append((nid, lib.FP_HAS_CPU if cpu else 0, 0, cpu))
+            else:
+                rec = Unknown(100, nid, b"", SampleId(time=t, cpu=cpu))
+                new.append((nid, lib.FP_TIMED | lib.FP_HAS_CPU, t, cpu))
+            ro.push(rec)
+            nid += 1
+        want = [x.misc for x in (ro.flush_all() if final else ro.end_round())]
+        recs = [*carry, *new]
+        n = len(recs)
+        c = ffi.new("struct fp_rec[]", max(1, n))
+        for i, (_, flags, t, cpu) in enumerate(recs):
+            c[i].flags, c[i].time, c[i].cpu = flags, t, cpu
+        perm, keep = ffi.new("uint32_t[]", max(1, n)), ffi.new("uint32_t[]", max(1, n))
+        late_ns = ffi.new("uint64_t[]", max(1, n))
+        nout, nlate, nkeep = (ffi.new("uint64_t *") for _ in range(3))
+        stt = ffi.new("struct fp_order_stats *")
+        assert lib.fp_live_order_round(o, c, len(carry), n, int(final), perm, nout, late_ns,
+                                       nlate, stt, keep, nkeep) == 0  # fmt: skip
+        assert [recs[perm[k]][0] for k in range(nout[0])] == want, r
+        carry = [recs[keep[k]] for k in range(nkeep[0])]
+        for f in ("pushed", "delivered", "rounds", "forced_flushes", "untimed"):
+            totals[f] += getattr(stt, f)
+        late += stt.late
+        assert stt.queued == ro.stats.queued == len(carry)
+    s = ro.stats
+    assert dict(totals) | {"late": late} == {
+        "pushed": s.pushed, "delivered": s.delivered, "rounds": s.rounds,
+        "forced_flushes": s.forced_flushes, "untimed": s.untimed, "late": s.late,
+    }  # fmt: skip
+    assert not carry
+
+
 # --------------------------------------------------------------------------- 4. sanitizers
 
 
