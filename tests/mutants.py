@@ -320,6 +320,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(
+            "tests/unit/test_streamstats.py",
             "tests/unit/test_metrics.py",
             "tests/integration/test_service.py",
             "tests/integration/test_cli.py",
