@@ -280,22 +280,27 @@ def test_slow_client_times_out_without_stalling(daemon: DaemonProc) -> None:
     s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")  # never finished
     t0 = time.monotonic()
     before = daemon.json("/v1/status")["samples"]
-    # others are answered meanwhile: the stalled request has not been answered (408) yet when
-    # the status reply is in (a daemon serving one client at a time would have timed the
-    # stalled one out first; a "< 1 s" bound here could fail on a loaded machine)
-    s.setblocking(False)
-    with pytest.raises(BlockingIOError):
-        s.recv(1, socket.MSG_PEEK)
-    s.setblocking(True)
-    s.settimeout(10)
-    buf = b""
-    while chunk := s.recv(4096):
-        buf += chunk
-    waited = time.monotonic() - t0
-    s.close()
-    assert buf.startswith(b"HTTP/1.1 408"), buf
-    assert 1.0 < waited < 10.0  # request_timeout = 1.5 in the test config
-    assert daemon.json("/v1/status")["samples"] > before  # still sampling
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # to sample meanwhile
+    try:
+        # others are answered meanwhile: the stalled request has not been answered (408) yet
+        # when the status reply is in (a daemon serving one client at a time would have timed
+        # the stalled one out first; a "< 1 s" bound here could fail on a loaded machine)
+        s.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            s.recv(1, socket.MSG_PEEK)
+        s.setblocking(True)
+        s.settimeout(10)
+        buf = b""
+        while chunk := s.recv(4096):
+            buf += chunk
+        waited = time.monotonic() - t0
+        s.close()
+        assert buf.startswith(b"HTTP/1.1 408"), buf
+        assert 1.0 < waited < 10.0  # request_timeout = 1.5 in the test config
+        daemon.wait_status(lambda st: st["samples"] > before, "new samples")  # still sampling
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_200_concurrent_clients(daemon: DaemonProc) -> None:
