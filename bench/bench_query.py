@@ -66,7 +66,7 @@ def capture(path: str, seconds: float, freq: int) -> None:
                 for _ in range(os.cpu_count() or 1)]  # fmt: skip
         try:
             from unwindd.binaries.elfcache import CacheConfig
-            from unwindd.source.perfcore import SamplingConfig, Target
+            from unwindd.source.sampling import SamplingConfig, Target
             from unwindd.unwind.engine import StackEngine
 
             engine = StackEngine.create(cache_config=CacheConfig(), prefetch_cfi=True)

@@ -45,7 +45,8 @@ from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
 def record(path: Path, seconds: float, spawn_rate: float) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "support"))
-    from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+    from unwindd.source.perfcore import PerfSession
+    from unwindd.source.sampling import SamplingConfig, Target
     from workloads.build import build_workloads
 
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))

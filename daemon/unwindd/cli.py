@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from .pipeline.live import LiveProfiler
     from .source.capture import StreamPipeline
     from .source.mapfile import MappedFile
-    from .source.perfcore import SamplingConfig, Target
     from .source.records import Record
+    from .source.sampling import SamplingConfig, Target
     from .store.stackstore import CountGroup
     from .unwind.engine import StackEngine
 
@@ -251,7 +251,8 @@ def _fail(msg: str) -> int:
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     from .source.capture import StreamPipeline, run_live
-    from .source.perfcore import PerfOpenError, PerfSession
+    from .source.perfcore import PerfSession
+    from .source.sampling import PerfOpenError
 
     if args.format != "records":
         return _record_live(args, out)
@@ -276,7 +277,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    from .source.perfcore import SamplingConfig
+    from .source.sampling import SamplingConfig
 
     return SamplingConfig(
         event=args.event,
@@ -287,7 +288,7 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
 
 
 def _target(args: argparse.Namespace) -> Target:
-    from .source.perfcore import Target
+    from .source.sampling import Target
 
     if args.pid:
         return Target(pids=tuple(args.pid))
@@ -305,7 +306,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     returns (those held for a /proc rescan and unwound later), so it builds none."""
     from .pipeline.live import LiveProfiler
     from .source.output import render_summary
-    from .source.perfcore import PerfOpenError
+    from .source.sampling import PerfOpenError
 
     target = _target(args)
     try:

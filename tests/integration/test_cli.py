@@ -20,7 +20,7 @@ from perfutil import perf_script_samples, perf_stats, record_perf_data
 from procutil import wait_cpu_seconds, wait_mapped, wait_perf_fds, wait_stderr_line
 from stacks import CHAIN, json_syms
 from unwindd.source.abi import RecordType
-from unwindd.source.perfcore import online_cpus
+from unwindd.source.sampling import online_cpus
 from workloads.build import build_workloads
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]

@@ -26,8 +26,9 @@ from unwindd.pipeline.live import LiveProfiler
 from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
 from unwindd.source.decoder import RecordDecoder
-from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.source.perfcore import PerfSession
 from unwindd.source.records import Mmap2
+from unwindd.source.sampling import SamplingConfig, Target
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import StackEngine
 from workloads.build import Workload, build_workloads

@@ -27,7 +27,7 @@ import pytest
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.pipeline.live import LiveProfiler, native_max_spaces
 from unwindd.procs.livetable import LiveTableConfig
-from unwindd.source.perfcore import SamplingConfig, Target
+from unwindd.source.sampling import SamplingConfig, Target
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import StackEngine
 from unwindd.unwind.stackfmt import UnwoundSample

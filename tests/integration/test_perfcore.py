@@ -1,7 +1,7 @@
-"""unwindd.source.perfcore against the real kernel: sessions on real processes, decoded with
-``decoder.RecordDecoder([session.event_format])``, checked against ground truth the target
-itself announces (tests/support/native/busy.c prints its pid and the address of a stack slot
-holding a magic value while it spins).
+"""unwindd.source.perfcore (with sampling.py's configs and error messages) against the real
+kernel: sessions on real processes, decoded with ``decoder.RecordDecoder([session.event_format])``,
+checked against ground truth the target itself announces (tests/support/native/busy.c prints its
+pid and the address of a stack slot holding a magic value while it spins).
 
 Layers: argument checks and error messages; one system-wide session around a child
 that execs and exits (samples, MMAP2, COMM exec, EXIT, their order); a pid session with inherit
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from unwindd.source import abi, perfcore, records
+from unwindd.source import abi, perfcore, records, sampling
 from unwindd.source.decoder import RecordDecoder
-from unwindd.source.perfcore import (
+from unwindd.source.perfcore import PerfSession
+from unwindd.source.sampling import (
     AUTO_MAX_PAGES,
     PerfOpenError,
-    PerfSession,
     SamplingConfig,
     Target,
     auto_ring_pages,
@@ -267,7 +267,7 @@ def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> N
     """The session opens with the auto size resolved (what the watermark and mmap used),
     keeps an operator's size as chosen, and halves an auto size the kernel will not lock."""
     ncpu, page = len(online_cpus()), os.sysconf("SC_PAGE_SIZE")
-    cap = perfcore.system_ring_cap(page, ncpu)
+    cap = sampling.system_ring_cap(page, ncpu)
     for freq in (99, 999):
         want = auto_ring_pages(freq, 8192, page)
         with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=freq)) as s:
@@ -294,7 +294,7 @@ def test_auto_ring_pages_in_a_real_session(monkeypatch: pytest.MonkeyPatch) -> N
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:
         assert (s.config.ring_pages, s.ring_pages_wanted) == (32, 256)
     assert sizes[:3] == [256, 128, 64] and set(sizes[3:]) == {32}
-    with pytest.raises(perfcore.RingMapError, match="64 data pages") as e:
+    with pytest.raises(sampling.RingMapError, match="64 data pages") as e:
         PerfSession.open(Target(all_cpus=True), SamplingConfig(ring_pages=64))
     assert e.value.errno == errno.EPERM
 
@@ -352,7 +352,8 @@ def _run_as_child(code: str, prefix: tuple[str, ...] = ()) -> subprocess.Complet
 
 def test_permission_error_explains_what_is_needed() -> None:
     code = (
-        "from unwindd.source.perfcore import *\n"
+        "from unwindd.source.perfcore import PerfSession\n"
+        "from unwindd.source.sampling import PerfOpenError, Target\n"
         "try:\n"
         "    PerfSession.open(Target(all_cpus=True))\n"
         "except PerfOpenError as e:\n"
@@ -374,7 +375,8 @@ def test_permission_error_explains_what_is_needed() -> None:
 def test_fd_exhaustion_says_how_many_fds() -> None:
     code = (
         "import os, resource\n"
-        "from unwindd.source.perfcore import *\n"
+        "from unwindd.source.perfcore import PerfSession\n"
+        "from unwindd.source.sampling import PerfOpenError, Target\n"
         "n = len(os.listdir('/proc/self/fd'))\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (n + 1, resource.getrlimit(resource."
         "RLIMIT_NOFILE)[1]))\n"

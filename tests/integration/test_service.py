@@ -29,7 +29,7 @@ from stacks import (
     json_syms,
     thread_ids,
 )
-from unwindd.source.perfcore import auto_ring_pages, online_cpus, system_ring_cap
+from unwindd.source.sampling import auto_ring_pages, online_cpus, system_ring_cap
 from workloads.build import Workload, build_workloads
 
 

@@ -34,7 +34,8 @@ from hypothesis import strategies as st
 from unwindd._unwcore import ffi
 from unwindd.binaries.cfi import CfiTable
 from unwindd.source import abi, decoder, records
-from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+from unwindd.source.perfcore import PerfSession
+from unwindd.source.sampling import SamplingConfig, Target
 from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ class Replayed:
     """What LiveProfiler needs of a PerfSession, answering drains from a capture."""
 
     def __init__(self, fmt: Any, drains: list[list[tuple[int, bytes]]]) -> None:
-        from unwindd.source.perfcore import SamplingConfig
+        from unwindd.source.sampling import SamplingConfig
 
         self.event_format = fmt
         self._drains = list(drains)
@@ -66,7 +66,8 @@ def capture(path: Path, argvs: list[tuple[str, ...]]) -> list[int]:
     """Real drain output (each call's [(cpu, bytes)]) while the workloads run, to ``path``;
     returns the workloads' pids in ``argvs`` order (the capture has every process of the
     machine)."""
-    from unwindd.source.perfcore import PerfSession, SamplingConfig, Target
+    from unwindd.source.perfcore import PerfSession
+    from unwindd.source.sampling import SamplingConfig, Target
 
     drains: list[list[tuple[int, bytes]]] = []
     with PerfSession.open(Target(all_cpus=True), SamplingConfig(frequency=999)) as s:

@@ -25,8 +25,9 @@ from ..procs.livetable import LiveTable, LiveTableConfig
 from ..procs.mapping import PROT_EXEC
 from ..procs.procscan import ProcFS
 from ..source.capture import StreamPipeline
-from ..source.perfcore import MAX_RECORD_SIZE, PerfSession, SamplingConfig, Target
+from ..source.perfcore import MAX_RECORD_SIZE, PerfSession
 from ..source.records import Mmap2, Record
+from ..source.sampling import SamplingConfig, Target
 from ..store.stackstore import StackStore
 from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import UnwoundSample
@@ -166,7 +167,7 @@ class LiveProfiler:
         A step drains one whole round (the round rule needs every ring emptied, capture.py),
         so its work is bounded by the ring sizes, not by a record count: per sample it is a
         little C, and what can take long is per new binary (its CFI compile runs in a worker,
-        engine.CfiPrefetcher; its symbol table loads on the step that first names one of its
+        cfiprefetch.CfiPrefetcher; its symbol table loads on the step that first names one of its
         frames)."""
         if self.fast is not None:
             out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES)

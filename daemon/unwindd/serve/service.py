@@ -251,7 +251,7 @@ class Daemon:
 
     def _log_rings(self, cfg: Config) -> None:
         """The ring size in use; a warning when auto sizing got less than it wanted (a busy
-        CPU's samples then fill half a ring in less than perfcore._HEADROOM_S)."""
+        CPU's samples then fill half a ring in less than sampling._HEADROOM_S)."""
         s = self.profiler.session
         pages, wanted = s.config.ring_pages, s.ring_pages_wanted
         how = "set" if cfg.sampling.ring_pages else "auto"
@@ -497,7 +497,7 @@ def setup_logging(level: str) -> None:
 
 def run_daemon(config_path: str | None) -> int:
     """``unwindd run``: load the config, run until SIGTERM. Operator errors -> one line, 2."""
-    from ..source.perfcore import PerfOpenError
+    from ..source.sampling import PerfOpenError
 
     try:
         cfg = load_config(config_path)

@@ -145,7 +145,7 @@ def engine_with_disk_cache(cfg: Config) -> StackEngine:
 
 
 def open_profiler_for(cfg: Config) -> LiveProfiler:
-    from ..source.perfcore import SamplingConfig, Target
+    from ..source.sampling import SamplingConfig, Target
     from ..store.stackstore import StackStore
 
     s = cfg.sampling
