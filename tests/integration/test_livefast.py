@@ -26,13 +26,14 @@ from stacks import (
     user_addrs,
     user_syms,
 )
+from unwindd.binaries.cfiprefetch import CFI_INLINE_MAX_BYTES
 from unwindd.binaries.elfcache import CacheConfig
 from unwindd.pipeline.live import LiveProfiler
 from unwindd.pipeline.livefast import NativeStep
 from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
 from unwindd.store.stackstore import StackStore
-from unwindd.unwind.engine import CFI_INLINE_MAX_BYTES, StackEngine
+from unwindd.unwind.engine import StackEngine
 from workloads.build import Workload, build_workloads
 
 

@@ -521,7 +521,7 @@ class NativeStep:
 
     def _defer(self, s: Sample) -> bool:
         """Hold a placed sample while a binary of its space compiles in the worker (see
-        engine.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile. It
+        cfiprefetch.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile. It
         keeps its space's mapping list and its comm as they were (``AddressSpace.state``,
         ``engine.comm_of``) and is unwound against those later (``engine.unwind_as_of``), so
         an exec or dlopen applied meanwhile does not change its result: the same as the slow
