@@ -4,16 +4,16 @@ threads a pid has, and what a failed perf_event_open means (``PerfOpenError``).
 
 Rules:
 - No native code: this module never imports ``unwindd._perfcore`` (``perfcore.py`` is the only
-  one that does), so the CLI, the config loader and the daemon's start-up can check a config
-  and report an open error without loading the binding.
+  one that does): building a config (the CLI's flags, the daemon's start-up) and catching an
+  open error need no binding.
 - ``validate`` raises ``ValueError`` for anything the kernel would refuse for a reason we can
   name before a syscall; ``open_error`` turns the kernel's -errno into a ``PerfOpenError`` that
   says what to change. The session raises these errors; callers catch them from here.
 - Ring size: ``ring_pages`` 0 is resolved when the session opens (``SamplingConfig.resolved``:
   ``auto_ring_pages`` within ``system_ring_cap``); a chosen size is kept as is.
 
-Cost: pure arithmetic, except ``system_ring_cap`` (two sysctl reads, /proc/self/status, one
-getrlimit), ``online_cpus`` (one sysfs read) and ``expand_tasks`` (one listdir per pid).
+Cost: pure arithmetic, except ``system_ring_cap`` (up to two sysctl reads, /proc/self/status,
+one getrlimit), ``online_cpus`` (one sysfs read) and ``expand_tasks`` (one listdir per pid).
 """
 
 from __future__ import annotations
