@@ -129,12 +129,11 @@ class StackStore(Queries):
         for cb in list(self.subscribers):
             cb(samples)
 
-    def add_counts(self, groups: Iterable[CountGroup]) -> None:
+    def add_counts(self, groups: Sequence[CountGroup]) -> None:
         """Aggregated samples: each group is ``count`` samples with the same bucket (any time
         in it), pid, tid, comm and frames. Same result as ``add`` of those samples, without a
         Python object per sample; subscribers are not called (they need samples), count
         subscribers are."""
-        groups = groups if isinstance(groups, list) else list(groups)
         for t, pid, tid, comm, frames, n in groups:
             self._count(t, pid, tid, comm, frames, n)
         self._release_unreferenced()
