@@ -1,6 +1,7 @@
-"""What both drivers of the native pipeline context share: the live step (livefast.py, ring
-chunks) and the replay (fastreplay.py, a perf.data file) speak to the same C context
-(``cffi_build/fastpath.h``), so its vocabulary lives here, once.
+"""The native pipeline context (``cffi_build/fastpath.h``, ``context.c``) and its Python mirror,
+shared by its two drivers: the ring driver (livefast.py, the daemon and ``unwindd record``) and
+the file driver (fastreplay.py, ``unwindd replay``). What the C context knows by number (address
+spaces, comms, frames, stacks, statuses) is named here, once.
 
 Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``
@@ -8,18 +9,27 @@ Invariants:
   (decoder.RecordDecoder._sample's reasons), ``END_ERRORS`` the decode error an index run
   ends on (``FP_END_*``): the same counters the Python decoder keeps.
 - ``record_marks`` is what a decoded non-SAMPLE record's C index entry (``struct fp_rec``)
-  must carry so the C orderer places it exactly where ordering.RoundOrderer would: its time
-  and CPU as the Python decoder found them, flagged ``FP_TIMED`` / ``FP_HAS_CPU``.
+  must carry so the C orderer places it exactly where ordering.RoundOrderer would.
+- ``NativeContext``: a space id names one snapshot key for the context's life; the snapshot
+  itself is held while a pid uses it in C or a frame seen in it is still unnamed, so C never
+  points into freed modules and dead processes' snapshots do not pile up. Comm ids intern
+  ``engine.comm_of`` names. Each frame id is named once, each stack id exported once.
 - Views and counts cross the boundary once per batch: ``view`` is a typed memoryview on a
   cffi buffer (no copy), ``count_flagged`` one C pass over a column.
 """
 
 from __future__ import annotations
 
+from array import array
+from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
-from .._unwcore import ffi, lib
+from ..binaries.cfi import ARCH_X86_64
 from ..source.records import Record
+from ..unwcore import check, count, ffi, lib, owned
+from ..unwind.engine import Snapshot, StackEngine
+from ..unwind.stackfmt import Frame
 from ..unwind.unwinder import UnwindStatus
 
 __all__ = [
@@ -28,6 +38,7 @@ __all__ = [
     "SAMPLE_ERRORS",
     "STATUS_NAMES",
     "TIMED",
+    "NativeContext",
     "count_flagged",
     "mark_record",
     "record_marks",
@@ -52,9 +63,8 @@ def count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
     """(value, occurrences) of the vals[k] with flag[k], in first-seen order."""
     n = len(flag)
     keys, counts = ffi.new("uint32_t[]", max(1, n)), ffi.new("uint64_t[]", max(1, n))
-    d = int(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, keys, counts))
-    if d == (1 << 64) - 1:
-        raise MemoryError("fp_count_flagged")
+    d = count(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, keys, counts),
+              "fp_count_flagged")  # fmt: skip
     return list(zip(view(keys, "I", d).tolist(), view(counts, "Q", d).tolist(), strict=True))
 
 
@@ -73,3 +83,224 @@ def mark_record(r: Any, marks: tuple[int, int, int]) -> None:
     if flags & HAS_CPU:
         r.cpu = cpu
     r.flags = flags
+
+
+# One exported stack: (comm, space id, UNW_* status, regs_none, frame ids leaf first, raw
+# kernel callchain as native-endian u64 bytes).
+NewStack = tuple[str, int, int, int, list[int], bytes]
+
+
+class NativeContext:
+    """One C pipeline context and the Python mirror of its ids.
+
+    Memory: per space id its snapshot key (ids are never reused), per comm its name, one byte
+    per frame id (has no symbol), per counted (space, frames) key with an unnamed frame its
+    packed bytes; snapshots only while held (see the module's invariants)."""
+
+    def __init__(self, engine: StackEngine, *, by_code: int = 0, par_min: int | None = None,
+                 par_stress: bool = False) -> None:  # fmt: skip
+        self.engine = engine
+        self.ctx = owned(lib.fp_ctx_new(ARCH_X86_64, engine.unwinder.max_depth),
+                         lib.fp_ctx_free, "fp_ctx_new")  # fmt: skip
+        if par_min is not None:
+            lib.fp_ctx_par(self.ctx, par_min)
+        if par_stress and lib.fp_ctx_par_stress(self.ctx, 1) != 0:
+            raise RuntimeError("fp_ctx_par_stress: no worker thread")
+        # by code (1) or by function (2): frames and stacks without their address space
+        # (fp_ctx_by_code), for output that prints no addresses
+        self.by_code = by_code
+        if by_code:
+            check(lib.fp_ctx_by_code(self.ctx, by_code), "fp_ctx_by_code")
+        self.comms: list[str] = []
+        self._comm_ids: dict[str, int] = {}
+        self._space_ids: dict[tuple[int, int], int] = {}
+        self._snaps: dict[int, Snapshot] = {}  # space id -> snapshot, while held
+        self._ranges: dict[int, Any] = {}  # space id -> its mappings as C [start, end) pairs
+        self._pid_sid: dict[int, int] = {}  # pid -> the space id C has for it
+        self._sid_refs: Counter[int] = Counter()
+        self._unheld: set[int] = set()  # space ids whose last pid let go since the last naming
+        self.unsym = bytearray()  # per frame id: 1 if it has no symbol
+        self.nunsym_frames = 0  # the frame ids flagged in unsym
+        self.nstacks = 0  # stacks exported (new_stacks) or counted (count_code_stacks)
+        self._seen: set[bytes] = set()  # (space, frames) keys whose unnamed frames are counted
+        self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
+        self._npairs = 0  # by code: fp_pairs consumed
+        self._pair_bufs = (ffi.new("uint32_t[]", 4096), ffi.new("uint32_t[]", 4096),
+                           ffi.new("uint64_t[]", 4096))  # fmt: skip
+        self._frame_out = (ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *"))
+
+    @property
+    def nspaces(self) -> int:
+        """Space ids given out (one per snapshot key the context has unwound against)."""
+        return len(self._space_ids)
+
+    # -- what C asks for
+
+    def set_comm(self, pid: int, tid: int) -> None:
+        """FP_RUN_NEED_COMM: the comm id of (pid, tid), ``engine.comm_of`` interned."""
+        comm = self.engine.comm_of(pid, tid)
+        cid = self._comm_ids.get(comm)
+        if cid is None:
+            cid = self._comm_ids[comm] = len(self.comms)
+            self.comms.append(comm)
+        check(lib.fp_set_comm(self.ctx, pid, tid, cid), "fp_set_comm")
+
+    def set_space(self, pid: int, snap: Snapshot, *, ranges: bool = False) -> int:
+        """Give C ``snap`` as pid's space (``ranges``: with its mappings, for the live
+        placement check, fp_set_live_space); its space id."""
+        sid = self._space_ids.get(snap.key)
+        if sid is None:
+            sid = self._space_ids[snap.key] = len(self._space_ids)
+        self._snaps[sid] = snap  # keeps snap.native (the modules C points at) alive
+        native = snap.native
+        if ranges:
+            r = self._ranges.get(sid)
+            if r is None:
+                flat = [x for mp in snap.mappings for x in (mp.start, mp.end)]
+                r = self._ranges[sid] = ffi.new("uint64_t[]", flat or [0])
+            rc = lib.fp_set_live_space(self.ctx, pid, native._c, len(native.modules), sid, r,
+                                       len(snap.mappings))  # fmt: skip
+        else:
+            rc = lib.fp_set_space(self.ctx, pid, native._c, len(native.modules), sid)
+        check(rc, "fp_set_space")
+        self._unhold(pid)
+        self._pid_sid[pid] = sid
+        self._sid_refs[sid] += 1
+        return sid
+
+    def snapshot_of(self, pid: int) -> Snapshot:
+        """The snapshot C has as pid's space."""
+        return self._snaps[self._pid_sid[pid]]
+
+    def forget_space(self, pid: int) -> None:
+        """pid's space may have changed: C asks for it again at its next sample."""
+        if 0 <= pid < 1 << 32:
+            lib.fp_forget_space(self.ctx, pid)
+            self._unhold(pid)
+
+    def forget_all_spaces(self) -> None:
+        lib.fp_forget_all_spaces(self.ctx)
+        for pid in list(self._pid_sid):
+            self._unhold(pid)
+
+    def forget_comms(self) -> None:
+        lib.fp_forget_comms(self.ctx)
+
+    def _unhold(self, pid: int) -> None:
+        old = self._pid_sid.pop(pid, None)
+        if old is not None:
+            self._sid_refs[old] -= 1
+            if self._sid_refs[old] <= 0:
+                del self._sid_refs[old]
+                self._unheld.add(old)
+
+    # -- naming what a run added
+
+    def new_frames(self) -> list[Frame]:
+        """Name the frames the last runs added, each once, with the engine's own ``frame_at``
+        (the table is in the state the reference path names them in); flags the unnamed ones
+        in ``unsym``. ``frame_at`` counts an unnamed frame each time; the reference path
+        counts per new (snapshot, frames) key: that is ``count_unsymbolized``'s, so the count
+        is taken back here."""
+        engine, ctx, unsym = self.engine, self.ctx, self.unsym
+        first, nfr = len(unsym), int(lib.fp_nframes(ctx))
+        out: list[Frame] = []
+        if nfr > first:
+            sp, pc, ex = self._frame_out
+            snaps, frame_at = self._snaps, engine.frame_at
+            for fid in range(first, nfr):
+                lib.fp_frame(ctx, fid, sp, pc, ex)
+                snap = snaps[sp[0]]
+                f = frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
+                out.append(f)
+                unsym.append(f.sym is None)
+            counted = sum(unsym[first:])
+            self.nunsym_frames += counted
+            engine.stats.unsymbolized -= counted
+        return out
+
+    def release_snapshots(self) -> None:
+        """Drop the snapshots no pid holds in C once their frames are named (after
+        ``new_frames``): without this the context keeps every mapping generation of every
+        process it saw."""
+        for sid in self._unheld:
+            if sid not in self._sid_refs:
+                del self._snaps[sid]
+                self._ranges.pop(sid, None)
+        self._unheld.clear()
+
+    def new_stacks(self) -> Iterator[NewStack]:
+        """The stacks added since the last call, exported from C in one call, in id order."""
+        ctx, first = self.ctx, self.nstacks
+        nst = int(lib.fp_nstacks(ctx))
+        if nst <= first:
+            return
+        self.nstacks = nst
+        cnt = nst - first
+        p_nkc = ffi.new("uint64_t *")
+        nf = int(lib.fp_stacks_words(ctx, first, nst, p_nkc))
+        nk = int(p_nkc[0])
+        a_comm, a_space, a_npcs, a_nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
+        a_status, a_rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
+        a_fids, a_kc = ffi.new("uint32_t[]", max(1, nf)), ffi.new("uint64_t[]", max(1, nk))
+        lib.fp_stacks_export(ctx, first, nst, a_comm, a_space, a_status, a_rn, a_npcs, a_nkc,
+                             a_fids, a_kc)  # fmt: skip
+        fids = view(a_fids, "I", nf).tolist()
+        kcb = bytes(ffi.buffer(a_kc, 8 * nk))
+        comm_ids, spaces = view(a_comm, "I", cnt), view(a_space, "I", cnt)
+        npcs_l, nkc_l = view(a_npcs, "I", cnt), view(a_nkc, "I", cnt)
+        status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
+        comms = self.comms
+        fo = ko = 0
+        for j in range(cnt):
+            n, k = npcs_l[j], 8 * nkc_l[j]
+            yield (comms[comm_ids[j]], spaces[j], status_l[j], rn_l[j], fids[fo : fo + n],
+                   kcb[ko : ko + k])  # fmt: skip
+            fo += n
+            ko += k
+
+    def count_unsymbolized(self, space: int, ids: list[int]) -> None:
+        """``engine.stats.unsymbolized`` as ``StackEngine.user_frames`` counts it: a stack's
+        unnamed frames once per new (snapshot, frames) key."""
+        if not self.nunsym_frames:
+            return
+        n = sum(map(self.unsym.__getitem__, ids))
+        if n:
+            key = space.to_bytes(4, "little") + array("I", ids).tobytes()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.engine.stats.unsymbolized += n
+
+    def count_code_stacks(self) -> None:
+        """By code: ``count_unsymbolized`` for the stacks and samples the last runs added.
+        Stacks have no space, so C keeps the distinct (space, stack, pcs hash) triples
+        (fp_pairs); each stack's unnamed frames are counted in C over the per-frame flags
+        (fp_stacks_unsym), O(1) Python per run, not per stack."""
+        ctx, first = self.ctx, self.nstacks
+        nst = int(lib.fp_nstacks(ctx))
+        if nst > first:
+            cnt = nst - first
+            if self.nunsym_frames:
+                out = ffi.new("uint32_t[]", cnt)
+                lib.fp_stacks_unsym(ctx, first, nst, ffi.from_buffer(self.unsym),
+                                    len(self.unsym), out)  # fmt: skip
+                self._nunsym.extend(view(out, "I", cnt).tolist())
+            else:
+                self._nunsym.extend(bytes(cnt))
+            self.nstacks = nst
+        n = self._npairs
+        spaces, stacks, hashes = self._pair_bufs
+        chunk = len(spaces)
+        nunsym, seen, es = self._nunsym, self._seen, self.engine.stats
+        while True:
+            got = int(lib.fp_pairs(ctx, n, spaces, stacks, hashes, chunk))
+            if not got:
+                break
+            n += got
+            for space, sid, h in zip(spaces[0:got], stacks[0:got], hashes[0:got], strict=True):
+                if nunsym[sid]:
+                    key = space.to_bytes(4, "little") + h.to_bytes(8, "little")
+                    if key not in seen:
+                        seen.add(key)
+                        es.unsymbolized += nunsym[sid]
+        self._npairs = n

@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .._unwcore import ffi, lib
-from ..binaries.cfi import ARCH_X86_64
 from ..binaries.symtab import SymbolTable
 from ..procs.mapping import PROT_EXEC, Mapping
 from ..source.abi import RecordType, SampleType
@@ -41,10 +39,19 @@ from ..source.ordering import OrderStats
 from ..source.perfdata import PerfData
 from ..source.records import FinishedRound, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
+from ..unwcore import check, count, ffi, lib
 from ..unwind import stackfmt
-from ..unwind.engine import Snapshot, StackEngine
+from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import Frame, UnwoundSample
-from .context import END_ERRORS, STATUS_NAMES, count_flagged, mark_record, record_marks, view
+from .context import (
+    END_ERRORS,
+    STATUS_NAMES,
+    NativeContext,
+    count_flagged,
+    mark_record,
+    record_marks,
+    view,
+)
 
 __all__ = ["FastResult", "Unsupported", "replay"]
 
@@ -67,11 +74,6 @@ def _start(m: Mapping) -> int:
 def _u_bytes(b: bytes) -> list[int]:
     """Native-endian u64 words of ``b``."""
     return memoryview(b).cast("Q").tolist()
-
-
-def _ids_bytes(ids: list[int]) -> bytes:
-    """Frame ids packed as fp_stack's u32 array."""
-    return array("I", ids).tobytes()
 
 
 @dataclass
@@ -174,34 +176,16 @@ class _Replay:
         self.mm = mm
         self.mapped = mapped
         self.start = start
-        self.ctx = ffi.gc(lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth),
-                          lib.fp_ctx_free)  # fmt: skip
-        if self.ctx == ffi.NULL:
-            raise MemoryError("fp_ctx_new")
-        if PAR_MIN is not None:
-            lib.fp_ctx_par(self.ctx, PAR_MIN)
-        if PAR_STRESS and lib.fp_ctx_par_stress(self.ctx, 1) != 0:
-            raise RuntimeError("fp_ctx_par_stress: no worker thread")
         # Folded output prints no addresses, only function names: aggregate frames and stacks
         # by function (binary, symbol), so the same code run by many processes, and every
         # address of one function, is named and stored once (fp_ctx_by_code, on = 2).
         self.by_code = fmt == "folded"
-        if self.by_code and lib.fp_ctx_by_code(self.ctx, 2) != 0:
-            raise RuntimeError("fp_ctx_by_code")
+        self.nctx = NativeContext(self.engine, by_code=2 if self.by_code else 0,
+                                  par_min=PAR_MIN, par_stress=PAR_STRESS)  # fmt: skip
+        self.ctx = self.nctx.ctx
         # by function: the symbol tables whose arrays C searches, by module key (held here:
         # the ELF cache may drop an entry, and its table, while C still points at them)
         self._symtabs: dict[int, SymbolTable] = {}
-        # Snapshots by space id, while the C side may still name a frame from them: the pid
-        # holding each in C (refs) or the current run's new frames (released after naming).
-        self._snaps: dict[int, Snapshot] = {}
-        self._space_ids: dict[tuple[int, int], int] = {}
-        self._next_sid = 0
-        self._pid_sid: dict[int, int] = {}
-        self._sid_refs: Counter[int] = Counter()
-        self._unheld: set[int] = set()  # sids whose last pid let go since the last naming
-        self._comms: list[str] = []
-        self._comm_ids: dict[str, int] = {}
-        self._nstk = 0  # unique stacks seen (added by _symbolize_new)
         # jsonl/perf-script, per unique stack: (comm, status, user frame count, kernel frame
         # count) and its rendering. Folded keeps nothing per stack here: its counts and text
         # come from C at the end (fold.c), kernel frames then named once per ip, so the
@@ -213,21 +197,10 @@ class _Replay:
         # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
-        self._unsym = bytearray()  # per distinct user frame: 1 if it has no symbol
-        self._unsym_ids: set[int] = set()  # the frame ids with no symbol
         # kernel callchain (raw u64s) -> its frames' renderings in self.fmt, leaf first; bounded
         # by the distinct callchains of the file
         self._ktext: dict[bytes, list[str]] = {}
         self._kframe_text: dict[Frame, str] = {}
-        # (snapshot, frame ids) already counted, packed: 4 bytes per frame instead of a tuple
-        # slot and, past 256, an int object per id; by code, C keeps the pairs instead
-        self._seen: set[bytes] = set()
-        self._nunsym: list[int] = []  # by code: per stack, its frames with no symbol
-        self._npairs = 0  # by code: fp_pairs consumed
-        # out-parameters of the per-run calls, made once (ffi.new zeroes them on every call)
-        self._pair_bufs = (ffi.new("uint32_t[]", 4096), ffi.new("uint32_t[]", 4096),
-                           ffi.new("uint64_t[]", 4096))  # fmt: skip
-        self._frame_out = (ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *"))
         self._run_out = (ffi.new("uint64_t *"), ffi.new("uint32_t *"), ffi.new("uint32_t *"))
         self.runs = 0
 
@@ -275,10 +248,8 @@ class _Replay:
         trailer = dec.sample_id_trailer()
         if trailer is not None and nother:
             p_rest = ffi.new("uint64_t *")
-            ncand = int(lib.unw_sb_scan(self.buf, self.length, recs, others, nother, *trailer,
-                                        cand, cand_pids, p_rest))  # fmt: skip
-            if ncand < 0:
-                raise MemoryError("unw_sb_scan")
+            ncand = check(lib.unw_sb_scan(self.buf, self.length, recs, others, nother, *trailer,
+                                          cand, cand_pids, p_rest), "unw_sb_scan")  # fmt: skip
             nrest = int(p_rest[0])
 
         # -- decode what is not a good SAMPLE, exactly as PerfData.records() does. MMAP2
@@ -329,8 +300,7 @@ class _Replay:
         late = ffi.new("uint64_t[]", max(1, n))
         nout, nlate = ffi.new("uint64_t *"), ffi.new("uint64_t *")
         ost = ffi.new("struct fp_order_stats *")
-        if lib.fp_order(recs, n, self.max_queued, perm, nout, late, nlate, ost) != 0:
-            raise MemoryError("fp_order")
+        check(lib.fp_order(recs, n, self.max_queued, perm, nout, late, nlate, ost), "fp_order")
         self.ostats.add_native(ost, late[0 : int(nlate[0])])
         m = int(nout[0])
         skipped = 0
@@ -370,12 +340,11 @@ class _Replay:
                 engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
                 continue
             if engine.note_comm(rec):
-                lib.fp_forget_comms(self.ctx)
+                self.nctx.forget_comms()
             engine.table.apply(rec)
             rpid = getattr(rec, "pid", None)
-            if isinstance(rpid, int) and 0 <= rpid < 1 << 32:
-                lib.fp_forget_space(self.ctx, rpid)
-                self._unhold(rpid)
+            if isinstance(rpid, int):
+                self.nctx.forget_space(rpid)
         # Nothing reads the file any more (names, counts and output come from the context):
         # unmapped on a thread while the output is built (munmap is O(pages)).
         mv.release()
@@ -383,7 +352,7 @@ class _Replay:
         self.buf = ffi.NULL
         self.mapped.close(background=True)
         self._finish()
-        return FastResult(nsamples, self._nstk, self.runs, side + skipped,
+        return FastResult(nsamples, self.nctx.nstacks, self.runs, side + skipped,
                           int(lib.fp_ctx_par_stats(self.ctx)))
 
     def _skip_data_mmaps(
@@ -396,9 +365,8 @@ class _Replay:
         kept = ffi.new("uint32_t[]", ncand)
         nkept = ffi.new("uint64_t *")
         cpus = ffi.new("uint32_t[]", ncand)
-        new_m = int(lib.unw_sb_compact(perm, m, cand, pids, ncand, recs, kept, nkept, cpus))
-        if new_m == (1 << 64) - 1:
-            raise MemoryError("unw_sb_compact")
+        new_m = count(lib.unw_sb_compact(perm, m, cand, pids, ncand, recs, kept, nkept, cpus),
+                      "unw_sb_compact")  # fmt: skip
         dec, mv = self.data.decoder, memoryview(self.mm)
         for i in kept[0 : int(nkept[0])]:
             r = recs[i]
@@ -486,43 +454,21 @@ class _Replay:
                 break
             k = int(stopped[0])
             if rc == lib.FP_RUN_NEED_SPACE:
-                self._set_space(int(need_pid[0]))
+                pid = int(need_pid[0])
+                self.nctx.set_space(pid, self.engine.snapshot(pid))
             elif rc == lib.FP_RUN_NEED_SYMS:
                 self._set_symbols(int(need_pid[0]), int(need_tid[0]))
             elif rc == lib.FP_RUN_NEED_COMM:
-                pid, tid = int(need_pid[0]), int(need_tid[0])
-                comm = self.engine.comm_of(pid, tid)
-                cid = self._comm_ids.get(comm)
-                if cid is None:
-                    cid = self._comm_ids[comm] = len(self._comms)
-                    self._comms.append(comm)
-                if lib.fp_set_comm(self.ctx, pid, tid, cid) != 0:
-                    raise MemoryError("fp_set_comm")
+                self.nctx.set_comm(int(need_pid[0]), int(need_tid[0]))
             else:
                 raise RuntimeError(f"fp_unwind_run failed at {k} ({rc})")
         self._symbolize_new()
-
-    def _set_space(self, pid: int) -> None:
-        snap = self.engine.snapshot(pid)
-        # a snapshot key keeps its id after its snapshot is released: the unsymbolized count
-        # is per (snapshot key, stack), as the slow path's
-        sid = self._space_ids.get(snap.key)
-        if sid is None:
-            sid = self._space_ids[snap.key] = self._next_sid
-            self._next_sid += 1
-        self._snaps[sid] = snap  # keeps snap.native (the modules C points at) alive
-        native = snap.native
-        if lib.fp_set_space(self.ctx, pid, native._c, len(native.modules), sid) != 0:
-            raise MemoryError("fp_set_space")
-        self._unhold(pid)
-        self._pid_sid[pid] = sid
-        self._sid_refs[sid] += 1
 
     def _set_symbols(self, pid: int, index: int) -> None:
         """By function: give C the symbol table of module ``index`` of ``pid``'s space, the
         table ``frame_at`` names that module's frames from (``Symbolizer.table`` of the
         mapping's entry): once per module key."""
-        snap = self._snaps[self._pid_sid[pid]]
+        snap = self.nctx.snapshot_of(pid)
         mod = snap.native.modules[index]
         m = snap.find(mod.start)
         if m is None or m.entry is None or mod.key in self._symtabs:
@@ -532,143 +478,46 @@ class _Replay:
         n = len(table.starts)
         starts = ffi.from_buffer("uint64_t[]", table.starts) if n else ffi.NULL
         ends = ffi.from_buffer("uint64_t[]", table.ends) if n else ffi.NULL
-        if lib.fp_set_symbols(self.ctx, mod.key, starts, ends, n) != 0:
-            raise MemoryError("fp_set_symbols")
-
-    def _unhold(self, pid: int) -> None:
-        """pid no longer holds its space id in C (forgotten or replaced)."""
-        old = self._pid_sid.pop(pid, None)
-        if old is not None:
-            self._sid_refs[old] -= 1
-            if self._sid_refs[old] <= 0:
-                del self._sid_refs[old]
-                self._unheld.add(old)
-
-    def _release_snapshots(self) -> None:
-        """Drop the snapshots no pid holds in C, once the frames seen in them are named:
-        without this a replay keeps every mapping generation of every process it saw."""
-        for sid in self._unheld:
-            if sid not in self._sid_refs:
-                del self._snaps[sid]
-        self._unheld.clear()
+        check(lib.fp_set_symbols(self.ctx, mod.key, starts, ends, n), "fp_set_symbols")
 
     def _symbolize_new(self) -> None:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
         state the slow path would symbolize them in (before the next side-band record). Each
         distinct user frame (fp_frame; for folded output one per binary code address, see
-        fp_ctx_by_code) is named once, with the engine's own ``frame_at`` (what
-        ``user_frames`` calls per frame), so a stack costs one list lookup per frame."""
-        engine, ctx = self.engine, self.ctx
-        text, unsym, texts = self._frame_text, self._unsym, self._texts
-        sp, pc, ex = self._frame_out
-        counted = 0
-        for fid in range(len(text), int(lib.fp_nframes(ctx))):
-            lib.fp_frame(ctx, fid, sp, pc, ex)
-            snap = self._snaps[sp[0]]
-            ip = pc[0] if ex[0] else pc[0] - 1
-            f = engine.frame_at(snap.key[0], snap, ip)
-            t = self._render((f,))
-            t = texts.setdefault(t, t)
-            text.append(t)
-            unsym.append(f.sym is None)
-            if f.sym is None:
-                self._unsym_ids.add(fid)
-                counted += 1
-        # frame_at counted its unnamed frames; the slow path counts per new (snapshot, pcs): redo
-        engine.stats.unsymbolized -= counted
-        first, nst = self._nstk, int(lib.fp_nstacks(ctx))
-        if nst > first:
-            (self._add_code_stacks if self.by_code else self._add_stacks)(first, nst)
-            self._nstk = nst
+        fp_ctx_by_code) is named once (``NativeContext.new_frames``) and rendered once, so a
+        stack costs one list lookup per frame."""
+        text, texts, render = self._frame_text, self._texts, self._render
+        for f in self.nctx.new_frames():
+            t = render((f,))
+            text.append(texts.setdefault(t, t))
         if self.by_code:
-            self._count_pairs()
-        self._release_snapshots()
+            self.nctx.count_code_stacks()
+        else:
+            self._add_stacks()
+        self.nctx.release_snapshots()
 
-    def _add_code_stacks(self, first: int, nst: int) -> None:
-        """By code (folded): of stacks [first, nst) only their unnamed frames are counted here
-        (for _count_pairs), in C over the per-frame flags; O(1) Python per run, not per stack."""
-        cnt = nst - first
-        if not self._unsym_ids:
-            self._nunsym.extend(bytes(cnt))
-            return
-        out = ffi.new("uint32_t[]", cnt)
-        lib.fp_stacks_unsym(self.ctx, first, nst, ffi.from_buffer(self._unsym), len(self._unsym),
-                            out)  # fmt: skip
-        self._nunsym.extend(view(out, "I")[:cnt].tolist())
-
-    def _add_stacks(self, first: int, nst: int) -> None:
-        """Stacks [first, nst), exported from C in one call: their kernel frames (once per
-        callchain), counts of unnamed frames, and their rendering in self.fmt."""
-        engine, ctx = self.engine, self.ctx
-        cnt = nst - first
-        p_nkc = ffi.new("uint64_t *")
-        nf = int(lib.fp_stacks_words(ctx, first, nst, p_nkc))
-        nk = int(p_nkc[0])
-        a_comm, a_space, a_npcs, a_nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
-        a_status, a_rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
-        a_fids, a_kc = ffi.new("uint32_t[]", max(1, nf)), ffi.new("uint64_t[]", max(1, nk))
-        lib.fp_stacks_export(ctx, first, nst, a_comm, a_space, a_status, a_rn, a_npcs, a_nkc,
-                             a_fids, a_kc)  # fmt: skip
-        fids = view(a_fids, "I")[:nf].tolist()
-        kcb = bytes(ffi.buffer(a_kc, 8 * nk))
-        comm_ids, spaces = view(a_comm, "I")[:cnt], view(a_space, "I")[:cnt]
-        npcs_l, nkc_l = view(a_npcs, "I")[:cnt], view(a_nkc, "I")[:cnt]
-        status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
-        fmt = self.fmt
-        text_of, unsym_of = self._frame_text.__getitem__, self._unsym.__getitem__
-        unsym_ids, ktexts, comms = self._unsym_ids, self._ktext, self._comms
-        stacks, seen = self._stacks, self._seen
-        rendered = self._rendered
-        fo = ko = 0
-        for j in range(cnt):
-            n, k = npcs_l[j], nkc_l[j]
-            kkey = kcb[8 * ko : 8 * (ko + k)]
-            ko += k
-            ids = fids[fo : fo + n]
-            fo += n
+    def _add_stacks(self) -> None:
+        """The new stacks: their kernel frames (rendered once per callchain), their unnamed
+        frames counted, their rendering in self.fmt."""
+        engine, nctx, fmt = self.engine, self.nctx, self.fmt
+        text_of, ktexts = self._frame_text.__getitem__, self._ktext
+        stacks, rendered = self._stacks, self._rendered
+        for comm, space, code, regs_none, ids, kkey in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
-                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if k else ()
+                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if kkey else ()
                 krendered = ktexts[kkey] = [self._render_kernel(f) for f in kframes]
             nk = len(krendered)
-            comm = comms[comm_ids[j]]
-            if rn_l[j] and nk:
+            if regs_none and nk:
                 status, ids = "kernel_only", []
             else:
-                status = STATUS_NAMES[status_l[j]]
-                # user_frames counts a new (snapshot, pcs) key's unnamed frames: only keys with
-                # one need remembering
-                if unsym_ids and not unsym_ids.isdisjoint(ids):
-                    key = spaces[j].to_bytes(4, "little") + _ids_bytes(ids)
-                    if key not in seen:
-                        seen.add(key)
-                        engine.stats.unsymbolized += sum(map(unsym_of, ids))
+                status = STATUS_NAMES[code]
+                nctx.count_unsymbolized(space, ids)
             stacks.append((comm, status, len(ids), nk))
             if fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
             else:
                 rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
-
-    def _count_pairs(self) -> None:
-        """By code: the slow path counts a stack's unnamed frames once per new (snapshot,
-        pcs) key (StackEngine.user_frames): count them once per new (space, pcs hash) among
-        the new (space, stack, pcs hash) triples whose stack has an unnamed frame."""
-        n = self._npairs
-        spaces, stacks, hashes = self._pair_bufs
-        chunk = len(spaces)
-        nunsym, seen, es = self._nunsym, self._seen, self.engine.stats
-        while True:
-            got = int(lib.fp_pairs(self.ctx, n, spaces, stacks, hashes, chunk))
-            if not got:
-                break
-            n += got
-            for space, sid, h in zip(spaces[0:got], stacks[0:got], hashes[0:got], strict=True):
-                if nunsym[sid]:
-                    key = space.to_bytes(4, "little") + h.to_bytes(8, "little")
-                    if key not in seen:
-                        seen.add(key)
-                        es.unsymbolized += nunsym[sid]
-        self._npairs = n
 
     def _render_kernel(self, f: Frame) -> str:
         """_render of a kernel frame, once per distinct frame: callchains share most of theirs
@@ -788,7 +637,7 @@ class _Replay:
         kips = view(a_kips, "Q")[:nk].tolist()
         # one folded_names call for all: it names frames outermost first, so reversed twice
         knames = list(stackfmt.folded_names(tuple(map(kf, reversed(kips)))))
-        comms = [c or "[unknown]" for c in self._comms]
+        comms = [c or "[unknown]" for c in self.nctx.comms]
         names = sorted({*comms, *self._frame_text, *knames})
         rank = {n: r for r, n in enumerate(names)}
         comm_rank = array("I", [rank[c] for c in comms] or [0])
