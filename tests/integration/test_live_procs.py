@@ -467,7 +467,7 @@ def run_churn(
         sizes = engine.cache_sizes()
         note("engine_entries", sizes["snapshots"] + sizes["stacks"] + sizes["frames"])
         assert prof.fast is not None
-        n = len(prof.fast._snaps)
+        n = prof.fast.nctx.nspaces
         note("native_snaps", n)
         # what one step added: the context is dropped before a step once past its bound, so
         # a step ends with at most the bound plus what it added (a loaded machine makes

@@ -27,17 +27,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._unwcore import ffi, lib
-from ..binaries.cfi import ARCH_X86_64
 from ..procs.livetable import LiveTable
 from ..source import abi
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
 from ..source.records import Comm, Fork, Lost, Record, Sample
 from ..store.stackstore import CountGroup, StackStore
-from ..unwind.engine import Snapshot, StackEngine
+from ..unwcore import check, count, ffi, lib, owned
+from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import Frame, UnwoundSample
-from .context import END_ERRORS, STATUS_NAMES, count_flagged, mark_record, record_marks, view
+from .context import (
+    END_ERRORS,
+    STATUS_NAMES,
+    NativeContext,
+    count_flagged,
+    mark_record,
+    record_marks,
+    view,
+)
 
 if TYPE_CHECKING:
     from ..source.capture import StreamPipeline
@@ -109,15 +116,10 @@ class NativeStep:
         # daemon holds them up to a second and flushes before every read of the store.
         self.flush_interval = flush_interval
         self._flushed_at = time.monotonic()
-        acc = lib.fp_live_groups_new(store.bucket_ns)
-        if acc == ffi.NULL:
-            raise MemoryError("fp_live_groups_new")
-        self._acc = ffi.gc(acc, lib.fp_live_groups_free)
-        orderer = ffi.gc(lib.fp_live_order_new(pipeline.orderer.max_queued),
-                         lib.fp_live_order_free)  # fmt: skip
-        if orderer == ffi.NULL:
-            raise MemoryError("fp_live_order_new")
-        self.orderer = orderer
+        self._acc = owned(lib.fp_live_groups_new(store.bucket_ns), lib.fp_live_groups_free,
+                          "fp_live_groups_new")  # fmt: skip
+        self.orderer = owned(lib.fp_live_order_new(pipeline.orderer.max_queued),
+                             lib.fp_live_order_free, "fp_live_order_new")  # fmt: skip
         # Two arenas, reused for the life of the step: the rings are drained into the current
         # one (the carry already at its head), the carry gathered into the other, and they
         # swap. A fresh buffer per round would cost a zero-fill or a page-faulting mmap per
@@ -169,29 +171,20 @@ class NativeStep:
         spaces) and the Python caches that mirror it whole when they pass ``max_stacks``
         stacks or ``max_spaces`` snapshots (a cold context only costs re-naming), so they are
         bounded under process churn."""
-        ctx = lib.fp_ctx_new(ARCH_X86_64, self.engine.unwinder.max_depth)
-        if ctx == ffi.NULL:
-            raise MemoryError("fp_ctx_new")
-        self.ctx = ffi.gc(ctx, lib.fp_ctx_free)
+        self.nctx = NativeContext(self.engine)
+        self.ctx = self.nctx.ctx
         self.contexts += 1
-        self._snaps: list[tuple[Snapshot, Any]] = []  # per space id: snapshot, its ranges
-        self._space_ids: dict[tuple[int, int], int] = {}
-        self._comms: list[str] = []
-        self._comm_ids: dict[str, int] = {}
-        self._frames: list[Frame] = []  # per fp frame id
-        self._unsym: list[bool] = []
+        self._frames: list[Frame] = []  # per frame id
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
-        self._seen: set[bytes] = set()
 
     def forget_all(self) -> None:
-        lib.fp_forget_all_spaces(self.ctx)
-        lib.fp_forget_comms(self.ctx)
+        self.nctx.forget_all_spaces()
+        self.nctx.forget_comms()
 
     def _dropped(self, pid: int) -> None:
-        if 0 <= pid < 1 << 32:
-            lib.fp_forget_space(self.ctx, pid)
-        lib.fp_forget_comms(self.ctx)
+        self.nctx.forget_space(pid)
+        self.nctx.forget_comms()
 
     # -- one step
 
@@ -223,7 +216,7 @@ class NativeStep:
             if n <= want - MAX_RECORD_SIZE:
                 break
         flushed = None
-        if len(self._stacks) > self.max_stacks or len(self._snaps) > self.max_spaces:
+        if len(self._stacks) > self.max_stacks or self.nctx.nspaces > self.max_spaces:
             flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         out, info = self._round(cpus, bounds, False)
@@ -286,9 +279,8 @@ class NativeStep:
         cbuf = ffi.from_buffer(buf)
         u64 = self._u64s  # [0] records, [1] others, [2] stop
         ends = ffi.new("int[]", nparts)
-        if lib.fp_live_index(self.lay, cbuf, ffi.new("uint64_t[]", bounds), nparts, self._pp,
-                             u64, u64 + 1, ends, u64 + 2) != 0:  # fmt: skip
-            raise MemoryError("fp_live_index")
+        check(lib.fp_live_index(self.lay, cbuf, ffi.new("uint64_t[]", bounds), nparts, self._pp,
+                                u64, u64 + 1, ends, u64 + 2), "fp_live_index")  # fmt: skip
         recs = ffi.gc(self._pp[0], lib.unw_free)
         n = int(u64[0])
         if int(u64[2]) != _NO_STOP:  # a record type > 255: the kernel never writes one
@@ -322,9 +314,9 @@ class NativeStep:
             self._count_new_samples(recs, ncarry, n, nsamples, info)
         # -- order
         perm, late, keep, ost = self._perm, self._late, self._keep, self._ost
-        if lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, u64 + 3,
-                                   late, u64 + 4, ost, keep, u64 + 5) != 0:  # fmt: skip
-            raise MemoryError("fp_live_order_round")
+        check(lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, u64 + 3,
+                                      late, u64 + 4, ost, keep, u64 + 5),
+              "fp_live_order_round")  # fmt: skip
         self.pipeline.orderer.stats.add_native(ost, late[0 : int(u64[4])])
         d, nkeep = int(u64[3]), int(u64[5])
         cols = self._cols
@@ -350,11 +342,9 @@ class NativeStep:
         self._carry_round(cbuf, recs, keep, nkeep, objs)
         # -- aggregate (stored by flush_counts: every round, or every flush_interval seconds)
         if d:
-            added = int(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1], cols[3],
-                                               cols[4], d))  # fmt: skip
-            if added == _NO_STOP:
-                raise MemoryError("fp_live_groups_add")
-            info.samples += added
+            info.samples += count(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1],
+                                                         cols[3], cols[4], d),
+                                  "fp_live_groups_add")  # fmt: skip
         for s in due_out:
             info.samples += 1
             info.depths[len(s.frames)] += 1
@@ -441,13 +431,13 @@ class NativeStep:
         self.engine.apply_side_band(rec)
         t = type(rec)  # record types are final classes: identity tests
         if t is Comm or t is Fork:
-            lib.fp_forget_comms(self.ctx)  # COMM renames; FORK names a new task after its parent
+            self.nctx.forget_comms()  # COMM renames; FORK names a new task after its parent
         elif t is Lost:
-            lib.fp_forget_all_spaces(self.ctx)  # epoch bump: every space is re-verified
+            self.nctx.forget_all_spaces()  # epoch bump: every space is re-verified
             return
         pid = getattr(rec, "pid", None)
-        if type(pid) is int and 0 <= pid < 1 << 32:
-            lib.fp_forget_space(self.ctx, pid)
+        if type(pid) is int:
+            self.nctx.forget_space(pid)
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
              stack_ids: Any) -> None:  # fmt: skip
@@ -468,7 +458,8 @@ class NativeStep:
         Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all
         forgotten on COMM, on a drop and whenever a rescan may have set a comm
         (``LiveTable.on_comm``)."""
-        live, engine, ctx = self.live, self.engine, self.ctx
+        live, engine, nctx = self.live, self.engine, self.nctx
+        ctx = nctx.ctx
         u64 = self._u64s
         stopped, rt, ntouched = u64 + 6, u64 + 7, u64 + 8
         need_pid, need_tid = self._u32s, self._u32s + 1
@@ -493,11 +484,11 @@ class NativeStep:
                 s = self.pipeline.decoder._sample(r.misc, mv[r.off + 8 : r.off + r.size])
                 rescans = live.stats.rescans.total()
                 placed = live.place(s)
-                lib.fp_forget_space(ctx, r.pid)
+                nctx.forget_space(r.pid)
                 if live.stats.rescans.total() != rescans:
-                    lib.fp_forget_comms(ctx)  # a rescan may have set a comm
+                    nctx.forget_comms()  # a rescan may have set a comm
                 if placed and not self._defer(s):
-                    self._set_space(r.pid, s.pid)
+                    nctx.set_space(r.pid, engine.snapshot(s.pid), ranges=True)
                     force = 1
                 else:
                     stack_ids[k] = _HELD
@@ -507,14 +498,7 @@ class NativeStep:
                         break
                 continue
             if rc == lib.FP_RUN_NEED_COMM:
-                pid, tid = int(need_pid[0]), int(need_tid[0])
-                comm = engine.comm_of(pid, tid)
-                cid = self._comm_ids.get(comm)
-                if cid is None:
-                    cid = self._comm_ids[comm] = len(self._comms)
-                    self._comms.append(comm)
-                if lib.fp_set_comm(ctx, pid, tid, cid) != 0:
-                    raise MemoryError("fp_set_comm")
+                nctx.set_comm(int(need_pid[0]), int(need_tid[0]))
                 continue  # force stays: k is still the sample the caller placed
             raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
         self._name_new()
@@ -577,64 +561,24 @@ class NativeStep:
                 res.release(e)
         return out
 
-    def _set_space(self, cpid: int, pid: int | None) -> None:
-        snap = self.engine.snapshot(pid)
-        sid = self._space_ids.get(snap.key)
-        if sid is None:
-            sid = self._space_ids[snap.key] = len(self._snaps)
-            flat = [x for mp in snap.mappings for x in (mp.start, mp.end)]
-            self._snaps.append((snap, ffi.new("uint64_t[]", flat or [0])))
-        native = snap.native
-        ranges = self._snaps[sid][1]
-        if lib.fp_set_live_space(self.ctx, cpid, native._c, len(native.modules), sid, ranges,
-                                 len(snap.mappings)) != 0:  # fmt: skip
-            raise MemoryError("fp_set_live_space")
-
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
-        slow path names them in): each fp frame once with ``engine.frame_at``, and each
+        slow path names them in): each frame id once (``NativeContext.new_frames``), and each
         unique stack's frames tuple built once (the same tuple object each time: the store
-        interns by identity first). Engine stats are counted per group (``unsymbolized`` per
-        new (snapshot, frames), as ``user_frames`` does; ``batches`` counts native runs)."""
-        engine, ctx = self.engine, self.ctx
-        frames, unsym = self._frames, self._unsym
-        first = len(frames)
-        nfr = int(lib.fp_nframes(ctx))
-        if nfr > first:
-            sp, pc, ex = ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *")
-            for fid in range(first, nfr):
-                lib.fp_frame(ctx, fid, sp, pc, ex)
-                snap = self._snaps[sp[0]][0]
-                f = engine.frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
-                frames.append(f)
-                unsym.append(f.sym is None)
-            # frame_at counted each new frame; user_frames counts per new stack: redo below
-            engine.stats.unsymbolized -= sum(unsym[first:])
-        nst = int(lib.fp_nstacks(ctx))
-        if nst <= len(self._stacks):
-            return
-        st = ffi.new("struct fp_stack *")
-        stacks, comms, seen = self._stacks, self._comms, self._seen
-        kernel_frames = self.engine.kernel_frames  # cached by callchain there
-        # map over the id lists: C-level loops, a new process's stacks are mostly new ones
-        frame_of, unsym_of = frames.__getitem__, unsym.__getitem__
-        for sid in range(len(stacks), nst):
-            lib.fp_stack(ctx, sid, st)
-            nkc, npcs = st.nkc, st.npcs
-            kframes = kernel_frames(tuple(ffi.unpack(st.kc, nkc))) if nkc else ()
-            comm = comms[st.comm_id]
-            if st.regs_none and kframes:
+        interns by identity first)."""
+        nctx, kernel_frames = self.nctx, self.engine.kernel_frames  # cached by callchain
+        self._frames += nctx.new_frames()
+        frame_of, stacks = self._frames.__getitem__, self._stacks
+        for comm, space, code, regs_none, ids, kc in nctx.new_stacks():
+            kframes = kernel_frames(tuple(memoryview(kc).cast("Q").tolist())) if kc else ()
+            if regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
                 continue
-            fids = ffi.buffer(st.fids, 4 * npcs)
-            ids = memoryview(fids).cast("B").cast("I")
-            key = st.space_id.to_bytes(4, "little") + fids[:]
-            if key not in seen:  # user_frames' cache miss: it counts these
-                seen.add(key)
-                engine.stats.unsymbolized += sum(map(unsym_of, ids))
+            nctx.count_unsymbolized(space, ids)
             uframes = tuple(map(frame_of, ids))
             stacks.append((kframes + uframes if kframes else uframes, comm,
-                           STATUS_NAMES[st.status], npcs, len(kframes)))  # fmt: skip
+                           STATUS_NAMES[code], len(ids), len(kframes)))  # fmt: skip
+        nctx.release_snapshots()
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
