@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import gc
 import os
-from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -40,9 +38,8 @@ from ..source.perfdata import PerfData
 from ..source.records import FinishedRound, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
 from ..unwcore import check, count, ffi, lib
-from ..unwind import stackfmt
 from ..unwind.engine import StackEngine
-from ..unwind.stackfmt import Frame, UnwoundSample
+from ..unwind.stackfmt import Frame
 from .context import (
     END_ERRORS,
     STATUS_NAMES,
@@ -52,6 +49,7 @@ from .context import (
     record_marks,
     view,
 )
+from .replaytext import emitter, render_frame, write_folded
 
 __all__ = ["FastResult", "Unsupported", "replay"]
 
@@ -321,8 +319,10 @@ class _Replay:
         stack_ids = ffi.new("uint32_t[]", max(1, m))
         ids = view(stack_ids, "I")
         engine = self.engine
-        emit = self._emitter(is_sample, times, periods, pids, tids, cpus if has_cpu else None,
-                             ids)  # fmt: skip
+        has_period = self.lay.i_period >= 0
+        emit = emitter(self.fmt, self.out.write, self._stacks, self._rendered,
+                       (times, periods if has_period else None, pids, tids,
+                        cpus if has_cpu else None), ids)  # fmt: skip
         pos = 0
         side = 0
         while pos < m:
@@ -486,9 +486,9 @@ class _Replay:
         distinct user frame (fp_frame; for folded output one per binary code address, see
         fp_ctx_by_code) is named once (``NativeContext.new_frames``) and rendered once, so a
         stack costs one list lookup per frame."""
-        text, texts, render = self._frame_text, self._texts, self._render
+        text, texts, fmt = self._frame_text, self._texts, self.fmt
         for f in self.nctx.new_frames():
-            t = render((f,))
+            t = render_frame(fmt, f)
             text.append(texts.setdefault(t, t))
         if self.by_code:
             self.nctx.count_code_stacks()
@@ -520,74 +520,12 @@ class _Replay:
                 rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 
     def _render_kernel(self, f: Frame) -> str:
-        """_render of a kernel frame, once per distinct frame: callchains share most of theirs
+        """render_frame of a kernel frame, once per distinct frame: callchains share most of theirs
         (bounded by the distinct kernel frames of the file)."""
         t = self._kframe_text.get(f)
         if t is None:
-            t = self._kframe_text[f] = self._render((f,))
+            t = self._kframe_text[f] = render_frame(self.fmt, f)
         return t
-
-    def _render(self, frames: tuple[Frame, ...]) -> str:
-        """One frame in self.fmt: a folded name, a JSON object, or a perf script line."""
-        (f,) = frames
-        if self.fmt == "folded":  # folded_key's name of the frame (no comm, no sample object)
-            return stackfmt.folded_names(frames)[0]
-        if self.fmt == "jsonl":
-            import json  # (a folded replay does not pay for importing it)
-
-            u = UnwoundSample(None, None, None, None, "", None, "", frames)
-            return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
-        return (f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
-                f"({f.dso or '[unknown]'})\n")  # fmt: skip
-
-    # -- output
-
-    def _emitter(
-        self,
-        is_sample: bytes,
-        times: memoryview,
-        periods: memoryview,
-        pids: memoryview,
-        tids: memoryview,
-        cpus: memoryview | None,
-        ids: memoryview,
-    ) -> Callable[[int, int], None]:
-        fmt, w = self.fmt, self.out.write
-        stacks, rendered = self._stacks, self._rendered
-        has_period = self.lay.i_period >= 0
-        if fmt == "folded":
-            return lambda a, b: None
-        if fmt == "jsonl":
-            import json
-
-            dumps = json.dumps
-
-            def emit(a: int, b: int) -> None:
-                parts = []
-                for k in range(a, b):
-                    sid = ids[k]
-                    comm, status = stacks[sid][0], stacks[sid][1]
-                    head = dumps({
-                        "time_ns": times[k], "pid": pids[k], "tid": tids[k],
-                        "cpu": cpus[k] if cpus is not None else None, "comm": comm,
-                        "period": periods[k] if has_period else None, "unwind_status": status,
-                    }, separators=(",", ":"))  # fmt: skip
-                    parts.append(f'{head[:-1]},"frames":{rendered[sid]}}}\n')
-                w("".join(parts))
-
-            return emit
-
-        def emit_script(a: int, b: int) -> None:
-            parts = []
-            for k in range(a, b):
-                sid = ids[k]
-                t = times[k]
-                parts.append(f"{stacks[sid][0]} {pids[k]:5d}/{tids[k]:<5d} "
-                             f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n")  # fmt: skip
-                parts.append(rendered[sid])
-            w("".join(parts))
-
-        return emit_script
 
     def _finish(self) -> None:
         """Final per-stack counts: engine stats, and the folded output."""
@@ -617,60 +555,4 @@ class _Replay:
         es.frames = es.kernel_frames + es.user_frames
         es.batches += self.runs
         if self.fmt == "folded":
-            self._write_folded()
-
-    def _write_folded(self) -> None:
-        """The folded text, made in C (fold.c) from the names ranked here: every distinct
-        name (comms, frame texts, kernel frames named now, once per ip) sorted as Python
-        sorts str, so C's order of rank sequences is render_folded's order of name tuples;
-        names cross as UTF-8 with surrogates passed through, so decoding gives back the
-        same str. Written in pieces of 256 KiB (one buffer reused: a text built whole would
-        page-fault fresh memory for every page of it)."""
-        kf = self.engine.kernel_frame
-        cap = 4096
-        while True:
-            a_kips = ffi.new("uint64_t[]", cap)
-            nk = int(lib.fp_kernel_ips(self.ctx, a_kips, cap))
-            if nk <= cap:
-                break
-            cap = nk
-        kips = view(a_kips, "Q")[:nk].tolist()
-        # one folded_names call for all: it names frames outermost first, so reversed twice
-        knames = list(stackfmt.folded_names(tuple(map(kf, reversed(kips)))))
-        comms = [c or "[unknown]" for c in self.nctx.comms]
-        names = sorted({*comms, *self._frame_text, *knames})
-        rank = {n: r for r, n in enumerate(names)}
-        comm_rank = array("I", [rank[c] for c in comms] or [0])
-        frame_rank = array("I", [rank[t] for t in self._frame_text] or [0])
-        krank = array("I", [rank[t] for t in knames] or [0])
-        kip_arr = array("Q", kips or [0])
-        blobs = [n.encode("utf-8", "surrogatepass") for n in names]
-        offs = array("Q", [0])
-        for b in blobs:
-            offs.append(offs[-1] + len(b))
-        blob = b"".join(blobs) or b"\0"
-        p_fold = ffi.new("struct fp_fold **")
-        rc = lib.fp_fold_new(self.ctx, ffi.from_buffer("uint32_t[]", comm_rank), len(comms),
-                             ffi.from_buffer("uint32_t[]", frame_rank), len(self._frame_text),
-                             ffi.from_buffer("uint64_t[]", kip_arr),
-                             ffi.from_buffer("uint32_t[]", krank), len(kips), p_fold)  # fmt: skip
-        if rc == -1:
-            raise MemoryError("fp_fold_new")
-        if rc != 0:
-            raise RuntimeError(f"fp_fold_new: a frame, comm or kernel ip without a name ({rc})")
-        fold = ffi.gc(p_fold[0], lib.fp_fold_free)
-        c_blob, c_offs = ffi.from_buffer(blob), ffi.from_buffer("uint64_t[]", offs)
-        cap = 256 << 10
-        buf = ffi.new("uint8_t[]", cap)
-        w = self.out.write
-        while True:
-            n = int(lib.fp_fold_text(fold, c_blob, c_offs, len(names), buf, cap))
-            if n == 0:
-                break
-            if n < 0:
-                if n == -(1 << 63):
-                    raise RuntimeError("fp_fold_text: bad name rank")
-                cap = -n
-                buf = ffi.new("uint8_t[]", cap)
-                continue
-            w(ffi.buffer(buf, n)[:].decode("utf-8", "surrogatepass"))
+            write_folded(self.nctx, self.engine.kernel_frame, self._frame_text, self.out.write)

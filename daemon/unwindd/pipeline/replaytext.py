@@ -1,0 +1,152 @@
+"""The native replay's text: one frame rendered in an output format, the per-sample lines of
+jsonl and perf-script output, and the folded text made in C from ranked names. fastreplay.py
+decides what is written when; this module decides how it reads, byte for byte what the
+reference path (stackfmt, ``unwindd replay``'s Python sink) writes.
+
+Invariants:
+- ``render_frame`` is stackfmt's rendering of one frame: ``folded_names``' name, ``to_json``'s
+  frame object, perf script's frame line; so a stack's text is its frames' texts joined.
+- Folded names are ranked as Python sorts str, so C's order of rank sequences (fold.c) is
+  ``render_folded``'s order of name tuples; names cross to C as UTF-8 with surrogates passed
+  through, so decoding gives back the same str.
+
+Cost: one string format per frame rendered (each distinct frame once, by the caller), one per
+sample line; folded output O(names log names) here plus C's pass over the stacks, written in
+pieces of a reused 256 KiB buffer.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+from ..unwcore import ffi, lib
+from ..unwind import stackfmt
+from ..unwind.stackfmt import Frame, UnwoundSample
+from .context import NativeContext, view
+
+__all__ = ["emitter", "render_frame", "write_folded"]
+
+Emit = Callable[[int, int], None]
+
+
+def render_frame(fmt: str, f: Frame) -> str:
+    """One frame in ``fmt``: a folded name, a JSON object, or a perf script line."""
+    if fmt == "folded":  # folded_key's name of the frame (no comm, no sample object)
+        return stackfmt.folded_names((f,))[0]
+    if fmt == "jsonl":
+        import json  # (a folded replay does not pay for importing it)
+
+        u = UnwoundSample(None, None, None, None, "", None, "", (f,))
+        return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
+    return (f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
+            f"({f.dso or '[unknown]'})\n")  # fmt: skip
+
+
+def emitter(
+    fmt: str,
+    write: Callable[[str], Any],
+    stacks: list[tuple[str, str, int, int]],
+    rendered: list[str],
+    cols: tuple[memoryview, memoryview | None, memoryview, memoryview, memoryview | None],
+    ids: memoryview,
+) -> Emit:
+    """What writes the samples of delivered positions [a, b): their lines in ``fmt`` (jsonl,
+    perf-script; folded writes at the end). ``cols``: times, periods (None: the layout has
+    none), pids, tids, cpus (None: none), by delivered position; ``ids`` their stack ids into
+    ``stacks`` (comm, status, ...) and ``rendered`` (each stack's frames as text)."""
+    times, periods, pids, tids, cpus = cols
+    if fmt == "folded":
+        return lambda a, b: None
+    if fmt == "jsonl":
+        import json
+
+        dumps = json.dumps
+
+        def emit(a: int, b: int) -> None:
+            parts = []
+            for k in range(a, b):
+                sid = ids[k]
+                comm, status = stacks[sid][0], stacks[sid][1]
+                head = dumps({
+                    "time_ns": times[k], "pid": pids[k], "tid": tids[k],
+                    "cpu": cpus[k] if cpus is not None else None, "comm": comm,
+                    "period": periods[k] if periods is not None else None,
+                    "unwind_status": status,
+                }, separators=(",", ":"))  # fmt: skip
+                parts.append(f'{head[:-1]},"frames":{rendered[sid]}}}\n')
+            write("".join(parts))
+
+        return emit
+
+    def emit_script(a: int, b: int) -> None:
+        parts = []
+        for k in range(a, b):
+            sid = ids[k]
+            t = times[k]
+            parts.append(f"{stacks[sid][0]} {pids[k]:5d}/{tids[k]:<5d} "
+                         f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n")  # fmt: skip
+            parts.append(rendered[sid])
+        write("".join(parts))
+
+    return emit_script
+
+
+def write_folded(
+    nctx: NativeContext,
+    kernel_frame: Callable[[int], Frame],
+    frame_text: list[str],
+    write: Callable[[str], Any],
+) -> None:
+    """The folded text of every stack of ``nctx`` (by code), made in C (fold.c) from the names
+    ranked here: comms, ``frame_text`` (per frame id) and kernel frames, named now once per
+    ip by ``kernel_frame``. Written in pieces of 256 KiB (one buffer reused: a text built
+    whole would page-fault fresh memory for every page of it)."""
+    ctx = nctx.ctx
+    cap = 4096
+    while True:
+        a_kips = ffi.new("uint64_t[]", cap)
+        nk = int(lib.fp_kernel_ips(ctx, a_kips, cap))
+        if nk <= cap:
+            break
+        cap = nk
+    kips = view(a_kips, "Q", nk).tolist()
+    # one folded_names call for all: it names frames outermost first, so reversed twice
+    knames = list(stackfmt.folded_names(tuple(map(kernel_frame, reversed(kips)))))
+    comms = [c or "[unknown]" for c in nctx.comms]
+    names = sorted({*comms, *frame_text, *knames})
+    rank = {n: r for r, n in enumerate(names)}
+    comm_rank = array("I", [rank[c] for c in comms] or [0])
+    frame_rank = array("I", [rank[t] for t in frame_text] or [0])
+    krank = array("I", [rank[t] for t in knames] or [0])
+    kip_arr = array("Q", kips or [0])
+    blobs = [n.encode("utf-8", "surrogatepass") for n in names]
+    offs = array("Q", [0])
+    for b in blobs:
+        offs.append(offs[-1] + len(b))
+    blob = b"".join(blobs) or b"\0"
+    p_fold = ffi.new("struct fp_fold **")
+    rc = lib.fp_fold_new(ctx, ffi.from_buffer("uint32_t[]", comm_rank), len(comms),
+                         ffi.from_buffer("uint32_t[]", frame_rank), len(frame_text),
+                         ffi.from_buffer("uint64_t[]", kip_arr),
+                         ffi.from_buffer("uint32_t[]", krank), len(kips), p_fold)  # fmt: skip
+    if rc == -1:
+        raise MemoryError("fp_fold_new")
+    if rc != 0:
+        raise RuntimeError(f"fp_fold_new: a frame, comm or kernel ip without a name ({rc})")
+    fold = ffi.gc(p_fold[0], lib.fp_fold_free)
+    c_blob, c_offs = ffi.from_buffer(blob), ffi.from_buffer("uint64_t[]", offs)
+    cap = 256 << 10
+    buf = ffi.new("uint8_t[]", cap)
+    while True:
+        n = int(lib.fp_fold_text(fold, c_blob, c_offs, len(names), buf, cap))
+        if n == 0:
+            break
+        if n < 0:
+            if n == -(1 << 63):
+                raise RuntimeError("fp_fold_text: bad name rank")
+            cap = -n
+            buf = ffi.new("uint8_t[]", cap)
+            continue
+        write(ffi.buffer(buf, n)[:].decode("utf-8", "surrogatepass"))
