@@ -28,8 +28,8 @@ from stacks import (
 )
 from unwindd.binaries.cfiprefetch import CFI_INLINE_MAX_BYTES
 from unwindd.binaries.elfcache import CacheConfig
+from unwindd.pipeline.deferred import Deferred
 from unwindd.pipeline.live import LiveProfiler
-from unwindd.pipeline.livefast import NativeStep
 from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
 from unwindd.store.stackstore import StackStore
@@ -187,23 +187,23 @@ def test_small_binaries_compile_on_the_loop(
     workload's pids: the capture is machine-wide, and how many of other processes' samples
     wait for big binaries' compiles depends on the worker's timing (a total compared
     across two replays failed under load, 396 vs 370)."""
-    deferred: Counter[tuple[int, int]] = Counter()  # (id of the NativeStep, pid)
-    real_defer = NativeStep._defer
+    deferred: Counter[tuple[int, int]] = Counter()  # (id of the step's Deferred, pid)
+    real_hold = Deferred.hold
 
-    def counting(self: NativeStep, s: Any) -> bool:
-        held = real_defer(self, s)
+    def counting(self: Deferred, s: Any) -> bool:
+        held = real_hold(self, s)
         if held:
             deferred[id(self), s.pid] += 1
         return held
 
-    monkeypatch.setattr(NativeStep, "_defer", counting)
+    monkeypatch.setattr(Deferred, "hold", counting)
     cap = tmp_path / "chunks.pickle"
     pids = capture(cap, [(workloads["c_o2"].argv[0], "200")])
     (tmp_path / "empty-proc").mkdir()
 
     def of_workload(prof: LiveProfiler) -> int:
         assert prof.fast is not None
-        return sum(deferred[id(prof.fast), pid] for pid in pids)
+        return sum(deferred[id(prof.fast.deferred), pid] for pid in pids)
 
     slow = replay(cap, False, tmp_path)
     worker = replay(cap, True, tmp_path, prefetch=True)
@@ -214,8 +214,8 @@ def test_small_binaries_compile_on_the_loop(
     assert pre.started < wpre.started  # binaries sent to the worker
     for prof in (worker, loop):  # the hook saw every deferral
         assert prof.fast is not None
-        assert sum(n for (k, _), n in deferred.items() if k == id(prof.fast)) == (
-            prof.fast.stats_deferred)
+        assert sum(n for (k, _), n in deferred.items() if k == id(prof.fast.deferred)) == (
+            prof.fast.deferred.total)
     # (with every binary on the worker, the workload's first samples wait: not asserted, as
     # a preempted replay can find the compile done; printed)
     print(f"workload samples deferred: worker {of_workload(worker)}, loop {of_workload(loop)}")
@@ -251,7 +251,7 @@ def test_deferred_samples_hold_their_binaries(
     tiny = CacheConfig(max_bytes=1)
     slow = replay(cap, False, tmp_path, cache=tiny)
     fast = replay(cap, True, tmp_path, prefetch=True, cache=tiny)
-    assert fast.fast is not None and fast.fast.stats_deferred > 0
+    assert fast.fast is not None and fast.fast.deferred.total > 0
     assert fast.engine.stats.by_status == slow.engine.stats.by_status
     assert contents(fast) == contents(slow)
     refs = {e.uid: e.refcount for e in fast.engine.table.binaries._by_key.values()}  # type: ignore[union-attr]
@@ -270,9 +270,9 @@ def test_first_cfi_compiles_run_off_the_step(
     (tmp_path / "empty-proc").mkdir()
     slow = replay(cap, False, tmp_path)
     fast = replay(cap, True, tmp_path, prefetch=True)
-    assert fast.fast is not None and fast.fast.stats_deferred > 0
+    assert fast.fast is not None and fast.fast.deferred.total > 0
     pre = fast.engine.cfi_prefetch
     assert pre is not None and pre.started > 0 and pre.used > 0
     assert fast.store.stats.samples == slow.store.stats.samples
     assert fast.engine.stats.by_status == slow.engine.stats.by_status
-    assert not fast.live.pinned and not fast.fast._deferred
+    assert not fast.live.pinned and not fast.fast.deferred

@@ -8,7 +8,7 @@ Invariants:
 - Side-band records are applied in delivered order between runs of samples, exactly as
   ``StackEngine.feed`` does (``_apply``).
 - Each sample is unwound against its pid's space, and named with its thread's comm, as they
-  were when it was placed, as in the slow step (``_run``, ``_defer``).
+  were when it was placed, as in the reference step (``_run``, deferred.py).
 - Each distinct (snapshot, pc) frame is named once, each unique stack built once (``_name_new``).
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``); the counts they name reach the store first,
@@ -31,7 +31,7 @@ from ..procs.livetable import LiveTable
 from ..source import abi
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Fork, Lost, Record, Sample
+from ..source.records import Comm, Fork, Lost, Record
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
@@ -45,6 +45,7 @@ from .context import (
     record_marks,
     view,
 )
+from .deferred import Deferred
 
 if TYPE_CHECKING:
     from ..source.capture import StreamPipeline
@@ -139,14 +140,8 @@ class NativeStep:
         self._ost = ffi.new("struct fp_order_stats *")
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
-        # Samples waiting for a CFI compile in the worker (engine.cfi_prefetch), each with the
-        # entries it waits for; at most max_deferred, then the loop compiles them itself.
-        # Each with its space's mapping list and its comm as they were when it was placed:
-        # records applied meanwhile (exec, dlopen, COMM) must not change how it is unwound.
-        # (sample, binaries still compiling, mapping state, comm, binaries it holds a ref on)
-        self._deferred: list[tuple[Sample, list[Any], object, str, list[Any]]] = []
-        self.max_deferred = max_deferred
-        self.stats_deferred = 0  # samples ever deferred
+        # Placed samples waiting for a CFI compile in the worker (engine.cfi_prefetch)
+        self.deferred = Deferred(engine, self.live, max_deferred)
         self._new_ctx()
         engine.drop_listeners.append(self._dropped)
 
@@ -224,7 +219,7 @@ class NativeStep:
             info.depths.update(flushed.depths)
         if final:  # close(): end_round, then flush_all (capture: drain_round + finish)
             more, info2 = self._round([], [0, self._carry_len], True)
-            late = self._undefer(True)  # deferred during that last round
+            late = self.deferred.take(True)  # deferred during that last round
             if late:
                 self.store.add(late)
                 more += late
@@ -270,8 +265,8 @@ class NativeStep:
         if due:  # held samples first, unwound by the engine's own path (StackEngine.feed)
             self.forget_all()  # due() rescanned pids and may have set comms
             due_out = engine.unwind_held(due)
-        if self._deferred:
-            due_out += self._undefer(flush)
+        if self.deferred:
+            due_out += self.deferred.take(flush)
         buf = self._arenas[self._cur]
         size = bounds[-1]
         mv = memoryview(buf)
@@ -453,7 +448,7 @@ class NativeStep:
         hold / give-up, as in the slow step); placed samples then unwind natively against the
         snapshot ``place`` left. Held samples come back from ``live.due()`` and are unwound by
         the engine's Python path, as in the slow step; a sample whose binaries still compile
-        in the CFI worker is deferred (``_defer``).
+        in the CFI worker waits in ``deferred`` (deferred.py).
 
         Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all
         forgotten on COMM, on a drop and whenever a rescan may have set a comm
@@ -487,7 +482,7 @@ class NativeStep:
                 nctx.forget_space(r.pid)
                 if live.stats.rescans.total() != rescans:
                     nctx.forget_comms()  # a rescan may have set a comm
-                if placed and not self._defer(s):
+                if placed and not self.deferred.hold(s):
                     nctx.set_space(r.pid, engine.snapshot(s.pid), ranges=True)
                     force = 1
                 else:
@@ -502,64 +497,6 @@ class NativeStep:
                 continue  # force stays: k is still the sample the caller placed
             raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
         self._name_new()
-
-    def _defer(self, s: Sample) -> bool:
-        """Hold a placed sample while a binary of its space compiles in the worker (see
-        cfiprefetch.CfiPrefetcher); True if held. Its pid is pinned against reaping meanwhile. It
-        keeps its space's mapping list and its comm as they were (``AddressSpace.state``,
-        ``engine.comm_of``) and is unwound against those later (``engine.unwind_as_of``), so
-        an exec or dlopen applied meanwhile does not change its result: the same as the slow
-        step, which unwinds it in place."""
-        pre = self.engine.cfi_prefetch
-        if pre is None or s.pid is None or len(self._deferred) >= self.max_deferred:
-            return False
-        sp = self.engine.table.get(s.pid)
-        if sp is None:
-            return False
-        entries = sp.entries()
-        waiting = [e for e in entries if not pre.ready(e)]
-        if not waiting:
-            return False
-        # The sample is unwound later against sp.state: hold a cache reference on each of its
-        # binaries meanwhile, or an exec and a full cache could evict (close) them first and
-        # turn its frames unusable (the slow step unwinds with them in place).
-        res = self.engine.table.binaries
-        held: list[Any] = []
-        if res is not None:
-            held = entries
-            for e in held:
-                res.retain(e)
-        self._deferred.append((s, waiting, sp.state, self.engine.comm_of(s.pid, s.tid), held))
-        self.live.pinned[s.pid] += 1
-        self.stats_deferred += 1
-        return True
-
-    def _undefer(self, everything: bool) -> list[UnwoundSample]:
-        """Unwind the deferred samples whose binaries are ready (all of them at close: the
-        factory then waits for the worker), in their order, by the engine's Python path."""
-        pre = self.engine.cfi_prefetch
-        go: list[tuple[Sample, object, str]] = []
-        held: list[Any] = []
-        keep: list[tuple[Sample, list[Any], object, str, list[Any]]] = []
-        for d in self._deferred:
-            if everything or pre is None or all(pre.ready(e) for e in d[1]):
-                go.append((d[0], d[2], d[3]))
-                held += d[4]
-            else:
-                keep.append(d)
-        self._deferred = keep
-        pins = self.live.pinned
-        for s, _, _ in go:
-            assert s.pid is not None
-            pins[s.pid] -= 1
-            if pins[s.pid] <= 0:
-                del pins[s.pid]
-        out = self.engine.unwind_as_of(go) if go else []
-        res = self.engine.table.binaries
-        if res is not None:
-            for e in held:  # after the unwind: _defer's references
-                res.release(e)
-        return out
 
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
