@@ -318,7 +318,7 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
     idx = m.take_index(lay, start, length)
     assert idx is not None and m.take_index(lay, start, length) is None  # once
     buf = ffi.from_buffer(m.mm)
-    ref = fastreplay._Index(lay, ffi.cast("uint8_t *", buf) + start, length)
+    ref = fastreplay.RecordIndex(lay, ffi.cast("uint8_t *", buf) + start, length)
     size = ffi.sizeof("struct fp_rec")
     assert (idx.n, idx.other, idx.end, idx.stopped_at) == (ref.n, ref.other, ref.end,
                                                            ref.stopped_at) and idx.n > 10
@@ -398,7 +398,7 @@ def _python_index(dec: RecordDecoder, buf: bytes) -> Indexed:
 
 
 def _native_index(lay: Any, buf: bytes) -> Indexed:
-    idx = fastreplay._Index(lay, ffi.from_buffer(buf), len(buf))
+    idx = fastreplay.RecordIndex(lay, ffi.from_buffer(buf), len(buf))
     recs = [(r.off, r.type, r.misc, r.size, context.SAMPLE_ERRORS[r.err])
             for r in (idx.recs[i] for i in range(idx.n))]  # fmt: skip
     # Every indexed record lies inside the input, after the one before it, and is the record

@@ -263,7 +263,7 @@ def test_cfi_lookup_skips_debug_search_and_factory() -> None:
         e = cache.acquire(None, "/bin/true")
         assert e.build_id and e.cfi() is (hit if found else e.cfi()) and looked == [e.build_id]
         if found is not None:
-            assert calls == [] and e._debug is elfentry._NOT_LOADED
+            assert calls == [] and e._debug is elfentry.NOT_LOADED
         else:
             assert calls == [e.debug_path()]
 

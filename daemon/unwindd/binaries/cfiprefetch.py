@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from .elfentry import _NOT_LOADED
+from .elfentry import NOT_LOADED
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -133,7 +133,7 @@ class CfiPrefetcher:
 def _cfi_loaded(entry: Any) -> bool:
     # A read-only peek at ElfEntry's lazy slot (elfentry.py has no public "loaded?" query):
     # calling cfi() would compile on this thread, which asking is meant to avoid.
-    return getattr(entry, "_cfi", _NOT_LOADED) is not _NOT_LOADED
+    return getattr(entry, "_cfi", NOT_LOADED) is not NOT_LOADED
 
 
 def _file_key(path: str, debug: str | None, build_id: bytes | None) -> tuple[object, ...] | None:

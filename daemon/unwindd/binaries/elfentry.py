@@ -30,7 +30,7 @@ from .elf import PAGE, PF_X, ElfError, ElfReader, Segment
 from .elfsyms import load_symbol_table
 from .symtab import SymbolTable
 
-__all__ = ["CfiFactory", "ElfEntry", "EntryOwner", "SymbolFactory"]
+__all__ = ["NOT_LOADED", "CfiFactory", "ElfEntry", "EntryOwner", "SymbolFactory"]
 
 # (path that opens the validated file, separate debug file or None, the file's build-id or
 # None): the build-id lets a factory persist compiled tables (cfi.CfiStore).
@@ -64,7 +64,7 @@ class EntryOwner(Protocol):
 
 
 _ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry overhead
-_NOT_LOADED = object()
+NOT_LOADED = object()
 _ids = itertools.count(1)
 
 
@@ -125,8 +125,8 @@ class ElfEntry:
         self.nbytes = _ENTRY_BASE_BYTES + 64 * len(segments) + 2 * len(path)
         self._cache = cache
         self._symbols: SymbolTable | None = None
-        self._debug: object = _NOT_LOADED
-        self._cfi: object = _NOT_LOADED
+        self._debug: object = NOT_LOADED
+        self._cfi: object = NOT_LOADED
 
     def __repr__(self) -> str:
         bid = self.build_id.hex() if self.build_id else None
@@ -190,7 +190,7 @@ class ElfEntry:
 
     def debug_path(self) -> str | None:
         """Separate debug file: build-id dir first, then .gnu_debuglink (validated)."""
-        if self._debug is _NOT_LOADED:
+        if self._debug is NOT_LOADED:
             found: str | None = None
             if self.usable and self._cache is not None:
                 try:
@@ -206,7 +206,7 @@ class ElfEntry:
         ``CfiStore``'s table by build-id alone), a table found there is taken without looking
         for the separate debug file, which only building one needs (stats and section-header
         reads of every candidate)."""
-        if self._cfi is _NOT_LOADED:
+        if self._cfi is NOT_LOADED:
             table: object | None = None
             cache = self._cache
             factory = cache.cfi_factory if cache is not None else None

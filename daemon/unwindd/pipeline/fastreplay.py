@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from ..binaries.symtab import SymbolTable
 from ..procs.mapping import PROT_EXEC, Mapping
 from ..source.abi import RecordType, SampleType
-from ..source.mapfile import MappedFile, Unsupported, _Index, native_layout
+from ..source.mapfile import MappedFile, RecordIndex, Unsupported, native_layout
 from ..source.ordering import OrderStats
 from ..source.perfdata import PerfData
 from ..source.records import FinishedRound, Mmap2, Record, record_type_name
@@ -222,7 +222,7 @@ class _Replay:
             self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
         idx = self.mapped.take_index(self.lay, self.start, self.length)
         if idx is None:
-            idx = _Index(self.lay, self.buf, self.length)
+            idx = RecordIndex(self.lay, self.buf, self.length)
         if idx.stopped_at != _NO_STOP:
             raise Unsupported(f"record type > 255 at data offset {idx.stopped_at}")
         n = idx.n
@@ -262,7 +262,7 @@ class _Replay:
             r = recs[i]
             if r.type == _T_FINISHED_ROUND:
                 # decode_one makes a FinishedRound of any body, never an error, and nothing
-                # but its counts follows from it (PerfData._user_record ignores its type): one
+                # but its counts follows from it (PerfData.user_record ignores its type): one
                 # a round, counted below in bulk instead of decoded one by one
                 r.flags = marker
                 rounds += 1
@@ -270,7 +270,7 @@ class _Replay:
             off = self.start + r.off
             rtype, misc, body = r.type, r.misc, mv[off + 8 : off + r.size]
             if rtype >= RecordType.HEADER_ATTR:
-                data._user_record(rtype, misc, body)
+                data.user_record(rtype, misc, body)
             rec = dec.decode_one(rtype, misc, body)
             if type(rec) is Mmap2:
                 sstats.observe(rec)

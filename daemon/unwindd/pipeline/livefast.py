@@ -476,7 +476,7 @@ class NativeStep:
                 break
             if rc == lib.FP_RUN_NEED_PLACE:
                 r = recs[perm[k]]
-                s = self.pipeline.decoder._sample(r.misc, mv[r.off + 8 : r.off + r.size])
+                s = self.pipeline.decoder.decode_sample(r.misc, mv[r.off + 8 : r.off + r.size])
                 rescans = live.stats.rescans.total()
                 placed = live.place(s)
                 nctx.forget_space(r.pid)

@@ -1,7 +1,7 @@
 """One process's address space: the ``ProcessTable.space_for`` view of its executable mappings.
 
 Invariants:
-- A space's mapping list is immutable once built (``_State``): a change replaces the state, so
+- A space's mapping list is immutable once built (``SpaceState``): a change replaces the state, so
   spaces share one after FORK (copy-on-write) and a state handle taken earlier still describes
   the space as it was then (the engine unwinds a sample against the state of its time).
 - Only the owning ``ProcessTable`` mutates a space (the ``_set``/``_hold``/``_unhold`` methods):
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ..binaries.elfentry import ElfEntry
 from .mapping import Mapping, find_mapping
 
-__all__ = ["AddressSpace", "SpaceOwner"]
+__all__ = ["AddressSpace", "SpaceOwner", "SpaceState"]
 
 
 class SpaceOwner(Protocol):
@@ -37,7 +37,7 @@ class SpaceOwner(Protocol):
     def space_factory(self) -> Callable[..., Any]: ...
 
 
-class _State:
+class SpaceState:
     """Immutable once built: the mapping list of one or more spaces (shared after FORK),
     plus the lazily built modules / native space of exactly this list."""
 
@@ -52,7 +52,7 @@ class _State:
         self.native: object | None = None
 
 
-_EMPTY = _State((), 0)
+_EMPTY = SpaceState((), 0)
 _generations = iter(range(1, 1 << 62))
 
 
@@ -108,7 +108,7 @@ class AddressSpace:
         """Unwinder modules ``factory(start, end, bias, table, key)`` (``unwinder.Module``),
         one per mapping with a usable binary; cached until the mapping list changes."""
         st = self._state if state is None else state
-        assert isinstance(st, _State)
+        assert isinstance(st, SpaceState)
         if st.modules is None:
             make = factory or self._table.module_factory()
             mods = []
@@ -124,7 +124,7 @@ class AddressSpace:
         """The native ``AddressSpace(modules)``, rebuilt only after a mapping change (of the
         current mapping list, or of ``state``, a ``state`` handle taken earlier)."""
         st = self._state if state is None else state
-        assert isinstance(st, _State)
+        assert isinstance(st, SpaceState)
         if st.native is None:
             cls = self._table.space_factory()
             st.native = cls(self.modules(state=st))
@@ -133,7 +133,7 @@ class AddressSpace:
     # -- mutation (ProcessTable only)
 
     def _set(self, mappings: tuple[Mapping, ...], starts: list[int] | None = None) -> None:
-        self._state = _State(mappings, next(_generations), starts)
+        self._state = SpaceState(mappings, next(_generations), starts)
 
     def _hold(self, entry: ElfEntry | None) -> bool:
         """Count one more mapping of ``entry``; True if it is the first one here."""

@@ -218,7 +218,7 @@ class RecordDecoder:
         # Plain-int type constants (_T_*): an IntEnum member lookup per comparison costs more
         # than the comparison; side-band types are tested in order of frequency under churn.
         if rtype == _T_SAMPLE:
-            return self._sample(misc, body)
+            return self.decode_sample(misc, body)
         if rtype == _T_FINISHED_ROUND:
             return FinishedRound(misc)
         if rtype >= _T_HEADER_ATTR:
@@ -311,7 +311,7 @@ class RecordDecoder:
         return _new_mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen, build_id,
                           prot, flags, name, sid)  # fmt: skip
 
-    def _sample(self, misc: int, body: memoryview) -> Sample:
+    def decode_sample(self, misc: int, body: memoryview) -> Sample:
         lay = self._layouts[self._format_for_sample(body)]
         st = lay.sample_type
         n = len(body)

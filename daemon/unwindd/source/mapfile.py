@@ -31,7 +31,7 @@ from .._unwcore import ffi, lib
 if TYPE_CHECKING:
     from .perfdata import PerfData
 
-__all__ = ["MappedFile", "Unsupported", "layout_of", "native_layout"]
+__all__ = ["MappedFile", "RecordIndex", "Unsupported", "layout_of", "native_layout"]
 
 
 class Unsupported(Exception):
@@ -82,7 +82,7 @@ def _lay_key(lay: Any) -> bytes:
     return bytes(ffi.buffer(lay))
 
 
-class _Index:
+class RecordIndex:
     """fp_index of a buffer: the records array (freed with the object) and how it ended."""
 
     def __init__(self, lay: Any, buf: Any, length: int) -> None:
@@ -110,7 +110,7 @@ class MappedFile:
         self._filler: threading.Thread | None = None
         self._indexer: threading.Thread | None = None
         self._index_key: tuple[bytes, int, int] | None = None
-        self._index: _Index | None = None
+        self._index: RecordIndex | None = None
         self._closer: threading.Thread | None = None
         self._closed = False
 
@@ -156,13 +156,13 @@ class MappedFile:
         self.wait()
         buf = ffi.from_buffer(self.mm)
         try:
-            self._index = _Index(lay, ffi.cast("const uint8_t *", buf) + start, length)
+            self._index = RecordIndex(lay, ffi.cast("const uint8_t *", buf) + start, length)
         except MemoryError:
             self._index = None  # take_index then gives None: the caller indexes itself
         finally:
             ffi.release(buf)
 
-    def take_index(self, lay: Any, start: int, length: int) -> _Index | None:
+    def take_index(self, lay: Any, start: int, length: int) -> RecordIndex | None:
         """The background index if it was made for this layout and section (waited for),
         once; else None."""
         if self._indexer is None:

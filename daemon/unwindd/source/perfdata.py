@@ -449,7 +449,7 @@ class PerfData:
                                              name=name)  # fmt: skip
         self._set_attrs(attrs)
 
-    def _user_record(self, rtype: int, misc: int, body: memoryview) -> None:
+    def user_record(self, rtype: int, misc: int, body: memoryview) -> None:
         """Side effects of perf's synthesized records on the header view (pipe mode mostly)."""
         try:
             if rtype == RecordType.HEADER_ATTR:
@@ -486,7 +486,7 @@ class PerfData:
             framer = _Framer(self._stream, self.data_size, self._stats, self.errors)
         for rtype, misc, body in framer.frames():
             if rtype >= RecordType.HEADER_ATTR:
-                self._user_record(rtype, misc, body)
+                self.user_record(rtype, misc, body)
             yield self.decoder.decode_one(rtype, misc, body)
 
 

@@ -30,7 +30,7 @@ from ..binaries.elfcache import CacheConfig, ElfCache
 from ..binaries.symbolize import Symbolizer
 from ..procs.mapping import Mapping, find_mapping
 from ..procs.proctable import ProcessTable
-from ..procs.space import _State
+from ..procs.space import SpaceState
 from ..source import abi
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample
@@ -258,7 +258,7 @@ class StackEngine:
             if state is sp.state:
                 snap = self.snapshot(s.pid)
             else:
-                assert isinstance(state, _State)
+                assert isinstance(state, SpaceState)
                 mappings = state.mappings
                 snap = Snapshot((sp.pid, state.generation), sp.native_space(state), mappings,
                                 tuple(state.starts))  # fmt: skip
