@@ -126,6 +126,88 @@ static int cpumap_get(const struct cpumap *m, uint64_t cpu, uint64_t *t)
     return 0;
 }
 
+/* ------------------------------------------------------------------ the rule, once */
+
+/* RoundOrderer's state: the queue (a heap of (time, seq, index)), its seq counter and times. */
+struct order {
+    struct hent *h;
+    uint64_t hn, seq, next_flush, last_flush, max_time, last_time, max_queued;
+    int have_last;
+    struct cpumap cm;
+};
+
+static void ord_free(struct order *o)
+{
+    free(o->h);
+    free(o->cm.keys);
+    free(o->cm.vals);
+}
+
+static void ord_pop(struct order *o, uint32_t *perm, uint64_t *out)
+{
+    struct hent e = hpop(o->h, &o->hn);
+    perm[(*out)++] = e.idx;
+    if (e.t > o->last_flush)
+        o->last_flush = e.t;
+}
+
+/* RoundOrderer.push of record r (not a marker) as index i: an untimed record takes the last
+ * time of its CPU, else of the last timed record, else last_flush; one older than last_flush
+ * is counted late; past max_queued the oldest half goes out now (_force_half, delivered
+ * first, as end_round returns _ready). The heap has room for one more. 0, or -1 (memory). */
+static int ord_push(struct order *o, const struct fp_rec *r, uint32_t i, uint32_t *perm,
+                    uint64_t *out, uint64_t *late_ns, uint64_t *nlate,
+                    struct fp_order_stats *st)
+{
+    uint64_t t;
+    if (!(r->flags & FP_TIMED)) {
+        st->untimed++;
+        if ((r->flags & FP_HAS_CPU) && cpumap_get(&o->cm, r->cpu, &t))
+            ;
+        else if (o->have_last)
+            t = o->last_time;
+        else
+            t = o->last_flush;
+    } else {
+        t = r->time;
+        if (t < o->last_flush) {
+            uint64_t late = o->last_flush - t;
+            st->late++;
+            late_ns[(*nlate)++] = late;
+            if (late > st->max_lateness_ns)
+                st->max_lateness_ns = late;
+        }
+        if (t > o->max_time)
+            o->max_time = t;
+        o->last_time = t;
+        o->have_last = 1;
+        if ((r->flags & FP_HAS_CPU) && cpumap_put(&o->cm, r->cpu, t))
+            return -1;
+    }
+    hpush(o->h, &o->hn, (struct hent){t, o->seq++, i});
+    st->pushed++;
+    if (o->hn > o->max_queued) {
+        uint64_t k = o->hn / 2 ? o->hn / 2 : 1;
+        for (uint64_t j = 0; j < k; j++)
+            ord_pop(o, perm, out);
+        st->forced_flushes++;
+    }
+    return 0;
+}
+
+/* RoundOrderer.end_round: out goes what is not newer than the previous round's newest time. */
+static void ord_end_round(struct order *o, uint32_t *perm, uint64_t *out,
+                          struct fp_order_stats *st)
+{
+    st->rounds++;
+    uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;
+    while (o->hn && o->h[0].t <= lim)
+        ord_pop(o, perm, out);
+    o->next_flush = o->max_time;
+}
+
+/* ------------------------------------------------------------------ a whole file */
+
 int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_t *perm,
              uint64_t *nout, uint64_t *late_ns, uint64_t *nlate, struct fp_order_stats *st)
 {
@@ -133,76 +215,21 @@ int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_
     *nout = *nlate = 0;
     if (!max_queued || n > UINT32_MAX)
         return -1;
-    struct hent *h = malloc((n ? n : 1) * sizeof *h);
-    if (!h)
+    struct order o = {.max_queued = max_queued};
+    o.h = malloc((n ? n : 1) * sizeof *o.h);
+    if (!o.h)
         return -1;
-    struct cpumap cm = {0, 0, 0, 0};
-    uint64_t hn = 0, seq = 0, next_flush = 0, last_flush = 0, max_time = 0, last_time = 0;
-    int have_last = 0, rc = 0;
+    int rc = 0;
     uint64_t out = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        const struct fp_rec *r = &recs[i];
-        if (r->flags & FP_MARKER) { /* end_round */
-            st->rounds++;
-            uint64_t lim = next_flush > last_flush ? next_flush : last_flush;
-            while (hn && h[0].t <= lim) {
-                struct hent e = hpop(h, &hn);
-                perm[out++] = e.idx;
-                if (e.t > last_flush)
-                    last_flush = e.t;
-            }
-            next_flush = max_time;
-            continue;
-        }
-        uint64_t t;
-        if (!(r->flags & FP_TIMED)) {
-            st->untimed++;
-            if ((r->flags & FP_HAS_CPU) && cpumap_get(&cm, r->cpu, &t))
-                ;
-            else if (have_last)
-                t = last_time;
-            else
-                t = last_flush;
-        } else {
-            t = r->time;
-            if (t < last_flush) {
-                uint64_t late = last_flush - t;
-                st->late++;
-                late_ns[(*nlate)++] = late;
-                if (late > st->max_lateness_ns)
-                    st->max_lateness_ns = late;
-            }
-            if (t > max_time)
-                max_time = t;
-            last_time = t;
-            have_last = 1;
-            if ((r->flags & FP_HAS_CPU) && cpumap_put(&cm, r->cpu, t)) {
-                rc = -1;
-                break;
-            }
-        }
-        hpush(h, &hn, (struct hent){t, seq++, (uint32_t)i});
-        st->pushed++;
-        if (hn > max_queued) { /* _force_half: the oldest half goes out now */
-            uint64_t k = hn / 2 ? hn / 2 : 1;
-            for (uint64_t j = 0; j < k; j++) {
-                struct hent e = hpop(h, &hn);
-                perm[out++] = e.idx;
-                if (e.t > last_flush)
-                    last_flush = e.t;
-            }
-            st->forced_flushes++;
-        }
+    for (uint64_t i = 0; i < n && !rc; i++) {
+        if (recs[i].flags & FP_MARKER)
+            ord_end_round(&o, perm, &out, st);
+        else
+            rc = ord_push(&o, &recs[i], (uint32_t)i, perm, &out, late_ns, nlate, st);
     }
-    while (!rc && hn) { /* flush_all */
-        struct hent e = hpop(h, &hn);
-        perm[out++] = e.idx;
-        if (e.t > last_flush)
-            last_flush = e.t;
-    }
-    free(h);
-    free(cm.keys);
-    free(cm.vals);
+    while (!rc && o.hn) /* flush_all */
+        ord_pop(&o, perm, &out);
+    ord_free(&o);
     st->delivered = out;
     st->queued = st->pushed - out;
     *nout = out;
@@ -212,107 +239,61 @@ int fp_order(const struct fp_rec *recs, uint64_t n, uint64_t max_queued, uint32_
 /* ------------------------------------------------------------------ across live rounds */
 
 struct fp_live_order {
-    struct hent *h;
-    uint64_t hn, hcap, seq, next_flush, last_flush, max_time, last_time, max_queued;
-    int have_last;
-    struct cpumap cm;
+    struct order o;
+    uint64_t hcap;
 };
 
 struct fp_live_order *fp_live_order_new(uint64_t max_queued)
 {
     if (!max_queued)
         return NULL;
-    struct fp_live_order *o = calloc(1, sizeof *o);
-    if (o)
-        o->max_queued = max_queued;
-    return o;
+    struct fp_live_order *lo = calloc(1, sizeof *lo);
+    if (lo)
+        lo->o.max_queued = max_queued;
+    return lo;
 }
 
-void fp_live_order_free(struct fp_live_order *o)
+void fp_live_order_free(struct fp_live_order *lo)
 {
-    if (!o)
+    if (!lo)
         return;
-    free(o->h);
-    free(o->cm.keys);
-    free(o->cm.vals);
-    free(o);
+    ord_free(&lo->o);
+    free(lo);
 }
 
-uint64_t fp_live_order_queued(const struct fp_live_order *o) { return o->hn; }
+uint64_t fp_live_order_queued(const struct fp_live_order *lo) { return lo->o.hn; }
 
-static void live_pop(struct fp_live_order *o, uint32_t *perm, uint64_t *out)
-{
-    struct hent e = hpop(o->h, &o->hn);
-    perm[(*out)++] = e.idx;
-    if (e.t > o->last_flush)
-        o->last_flush = e.t;
-}
-
-int fp_live_order_round(struct fp_live_order *o, const struct fp_rec *recs, uint64_t ncarry,
+int fp_live_order_round(struct fp_live_order *lo, const struct fp_rec *recs, uint64_t ncarry,
                         uint64_t n, int final, uint32_t *perm, uint64_t *nout, uint64_t *late_ns,
                         uint64_t *nlate, struct fp_order_stats *st, uint32_t *keep,
                         uint64_t *nkeep)
 {
+    struct order *o = &lo->o;
     memset(st, 0, sizeof *st);
     *nout = *nlate = *nkeep = 0;
     if (ncarry != o->hn || n < ncarry || n > UINT32_MAX)
         return -1;
-    if (n > o->hcap) {
+    if (n > lo->hcap) {
         struct hent *q = realloc(o->h, n * sizeof *q);
         if (!q)
             return -1;
         o->h = q;
-        o->hcap = n;
+        lo->hcap = n;
     }
     uint64_t out = 0;
-    for (uint64_t i = ncarry; i < n; i++) { /* RoundOrderer.push */
-        const struct fp_rec *r = &recs[i];
-        if (r->flags & FP_MARKER)
-            continue; /* rings never carry FINISHED_ROUND; counted by the caller */
-        uint64_t t;
-        if (!(r->flags & FP_TIMED)) {
-            st->untimed++;
-            if ((r->flags & FP_HAS_CPU) && cpumap_get(&o->cm, r->cpu, &t))
-                ;
-            else if (o->have_last)
-                t = o->last_time;
-            else
-                t = o->last_flush;
-        } else {
-            t = r->time;
-            if (t < o->last_flush) {
-                uint64_t late = o->last_flush - t;
-                st->late++;
-                late_ns[(*nlate)++] = late;
-                if (late > st->max_lateness_ns)
-                    st->max_lateness_ns = late;
-            }
-            if (t > o->max_time)
-                o->max_time = t;
-            o->last_time = t;
-            o->have_last = 1;
-            if ((r->flags & FP_HAS_CPU) && cpumap_put(&o->cm, r->cpu, t))
-                return -1;
-        }
-        hpush(o->h, &o->hn, (struct hent){t, o->seq++, (uint32_t)i});
-        st->pushed++;
-        if (o->hn > o->max_queued) { /* _force_half: out first, as end_round returns _ready */
-            uint64_t k = o->hn / 2 ? o->hn / 2 : 1;
-            for (uint64_t j = 0; j < k; j++)
-                live_pop(o, perm, &out);
-            st->forced_flushes++;
-        }
+    for (uint64_t i = ncarry; i < n; i++) {
+        /* rings never carry FINISHED_ROUND; a marker is counted by the caller */
+        if (!(recs[i].flags & FP_MARKER) &&
+            ord_push(o, &recs[i], (uint32_t)i, perm, &out, late_ns, nlate, st))
+            return -1;
     }
     if (final) { /* flush_all */
         while (o->hn)
-            live_pop(o, perm, &out);
-    } else { /* end_round */
-        st->rounds++;
-        uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;
-        while (o->hn && o->h[0].t <= lim)
-            live_pop(o, perm, &out);
+            ord_pop(o, perm, &out);
+        o->next_flush = o->max_time;
+    } else {
+        ord_end_round(o, perm, &out, st);
     }
-    o->next_flush = o->max_time;
     /* What stays queued is re-indexed 0.. in heap-array order (the heap property depends on
      * (t, seq) only): the caller copies recs[keep[j]] to slot j of the next round's buffer. */
     for (uint64_t j = 0; j < o->hn; j++) {
