@@ -12,6 +12,9 @@ Invariants:
 - ``owned`` ties a constructed object's lifetime to its cdata (``ffi.gc`` with its destructor),
   so a Python exception between creation and use cannot leak it.
 - Nothing here allocates per call beyond the exception it raises.
+- ``native`` is the extension module itself, for what depends on its file rather than its
+  functions (``elfsyms.content_modules``: a persisted symbol table is stamped with the code
+  that scanned it).
 
 Cost: one comparison per checked call.
 """
@@ -21,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import _unwcore as native
 from ._unwcore import ffi, lib
 
-__all__ = ["U64_FAIL", "check", "count", "ffi", "lib", "owned"]
+__all__ = ["U64_FAIL", "check", "count", "ffi", "lib", "native", "owned"]
 
 U64_FAIL = (1 << 64) - 1  # a uint64_t count's "could not allocate"
 
