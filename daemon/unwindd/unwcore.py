@@ -8,7 +8,10 @@ Invariants:
   success and negative on failure, -1 meaning an allocation failed; a constructor returns
   NULL when it could not allocate; a ``uint64_t`` count returns ``UINT64_MAX`` when it could
   not allocate. ``check``, ``owned`` and ``count`` map these to ``MemoryError`` (allocation) or
-  ``RuntimeError`` (anything else), naming the function that failed.
+  ``RuntimeError`` (anything else), naming the function that failed. A function whose header
+  gives its result another meaning (``unw_unwind_batch``'s -1 is bad arguments; a lookup's -1
+  is "not found"; ``unw_table_validate``, ``unw_cxa_demangle`` and ``unw_malloc_trim`` have
+  codes of their own) is read by its caller, not by these checks.
 - ``owned`` ties a constructed object's lifetime to its cdata (``ffi.gc`` with its destructor),
   so a Python exception between creation and use cannot leak it.
 - Nothing here allocates per call beyond the exception it raises.
