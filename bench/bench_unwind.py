@@ -101,7 +101,7 @@ def child(path: str, batch_repeat: int) -> None:
     t_replay = CLOCK() - t0
 
     # -- the same samples through unw_unwind_batch, stacks in place in the file's mmap
-    from unwindd._unwcore import ffi, lib
+    from unwindd.unwcore import ffi, lib
 
     dec = data.decoder
     f = open(path, "rb")

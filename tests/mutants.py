@@ -19,8 +19,9 @@ mutation the script
    ``os.environ`` on: ``python -m unwindd.cli`` in tests/support/oracle.py and
    tests/support/daemonutil.py; test_perfcore/test_perfdata set PYTHONPATH from
    ``unwindd.__file__``, which is the scratch copy's). Before testing, a check run proves it:
-   ``unwindd``, both extension modules and a child interpreter's ``unwindd`` must all load from the
-   scratch copy.
+   ``unwindd``, the binding modules of both extensions (which import them from their own
+   package, so the extensions are the scratch copy's too) and a child interpreter's ``unwindd``
+   must all load from the scratch copy.
 
 Before any mutation, the union of the selected mutations' tests runs on an unmutated scratch
 copy built the same way (the baseline). A mutation any of whose tests failed there is reported
@@ -396,7 +397,7 @@ def scratch_env(scratch: Path) -> dict[str, str]:
 
 _WHERE = (
     "import subprocess, sys\n"
-    "import unwindd, unwindd._perfcore as p, unwindd._unwcore as u\n"
+    "import unwindd, unwindd.source.perfcore as p, unwindd.unwcore as u\n"
     "print(unwindd.__file__); print(p.__file__); print(u.__file__)\n"
     "child = 'import unwindd.cli; print(unwindd.cli.__file__)'\n"
     "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True,\n"

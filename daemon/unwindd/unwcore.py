@@ -8,10 +8,16 @@ Invariants:
   success and negative on failure, -1 meaning an allocation failed; a constructor returns
   NULL when it could not allocate; a ``uint64_t`` count returns ``UINT64_MAX`` when it could
   not allocate. ``check``, ``owned`` and ``count`` map these to ``MemoryError`` (allocation) or
-  ``RuntimeError`` (anything else), naming the function that failed.
+  ``RuntimeError`` (anything else), naming the function that failed. A function whose header
+  gives its result another meaning (``unw_unwind_batch``'s -1 is bad arguments; a lookup's -1
+  is "not found"; ``unw_table_validate``, ``unw_cxa_demangle`` and ``unw_malloc_trim`` have
+  codes of their own) is read by its caller, not by these checks.
 - ``owned`` ties a constructed object's lifetime to its cdata (``ffi.gc`` with its destructor),
   so a Python exception between creation and use cannot leak it.
 - Nothing here allocates per call beyond the exception it raises.
+- ``native`` is the extension module itself, for what depends on its file rather than its
+  functions (``elfsyms.content_modules``: a persisted symbol table is stamped with the code
+  that scanned it).
 
 Cost: one comparison per checked call.
 """
@@ -21,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from . import _unwcore as native
 from ._unwcore import ffi, lib
 
-__all__ = ["U64_FAIL", "check", "count", "ffi", "lib", "owned"]
+__all__ = ["U64_FAIL", "check", "count", "ffi", "lib", "native", "owned"]
 
 U64_FAIL = (1 << 64) - 1  # a uint64_t count's "could not allocate"
 

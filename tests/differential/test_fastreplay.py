@@ -43,7 +43,6 @@ from oracle import Workload
 from perfutil import record_perf_data
 from texts import assert_same_text
 from unwindd import cli
-from unwindd._unwcore import ffi, lib
 from unwindd.pipeline import context, fastreplay
 from unwindd.source.capture import StreamPipeline
 from unwindd.source.decoder import RecordDecoder
@@ -52,6 +51,7 @@ from unwindd.source.ordering import OrderStats, RoundOrderer
 from unwindd.source.perfdata import PerfData
 from unwindd.source.records import BadRecord, FinishedRound, Unknown
 from unwindd.source.streamstats import StreamStats
+from unwindd.unwcore import ffi, lib
 from unwindd.unwind.engine import StackEngine
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -654,7 +654,7 @@ def test_cut_of_a_sample_whose_stack_copy_failed(busy: pathlib.Path) -> None:
     """dyn_size 0 (the kernel's nofault copy of the user stack failed, as in exec or exit): the
     cut record ends at a zero stack size with no dyn_size field, as the kernel writes a sample
     without a stack, and decodes to the same sample with an empty stack."""
-    from unwindd._perfcore import ffi, lib
+    from unwindd.source.perfcore import ffi, lib
 
     config = SamplingConfig(frequency=999, ring_pages=64)
     with busy_run(busy, config, 100) as session:

@@ -31,11 +31,11 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from unwindd._unwcore import ffi
 from unwindd.binaries.cfi import CfiTable
 from unwindd.source import abi, decoder, records
 from unwindd.source.perfcore import PerfSession
 from unwindd.source.sampling import SamplingConfig, Target
+from unwindd.unwcore import ffi
 from unwindd.unwind.unwinder import AddressSpace, Module, Unwinder, UnwindResult, UnwindStatus
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]

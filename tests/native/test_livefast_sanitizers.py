@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 from captured import capture
 from nativebuild import CFI, CORE, FASTPATH, build, check_ok
-from unwindd._unwcore import ffi, lib
 from unwindd.source.decoder import RecordDecoder
 from unwindd.source.formats import EventFormat
 from unwindd.source.mapfile import layout_of
+from unwindd.unwcore import ffi, lib
 from workloads.build import build_workloads
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -47,7 +47,7 @@ class Replayed:
         """The next captured drain, written into ``out`` as PerfSession.drain_into does, each
         sample's stack copy cut the same way (pc_trim_records); the caller sized ``out`` from
         pending_bytes, so it always fits."""
-        from unwindd._perfcore import ffi, lib
+        from unwindd.source.perfcore import ffi, lib
 
         nregs = lib.pc_trim_nregs(self.event_format.sample_type,
                                   self.event_format.sample_regs_user)  # fmt: skip

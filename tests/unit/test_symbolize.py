@@ -378,8 +378,8 @@ def test_leaf_names_match_perf_script(work: dict[str, Path]) -> None:
 def _decide_reference(out: object, n: int, strtab: bytes) -> None:
     """_Scan._decide as it was before demangling was avoided (kept as the reference): every
     member of an undecided group demangled, then the left-to-right fold of _a_is_best."""
-    from unwindd._unwcore import ffi
     from unwindd.binaries.elfsyms import _USYM, _a_is_best, _Sym
+    from unwindd.unwcore import ffi
 
     raw = ffi.buffer(out, n * _USYM.size)
     keep = bytes(raw)[25 :: _USYM.size]
@@ -419,9 +419,9 @@ def _decide_binaries() -> list[str]:
 def _undecided_scans(path: str) -> Iterator[tuple[object, int, bytes]]:
     """(native scan output, its length, string table) of every symbol table of ``path`` and
     its debug file in which the scan left groups undecided."""
-    from unwindd._unwcore import ffi, lib
     from unwindd.binaries import elfsyms as sz
     from unwindd.binaries.elf import ElfReader
+    from unwindd.unwcore import ffi, lib
 
     cache = ElfCache()
     e = cache.acquire(None, path)
@@ -460,8 +460,8 @@ def test_decide_matches_full_demangling_on_system_binaries() -> None:
     decision, which demangled every member, on every symbol table of real C/C++ binaries (and
     their debug files): the shortcuts (raw steps first, plain names, constructor variants)
     change the cost only."""
-    from unwindd._unwcore import ffi
     from unwindd.binaries.elfsyms import _USYM, _Scan
+    from unwindd.unwcore import ffi
 
     tables = undecided = 0
     for path in _decide_binaries():

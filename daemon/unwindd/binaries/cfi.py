@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from .._unwcore import ffi, lib
+from ..unwcore import check, ffi, lib
 from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 
 __all__ = [
@@ -366,8 +366,7 @@ class CfiTable:
         rc = lib.unw_cfi_compile(
             ARCH_X86_64, img_c, img_len, sec, dbg_c, len(debug_frame or b""), out, out_len
         )
-        if rc != 0:
-            raise MemoryError("unw_cfi_compile: out of memory")
+        check(rc, "unw_cfi_compile")
         try:
             blob = ffi.buffer(out[0], out_len[0])[:]
         finally:

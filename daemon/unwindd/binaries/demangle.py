@@ -88,7 +88,7 @@ class _Native:
     def __call__(self, raw: bytes) -> tuple[bool, str | None]:
         """(True, the demangled name or None if it does not demangle); (False, None) when the
         native module finds no libstdc++."""
-        from .._unwcore import ffi, lib
+        from ..unwcore import ffi, lib
 
         while True:
             if self.buf is None:

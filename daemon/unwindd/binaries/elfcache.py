@@ -67,7 +67,7 @@ def _malloc_trim() -> Callable[[], None] | None:
     every arena, not just the top of the main heap; the CFI worker's too), or None without
     glibc. Called through the native module (cffi_build/libcall.c), not ctypes, whose import
     every replay would pay."""
-    from .._unwcore import lib
+    from ..unwcore import lib
 
     if lib.unw_malloc_trim(1) != 0:  # (dry: is there one)
         return None

@@ -72,14 +72,15 @@ class SymbolSource(Protocol):
 
 def content_modules() -> list[ModuleType]:
     """The modules whose code decides what ``load_symbol_table`` returns: this one, symtab,
-    demangle, elf (the reader and the debug-file search) and the native scan (``_unwcore``).
-    A persisted table is stamped with them (symstore)."""
+    demangle, elf (the reader and the debug-file search) and the native scan (the extension
+    module, not its binding ``unwcore``: its file holds the scan's code). A persisted table is
+    stamped with them (symstore)."""
     import sys
 
-    from .. import _unwcore
+    from ..unwcore import native
     from . import demangle, elf, symtab
 
-    return [sys.modules[__name__], symtab, demangle, elf, _unwcore]
+    return [sys.modules[__name__], symtab, demangle, elf, native]
 
 
 @dataclass(slots=True)
@@ -136,7 +137,7 @@ class _Scan:
     duplicates resolved (the groups C leaves undecided here, with demangled names)."""
 
     def __init__(self, reader: ElfReader, data: bytes, strtab: bytes) -> None:
-        from .._unwcore import ffi, lib
+        from ..unwcore import ffi, lib
 
         secs = reader.sections
         flags = bytes(
@@ -171,7 +172,7 @@ class _Scan:
         see ``_ctor_twin``) print the same name, so one demangle stands for all of them, and
         none when they are all that is left of the group; other names with the same full
         demangled text (template classes' variants) share it without the perf-form step."""
-        from .._unwcore import ffi
+        from ..unwcore import ffi
 
         size = _USYM.size
         raw = ffi.buffer(out, n * size)

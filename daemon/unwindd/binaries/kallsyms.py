@@ -56,7 +56,7 @@ class Kallsyms:
     natively into address columns; a name is decoded from the kept text on first lookup."""
 
     def __init__(self, text: str | bytes) -> None:
-        from .._unwcore import ffi, lib
+        from ..unwcore import ffi, lib
 
         raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
         cap = raw.count(b"\n") + 1

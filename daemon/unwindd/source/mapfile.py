@@ -11,8 +11,9 @@ Invariants:
   for the exact layout and section bounds asked for (``take_index``), else the caller indexes.
 - ``close`` is idempotent and never raises: a view of the mapping still exported (an error
   unwinding) leaves the unmapping to the garbage collector, as ``mmap.close`` refuses.
-- Light to import (os, mmap, threading and the native module; records only when a layout is
-  made): the CLI maps the file before it imports the replay's modules.
+- Light to import (os, mmap, threading and the native module through its binding ``unwcore``;
+  records only when a layout is made): the CLI maps the file before it imports the replay's
+  modules.
 
 Cost: mapping O(1); the fill O(pages) of kernel time and the index O(records), both off the
 calling thread (cffi releases the GIL in native calls), so they cost wall time only when no
@@ -26,7 +27,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .._unwcore import ffi, lib
+from ..unwcore import check, ffi, lib
 
 if TYPE_CHECKING:
     from .perfdata import PerfData
@@ -89,8 +90,7 @@ class RecordIndex:
         pp = ffi.new("struct fp_rec **")
         n, other, stop = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
         end = ffi.new("int *")
-        if lib.fp_index(lay, buf, length, pp, n, other, end, stop) != 0:
-            raise MemoryError("fp_index")
+        check(lib.fp_index(lay, buf, length, pp, n, other, end, stop), "fp_index")
         self.recs = ffi.gc(pp[0], lib.unw_free)
         self.n = int(n[0])
         self.other = int(other[0])

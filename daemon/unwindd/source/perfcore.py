@@ -1,9 +1,10 @@
-"""Live perf sessions: the one Python module that talks to the native core (``unwindd._perfcore``).
+"""Live perf sessions: the binding of ``unwindd._perfcore``, the one module that imports it.
 
 Invariants:
-- Only this module imports ``ffi``/``lib``. Arguments are checked here (``ValueError`` before any
-  syscall), every negative return code becomes an exception here (``PerfOpenError`` for opening,
-  ``OSError`` otherwise), and nothing cffi-typed leaves it: callers get ints, lists and bytes.
+- Only this module imports ``ffi``/``lib`` (tests that call the core directly take them from
+  here). Arguments are checked here (``ValueError`` before any syscall), every negative return
+  code becomes an exception here (``PerfOpenError`` for opening, ``OSError`` otherwise), and
+  nothing cffi-typed leaves it: callers get ints, lists and bytes.
   What to sample, ring sizing, host facts and the error types are ``sampling.py``'s.
 - A session has one ring per CPU; ``fds[i]`` is that ring's pollable fd and ``cpus[i]`` its CPU.
   Every other event opened for the CPU (one per task of a pid target) writes into that ring

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from .._unwcore import ffi, lib
 from ..binaries.cfi import ARCH_X86_64, CfiTable
 from ..source import abi, records
+from ..unwcore import ffi, lib
 
 __all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder"]
 
@@ -208,7 +208,7 @@ class Unwinder:
             ARCH_X86_64, c_items, n, d, self._pcs, self._kinds, self._counts, self._status,
             self._fpwalk, self._sig,
         )  # fmt: skip
-        if rc != 0:
+        if rc != 0:  # -1 is bad arguments, not an allocation: not check's MemoryError
             raise RuntimeError(f"unw_unwind_batch failed ({rc})")
         pcs, counts, status, sig = self._pcs, self._counts, self._status, self._sig
         fpwalk = self._fpwalk
