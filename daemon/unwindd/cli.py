@@ -310,7 +310,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
 
     target = _target(args)
     try:
-        prof = LiveProfiler.open(target, _sampling_config(args), native=True)
+        prof = LiveProfiler.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
     stop = _install_stop_handlers()

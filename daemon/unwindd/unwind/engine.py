@@ -271,8 +271,9 @@ class StackEngine:
         """Run in live mode; ``live.table`` must be ``self.table``. Every sample is first
         offered to ``live.place``, which may rescan /proc for its pid or *hold* it for a
         rate-limited rescan; held samples come back from ``live.due()`` at the start of a later
-        ``feed`` and are unwound then (so in live mode output order is input order except for
-        those, each still exactly once); ``finish()`` returns the rest. After each batch is
+        ``feed`` (the native live step takes them itself) and are unwound then (so in live mode
+        output order is input order except for those, each still exactly once);
+        ``unwind_held(live.flush_held())`` unwinds the rest at the end. After each batch is
         unwound ``live.end_batch()`` drops retired/over-cap pids, and a dropped pid's comms are
         forgotten here."""
         if live.table is not self.table:
@@ -280,13 +281,6 @@ class StackEngine:
         self.live = live
         live.on_comm = self.set_comm
         self.table.on_drop = self._dropped
-
-    def finish(self) -> list[UnwoundSample]:
-        """End of stream: unwind every sample still held for a rescan."""
-        if self.live is None:
-            return []
-        held = self.live.flush_held()
-        return self._unwind([(self.snapshot(s.pid), s) for s in held]) if held else []
 
     def set_comm(self, tid: int, comm: str) -> None:
         self._comms[tid] = comm
