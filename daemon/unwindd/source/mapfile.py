@@ -35,7 +35,7 @@ __all__ = ["MappedFile", "Unsupported", "layout_of", "native_layout"]
 
 
 class Unsupported(Exception):
-    """The native path does not take this input; use the slow path."""
+    """The native replay does not take this input; the Python replay (streamreplay.py) does."""
 
 
 def layout_of(fmt: Any) -> Any:
