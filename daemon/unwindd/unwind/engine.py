@@ -1,5 +1,8 @@
-"""From time-ordered records to unwound, symbolized samples: the stage both replay and the live
-pipeline run after ordering.
+"""From time-ordered records to unwound, symbolized samples, a Sample object at a time (batched
+into the native unwinder): the Python replay's (``feed``, streamreplay.py), and the native live
+step's held and deferred samples (``unwind_held``, ``unwind_as_of``); and what both native
+paths take from it: the process table and comms, address-space snapshots and frame names
+(``snapshot``, ``frame_at``, ``kernel_frames``).
 
 Invariants:
 - Records arrive in time order (ordering.py first); side-band records are applied to the
