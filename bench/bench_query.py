@@ -72,8 +72,7 @@ def capture(path: str, seconds: float, freq: int) -> None:
             engine = StackEngine.create(cache_config=CacheConfig(), prefetch_cfi=True)
             rec = _Recorder()
             sampling = SamplingConfig(frequency=freq, stack_size=8192, ring_pages=256)
-            prof = LiveProfiler.open(Target(all_cpus=True), sampling, engine=engine, store=rec,
-                                     native=True)  # fmt: skip
+            prof = LiveProfiler.open(Target(all_cpus=True), sampling, engine=engine, store=rec)
             prof.start()
             t0 = time.monotonic()
             while time.monotonic() - t0 < seconds:

@@ -14,7 +14,8 @@ same file:
 - ``unwindd replay FILE --format folded`` and ``--format perf-script`` (native path);
 - ``perf script -F comm,pid,tid,time,ip,sym,dso --ns --no-inline`` (perf's own DWARF unwind and
   symbolization through libunwind/libdw, the oracle's command);
-- with ``--slow``: ``unwindd replay FILE --format folded --slow-path`` (the Python reference);
+- with ``--slow``: ``tests/support/refreplay.py FILE folded``, the Python replay
+  (``pipeline/streamreplay.py``, the native replay's reference) to folded stacks;
 - ``--format folded --no-cache``: compiled CFI not loaded from the cache dir (a first replay);
 - with ``--before DIR``: ``--format folded`` with ``PYTHONPATH=DIR`` (an older checkout's
   ``daemon/``, e.g. from ``git archive``), for a before/after measured in the same run; it
@@ -189,7 +190,8 @@ def main() -> int:
     ap.add_argument("--freq", type=int, default=4000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", type=Path, help="reuse/keep the perf.data at this path")
-    ap.add_argument("--slow", action="store_true", help="also time the Python reference path")
+    ap.add_argument("--slow", action="store_true",
+                    help="also time the Python replay (the reference)")
     ap.add_argument("--rss", action="store_true",
                     help="the 1 vs 200 processes replay RSS check instead")
     ap.add_argument("--rss-dir", type=Path, help="where --rss keeps its recordings")
@@ -234,8 +236,9 @@ def main() -> int:
                       "UNWINDD_CACHE_DIR": before_cache}  # fmt: skip
         timed([*unwindd, "--format", "folded"], 1, envs[name])
     if args.slow:
-        rows.append(("unwindd replay --format folded --slow-path",
-                     [*unwindd, "--format", "folded", "--slow-path"]))  # fmt: skip
+        refreplay = str(Path(__file__).resolve().parents[1] / "tests/support/refreplay.py")
+        rows.append(("Python replay to folded (tests/support/refreplay.py)",
+                     [sys.executable, refreplay, str(path), "folded"]))  # fmt: skip
     # Round-robin (every command once per round), so load changes on the shared machine hit
     # all commands alike.
     runs: dict[str, list[float]] = {name: [] for name, _ in rows}

@@ -97,8 +97,8 @@ ORDER_C = "cffi_build/order.c"
 _UNWIND_END = "    *count = n;\n    *fpf = nfp;\n"
 
 MUTATIONS: tuple[Mutation, ...] = (
-    # -- the native unwinder (unw_unwind_one). It serves every path (replay, --slow-path and the
-    # live step all call it), so comparing the fast path with the slow one cannot catch these:
+    # -- the native unwinder (unw_unwind_one). It serves every path (both replays and both live
+    # steps call it), so comparing the fast path with the slow one cannot catch these:
     # only unit tests with known answers and the perf oracle can.
     Mutation(
         name="drop-last-frame",
@@ -244,7 +244,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         name="caller-at-return-address",
-        what="every output path (--slow-path engine, fast replay, native live step) reports "
+        what="every output path (Python replay's engine, fast replay, native live step) reports "
         "and names caller frames at their return address instead of ra - 1",
         edits=(
             Edit(

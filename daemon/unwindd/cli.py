@@ -16,7 +16,6 @@ import argparse
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, NoReturn, TextIO
@@ -24,17 +23,14 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 from . import __version__
 from .unwind import stackfmt
 
-# Imports are per command: `unwindd replay` (the fast path) must not pay at start-up for the
+# Imports are per command: `unwindd replay` (the native replay) must not pay at start-up for the
 # capture, output, config or service stacks it does not run, nor for json/select/signal, which
 # only the other commands and formats use.
 if TYPE_CHECKING:
     from .pipeline.live import LiveProfiler
     from .source.capture import StreamPipeline
     from .source.mapfile import MappedFile
-    from .source.records import Record
     from .source.sampling import SamplingConfig, Target
-    from .store.stackstore import CountGroup
-    from .unwind.engine import StackEngine
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
 # (test_fastreplay.py checks they agree).
@@ -91,12 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
     _add_output_args(rep)
-    rep.add_argument(
-        "--slow-path",
-        action="store_true",
-        help="folded/jsonl/perf-script through the Python reference path instead of the native "
-        "one (fastreplay.py); same output, for comparison",
-    )
     rep.add_argument(
         "--cache-dir",
         metavar="DIR",
@@ -181,65 +171,6 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-class _Output:
-    """Receives each round's time-ordered records and writes them in the chosen format;
-    ``finish`` writes what can only be written at the end (folded stacks)."""
-
-    def __init__(self, fmt: str, out: TextIO, *, unwind: bool = True) -> None:
-        self.fmt = fmt
-        self.out = out
-        self.engine: StackEngine | None = None
-        self.folded: Counter[tuple[str, ...]] = Counter()
-        if unwind and fmt in ("jsonl", "folded", "perf-script"):
-            from .unwind.engine import StackEngine
-
-            self.engine = StackEngine.create()
-
-    def __call__(self, recs: list[Record]) -> None:
-        import json
-
-        w = self.out.write
-        if self.fmt == "records":
-            from .source.output import record_to_json
-
-            for rec in recs:
-                w(json.dumps(record_to_json(rec), separators=(",", ":")))
-                w("\n")
-            self.out.flush()
-        elif self.engine is not None:
-            self.samples(self.engine.feed(recs))
-
-    def samples(self, samples: Sequence[stackfmt.UnwoundSample]) -> None:
-        """Write unwound samples (from the engine here, or from a LiveProfiler)."""
-        if not samples:
-            return
-        import json
-
-        w = self.out.write
-        if self.fmt == "jsonl":
-            for u in samples:
-                w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
-                w("\n")
-        elif self.fmt == "perf-script":
-            for u in samples:
-                w(stackfmt.perf_script(u))
-        elif self.fmt == "folded":
-            self.folded.update(stackfmt.folded_key(u) for u in samples)
-        else:
-            return
-        self.out.flush()
-
-    def counts(self, groups: Sequence[CountGroup]) -> None:
-        """Fold aggregated samples (``StackStore.add_counts``' groups) into the folded output."""
-        for _t, _pid, _tid, comm, frames, n in groups:
-            self.folded[(comm or "[unknown]", *stackfmt.folded_names(frames))] += n
-
-    def finish(self) -> None:
-        if self.fmt == "folded":
-            self.out.write(stackfmt.render_folded(self.folded))
-            self.out.flush()
-
-
 def _ignore(samples: Sequence[stackfmt.UnwoundSample]) -> None:
     pass
 
@@ -250,6 +181,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
+    from .pipeline.textout import TextOutput
     from .source.capture import StreamPipeline, run_live
     from .source.perfcore import PerfSession
     from .source.sampling import PerfOpenError
@@ -264,7 +196,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         return _fail(str(e))
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
-    sink = _Output(args.format, out)
+    sink = TextOutput(args.format, out)
     on_tick = None
     if args.status_interval:
         on_tick = _status_printer(pipeline, time.monotonic(), args.status_interval)
@@ -305,16 +237,17 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     step's per-stack counts (``StackStore.count_subscribers``) and the samples the step
     returns (those held for a /proc rescan and unwound later), so it builds none."""
     from .pipeline.live import LiveProfiler
+    from .pipeline.textout import TextOutput
     from .source.output import render_summary
     from .source.sampling import PerfOpenError
 
     target = _target(args)
     try:
-        prof = LiveProfiler.open(target, _sampling_config(args), native=True)
+        prof = LiveProfiler.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
     stop = _install_stop_handlers()
-    sink = _Output(args.format, out, unwind=False)
+    sink = TextOutput(args.format, out, unwind=False)
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
     if args.format in ("jsonl", "perf-script"):
         prof.store.subscribers.append(sink.samples)
@@ -440,15 +373,18 @@ def _install_stop_handlers() -> Callable[[], bool]:
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
-    fast = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
+    """The native replay (fastreplay.py) for a file in folded, jsonl or perf-script; the Python
+    replay (streamreplay.py) for what it does not take: stdin, a file it finds ``Unsupported``,
+    the summary and records formats."""
+    native = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
     mapped = None
     import gc
 
     gc_was_on = gc.isenabled()
-    if fast and not args.slow_path:
+    if native:
         # A one-shot native replay keeps what it allocates (modules, names, stacks) until it
         # exits: cyclic GC passes (from its imports on) traverse it all and find nothing to free.
-        # Back on below: the slow path builds an object per record, and a caller of main()
+        # Back on below: the Python replay builds an object per record, and a caller of main()
         # keeps its own setting.
         gc.disable()
         # Mapped first, its page tables filled on a thread (mapfile.py) while the replay's
@@ -469,11 +405,11 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             data = PerfData.open(src)
         except (PerfDataError, OSError) as e:
             return _fail(f"{args.file}: {e}")
-        if fast and not args.slow_path:
+        if native:
             if mapped is not None:  # indexed while the replay's modules are imported
                 mapped.start_index(data)
             cache = _replay_cache_dir(args)
-            done = _fast_replay(data, args.file, args.format, out, cache, mapped)
+            done = _native_replay(data, args.file, args.format, out, cache, mapped)
             mapped = None  # the replay closed it
             if done:
                 global _exit_at_once
@@ -484,49 +420,21 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             gc.enable()
         if mapped is not None:
             mapped.close()
-    from .source.capture import StreamPipeline
-    from .source.output import render_summary
+    from .pipeline.streamreplay import replay_records
 
-    sink = _Output(args.format, out)
     with data:
-        pipeline = StreamPipeline(data.decoder)
-        batch: list[Record] = []
         try:
-            for rec in pipeline.replay(data.records()):
-                batch.append(rec)
-                if len(batch) >= 4096:
-                    sink(batch)
-                    batch = []
+            replay_records(data, args.format, out, name=args.file, top_pids=args.top or 1 << 30)
         except PerfDataError as e:
             return _fail(f"{args.file}: {e}")
-        sink(batch)
-        sink.finish()
-        if args.format == "summary":
-            extra: dict[str, object] = {
-                "file": args.file,
-                "mode": "pipe" if data.pipe_mode else "file",
-                "arch": data.arch or "?",
-                "events": ",".join(a.name or str(a.config) for a in data.attrs),
-            }
-            for reason, n in sorted(data.errors.items()):
-                extra[f"file error {reason}"] = n
-            out.write(
-                render_summary(
-                    pipeline.stats,
-                    data.decoder.stats,
-                    pipeline.orderer.stats,
-                    extra,
-                    args.top or 1 << 30,
-                )
-            )
     return 0
 
 
-def _fast_replay(
+def _native_replay(
     data: object, path: str, fmt: str, out: TextIO, cache_dir: str | None = None,
     mapped: MappedFile | None = None,
 ) -> bool:
-    """The native replay path; False (nothing done) when the file needs the slow path."""
+    """The native replay; False (nothing done) when the file needs the Python replay."""
     from .pipeline.fastreplay import Unsupported, replay
     from .source.perfdata import PerfData
     from .unwind.engine import StackEngine

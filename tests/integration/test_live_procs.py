@@ -1,7 +1,9 @@
 """The live process table against real processes, with the daemon's own sampling running
-(LiveProfiler, all CPUs): a process older than the daemon, exec chains, a library that moves
-between dlopens, a fork/exec storm of short-lived processes, a binary deleted while it runs, a
-binary only visible inside a private mount namespace, pid reuse, and bounded state under churn.
+(LiveProfiler's session, table and bootstrap, all CPUs): a process older than the daemon, exec
+chains, a library that moves between dlopens, a fork/exec storm of short-lived processes, a
+binary deleted while it runs, a binary only visible inside a private mount namespace, pid
+reuse (each stepped by the whole-stream Python step, refstep.ReferenceProfiler, which returns
+every sample it stores), and bounded state under churn (the daemon's native step).
 
 A sample of a workload is *good* when it unwound completely (every user frame in a known
 mapping, the outermost one ``_start``: status ok, or no_cfi *after* reaching ld.so's
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from refstep import ReferenceProfiler
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.pipeline.live import LiveProfiler, native_max_spaces
 from unwindd.procs.livetable import LiveTableConfig
@@ -86,7 +89,7 @@ def profiling(
     frequency: int = 499,
 ) -> Iterator[Capture]:
     engine = StackEngine.create(cache_config=cache_config)
-    prof = LiveProfiler.open(
+    prof = ReferenceProfiler.open(
         Target(all_cpus=True), SamplingConfig(frequency=frequency, ring_pages=512), engine=engine,
         live_config=live_config, bootstrap=bootstrap,
     )  # fmt: skip
@@ -403,13 +406,12 @@ def run_churn(
     target = Target(pids=(child.pid,)) if follow_spawner else Target(all_cpus=True)
     sampling = SamplingConfig(frequency=frequency, period=period_ns, ring_pages=ring_pages)
     try:
-        prof = LiveProfiler.open(target, sampling, engine=engine, store=store, live_config=cfg,
-                                 native=True)  # fmt: skip
+        prof = LiveProfiler.open(target, sampling, engine=engine, store=store, live_config=cfg)
     except BaseException:
         child.kill()
         child.wait()
         raise
-    assert prof.fast is not None  # the daemon's step
+    assert prof.native_step is not None  # the daemon's step
     blips = {"samples": 0, "graded": 0, "good": 0, "hot": 0}
     bad: list[Any] = []
 
@@ -466,8 +468,8 @@ def run_churn(
         note("held", prof.live.stats.held_now)
         sizes = engine.cache_sizes()
         note("engine_entries", sizes["snapshots"] + sizes["stacks"] + sizes["frames"])
-        assert prof.fast is not None
-        n = prof.fast.nctx.nspaces
+        assert prof.native_step is not None
+        n = prof.native_step.nctx.nspaces
         note("native_snaps", n)
         # what one step added: the context is dropped before a step once past its bound, so
         # a step ends with at most the bound plus what it added (a loaded machine makes
@@ -477,7 +479,7 @@ def run_churn(
             peak["native_resets"] = peak.get("native_resets", 0) + 1
         note("native_snaps_step", grew)
         snaps_before[0] = n
-        note("native_stacks", len(prof.fast._stacks))
+        note("native_stacks", len(prof.native_step._stacks))
         note("pinned", len(prof._pinned))
 
     trace: list[dict[str, float]] = []

@@ -1,6 +1,7 @@
-"""The native live step (livefast.py) against the slow step (live.drain_round + engine.feed +
-store.add): real ring chunks, captured once from a real session to a file, replayed through
-both; the store contents and every count must be the same.
+"""The native live step (livefast.py) against the slow step (refstep.ReferenceProfiler, the
+whole-stream Python step: capture.drain_round + engine.feed + store.add): real ring chunks,
+captured once from a real session to a file, replayed through both; the store contents and
+every count must be the same.
 
 Determinism: both replays see the same chunks in the same drain calls, an empty /proc (every
 rescan finds the process gone, so placement is a pure function of the record stream) and a
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from captured import Replayed, capture
+from refstep import ReferenceProfiler
 from stacks import (
     CHAIN,
     all_callers_after_calls,
@@ -53,9 +55,10 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     procfs = ProcFS(str(tmp / "empty-proc"))
     live = LiveTable(engine.table, procfs, clock=lambda: next(ticks) * 1_000_000_000)
     store = StackStore(bucket_ns=100_000_000)
-    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
-                        native=native, flush_interval=flush_interval)  # fmt: skip
-    assert (prof.fast is not None) == native
+    kind = LiveProfiler if native else ReferenceProfiler
+    prof = kind(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
+                flush_interval=flush_interval)  # fmt: skip
+    assert (prof.native_step is not None) == native
     prof.start()
     for _ in range(len(drains)):
         prof.step()
@@ -167,8 +170,7 @@ def test_native_step_feeds_stream_subscribers(
     store = StackStore()
     got: list[Any] = []
     store.subscribers.append(got.extend)
-    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
-                        native=True)  # fmt: skip
+    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live, bootstrap=False)  # type: ignore[arg-type]
     prof.start()
     for _ in range(len(drains)):
         prof.step()
@@ -202,20 +204,20 @@ def test_small_binaries_compile_on_the_loop(
     (tmp_path / "empty-proc").mkdir()
 
     def of_workload(prof: LiveProfiler) -> int:
-        assert prof.fast is not None
-        return sum(deferred[id(prof.fast.deferred), pid] for pid in pids)
+        assert prof.native_step is not None
+        return sum(deferred[id(prof.native_step.deferred), pid] for pid in pids)
 
     slow = replay(cap, False, tmp_path)
     worker = replay(cap, True, tmp_path, prefetch=True)
     loop = replay(cap, True, tmp_path, prefetch=True, inline_max=CFI_INLINE_MAX_BYTES)
-    assert worker.fast is not None and loop.fast is not None
+    assert worker.native_step is not None and loop.native_step is not None
     pre, wpre = loop.engine.cfi_prefetch, worker.engine.cfi_prefetch
     assert pre is not None and wpre is not None and pre.inline > 0 and wpre.inline == 0
     assert pre.started < wpre.started  # binaries sent to the worker
     for prof in (worker, loop):  # the hook saw every deferral
-        assert prof.fast is not None
-        assert sum(n for (k, _), n in deferred.items() if k == id(prof.fast.deferred)) == (
-            prof.fast.deferred.total)
+        assert prof.native_step is not None
+        assert sum(n for (k, _), n in deferred.items() if k == id(prof.native_step.deferred)) == (
+            prof.native_step.deferred.total)
     # (with every binary on the worker, the workload's first samples wait: not asserted, as
     # a preempted replay can find the compile done; printed)
     print(f"workload samples deferred: worker {of_workload(worker)}, loop {of_workload(loop)}")
@@ -226,7 +228,7 @@ def test_small_binaries_compile_on_the_loop(
     cfi_dir = tmp_path / "cfi"
     first = replay(cap, True, tmp_path, prefetch=True, inline_max=0, cfi_dir=cfi_dir)
     again = replay(cap, True, tmp_path, prefetch=True, inline_max=0, cfi_dir=cfi_dir)
-    assert first.fast is not None and again.fast is not None
+    assert first.native_step is not None and again.native_step is not None
     fpre, apre = first.engine.cfi_prefetch, again.engine.cfi_prefetch
     assert fpre is not None and apre is not None and any(cfi_dir.iterdir())
     assert apre.started < fpre.started and apre.inline > 0
@@ -251,7 +253,7 @@ def test_deferred_samples_hold_their_binaries(
     tiny = CacheConfig(max_bytes=1)
     slow = replay(cap, False, tmp_path, cache=tiny)
     fast = replay(cap, True, tmp_path, prefetch=True, cache=tiny)
-    assert fast.fast is not None and fast.fast.deferred.total > 0
+    assert fast.native_step is not None and fast.native_step.deferred.total > 0
     assert fast.engine.stats.by_status == slow.engine.stats.by_status
     assert contents(fast) == contents(slow)
     refs = {e.uid: e.refcount for e in fast.engine.table.binaries._by_key.values()}  # type: ignore[union-attr]
@@ -270,9 +272,9 @@ def test_first_cfi_compiles_run_off_the_step(
     (tmp_path / "empty-proc").mkdir()
     slow = replay(cap, False, tmp_path)
     fast = replay(cap, True, tmp_path, prefetch=True)
-    assert fast.fast is not None and fast.fast.deferred.total > 0
+    assert fast.native_step is not None and fast.native_step.deferred.total > 0
     pre = fast.engine.cfi_prefetch
     assert pre is not None and pre.started > 0 and pre.used > 0
     assert fast.store.stats.samples == slow.store.stats.samples
     assert fast.engine.stats.by_status == slow.engine.stats.by_status
-    assert not fast.live.pinned and not fast.fast.deferred
+    assert not fast.live.pinned and not fast.native_step.deferred

@@ -1,2 +1,3 @@
-"""The stages joined: the live profiler and its native step (rings), and the native replay (files).
+"""The stages joined: the live profiler and its native step (rings), the native replay (files),
+the Python replay for what the native one does not take, and the command line's text outputs.
 """

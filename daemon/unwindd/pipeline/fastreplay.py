@@ -1,17 +1,19 @@
-"""The native fast path of ``unwindd replay --format folded|jsonl|perf-script``: it crosses
-into C once per data section (index), once per file (ordering) and once per run of samples
-between two side-band records (unwind + aggregate, ``cffi_build/context.c``), and names each
-unique frame once. The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed
--> stackfmt), a Python object per record and per sample, stays the reference.
+"""The file driver of the native context: ``unwindd replay --format folded|jsonl|perf-script``
+of a perf.data file. It crosses into C once per data section (index), once per file
+(ordering) and once per run of samples between two side-band records (unwind + aggregate,
+``cffi_build/context.c``), and names each unique frame once (context.NativeContext). The
+Python replay (streamreplay.py: perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed
+-> stackfmt, a Python object per record and per sample) is its reference, and replays what it
+does not take.
 
 Invariants:
-- Same output and same counts as the slow path (test_fastreplay.py compares them byte for
+- Same output and same counts as the Python replay (test_fastreplay.py compares them byte for
   byte; ``_Replay.run`` says how).
-- Side-band records that cannot change the process table are counted where the slow path
+- Side-band records that cannot change the process table are counted where the Python replay
   counts them, never decoded or applied (``_Replay.run``, ``_data_mmap_is_noop``).
 - ``Unsupported`` is raised before any state changes, for inputs the native path does not take
   (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized
-  HEADER_ATTR records, record types > 255): the caller then runs the slow path.
+  HEADER_ATTR records, record types > 255): the caller then runs the Python replay.
 - Memory: the file is mapped, never copied; per record 56 bytes of index plus 4 of order; per
   unique stack its key words and its rendering (``_Replay``).
 
@@ -97,7 +99,7 @@ def replay(
 ) -> FastResult:
     """Replay ``data`` (opened from ``path``) to ``out`` in ``fmt`` (folded, jsonl or
     perf-script); counts go to ``data``'s decoder and errors, ``stream_stats``, ``order_stats``
-    and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the slow path must.
+    and ``engine.stats``. Raises ``Unsupported`` (nothing done yet) when the Python replay must.
     ``mapped``: ``path`` already mapped (the CLI maps it before its imports, its page tables
     filling meanwhile); the replay closes it, whatever happens."""
     gc_was_on = gc.isenabled()
@@ -205,7 +207,7 @@ class _Replay:
     # -- the whole file
 
     def run(self) -> FastResult:
-        """The whole file, with the slow path's answer and counts: the same records decoded
+        """The whole file, with the Python replay's answer and counts: the same records decoded
         (non-SAMPLE records and SAMPLEs that fail to decode go through
         ``RecordDecoder.decode_one`` itself), the same delivery order (fp_order is
         ``RoundOrderer.feed_file_order``), side-band records applied to the process table in
@@ -217,7 +219,7 @@ class _Replay:
         by type, errors), ``PerfData.errors``, ``StreamStats``, ``OrderStats`` and the
         engine's per-status sample and frame counts (``EngineStats.batches`` counts native
         runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique stacks
-        exist, as the slow path re-symbolizes after clearing its cache)."""
+        exist, as the Python replay re-symbolizes after clearing its cache)."""
         if self.lay.sample_type & _CALLCHAIN:
             self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
         idx = self.mapped.take_index(self.lay, self.start, self.length)
@@ -236,7 +238,7 @@ class _Replay:
         # -- data MMAP2 records that cannot change the process table (sideband.c): their index
         # entries get time/cpu natively and they are never decoded into objects. Data
         # (non-exec) MMAP2s overlapping no executable range of the file, after their pid's
-        # first (sideband.c states the proof), are only counted where the slow path counts
+        # first (sideband.c states the proof), are only counted where the Python replay counts
         # them (_skip_data_mmaps); so are data MMAP2s over nothing the pid's space maps
         # (_data_mmap_is_noop). Deep CPython recursion makes them by the hundred thousand.
         data, dec = self.data, self.data.decoder
@@ -482,7 +484,7 @@ class _Replay:
 
     def _symbolize_new(self) -> None:
         """Name the stacks the last run added, now: the ELF cache and process table are in the
-        state the slow path would symbolize them in (before the next side-band record). Each
+        state the Python replay would symbolize them in (before the next side-band record). Each
         distinct user frame (fp_frame; for folded output one per binary code address, see
         fp_ctx_by_code) is named once (``NativeContext.new_frames``) and rendered once, so a
         stack costs one list lookup per frame."""

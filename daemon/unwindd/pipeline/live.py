@@ -1,23 +1,22 @@
-"""The live profiler: perf rings -> ordered records -> process table -> unwound samples ->
-stack store, one round at a time. The service's event loop and ``unwindd record`` both drive it.
+"""The live profiler: perf rings -> the native step (livefast.py) -> stack store, one round at a
+time. The service's event loop and ``unwindd record`` both drive it.
 
 Invariants:
 - ``step()`` never blocks: it drains what the rings hold now (one round, see capture.py),
   unwinds it and adds it to the store; its work is bounded by the ring sizes.
 - Every record drained is counted (``pipeline.stats``) before anything else happens to it;
-  every sample delivered by the orderer becomes exactly one stored ``UnwoundSample``.
+  every sample delivered by the orderer is stored exactly once.
 - ``close()`` drains and flushes what is left before closing the rings: stopping loses nothing
   that was already recorded (samples held for a rescan included).
 - ``start()`` enables the rings before it loads the existing processes from /proc.
 - A binary is pinned when its MMAP2 is drained, not when it is delivered (``_pin``).
-- ``native=True`` (the daemon's) steps through livefast.NativeStep: the same records, order,
-  placement and counts as the Python step (test_livefast.py holds them to it).
+- The step is livefast.NativeStep, for every event format a ``PerfSession`` opens; any other
+  is refused when the profiler is made. The whole-stream Python step over the same parts
+  (tests/support/refstep.py) is the oracle it is tested against.
 - Memory under process churn follows the table's cap (``native_max_spaces``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from ..binaries.elfcache import ElfCache
 from ..binaries.elfentry import ElfEntry
@@ -25,7 +24,7 @@ from ..procs.livetable import LiveTable, LiveTableConfig
 from ..procs.mapping import PROT_EXEC
 from ..procs.procscan import ProcFS
 from ..source.capture import StreamPipeline
-from ..source.perfcore import MAX_RECORD_SIZE, PerfSession
+from ..source.perfcore import PerfSession
 from ..source.records import Mmap2, Record
 from ..source.sampling import SamplingConfig, Target
 from ..store.stackstore import StackStore
@@ -33,7 +32,10 @@ from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import UnwoundSample
 from .livefast import NativeStep, StepInfo, supported
 
-_DRAIN_BYTES = 4 << 20  # drain_round's max_bytes
+# One round's drain: at most this many passes over the rings, of at most this many bytes each
+# (capture.drain_round's defaults: the raw record capture drains the same rounds).
+_DRAIN_PASSES = 8
+_DRAIN_BYTES = 4 << 20
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
 _NATIVE_MAX_SPACES = 4096  # livefast.NativeStep's default
 
@@ -48,29 +50,6 @@ def native_max_spaces(max_processes: int) -> int:
     return max(64, min(_NATIVE_MAX_SPACES, 2 * max_processes))
 
 
-def drain_round(
-    session: PerfSession,
-    pipeline: StreamPipeline,
-    on_record: Callable[[Record], None] | None = None,
-    max_bytes: int = 4 << 20,
-    max_passes: int = 8,
-) -> list[Record]:
-    """capture.drain_round, plus ``on_record`` for each record as it leaves the ring (before
-    ordering): the moment to pin what a short-lived process leaves behind."""
-    for _ in range(max_passes):
-        chunks = session.drain(max_bytes)
-        for cpu, data in chunks:
-            for rec in pipeline.decoder.decode(data):
-                pipeline.stats.observe(rec, cpu)
-                if on_record is not None:
-                    on_record(rec)
-                pipeline.orderer.push(rec)
-        # see capture.drain_round: a pass that left a record's room emptied every ring
-        if sum(len(b) for _, b in chunks) <= max_bytes - MAX_RECORD_SIZE:
-            break
-    return pipeline.end_round()
-
-
 class LiveProfiler:
     def __init__(
         self,
@@ -80,9 +59,22 @@ class LiveProfiler:
         *,
         live: LiveTable | None = None,
         bootstrap: bool = True,
-        native: bool = False,
         flush_interval: float = 0.0,
     ) -> None:
+        fmt = session.event_format
+        if not supported(fmt):
+            # PerfSession always samples TID, TIME and CPU (perfcore.c PC_BASE_SAMPLE_TYPE):
+            # only a session made some other way can get here.
+            raise ValueError(f"the live step needs TID, TIME and CPU in every SAMPLE: {fmt!r}")
+        self._join(session, engine, store, live, bootstrap)
+        spaces = native_max_spaces(self.live.config.max_processes)
+        self.native_step = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
+                                      max_spaces=spaces, flush_interval=flush_interval)  # fmt: skip
+
+    def _join(self, session: PerfSession, engine: StackEngine, store: StackStore,
+              live: LiveTable | None, bootstrap: bool) -> None:  # fmt: skip
+        """The parts a step works on: the session, its stream pipeline, the engine in live mode
+        (on ``live``, else a table over the engine's /proc), the store and the drain pins."""
         self.session = session
         self.engine = engine
         self.store = store
@@ -98,12 +90,6 @@ class LiveProfiler:
         self._pinned: dict[int, tuple[Record, ElfEntry]] = {}  # id(MMAP2) -> (it, its entry)
         self.stats_pinned = 0  # MMAP2 binaries acquired at drain time
         self.last_step = StepInfo()  # what the last step stored (samples, depths, pids)
-        # The native step (livefast.py) when asked for and the format allows it.
-        self.fast: NativeStep | None = None
-        if native and supported(session.event_format):
-            spaces = native_max_spaces(self.live.config.max_processes)
-            self.fast = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
-                                   max_spaces=spaces, flush_interval=flush_interval)  # fmt: skip
 
     @classmethod
     def open(
@@ -116,7 +102,6 @@ class LiveProfiler:
         live_config: LiveTableConfig | None = None,
         proc_root: str = "/proc",
         bootstrap: bool = True,
-        native: bool = False,
         flush_interval: float = 0.0,
     ) -> LiveProfiler:
         session = PerfSession.open(target, config or SamplingConfig())
@@ -126,7 +111,7 @@ class LiveProfiler:
             if engine.live is None:
                 live = LiveTable(engine.table, ProcFS(proc_root), live_config)
             return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap,
-                       native=native, flush_interval=flush_interval)  # fmt: skip
+                       flush_interval=flush_interval)  # fmt: skip
         except BaseException:
             session.close()
             raise
@@ -153,31 +138,32 @@ class LiveProfiler:
                 pids = pids[:cap]
             for i in range(0, len(pids), BOOTSTRAP_SLICE):
                 self.live.bootstrap(pids[i : i + BOOTSTRAP_SLICE])
-                if self.fast is not None:
-                    self.fast.forget_all()  # the scan replaced spaces and comms
+                self._scanned()
                 out += self.step()
         return out
 
+    def _scanned(self) -> None:
+        """A bootstrap slice replaced spaces and comms: the step forgets what it held of them."""
+        self.native_step.forget_all()
+
     def step(self) -> list[UnwoundSample]:
-        """Drain one round and process it; returns the samples it stored (the native step
-        builds them only for the store's subscribers; ``last_step`` always counts them).
-        Whoever owns the loop decides when to call it (poll on ``fds`` plus a timer, so a
-        quiet ring is still drained every tick).
+        """Drain one round and process it; returns the samples it built (the native step builds
+        them only for the store's subscribers, and for samples held for a rescan or deferred;
+        ``last_step`` always counts them). Whoever owns the loop decides when to call it (poll
+        on ``fds`` plus a timer, so a quiet ring is still drained every tick).
 
         A step drains one whole round (the round rule needs every ring emptied, capture.py),
         so its work is bounded by the ring sizes, not by a record count: per sample it is a
         little C, and what can take long is per new binary (its CFI compile runs in a worker,
         cfiprefetch.CfiPrefetcher; its symbol table loads on the step that first names one of its
         frames)."""
-        if self.fast is not None:
-            out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES)
-            return out
-        return self._process(drain_round(self.session, self.pipeline, self._pin))
+        out, self.last_step = self.native_step.step(self.session, _DRAIN_PASSES, _DRAIN_BYTES)
+        return out
 
     def flush(self) -> StepInfo:
         """Store the native step's counts held since its last flush (its ``flush_interval``):
         call before reading the store. The depths of what it stored."""
-        return self.fast.flush_counts() if self.fast is not None else StepInfo()
+        return self.native_step.flush_counts()
 
     def _pin(self, rec: Record) -> None:
         """Pin the binary of an executable MMAP2 as it is *drained*, not when the orderer
@@ -211,43 +197,30 @@ class LiveProfiler:
             if hit is not None and cache is not None:
                 cache.release(hit[1])
 
-    def _process(self, recs: list[Record], final: bool = False) -> list[UnwoundSample]:
-        samples = self.engine.feed(recs) if recs or self.live.stats.held_now else []
-        if final:
-            samples += self.engine.finish()
-        self._unpin(recs)
-        if samples:
-            self.store.add(samples)
-        info = self.last_step = StepInfo()
-        info.samples = len(samples)
-        info.depths.update(len(s.frames) for s in samples)
-        info.pids.update(s.pid for s in samples if s.pid is not None)
-        return samples
-
     def close(self) -> list[UnwoundSample]:
         """Stop sampling, process everything still in the rings and the orderer, close."""
         if self.closed:
             return []
         self.session.disable()
-        if self.fast is not None:
-            out, self.last_step = self.fast.step(self.session, 8, _DRAIN_BYTES, final=True)
-            held = self.engine.unwind_held(self.live.flush_held())
-            if held:
-                self.store.add(held)
-                self.last_step.samples += len(held)
-                self.last_step.depths.update(len(s.frames) for s in held)
-            out += held
-            if self.engine.cfi_prefetch is not None:
-                self.engine.cfi_prefetch.close()
-            self._unpin([r for r, _ in list(self._pinned.values())])
-            self.session.close()
-            self.closed = True
-            return out
-        recs = drain_round(self.session, self.pipeline, self._pin) + self.pipeline.finish()
-        out = self._process(recs, final=True)
+        out = self._last_round()
         self._unpin([r for r, _ in list(self._pinned.values())])
         self.session.close()
         self.closed = True
+        return out
+
+    def _last_round(self) -> list[UnwoundSample]:
+        """What ``close`` processes: the rings' last round, everything still queued, deferred
+        or held, the CFI worker stopped."""
+        out, self.last_step = self.native_step.step(self.session, _DRAIN_PASSES, _DRAIN_BYTES,
+                                                    final=True)  # fmt: skip
+        held = self.engine.unwind_held(self.live.flush_held())
+        if held:
+            self.store.add(held)
+            self.last_step.samples += len(held)
+            self.last_step.depths.update(len(s.frames) for s in held)
+        out += held
+        if self.engine.cfi_prefetch is not None:
+            self.engine.cfi_prefetch.close()
         return out
 
 

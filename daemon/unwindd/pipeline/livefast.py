@@ -1,10 +1,11 @@
-"""The native live step: ring chunks -> C index -> C round ordering -> C placement, unwinding
-and per-(bucket, pid, tid, stack) counts -> ``StackStore.add_counts``. The slow step
-(``live.drain_round`` + ``StackEngine.feed`` + ``StackStore.add``) stays the reference;
-test_livefast.py replays the same recorded chunks through both.
+"""The ring driver of the native context, the live step: ring chunks -> C index -> C round
+ordering -> C placement, unwinding and per-(bucket, pid, tid, stack) counts ->
+``StackStore.add_counts``. Its reference is the whole-stream Python step of the tests
+(tests/support/refstep.py: ``capture.drain_round`` + ``StackEngine.feed`` +
+``StackStore.add``); test_livefast.py replays the same recorded chunks through both.
 
 Invariants:
-- Same records, same order, same counts as the slow step (``_round``).
+- Same records, same order, same counts as the reference step (``_round``).
 - Side-band records are applied in delivered order between runs of samples, exactly as
   ``StackEngine.feed`` does (``_apply``).
 - Each sample is unwound against its pid's space, and named with its thread's comm, as they
@@ -25,10 +26,11 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..procs.livetable import LiveTable
 from ..source import abi
+from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
 from ..source.records import Comm, Fork, Lost, Record
@@ -46,9 +48,6 @@ from .context import (
     view,
 )
 from .deferred import Deferred
-
-if TYPE_CHECKING:
-    from ..source.capture import StreamPipeline
 
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
@@ -207,8 +206,7 @@ class NativeStep:
                 end += size
                 bounds.append(end)
                 cpus.append(cpu)
-            # capture.drain_round: a pass that left a record's room emptied every ring
-            if n <= want - MAX_RECORD_SIZE:
+            if round_drained(n, want):
                 break
         flushed = None
         if len(self._stacks) > self.max_stacks or self.nctx.nspaces > self.max_spaces:
@@ -246,7 +244,7 @@ class NativeStep:
         current arena's ``[0, bounds[-1])``: the carry, then the part drained from ring
         ``cpus[i]`` in ``[bounds[i + 1], bounds[i + 2])``.
 
-        Same records, same order, same counts as the slow step: chunks are indexed per ring
+        Same records, same order, same counts as the reference step: chunks are indexed per ring
         (``fp_live_index``: fp_index, i.e. decoder.py's SAMPLE checks); every record that is
         not a good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
         ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it
@@ -445,9 +443,9 @@ class NativeStep:
         bump: every space must be re-verified), ``live.due()`` retries and bootstrap forget
         all. A sample whose pid is not in the C table or whose user pc is outside every
         mapping (``FP_RUN_NEED_PLACE``) is decoded and given to ``LiveTable.place`` (rescan /
-        hold / give-up, as in the slow step); placed samples then unwind natively against the
+        hold / give-up, as in the reference step); placed samples then unwind natively against the
         snapshot ``place`` left. Held samples come back from ``live.due()`` and are unwound by
-        the engine's Python path, as in the slow step; a sample whose binaries still compile
+        the engine's Python path, as in the reference step; a sample whose binaries still compile
         in the CFI worker waits in ``deferred`` (deferred.py).
 
         Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all
@@ -500,7 +498,7 @@ class NativeStep:
 
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
-        slow path names them in): each frame id once (``NativeContext.new_frames``), and each
+        reference step names them in): each frame id once (``NativeContext.new_frames``), and each
         unique stack's frames tuple built once (the same tuple object each time: the store
         interns by identity first)."""
         nctx, kernel_frames = self.nctx, self.engine.kernel_frames  # cached by callchain

@@ -165,5 +165,5 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     # Counts reach the store once a second and before every read of it (Daemon._flush), not
     # every drain: a busy stack's group recurs in most drains of a second, and each store
     # update of it is Python work.
-    return LiveProfiler.open(target, sampling, engine=engine, store=store, native=True,
+    return LiveProfiler.open(target, sampling, engine=engine, store=store,
                              flush_interval=FLUSH_SECONDS)  # fmt: skip

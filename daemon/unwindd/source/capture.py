@@ -38,11 +38,18 @@ class StreamPipeline:
     def for_format(cls, fmt: EventFormat) -> StreamPipeline:
         return cls(RecordDecoder([fmt]))
 
-    def push_chunks(self, chunks: Iterable[tuple[int, bytes]]) -> None:
-        """Decode and queue whole-record chunks drained from the ring of each CPU."""
+    def push_chunks(
+        self,
+        chunks: Iterable[tuple[int, bytes]],
+        on_record: Callable[[Record], None] | None = None,
+    ) -> None:
+        """Decode and queue whole-record chunks drained from the ring of each CPU; each record,
+        once counted, goes to ``on_record`` before it is queued."""
         for cpu, data in chunks:
             for rec in self.decoder.decode(data):
                 self.stats.observe(rec, cpu)
+                if on_record is not None:
+                    on_record(rec)
                 self.orderer.push(rec)
 
     def end_round(self) -> list[Record]:
@@ -113,16 +120,28 @@ def run_live(
 
 
 def drain_round(
-    session: Drainable, pipeline: StreamPipeline, max_bytes: int = 4 << 20, max_passes: int = 8
+    session: Drainable,
+    pipeline: StreamPipeline,
+    max_bytes: int = 4 << 20,
+    max_passes: int = 8,
+    on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """One live round: drain every ring (until empty, at most ``max_passes`` passes), then
-    return what the round rule says is safe to deliver, in time order."""
+    return what the round rule says is safe to deliver, in time order. ``on_record`` sees each
+    record as it leaves the ring, before ordering (the whole-stream Python step of the tests,
+    tests/support/refstep.py, pins binaries there, as ``LiveProfiler._pin`` does)."""
     for _ in range(max_passes):
         chunks = session.drain(max_bytes)
-        pipeline.push_chunks(chunks)
-        # The drain stops a ring only when its next record would not fit; records are at most
-        # 64 KiB (perf_event_header.size is a u16), so a pass that left that much room emptied
-        # every ring up to the head it read.
-        if sum(len(b) for _, b in chunks) <= max_bytes - MAX_RECORD_SIZE:
+        pipeline.push_chunks(chunks, on_record)
+        if round_drained(sum(len(b) for _, b in chunks), max_bytes):
             break
     return pipeline.end_round()
+
+
+def round_drained(drained: int, room: int) -> bool:
+    """The drain rule both live loops (``drain_round``, the native step's) end a round on: a
+    pass that drained ``drained`` bytes into ``room`` emptied every ring. The drain stops a
+    ring only when its next record would not fit; records are at most 64 KiB
+    (perf_event_header.size is a u16), so a pass that left that much room emptied every ring
+    up to the head it read."""
+    return drained <= room - MAX_RECORD_SIZE

@@ -36,7 +36,7 @@ __all__ = ["MappedFile", "RecordIndex", "Unsupported", "layout_of", "native_layo
 
 
 class Unsupported(Exception):
-    """The native path does not take this input; use the slow path."""
+    """The native replay does not take this input; the Python replay (streamreplay.py) does."""
 
 
 def layout_of(fmt: Any) -> Any:

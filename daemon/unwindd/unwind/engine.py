@@ -1,5 +1,8 @@
-"""From time-ordered records to unwound, symbolized samples: the stage both replay and the live
-pipeline run after ordering.
+"""From time-ordered records to unwound, symbolized samples, a Sample object at a time (batched
+into the native unwinder): the Python replay's (``feed``, streamreplay.py), and the native live
+step's held and deferred samples (``unwind_held``, ``unwind_as_of``); and what both native
+paths take from it: the process table and comms, address-space snapshots and frame names
+(``snapshot``, ``frame_at``, ``kernel_frames``).
 
 Invariants:
 - Records arrive in time order (ordering.py first); side-band records are applied to the
@@ -271,8 +274,9 @@ class StackEngine:
         """Run in live mode; ``live.table`` must be ``self.table``. Every sample is first
         offered to ``live.place``, which may rescan /proc for its pid or *hold* it for a
         rate-limited rescan; held samples come back from ``live.due()`` at the start of a later
-        ``feed`` and are unwound then (so in live mode output order is input order except for
-        those, each still exactly once); ``finish()`` returns the rest. After each batch is
+        ``feed`` (the native live step takes them itself) and are unwound then (so in live mode
+        output order is input order except for those, each still exactly once);
+        ``unwind_held(live.flush_held())`` unwinds the rest at the end. After each batch is
         unwound ``live.end_batch()`` drops retired/over-cap pids, and a dropped pid's comms are
         forgotten here."""
         if live.table is not self.table:
@@ -280,13 +284,6 @@ class StackEngine:
         self.live = live
         live.on_comm = self.set_comm
         self.table.on_drop = self._dropped
-
-    def finish(self) -> list[UnwoundSample]:
-        """End of stream: unwind every sample still held for a rescan."""
-        if self.live is None:
-            return []
-        held = self.live.flush_held()
-        return self._unwind([(self.snapshot(s.pid), s) for s in held]) if held else []
 
     def set_comm(self, tid: int, comm: str) -> None:
         self._comms[tid] = comm

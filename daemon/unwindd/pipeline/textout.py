@@ -1,0 +1,83 @@
+"""The command line's text outputs of a record stream: ``unwindd record`` and the Python replay
+(streamreplay.py) write through ``TextOutput``.
+
+Invariants:
+- records: each record as one JSON line (``source/output.record_to_json``); jsonl and
+  perf-script: each unwound sample; both written and flushed as each batch comes. folded:
+  stacks counted, written once by ``finish`` (``stackfmt.render_folded``).
+- Records in, samples out only with ``unwind``: the sink's own engine (``StackEngine.feed``)
+  unwinds them; without it the caller hands it samples (``samples``) and per-stack counts
+  (``counts``) from a live profiler.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TextIO
+
+from ..unwind import stackfmt
+
+if TYPE_CHECKING:
+    from ..source.records import Record
+    from ..store.stackstore import CountGroup
+    from ..unwind.engine import StackEngine
+
+
+class TextOutput:
+    """Receives each round's time-ordered records and writes them in the chosen format;
+    ``finish`` writes what can only be written at the end (folded stacks)."""
+
+    def __init__(self, fmt: str, out: TextIO, *, unwind: bool = True) -> None:
+        self.fmt = fmt
+        self.out = out
+        self.engine: StackEngine | None = None
+        self.folded: Counter[tuple[str, ...]] = Counter()
+        if unwind and fmt in ("jsonl", "folded", "perf-script"):
+            from ..unwind.engine import StackEngine
+
+            self.engine = StackEngine.create()
+
+    def __call__(self, recs: list[Record]) -> None:
+        import json
+
+        w = self.out.write
+        if self.fmt == "records":
+            from ..source.output import record_to_json
+
+            for rec in recs:
+                w(json.dumps(record_to_json(rec), separators=(",", ":")))
+                w("\n")
+            self.out.flush()
+        elif self.engine is not None:
+            self.samples(self.engine.feed(recs))
+
+    def samples(self, samples: Sequence[stackfmt.UnwoundSample]) -> None:
+        """Write unwound samples (from the engine here, or from a LiveProfiler)."""
+        if not samples:
+            return
+        import json
+
+        w = self.out.write
+        if self.fmt == "jsonl":
+            for u in samples:
+                w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
+                w("\n")
+        elif self.fmt == "perf-script":
+            for u in samples:
+                w(stackfmt.perf_script(u))
+        elif self.fmt == "folded":
+            self.folded.update(stackfmt.folded_key(u) for u in samples)
+        else:
+            return
+        self.out.flush()
+
+    def counts(self, groups: Sequence[CountGroup]) -> None:
+        """Fold aggregated samples (``StackStore.add_counts``' groups) into the folded output."""
+        for _t, _pid, _tid, comm, frames, n in groups:
+            self.folded[(comm or "[unknown]", *stackfmt.folded_names(frames))] += n
+
+    def finish(self) -> None:
+        if self.fmt == "folded":
+            self.out.write(stackfmt.render_folded(self.folded))
+            self.out.flush()
