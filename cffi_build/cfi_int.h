@@ -1,9 +1,12 @@
 /* cfi_int.h: what the CFI compiler's files share (not part of the cffi interface).
  *
- * The compiler turns .eh_frame / .debug_frame into the packed row table of unwcore.h in four
- * files: ehframe.c reads the sections (CIE/FDE layout, pointer encodings, .eh_frame_hdr),
- * cfaprog.c runs each CIE/FDE's CFA program into rows, cfitable.c builds the table from the rows
- * (unw_cfi_compile), cfilookup.c validates and searches a built table.
+ * The compiler turns .eh_frame / .debug_frame into the packed row table of unwcore.h. Its
+ * files (ehframe.c and cfaprog.c still call each other):
+ *   cfistore.c the compile context's growable arrays and its interned rules
+ *   ehframe.c  reads the sections (CIE/FDE layout, pointer encodings, .eh_frame_hdr)
+ *   cfaprog.c  runs each CIE/FDE's CFA program into rows
+ *   cfitable.c builds the table from the rows (unw_cfi_compile)
+ * and cfilookup.c, beside them, validates and searches a built table.
  *
  * Rules:
  *   - Every read goes through struct rd, which never reads past its end and latches an error.
@@ -143,11 +146,11 @@ struct ctx {
 static inline void err(struct ctx *c, int e) { c->errors[e]++; }
 
 /* Grow *p (elements of elem bytes, capacity *cap) to hold need: doubling, from 64. 0, or -1 on
- * overflow or OOM (*p unchanged). cfitable.c. */
+ * overflow or OOM (*p unchanged). cfistore.c. */
 CFI_INTERNAL int cfi_grow(void **p, uint32_t *cap, size_t elem, uint32_t need);
 
 /* Intern a rule: its index in c->rules, O(1) expected. UINT32_MAX (and c->oom) on OOM.
- * cfitable.c. */
+ * cfistore.c. */
 CFI_INTERNAL uint32_t cfi_intern(struct ctx *c, const struct unw_rule *r);
 
 /* ------------------------------------------------------------------ the row model */
