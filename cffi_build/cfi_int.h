@@ -1,10 +1,11 @@
 /* cfi_int.h: what the CFI compiler's files share (not part of the cffi interface).
  *
  * The compiler turns .eh_frame / .debug_frame into the packed row table of unwcore.h. Its
- * files (ehframe.c and cfaprog.c still call each other):
+ * files, each calling only files listed before it (and arch.c's unw_arch):
+ *   cfienc.c   pointer encodings (DW_EH_PE_*)
  *   cfistore.c the compile context's growable arrays and its interned rules
- *   ehframe.c  reads the sections (CIE/FDE layout, pointer encodings, .eh_frame_hdr)
  *   cfaprog.c  runs each CIE/FDE's CFA program into rows
+ *   ehframe.c  reads the sections (CIE/FDE layout, .eh_frame_hdr), each FDE run by cfaprog.c
  *   cfitable.c builds the table from the rows (unw_cfi_compile)
  * and cfilookup.c, beside them, validates and searches a built table.
  *
@@ -110,7 +111,7 @@ struct encctx {
     uint64_t text, data;
 };
 
-/* LSB 10.5 DW_EH_PE_* (ehframe.c): low nibble = format, bits 4-6 = application. Returns 0 and
+/* LSB 10.5.1 DW_EH_PE_* (cfienc.c): low nibble = format, bits 4-6 = application. Returns 0 and
  * sets *bad for encodings that are illegal or need memory we do not have (indirect: the pointer
  * is in the loaded image's data, aligned/funcrel: not used for FDE fields). */
 CFI_INTERNAL uint64_t cfi_rd_enc(struct rd *r, uint8_t enc, const struct encctx *c, int *bad);
