@@ -1,6 +1,6 @@
 """The native fast path of ``unwindd replay --format folded|jsonl|perf-script``: it crosses
 into C once per data section (index), once per file (ordering) and once per run of samples
-between two side-band records (unwind + aggregate, ``cffi_build/context.c``), and names each
+between two side-band records (unwind + aggregate, ``cffi_build/stacks.c``), and names each
 unique frame once. The slow path (perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed
 -> stackfmt), a Python object per record and per sample, stays the reference.
 
