@@ -23,10 +23,10 @@ HEADER = HERE / "unwcore.h"
 FAST_HEADER = HERE / "fastpath.h"  # the native pipeline context (replay and live), same module
 # the native pipeline context's stages (fastpath.h), each file one stage; the tests'
 # nativebuild.py FASTPATH lists them too, for the sanitizer harnesses
-FASTPATH = ["index.c", "order.c", "context.c", "parallel.c", "live.c"]
-# the CFI compiler (cfi_int.h): register model, section reader, CFA interpreter, table builder,
-# table lookup; nativebuild.py CFI lists them too
-CFI = ["arch.c", "ehframe.c", "cfaprog.c", "cfitable.c", "cfilookup.c"]
+FASTPATH = ["index.c", "order.c", "stacks.c", "parallel.c", "context.c", "live.c"]
+# the CFI compiler (cfi_int.h): register model, pointer encodings, row storage, CFA
+# interpreter, section reader, table builder, table lookup; nativebuild.py CFI lists them too
+CFI = ["arch.c", "cfienc.c", "cfistore.c", "cfaprog.c", "ehframe.c", "cfitable.c", "cfilookup.c"]
 SOURCES = [*(HERE / f for f in CFI), HERE / "unwind.c", *(HERE / f for f in FASTPATH),
            HERE / "symtab.c", HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c",
            HERE / "libcall.c"]

@@ -1,9 +1,13 @@
 /* cfi_int.h: what the CFI compiler's files share (not part of the cffi interface).
  *
- * The compiler turns .eh_frame / .debug_frame into the packed row table of unwcore.h in four
- * files: ehframe.c reads the sections (CIE/FDE layout, pointer encodings, .eh_frame_hdr),
- * cfaprog.c runs each CIE/FDE's CFA program into rows, cfitable.c builds the table from the rows
- * (unw_cfi_compile), cfilookup.c validates and searches a built table.
+ * The compiler turns .eh_frame / .debug_frame into the packed row table of unwcore.h. Its
+ * files, each calling only files listed before it (and arch.c's unw_arch):
+ *   cfienc.c   pointer encodings (DW_EH_PE_*)
+ *   cfistore.c the compile context's growable arrays and its interned rules
+ *   cfaprog.c  runs each CIE/FDE's CFA program into rows
+ *   ehframe.c  reads the sections (CIE/FDE layout, .eh_frame_hdr), each FDE run by cfaprog.c
+ *   cfitable.c builds the table from the rows (unw_cfi_compile)
+ * and cfilookup.c, beside them, validates and searches a built table.
  *
  * Rules:
  *   - Every read goes through struct rd, which never reads past its end and latches an error.
@@ -107,7 +111,7 @@ struct encctx {
     uint64_t text, data;
 };
 
-/* LSB 10.5 DW_EH_PE_* (ehframe.c): low nibble = format, bits 4-6 = application. Returns 0 and
+/* LSB 10.5.1 DW_EH_PE_* (cfienc.c): low nibble = format, bits 4-6 = application. Returns 0 and
  * sets *bad for encodings that are illegal or need memory we do not have (indirect: the pointer
  * is in the loaded image's data, aligned/funcrel: not used for FDE fields). */
 CFI_INTERNAL uint64_t cfi_rd_enc(struct rd *r, uint8_t enc, const struct encctx *c, int *bad);
@@ -143,11 +147,11 @@ struct ctx {
 static inline void err(struct ctx *c, int e) { c->errors[e]++; }
 
 /* Grow *p (elements of elem bytes, capacity *cap) to hold need: doubling, from 64. 0, or -1 on
- * overflow or OOM (*p unchanged). cfitable.c. */
+ * overflow or OOM (*p unchanged). cfistore.c. */
 CFI_INTERNAL int cfi_grow(void **p, uint32_t *cap, size_t elem, uint32_t need);
 
 /* Intern a rule: its index in c->rules, O(1) expected. UINT32_MAX (and c->oom) on OOM.
- * cfitable.c. */
+ * cfistore.c. */
 CFI_INTERNAL uint32_t cfi_intern(struct ctx *c, const struct unw_rule *r);
 
 /* ------------------------------------------------------------------ the row model */

@@ -1,5 +1,6 @@
-/* cfitable.c: unw_cfi_compile: the compile context (row buffer, FDE groups, interned rules)
- * and the table built from it: rows -> the packed blob of unwcore.h.
+/* cfitable.c: unw_cfi_compile, the top of the CFI compiler: the sections' walks (ehframe.c)
+ * fill a compile context (cfistore.c) with each FDE's rows, and its rows become the packed
+ * blob of unwcore.h here.
  *
  * Policy (the tests' cfiref.py mirrors it):
  *   - Each FDE's rows are one group, clipped to its [start, end). eh_frame groups first, sorted,
@@ -8,77 +9,14 @@
  *   - A NONE row (rule 0, always "no CFI") marks each gap; equal neighbours are merged.
  *   - Rows are addressed by 32 bits from the table's base: past 4 GiB of text the table keeps
  *     the first 4 GiB (counted, UNW_ERR_RANGE), and the cut still ends in a NONE row.
- *   - Rules are interned (FNV-1a, open addressing): each distinct rule is stored once, row
- *     indices are 2 bytes when there are at most 65536 rules, else 4.
+ *   - Rules are interned (cfistore.c): row indices are 2 bytes when there are at most 65536
+ *     rules, else 4.
  * Cost: O(G log G) for G groups plus O(rows) for the emission; memory O(rows + rules). On OOM
  * nothing is returned (-1) and everything is freed.
  */
 #include "cfi_int.h"
 
 void unw_free(void *p) { free(p); }
-
-static uint32_t rule_hash(const struct unw_rule *r)
-{
-    uint8_t b[sizeof *r];
-    memcpy(b, r, sizeof b);
-    uint32_t h = 2166136261u; /* FNV-1a */
-    for (size_t i = 0; i < sizeof b; i++)
-        h = (h ^ b[i]) * 16777619u;
-    return h;
-}
-
-int cfi_grow(void **p, uint32_t *cap, size_t elem, uint32_t need)
-{
-    if (need <= *cap)
-        return 0;
-    uint64_t n = *cap ? *cap : 64;
-    while (n < need)
-        n *= 2;
-    if (n > UINT32_MAX)
-        return -1;
-    void *q = realloc(*p, n * elem);
-    if (!q)
-        return -1;
-    *p = q;
-    *cap = (uint32_t)n;
-    return 0;
-}
-
-uint32_t cfi_intern(struct ctx *c, const struct unw_rule *r)
-{
-    if ((uint64_t)(c->nrules + 1) * 2 > c->hashcap) {
-        uint32_t ncap = c->hashcap ? c->hashcap * 2 : 1024;
-        uint32_t *nh = calloc(ncap, sizeof *nh);
-        if (!nh) {
-            c->oom = 1;
-            return UINT32_MAX;
-        }
-        for (uint32_t i = 0; i < c->nrules; i++) {
-            uint32_t h = rule_hash(&c->rules[i]) & (ncap - 1);
-            while (nh[h])
-                h = (h + 1) & (ncap - 1);
-            nh[h] = i + 1;
-        }
-        free(c->hash);
-        c->hash = nh;
-        c->hashcap = ncap;
-    }
-    uint32_t h = rule_hash(r) & (c->hashcap - 1);
-    while (c->hash[h]) {
-        if (!memcmp(&c->rules[c->hash[h] - 1], r, sizeof *r))
-            return c->hash[h] - 1;
-        h = (h + 1) & (c->hashcap - 1);
-    }
-    if (cfi_grow((void **)&c->rules, &c->caprules, sizeof *r, c->nrules + 1)) {
-        c->oom = 1;
-        return UINT32_MAX;
-    }
-    c->rules[c->nrules] = *r;
-    c->hash[h] = ++c->nrules;
-    return c->nrules - 1;
-}
-
-/* ------------------------------------------------------------------ table assembly */
 
 static int group_cmp(const void *a, const void *b)
 {

@@ -1,5 +1,6 @@
-/* ehframe.c: read .eh_frame / .debug_frame / .eh_frame_hdr: CIE and FDE entries, pointer
- * encodings, and the walks that hand each FDE's CFA program to cfaprog.c.
+/* ehframe.c: read .eh_frame / .debug_frame / .eh_frame_hdr: CIE and FDE entries and the
+ * walks that hand each FDE's CFA program to cfaprog.c and keep its rows as one group
+ * (cfistore.c); pointer encodings are read by cfienc.c.
  *
  * Formats followed:
  *   - DWARF 5 section 6.4.1 (CIE/FDE layout), 7.4 (32/64-bit format), 7.6 (LEB128).
@@ -16,39 +17,6 @@
  * that share it (the one-entry CIE cache).
  */
 #include "cfi_int.h"
-
-/* LSB 10.5 DW_EH_PE_*: low nibble = format, bits 4-6 = application. Returns 0 and sets *bad for
- * encodings that are illegal or need memory we do not have (indirect: the pointer is in the
- * loaded image's data, aligned/funcrel: not used for FDE fields). */
-uint64_t cfi_rd_enc(struct rd *r, uint8_t enc, const struct encctx *c, int *bad)
-{
-    if (enc == DW_EH_PE_omit)
-        return 0;
-    uint64_t field = c->sec_addr + (uint64_t)(r->p - c->sec);
-    uint64_t v;
-    switch (enc & 0x0f) {
-    case 0x00: v = rd_le(r, 8); break;                          /* absptr (64-bit) */
-    case 0x01: v = rd_uleb(r); break;
-    case 0x02: v = rd_le(r, 2); break;
-    case 0x03: v = rd_le(r, 4); break;
-    case 0x04: v = rd_le(r, 8); break;
-    case 0x09: v = (uint64_t)rd_sleb(r); break;
-    case 0x0a: v = (uint64_t)(int64_t)(int16_t)rd_le(r, 2); break;
-    case 0x0b: v = (uint64_t)(int64_t)(int32_t)rd_le(r, 4); break;
-    case 0x0c: v = rd_le(r, 8); break;
-    default: *bad = 1; return 0;
-    }
-    switch (enc & 0x70) {
-    case 0x00: break;
-    case 0x10: v += field; break;                               /* pcrel */
-    case 0x20: if (!c->text) { *bad = 1; return 0; } v += c->text; break;
-    case 0x30: if (!c->data) { *bad = 1; return 0; } v += c->data; break;
-    default: *bad = 1; return 0;                                /* funcrel, aligned */
-    }
-    if (enc & DW_EH_PE_indirect)
-        *bad = 1;
-    return v;
-}
 
 /* Size-only variant for pc_range: LSB says the range uses the format nibble only. */
 static uint64_t rd_enc_value(struct rd *r, uint8_t enc, int *bad)

@@ -10,10 +10,10 @@
  *
  * The stages, one C file each (shared internals: fastpath_int.h, fastpath_util.h):
  * index.c (fp_index: records, SAMPLE fields), order.c (fp_order, fp_live_order_*: perf's
- * round rule), context.c (struct fp_ctx: spaces, comms, unwind + aggregate, the fp_stack /
- * fp_frame accessors), parallel.c (fp_unwind_run and its worker thread), live.c (the live step:
- * fp_live_index, fp_live_run, fp_live_groups_*); fold.c and mapfile.c add the functions
- * marked with their names.
+ * round rule), stacks.c (unwind + aggregate one sample, the fp_stack / fp_frame accessors),
+ * parallel.c (fp_unwind_run and its worker thread), context.c (struct fp_ctx: its life,
+ * spaces, comms), live.c (the live step: fp_live_index, fp_live_run, fp_live_groups_*); fold.c
+ * and mapfile.c add the functions marked with their names.
  *
  * Like unwcore.h this is a cffi cdef as well as a C header: no includes, fixed-width types only.
  *

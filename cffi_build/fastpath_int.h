@@ -2,14 +2,15 @@
  * the native context (struct fp_ctx) with the two tables every stage after indexing reads
  * (spaces, comms), the parallel unwind's knobs, and the functions one file lends another.
  *
- * The files, by stage: index.c (records), order.c (round order), context.c (the context:
- * unwind + aggregate, export), parallel.c (fp_unwind_run and its worker), live.c (the live
- * step). Each exported fp_* function's contract is in fastpath.h (fp_ = fastpath).
+ * The files, each calling only files listed before it: index.c (records), order.c (round
+ * order), stacks.c (one sample's unwind + aggregate, the stack and frame export), parallel.c
+ * (fp_unwind_run and its worker), context.c (the context's life, spaces, comms), live.c (the
+ * live step). Each exported fp_* function's contract is in fastpath.h (fp_ = fastpath).
  *
  * Invariants: only the calling thread changes a context; while a parallel job runs
  * (parallel.c) nothing in it changes, and the worker reads only its arch and its spaces
  * (space_slot), the caller's modules and tables and the job's records. The stacks, frames,
- * pairs and symbol tables of a context are context.c's alone (their structs are defined there).
+ * pairs and symbol tables of a context are stacks.c's alone (their structs are defined there).
  * Cost: space_slot and comm_slot are O(1) expected (tables at most half full).
  */
 #ifndef FASTPATH_INT_H
@@ -139,7 +140,7 @@ FP_INTERNAL int index_records(const struct fp_layout *lay, const uint8_t *data, 
                               int payloads, struct fp_rec **recs, uint64_t *nrec,
                               uint64_t *other, int *end, uint64_t *stopped_at);
 
-/* context.c: a sample's unwind (any thread: parallel.c's worker too), its interning (the
+/* stacks.c: a sample's unwind (any thread: parallel.c's worker too), its interning (the
  * calling thread), and both for one sample; contracts at their definitions. UNW_BAD_VIEW:
  * unwind_sample's status for a record whose stored view is not inside it (intern_sample then
  * fails the sample). */

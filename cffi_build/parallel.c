@@ -1,5 +1,5 @@
 /* parallel.c: the unwind run (fp_unwind_run, contract: fastpath.h) on the calling thread and
- * one worker thread; context.c does the unwinding (unwind_sample) and the interning
+ * one worker thread; stacks.c does the unwinding (unwind_sample) and the interning
  * (intern_sample).
  *
  * Why: unwinding (unw_unwind_one) is most of fp_unwind_run (interning the stacks is the

@@ -36,11 +36,11 @@ struct unw_arch_desc {
 const struct unw_arch_desc *unw_arch(int id);
 
 /* The module containing pc in mods[0, nmods) (sorted by start, disjoint), or NULL:
- * O(log nmods) (unwind.c; context.c's aggregation by code uses it too). */
+ * O(log nmods) (unwind.c; stacks.c's aggregation by code uses it too). */
 const struct unw_module *unw_module_find(const struct unw_module *mods, uint32_t nmods,
                                          uint64_t pc);
 
-/* One sample's unwind (unwind.c), for the batch entry point and context.c's unwind_sample: the
+/* One sample's unwind (unwind.c), for the batch entry point and stacks.c's unwind_sample: the
  * same contract as one item of unw_unwind_batch. pcs/kinds hold max_depth entries. */
 uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
                        uint32_t max_depth, uint64_t *pcs, uint8_t *kinds, uint32_t *count,

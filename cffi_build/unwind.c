@@ -93,7 +93,7 @@ static const struct unw_module *find_module(const struct unw_item *it, uint64_t 
  * test_lookup_cache_never_serves_stale_entries). The cache never dereferences a pointer it
  * holds: mods is only compared, and the index is checked against the item's nmods first.
  *
- * Why per thread (__thread) rather than per call or per context: context.c calls
+ * Why per thread (__thread) rather than per call or per context: stacks.c calls
  * unw_unwind_one once per sample, so a cache must outlive the call to help it; per thread needs
  * no locking and no API change. Bound: 1 << LK_BITS entries of 24 bytes (96 KiB) per thread that
  * unwinds, allocated zeroed by the dynamic loader's TLS on first use, freed at thread exit.

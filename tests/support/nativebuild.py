@@ -15,9 +15,11 @@ CORE = ROOT / "cffi_build"
 # -pthread: parallel.c runs a worker thread (its parallel unwind)
 CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]
 # The native replay path (fastpath.h), one file per stage: cffi_build/build_unwcore.py's FASTPATH.
-FASTPATH = [str(CORE / f) for f in ("index.c", "order.c", "context.c", "parallel.c", "live.c")]
+FASTPATH = [str(CORE / f) for f in ("index.c", "order.c", "stacks.c", "parallel.c", "context.c",
+                                     "live.c")]
 # The CFI compiler (cfi_int.h), one file per part: cffi_build/build_unwcore.py's CFI.
-CFI = [str(CORE / f) for f in ("arch.c", "ehframe.c", "cfaprog.c", "cfitable.c", "cfilookup.c")]
+CFI = [str(CORE / f) for f in ("arch.c", "cfienc.c", "cfistore.c", "cfaprog.c", "ehframe.c",
+                                "cfitable.c", "cfilookup.c")]
 
 
 def build(out: pathlib.Path, sources: list[str], extra: list[str]) -> str:

@@ -165,7 +165,7 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
     size, CRC-32, build-id, stamps; that each extra names a distinct PLT slot (offset
     ``NO_NAME``) and every other offset is inside the string table, so ``name`` has a name
     for every index. Not re-checked: the order of starts (a Python pass as costly as the
-    load), since a misordered table can only misname (bisect and context.c's fp_sym_region
+    load), since a misordered table can only misname (bisect and stacks.c's fp_sym_region
     stay in bounds on any order) and damage is what the CRC catches. Cost: one CRC pass, four
     ``array.frombytes``, one ``max`` over the offsets, O(n), and O(PLT) dict inserts."""
     if len(data) < _SYM_FILE.size:

@@ -8,7 +8,7 @@ Rules:
   as ``<name>@plt``. It is kept as an offset into the binary's string table (``NO_NAME``: the
   name is in ``_named``, or raw in ``_plt``) until a lookup returns it, then decoded and
   demangled once.
-- ``starts``/``ends`` are ``array("Q")`` columns native code reads too (context.c's
+- ``starts``/``ends`` are ``array("Q")`` columns native code reads too (stacks.c's
   fp_sym_region); they never change once built, only the cache of decoded names grows.
 - ``nbytes`` estimates the memory held: 20 B a symbol, the string table, the names kept.
 

@@ -1,7 +1,7 @@
-"""The native pipeline context (``cffi_build/fastpath.h``, ``context.c``) and its Python mirror,
-shared by its two drivers: the ring driver (livefast.py, the daemon and ``unwindd record``) and
-the file driver (fastreplay.py, ``unwindd replay``). What the C context knows by number (address
-spaces, comms, frames, stacks, statuses) is named here, once.
+"""The native pipeline context (``cffi_build/fastpath.h``, ``context.c``, ``stacks.c``) and its
+Python mirror, shared by its two drivers: the ring driver (livefast.py, the daemon and ``unwindd
+record``) and the file driver (fastreplay.py, ``unwindd replay``). What the C context knows by
+number (address spaces, comms, frames, stacks, statuses) is named here, once.
 
 Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``

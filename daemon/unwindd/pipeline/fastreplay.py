@@ -1,7 +1,7 @@
 """The file driver of the native context: ``unwindd replay --format folded|jsonl|perf-script``
 of a perf.data file. It crosses into C once per data section (index), once per file
 (ordering) and once per run of samples between two side-band records (unwind + aggregate,
-``cffi_build/context.c``), and names each unique frame once (context.NativeContext). The
+``cffi_build/stacks.c``), and names each unique frame once (context.NativeContext). The
 Python replay (streamreplay.py: perfdata -> RecordDecoder -> RoundOrderer -> StackEngine.feed
 -> stackfmt, a Python object per record and per sample) is its reference, and replays what it
 does not take.

@@ -1,5 +1,5 @@
-/* fp_fuzz.c: the native replay path (cffi_build/fastpath.h: index.c, order.c, context.c,
- * parallel.c) under ASan/UBSan and TSan (tests/differential/test_fastreplay.py).
+/* fp_fuzz.c: the native replay path (cffi_build/fastpath.h: index.c, order.c, stacks.c,
+ * parallel.c, context.c) under ASan/UBSan and TSan (tests/differential/test_fastreplay.py).
  *
  * usage: fp_fuzz DATA sample_type regs_mask nprefix i_tid i_time i_cpu i_period nregs ITERS
  *
