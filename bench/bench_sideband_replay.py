@@ -12,7 +12,7 @@ defaults (8 KiB stacks), one ``chain_o2 100`` re-exec loop per CPU plus ``--spaw
 
 Replay (per CODE, each in its own interpreter with that CODE first on PYTHONPATH; see
 bench_sideband.py for CODE): ``LiveProfiler`` with the native step over the recorded drains,
-as tests/integration/test_livefast.py does (empty /proc, a clock advancing 1 s per read). The first
+as tests/integration/test_ringstep.py does (empty /proc, a clock advancing 1 s per read). The first
 ``--warm`` drains run untimed (cold ELF parsing and CFI compiles, as the daemon's warm-up);
 then the process CPU of the remaining steps is reported with the samples and side-band
 records they carried, and a digest of everything stored (same capture, same digest: the codes

@@ -8,7 +8,7 @@ package found at ``PYTHONPATH=DIR``, e.g. a ``pip install --target DIR`` of an o
 alternating, so a shared machine's load hits them alike. A child:
 
 1. replays FILE to folded stacks exactly as ``unwindd replay FILE --format folded`` does
-   (``fastreplay.replay``, output discarded), timing every ``fp_unwind_run`` call: that is
+   (``filereplay.replay``, output discarded), timing every ``fp_unwind_run`` call: that is
    the whole native per-sample loop (parse, unwind, stack interning), page faults on the
    file's mmap included;
 2. keeps, for every unwound sample, its record and the native address space it was unwound
@@ -42,17 +42,17 @@ CLOCK = time.thread_time
 
 
 def child(path: str, batch_repeat: int) -> None:
-    from unwindd.pipeline import fastreplay
+    from unwindd.pipeline import filereplay
     from unwindd.source.perfdata import PerfData
     from unwindd.unwind.engine import StackEngine
 
-    real = fastreplay.lib
+    real = filereplay.lib
     spaces: dict[int, int] = {}  # pid -> snapshot id currently set on the C side
     t_run, t_sys = [0.0], [0.0]
     ctx_depth = [0]
 
     class Lib:
-        """fastreplay's ``lib`` with fp_unwind_run timed and spaces tracked."""
+        """filereplay's ``lib`` with fp_unwind_run timed and spaces tracked."""
 
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
@@ -76,10 +76,10 @@ def child(path: str, batch_repeat: int) -> None:
             spaces.pop(pid, None)
             return real.fp_forget_space(ctx, pid)
 
-    fastreplay.lib = Lib()
+    filereplay.lib = Lib()
     samples: list[tuple[int, int, int]] = []  # (record offset in data, size, snapshot id)
     natives: dict[int, Any] = {}  # snapshot id -> its AddressSpace (modules and tables)
-    orig_run, orig_set = fastreplay._Replay._run, fastreplay._Replay._set_space
+    orig_run, orig_set = filereplay._Replay._run, filereplay._Replay._set_space
 
     def run_hook(self: Any, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
         orig_run(self, recs, perm, a, b, stack_ids)
@@ -92,12 +92,12 @@ def child(path: str, batch_repeat: int) -> None:
         sid = spaces[pid]  # kept alive here: the replay may release it once its frames are named
         natives[sid] = self._snaps[sid].native
 
-    fastreplay._Replay._run = run_hook
-    fastreplay._Replay._set_space = set_hook
+    filereplay._Replay._run = run_hook
+    filereplay._Replay._set_space = set_hook
     data = PerfData.open(path)
     engine = StackEngine.create(cfi_cache_dir=os.path.expanduser("~/.cache/unwindd/cfi"))
     t0 = CLOCK()
-    fastreplay.replay(data, path, "folded", io.StringIO(), engine=engine)
+    filereplay.replay(data, path, "folded", io.StringIO(), engine=engine)
     t_replay = CLOCK() - t0
 
     # -- the same samples through unw_unwind_batch, stacks in place in the file's mmap

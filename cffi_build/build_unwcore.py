@@ -8,7 +8,7 @@ are used twice, as the cdef (so the Python-visible interface cannot drift from t
 as the headers the generated module includes. setup.py names this file as
 ``cffi_build/build_unwcore.py:ffibuilder``. Its importers are in ``daemon/unwindd/``:
 binaries/ (cfi, demangle, elfcache, elfsyms, kallsyms), unwind/unwinder, pipeline/ (context,
-fastreplay, livefast) and source/mapfile.
+filereplay, ringstep) and source/mapfile.
 """
 
 from __future__ import annotations

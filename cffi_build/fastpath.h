@@ -2,8 +2,8 @@
  * or ring chunks, order them by perf's round rule, unwind runs of SAMPLE records straight from
  * the raw bytes and aggregate identical stacks. Python decodes only the rare non-SAMPLE
  * records, applies them to the process table and symbolizes each unique stack once; its two
- * drivers are the replay (daemon/unwindd/pipeline/fastreplay.py) and the live step
- * (daemon/unwindd/pipeline/livefast.py), their shared vocabulary pipeline/context.py.
+ * drivers are the replay (daemon/unwindd/pipeline/filereplay.py) and the live step
+ * (daemon/unwindd/pipeline/ringstep.py), their shared vocabulary pipeline/context.py.
  *
  * fp_ / FP_ stands for fastpath (this interface and its internals), never for frame pointer:
  * the unwinder's frame-pointer names say fpwalk (unwcore.h fpwalk_frames).
@@ -184,7 +184,7 @@ uint64_t fp_sym_region(const uint64_t *starts, const uint64_t *ends, uint64_t n,
 
 /* by code: the distinct (space, stack, hash of the raw user pcs) triples of the samples so
  * far, in first-seen order: copies triples [from, from + max) and returns how many it copied.
- * (What the slow path's per-(snapshot, pcs) unsymbolized count needs.) */
+ * (What the Python reference's per-(snapshot, pcs) unsymbolized count needs.) */
 uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
                   uint32_t *stack_ids, uint64_t *pcs_hashes, uint64_t max);
 
@@ -265,7 +265,7 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
                 uint8_t *is_sample, uint64_t *time, uint64_t *period, uint32_t *pid,
                 uint32_t *tid, uint32_t *cpu);
 
-/* ---- the live step (daemon/unwindd/pipeline/livefast.py): ring chunks instead of a file.
+/* ---- the live step (daemon/unwindd/pipeline/ringstep.py): ring chunks instead of a file.
  * Cost: fp_live_index O(records); fp_live_order_round O(new records log queued + queued);
  * fp_live_run like fp_unwind_run plus O(log mappings) per sample to place it;
  * fp_live_groups_add O(samples) expected. */

@@ -1,5 +1,5 @@
 /* fold.c: the folded-stacks text (flamegraph.pl's collapsed form) of a replay context that
- * aggregates by function (fastreplay.py, --format folded): stacks named, merged, sorted and
+ * aggregates by function (filereplay.py, --format folded): stacks named, merged, sorted and
  * rendered natively.
  *
  * Why: done in Python, each unique stack becomes a joined string of its names, a dict entry
@@ -7,8 +7,8 @@
  * ranks (u32), so merging is one hash and sorting compares at most depth u32 pairs.
  *
  * Invariants:
- * - The same bytes as stackfmt.render_folded over the same stacks (test_fastreplay.py
- *   compares with the slow path): a stack's names are its comm's, then its user frames'
+ * - The same bytes as stackfmt.render_folded over the same stacks (test_filereplay.py
+ *   compares with the Python replay): a stack's names are its comm's, then its user frames'
  *   outermost first (none when its sample had no user registers and it has kernel frames: the
  *   engine's kernel_only), then its kernel ips' outermost first (engine.kernel_ips: the
  *   callchain entries after a PERF_CONTEXT_KERNEL marker, up to the next marker); stacks with
@@ -370,7 +370,7 @@ void fp_stacks_unsym(const struct fp_ctx *c, uint32_t from, uint32_t to, const u
     }
 }
 
-/* The replay's stream counts (fastreplay._stream_stats): the distinct vals[k] of the k < n
+/* The replay's stream counts (filereplay._stream_stats): the distinct vals[k] of the k < n
  * with flag[k] set, in first-seen order, with how many times each occurs (keys/counts hold n).
  * Returns their number, UINT64_MAX on allocation failure. O(n) expected (open addressing). */
 uint64_t fp_count_flagged(const uint8_t *flag, const uint32_t *vals, uint64_t n, uint32_t *keys,

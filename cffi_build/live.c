@@ -1,4 +1,4 @@
-/* live.c: the live step's native half (daemon/unwindd/pipeline/livefast.py): ring chunks in
+/* live.c: the live step's native half (daemon/unwindd/pipeline/ringstep.py): ring chunks in
  * place of a file. fp_live_index indexes each ring's drain as decoder.RecordDecoder.decode
  * frames ring chunks: by perf_event_header.size alone (include/uapi/linux/perf_event.h; a
  * chunk holds whole records, perfcore.c's drain copies up to the head the kernel publishes

@@ -1,4 +1,4 @@
-/* sideband.c: find the side-band records a replay may skip, natively (fastreplay.py).
+/* sideband.c: find the side-band records a replay may skip, natively (filereplay.py).
  *
  * Why: deep CPython recursion mmaps/munmaps frame chunks, so a profile can carry hundreds of
  * thousands of MMAP2 records of anonymous read/write memory, each costly to decode and apply
@@ -17,7 +17,7 @@
  * - A candidate is a record Python would decode without error or repair: not flagged
  *   PERF_RECORD_MISC_MMAP_BUILD_ID, body long enough for the fixed part (64 bytes) and the
  *   sample_id trailer, start + len not wrapping. Its time/cpu/flags are set in its index entry
- *   exactly as fastreplay.py sets them from the decoded record.
+ *   exactly as filereplay.py sets them from the decoded record.
  *
  * Cost: O(R log R) for R side-band records; memory O(exec ranges + candidate pids).
  */

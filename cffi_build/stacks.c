@@ -49,7 +49,7 @@ struct frame_ent {
 };
 
 /* by code: the (space, stack, hash of the raw pcs) triples seen, in first-seen order
- * (fp_pairs), and their set. The slow path counts unsymbolized frames once per new (snapshot,
+ * (fp_pairs), and their set. The Python reference counts unsymbolized frames once per new (snapshot,
  * pcs) key: Python counts a code stack's unnamed frames once per new (space, pcs hash). (The
  * frame ids alone do not stand for the pcs: a process mapping one binary twice, dlopen plus
  * dlmopen, runs the same code frames at two addresses.) */

@@ -161,9 +161,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # Only multi-threaded recordings tell: the "threads" files of each.
         tests=(
-            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
-            "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
-            "tests/integration/test_livefast.py::test_native_step_keeps_thread_ids",
+            "tests/differential/test_filereplay.py::test_fast_equals_slow",
+            "tests/integration/test_ringstep.py::test_native_step_matches_slow_step",
+            "tests/integration/test_ringstep.py::test_native_step_keeps_thread_ids",
             "tests/integration/test_service.py::test_threads_are_sampled_under_their_pid_with_their_tids",
             "tests/differential/test_unwind_oracle.py",
         ),
@@ -185,25 +185,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         # The fuzz tests of the C indexer: it against decoder.RecordDecoder.
         tests=(
-            "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_truncations",
-            "tests/differential/test_fastreplay.py::test_indexer_matches_decoder_on_mutations",
-            "tests/differential/test_fastreplay.py::test_indexer_garbage",
+            "tests/differential/test_filereplay.py::test_indexer_matches_decoder_on_truncations",
+            "tests/differential/test_filereplay.py::test_indexer_matches_decoder_on_mutations",
+            "tests/differential/test_filereplay.py::test_indexer_garbage",
         ),
     ),
     Mutation(
         name="replay-flush-one-round-early",
-        what="C replay orderer (fp_order): a FINISHED_ROUND flushes everything seen so far, "
-        "not only what is no newer than the previous round's newest time",
+        what="C orderer (order.c ord_end_round, fp_order's rounds): a FINISHED_ROUND flushes "
+        "everything seen so far, not only what is no newer than the previous round's newest time",
         edits=(
             Edit(
                 ORDER_C,
-                old="uint64_t lim = next_flush > last_flush ? next_flush : last_flush;",
-                new="uint64_t lim = max_time; /* MUTANT */",
+                old="uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;",
+                new="uint64_t lim = o->max_time; /* MUTANT */",
             ),
         ),
         tests=(
-            "tests/differential/test_fastreplay.py::test_fp_order_equals_round_orderer",
-            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
+            "tests/differential/test_filereplay.py::test_fp_order_equals_round_orderer",
+            "tests/differential/test_filereplay.py::test_fast_equals_slow",
         ),
     ),
     Mutation(
@@ -218,8 +218,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(
-            "tests/differential/test_fastreplay.py::test_fp_live_order_equals_round_orderer",
-            "tests/integration/test_livefast.py::test_native_step_matches_slow_step",
+            "tests/differential/test_filereplay.py::test_fp_live_order_equals_round_orderer",
+            "tests/integration/test_ringstep.py::test_native_step_matches_slow_step",
             "tests/integration/test_live.py",
         ),
     ),
@@ -238,14 +238,15 @@ MUTATIONS: tuple[Mutation, ...] = (
                 '                self.stats.errors["bad_size"] += 1\n',
             ),
         ),
-        # Its truncation and fuzz tests (test_fastreplay's indexer tests re-implement the
+        # Its truncation and fuzz tests (test_filereplay's indexer tests re-implement the
         # framing in the test, so they do not see this one).
         tests=("tests/unit/test_records.py", "tests/unit/test_perfdata.py"),
     ),
     Mutation(
         name="caller-at-return-address",
-        what="every output path (Python replay's engine, fast replay, native live step) reports "
-        "and names caller frames at their return address instead of ra - 1",
+        what="every output path (the engine's per-sample unwind, and the native context's "
+        "naming for both drivers) reports and names caller frames at their return address "
+        "instead of ra - 1",
         edits=(
             Edit(
                 "daemon/unwindd/unwind/engine.py",
@@ -253,12 +254,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 new="ip = pc  # MUTANT",
             ),
             Edit(
-                "daemon/unwindd/pipeline/fastreplay.py",
-                old="ip = pc[0] if ex[0] else pc[0] - 1",
-                new="ip = pc[0]  # MUTANT",
-            ),
-            Edit(
-                "daemon/unwindd/pipeline/livefast.py",
+                "daemon/unwindd/pipeline/context.py",
                 old="snap, pc[0] if ex[0] else pc[0] - 1)",
                 new="snap, pc[0])  # MUTANT",
             ),
@@ -287,7 +283,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         # The oracle lets any name of ours stand for perf's [unknown]: it cannot see this.
         tests=(
             "tests/unit/test_symbolize.py",
-            "tests/differential/test_fastreplay.py::test_sym_region_is_symbol_table_lookup",
+            "tests/differential/test_filereplay.py::test_sym_region_is_symbol_table_lookup",
             "tests/differential/test_unwind_oracle.py",
         ),
     ),
@@ -304,7 +300,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         # The oracle drops kernel frames on both sides; folded fast replay names kernel ips
         # from C (fp_kernel_ips), so only its folded comparison may differ.
         tests=(
-            "tests/differential/test_fastreplay.py::test_fast_equals_slow",
+            "tests/differential/test_filereplay.py::test_fast_equals_slow",
             "tests/integration/test_live.py",
             "tests/integration/test_service.py",
         ),

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .source.sampling import SamplingConfig, Target
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
-# (test_fastreplay.py checks they agree).
+# (test_filereplay.py checks they agree).
 _DEFAULT_CONFIG = "/etc/unwindd/config.toml"
 
 
@@ -373,7 +373,7 @@ def _install_stop_handlers() -> Callable[[], bool]:
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
-    """The native replay (fastreplay.py) for a file in folded, jsonl or perf-script; the Python
+    """The native replay (filereplay.py) for a file in folded, jsonl or perf-script; the Python
     replay (streamreplay.py) for what it does not take: stdin, a file it finds ``Unsupported``,
     the summary and records formats."""
     native = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
@@ -435,7 +435,7 @@ def _native_replay(
     mapped: MappedFile | None = None,
 ) -> bool:
     """The native replay; False (nothing done) when the file needs the Python replay."""
-    from .pipeline.fastreplay import Unsupported, replay
+    from .pipeline.filereplay import Unsupported, replay
     from .source.perfdata import PerfData
     from .unwind.engine import StackEngine
 

@@ -1,6 +1,6 @@
-"""Ring drains captured from a real session (``capture``: tests/integration/test_livefast.py and
-tests/native/test_livefast_sanitizers.py) and played back as a perf session (``Replayed``:
-tests/integration/test_livefast.py and bench/bench_sideband_replay.py): ``LiveProfiler`` takes a
+"""Ring drains captured from a real session (``capture``: tests/integration/test_ringstep.py and
+tests/native/test_ringstep_sanitizers.py) and played back as a perf session (``Replayed``:
+tests/integration/test_ringstep.py and bench/bench_sideband_replay.py): ``LiveProfiler`` takes a
 ``Replayed`` where it takes a ``PerfSession``.
 
 Invariants: each ``drain`` returns the next captured drain, in capture order, then ``[]``; it

@@ -1,7 +1,7 @@
 """The Python replay of a perf.data file (``pipeline/streamreplay.replay_records``, called
-directly), the oracle the native replay (``unwindd replay FILE``, fastreplay.py) is compared
+directly), the oracle the native replay (``unwindd replay FILE``, filereplay.py) is compared
 with: the same output and counts for every file and format both take
-(tests/differential/test_fastreplay.py).
+(tests/differential/test_filereplay.py).
 
     python3 tests/support/refreplay.py FILE FORMAT   # its output on stdout (bench_replay.py)
 

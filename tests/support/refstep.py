@@ -1,4 +1,4 @@
-"""The whole-stream Python live step: the oracle the native step (pipeline/livefast.py) is held
+"""The whole-stream Python live step: the oracle the native step (pipeline/ringstep.py) is held
 to. ``ReferenceProfiler`` is ``LiveProfiler`` with this step in place of the native one, on the
 same parts (session, stream pipeline, engine and live table, store, drain pins) and with the
 same ``start`` and ``close``: each round every record drained is decoded to a Python object,
@@ -16,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from unwindd.pipeline.live import LiveProfiler
-from unwindd.pipeline.livefast import StepInfo
+from unwindd.pipeline.ringstep import StepInfo
 from unwindd.procs.livetable import LiveTable
 from unwindd.source.capture import drain_round
 from unwindd.source.perfcore import PerfSession

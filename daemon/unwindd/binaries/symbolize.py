@@ -67,7 +67,7 @@ class Symbolizer:
         return self.table(entry).lookup(vaddr)
 
     def table(self, entry: ElfEntry) -> SymbolTable:
-        """The table ``symbolize`` searches for ``entry`` (fastreplay hands its arrays to C)."""
+        """The table ``symbolize`` searches for ``entry`` (filereplay hands its arrays to C)."""
         return entry.symbols()
 
     def kernel(self, addr: int) -> KernelSymbol | None:

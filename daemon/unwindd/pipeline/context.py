@@ -1,6 +1,6 @@
 """The native pipeline context (``cffi_build/fastpath.h``, ``context.c``, ``stacks.c``) and its
-Python mirror, shared by its two drivers: the ring driver (livefast.py, the daemon and ``unwindd
-record``) and the file driver (fastreplay.py, ``unwindd replay``). What the C context knows by
+Python mirror, shared by its two drivers: the ring driver (ringstep.py, the daemon and ``unwindd
+record``) and the file driver (filereplay.py, ``unwindd replay``). What the C context knows by
 number (address spaces, comms, frames, stacks, statuses) is named here, once.
 
 Invariants:

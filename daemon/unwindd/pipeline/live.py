@@ -1,4 +1,4 @@
-"""The live profiler: perf rings -> the native step (livefast.py) -> stack store, one round at a
+"""The live profiler: perf rings -> the native step (ringstep.py) -> stack store, one round at a
 time. The service's event loop and ``unwindd record`` both drive it.
 
 Invariants:
@@ -10,7 +10,7 @@ Invariants:
   that was already recorded (samples held for a rescan included).
 - ``start()`` enables the rings before it loads the existing processes from /proc.
 - A binary is pinned when its MMAP2 is drained, not when it is delivered (``_pin``).
-- The step is livefast.NativeStep, for every event format a ``PerfSession`` opens; any other
+- The step is ringstep.NativeStep, for every event format a ``PerfSession`` opens; any other
   is refused when the profiler is made. The whole-stream Python step over the same parts
   (tests/support/refstep.py) is the oracle it is tested against.
 - Memory under process churn follows the table's cap (``native_max_spaces``).
@@ -30,14 +30,14 @@ from ..source.sampling import SamplingConfig, Target
 from ..store.stackstore import StackStore
 from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import UnwoundSample
-from .livefast import NativeStep, StepInfo, supported
+from .ringstep import NativeStep, StepInfo, supported
 
 # One round's drain: at most this many passes over the rings, of at most this many bytes each
 # (capture.drain_round's defaults: the raw record capture drains the same rounds).
 _DRAIN_PASSES = 8
 _DRAIN_BYTES = 4 << 20
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
-_NATIVE_MAX_SPACES = 4096  # livefast.NativeStep's default
+_NATIVE_MAX_SPACES = 4096  # ringstep.NativeStep's default
 
 
 def native_max_spaces(max_processes: int) -> int:
@@ -45,7 +45,7 @@ def native_max_spaces(max_processes: int) -> int:
     table's cap (live spaces plus as many dead ones), 64..4096. The native step keeps one
     snapshot (mappings, named frames, stacks) per (pid, generation) it placed a sample in,
     dead pids' too, until its context is dropped whole past ``max_spaces``; tying that bound
-    to ``LiveTableConfig.max_processes`` (at most livefast's 4096) makes a small table cap
+    to ``LiveTableConfig.max_processes`` (at most ringstep's 4096) makes a small table cap
     bound it too, where a fixed 4096 held memory no configured cap accounted for."""
     return max(64, min(_NATIVE_MAX_SPACES, 2 * max_processes))
 

@@ -1,5 +1,5 @@
 """The native replay's text: one frame rendered in an output format, the per-sample lines of
-jsonl and perf-script output, and the folded text made in C from ranked names. fastreplay.py
+jsonl and perf-script output, and the folded text made in C from ranked names. filereplay.py
 decides what is written when; this module decides how it reads, byte for byte what the
 reference path (stackfmt, ``unwindd replay``'s Python sink) writes.
 

@@ -1,4 +1,4 @@
-"""The Python replay of a perf.data stream, for what the native replay (fastreplay.py) does not
+"""The Python replay of a perf.data stream, for what the native replay (filereplay.py) does not
 take: pipe mode (stdin), a file it raises ``Unsupported`` for, and the summary and records
 formats. Each record is read and decoded to a Python object (``PerfData.records``), counted and
 ordered (``StreamPipeline.replay``: the file's FINISHED_ROUND records delimit the rounds), and
@@ -6,7 +6,7 @@ written by ``TextOutput``, whose engine unwinds samples one by one (``StackEngin
 
 Invariants:
 - For a file and format both replays take, the output and every count are the same
-  (tests/differential/test_fastreplay.py holds the native replay to this one).
+  (tests/differential/test_filereplay.py holds the native replay to this one).
 - Records reach the output in batches of at most ``BATCH`` (jsonl, perf-script and records
   output is written as it goes); the summary is written at the end.
 - A ``PerfDataError`` while reading propagates, after what was read before it was written.

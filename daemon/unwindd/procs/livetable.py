@@ -122,7 +122,7 @@ class LiveTable:
         self._last_read: dict[int, int] = {}  # pid -> clock() of its last /proc read
         self._recent: dict[int, deque[int]] = {}  # pid -> clock() of its recent rescans
         self._held: dict[int, list[tuple[int, Sample]]] = {}  # pid -> (deadline, sample)
-        # pids with samples held elsewhere (livefast: waiting for a CFI compile): not reaped
+        # pids with samples held elsewhere (ringstep: waiting for a CFI compile): not reaped
         self.pinned: Counter[int] = Counter()
 
     # -- bootstrap

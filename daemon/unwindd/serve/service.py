@@ -7,7 +7,7 @@ Invariants:
   queries run on one worker thread against a ``StackStore.snapshot()`` taken on the loop
   (O(buckets)), so a big window (O(entries in it) of Python) does not leave the rings undrained.
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
-  sizes, capture.drain_round) and unwinds it natively (livefast.py), and socket waits time out.
+  sizes, capture.drain_round) and unwinds it natively (ringstep.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
   ``[daemon] tick_ms``. A ring fd readable without records (a sampled pid exited: POLLHUP) is
   dropped from the reader set until the next tick, so it cannot spin the loop.
@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import __version__
 from ..pipeline.live import LiveProfiler
-from ..pipeline.livefast import StepInfo
+from ..pipeline.ringstep import StepInfo
 from .answers import AnswerCache, cacheable
 from .api import Api, Peer
 from .config import (

@@ -204,7 +204,7 @@ class RecordDecoder:
     def redecode(self, rtype: int, misc: int, body: memoryview) -> Record:
         """``decode_one`` again for a record already decoded (and counted) once: the same
         value, nothing counted. Lets a caller drop decoded records it will need later
-        (fastreplay holds raw bytes, not thousands of objects)."""
+        (filereplay holds raw bytes, not thousands of objects)."""
         stats = self.stats
         self.stats = DecodeStats()
         try:

@@ -1,9 +1,9 @@
-"""A perf.data file mapped for the native replay (fastreplay.py): its page tables filled and
+"""A perf.data file mapped for the native replay (filereplay.py): its page tables filled and
 its data section indexed (fp_index) on threads of their own, while the replay imports its
 modules and sets up.
 
 Invariants:
-- The whole file, mapped read-only and shared (``mmap``): fastreplay reads records and stack
+- The whole file, mapped read-only and shared (``mmap``): filereplay reads records and stack
   copies in place, never a copy of the file.
 - The background work only reads the mapping: ``prefault`` (cffi_build/mapfile.c
   ``fp_prefault``) once, then at most one ``fp_index`` of the data section; the mapping stays

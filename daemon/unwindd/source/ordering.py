@@ -69,7 +69,7 @@ class OrderStats:
 
     def add_native(self, st: Any, lateness_ns: Iterable[int]) -> None:
         """Add one call's counts of the native orderer (``struct fp_order_stats``, fastpath.h:
-        fastreplay's whole file, or one live round) and its late records' lateness; ``queued``
+        filereplay's whole file, or one live round) and its late records' lateness; ``queued``
         is the gauge, so it is taken, not added."""
         self.pushed += st.pushed
         self.delivered += st.delivered

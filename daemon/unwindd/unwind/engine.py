@@ -124,7 +124,7 @@ class StackEngine:
         self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (kernel_frame)
         self.live: LiveTable | None = None
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
-        # called with each pid the table drops, after the engine forgot it (livefast's C table)
+        # called with each pid the table drops, after the engine forgot it (ringstep's C table)
         self.drop_listeners: list[Callable[[int], None]] = []
         self.cfi_prefetch: CfiPrefetcher | None = None  # set by create(prefetch_cfi=True)
         # the on-disk stores' counters by store ("cfi", "sym"; set by create with a cache dir)

@@ -1,5 +1,5 @@
 /* fp_fuzz.c: the native replay path (cffi_build/fastpath.h: index.c, order.c, stacks.c,
- * parallel.c, context.c) under ASan/UBSan and TSan (tests/differential/test_fastreplay.py).
+ * parallel.c, context.c) under ASan/UBSan and TSan (tests/differential/test_filereplay.py).
  *
  * usage: fp_fuzz DATA sample_type regs_mask nprefix i_tid i_time i_cpu i_period nregs ITERS
  *
@@ -11,7 +11,7 @@
  * reads back every unique stack and frame, one by one and in bulk (fp_stacks_export, which must
  * agree). Every replay runs twice, on one thread and with the parallel unwind (fp_ctx_par, any
  * prefix length): the stops, ids, stacks, frames and pairs must be the same. Built with small
- * PAR_BLOCK / PAR_NBLOCKS / PAR_SEG (test_fastreplay.py), so the ring wraps and segments end
+ * PAR_BLOCK / PAR_NBLOCKS / PAR_SEG (test_filereplay.py), so the ring wraps and segments end
  * inside runs; under ThreadSanitizer too. By code, the stacks are also folded (fold.c) with
  * random name ranks and rendered through random small buffers: the lines must be distinct,
  * sorted by their rank sequences, and their counts must add up to the samples. Prints "ok N".

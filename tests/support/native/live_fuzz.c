@@ -1,5 +1,5 @@
 /* live_fuzz.c: the live step's native API (cffi_build/live.c fp_live_*) under ASan/UBSan
- * and valgrind (tests/native/test_livefast_sanitizers.py).
+ * and valgrind (tests/native/test_ringstep_sanitizers.py).
  *
  * usage: live_fuzz DRAINS sample_type regs_mask nprefix i_ip i_tid i_time i_cpu i_period
  *                  read_group read_times read_per_value branch_hw_index branch_counters nregs
@@ -7,7 +7,7 @@
  *
  * DRAINS: real ring drains (tests/support/captured.py's capture), each as u32 nchunks, then per
  * chunk u32 cpu, u32 len, len bytes. Each stream replays the drains through the call sequence
- * of daemon/unwindd/pipeline/livefast.py's NativeStep: per round the carry (records still queued, copied
+ * of daemon/unwindd/pipeline/ringstep.py's NativeStep: per round the carry (records still queued, copied
  * by fp_live_gather) plus 1-3 drains' chunks are indexed (fp_live_index), side-band records get
  * the flags/time/cpu Python would set (carried ones keep theirs), new samples are counted
  * (fp_columns), the round is ordered (fp_live_order_round, small queue caps: forced flushes),

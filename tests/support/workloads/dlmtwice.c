@@ -1,7 +1,7 @@
 /* dlmtwice.c: one process maps the same shared library twice (dlopen, and dlmopen into a new
  * link-map namespace) and alternates calls into the two copies: the same code frames at two
  * load addresses. Built with a stripped copy of dlmtwice_lib.c (no symbols), so its frames stay
- * unnamed: tests/differential/test_fastreplay.py checks the native replay counts them as the reference path
+ * unnamed: tests/differential/test_filereplay.py checks the native replay counts them as the reference path
  * does (once per address space and distinct pcs).
  *
  * usage: dlmtwice LIB.so */

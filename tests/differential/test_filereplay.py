@@ -1,4 +1,4 @@
-"""The native replay path (unwindd.pipeline.fastreplay + cffi_build/fastpath.h) against the Python
+"""The native replay path (unwindd.pipeline.filereplay + cffi_build/fastpath.h) against the Python
 replay (pipeline/streamreplay.py, through tests/support/refreplay.py) as the reference
 (differential, fuzzing, sanitizers).
 
@@ -45,7 +45,7 @@ from perfutil import record_perf_data
 from refreplay import python_replay, python_replay_bytes
 from texts import assert_same_text
 from unwindd import cli
-from unwindd.pipeline import context, fastreplay
+from unwindd.pipeline import context, filereplay
 from unwindd.source.decoder import RecordDecoder
 from unwindd.source.mapfile import layout_of
 from unwindd.source.ordering import OrderStats, RoundOrderer
@@ -63,7 +63,7 @@ FORMATS = ("folded", "jsonl", "perf-script")
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("fastreplay")
+    tmp = tmp_path_factory.mktemp("filereplay")
     w: dict[str, Workload] = oracle.build_workloads(tmp / "w")
     out = {}
     for name in ("forkexec", "dlopen", "threads", "signal", "python"):
@@ -100,7 +100,7 @@ def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, d
     out = io.StringIO()
     engine = StackEngine.create()
     ss, os_ = StreamStats(), OrderStats()
-    res = fastreplay.replay(data, path, fmt, out, engine=engine, stream_stats=ss,
+    res = filereplay.replay(data, path, fmt, out, engine=engine, stream_stats=ss,
                             order_stats=os_)  # fmt: skip
     if result is not None:
         result.append(res)
@@ -188,8 +188,8 @@ def test_parallel_unwind_equals_one_thread(files: dict[str, Path], name: str,
     for fmt in FORMATS:
         got, res = [], []
         for par_min in (0, 1):
-            monkeypatch.setattr(fastreplay, "PAR_MIN", par_min)
-            monkeypatch.setattr(fastreplay, "PAR_STRESS", par_min == 1)
+            monkeypatch.setattr(filereplay, "PAR_MIN", par_min)
+            monkeypatch.setattr(filereplay, "PAR_STRESS", par_min == 1)
             got.append(_fast(files[name], fmt, res))
         assert got[0][0], "empty output"
         assert_same_text(got[1][0], got[0][0], f"{fmt}: worker vs one thread")
@@ -206,7 +206,7 @@ def test_folded_aggregates_by_code(files: dict[str, Path]) -> None:
     unique = {}
     for fmt in ("folded", "jsonl"):
         data = PerfData.open(path)
-        res = fastreplay.replay(data, path, fmt, io.StringIO(), engine=StackEngine.create())
+        res = filereplay.replay(data, path, fmt, io.StringIO(), engine=StackEngine.create())
         data.close()
         unique[fmt] = res.unique_stacks
     assert 0 < unique["folded"] < unique["jsonl"], unique
@@ -290,7 +290,7 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
 
     path = files["forkexec"]
     data = PerfData.open(path)
-    lay = fastreplay.native_layout(data)
+    lay = filereplay.native_layout(data)
     m = MappedFile(path)
     m.start_prefault()
     m.start_index(data)
@@ -304,7 +304,7 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
     idx = m.take_index(lay, start, length)
     assert idx is not None and m.take_index(lay, start, length) is None  # once
     buf = ffi.from_buffer(m.mm)
-    ref = fastreplay.RecordIndex(lay, ffi.cast("uint8_t *", buf) + start, length)
+    ref = filereplay.RecordIndex(lay, ffi.cast("uint8_t *", buf) + start, length)
     size = ffi.sizeof("struct fp_rec")
     assert (idx.n, idx.other, idx.end, idx.stopped_at) == (ref.n, ref.other, ref.end,
                                                            ref.stopped_at) and idx.n > 10
@@ -319,7 +319,7 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
             mapped.start_index(data)
         d = PerfData.open(path)
         out = io.StringIO()
-        fastreplay.replay(d, path, "folded", out, mapped=mapped)
+        filereplay.replay(d, path, "folded", out, mapped=mapped)
         d.close()
         outs.append(out.getvalue())
         if mapped is not None:  # unmapped by the replay's own (background) close: no view
@@ -331,8 +331,8 @@ def test_mapped_file_background_index(files: dict[str, Path]) -> None:
 
 def test_unsupported_falls_back(files: dict[str, Path]) -> None:
     data = PerfData.open(files["threads"])
-    with pytest.raises(fastreplay.Unsupported):
-        fastreplay.replay(data, files["threads"], "summary", io.StringIO())
+    with pytest.raises(filereplay.Unsupported):
+        filereplay.replay(data, files["threads"], "summary", io.StringIO())
     data.close()
 
 
@@ -384,7 +384,7 @@ def _python_index(dec: RecordDecoder, buf: bytes) -> Indexed:
 
 
 def _native_index(lay: Any, buf: bytes) -> Indexed:
-    idx = fastreplay.RecordIndex(lay, ffi.from_buffer(buf), len(buf))
+    idx = filereplay.RecordIndex(lay, ffi.from_buffer(buf), len(buf))
     recs = [(r.off, r.type, r.misc, r.size, context.SAMPLE_ERRORS[r.err])
             for r in (idx.recs[i] for i in range(idx.n))]  # fmt: skip
     # Every indexed record lies inside the input, after the one before it, and is the record
@@ -679,7 +679,7 @@ def test_fork_after_a_threaded_replay(files: dict[str, Path]) -> None:
         try:
             signal.alarm(120)
             lib.fp_ctx_free(ctx)  # inherited: no thread here to join
-            fastreplay.PAR_MIN, fastreplay.PAR_STRESS = 1, True
+            filereplay.PAR_MIN, filereplay.PAR_STRESS = 1, True
             res: list[Any] = []
             got = _fast(path, "folded", res)[0]
             code = 0 if got == want and res[0].worker_samples > 0 else 2

@@ -7,7 +7,7 @@ Python replay (streamreplay.py: perfdata -> RecordDecoder -> RoundOrderer -> Sta
 does not take.
 
 Invariants:
-- Same output and same counts as the Python replay (test_fastreplay.py compares them byte for
+- Same output and same counts as the Python replay (test_filereplay.py compares them byte for
   byte; ``_Replay.run`` says how).
 - Side-band records that cannot change the process table are counted where the Python replay
   counts them, never decoded or applied (``_Replay.run``, ``_data_mmap_is_noop``).

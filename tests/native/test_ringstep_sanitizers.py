@@ -3,7 +3,7 @@ and valgrind.
 
 Real ring drains are captured once (captured.py's ``capture``: a real PerfSession
 while a workload runs) and written as u32 nchunks, then per chunk u32 cpu, u32 len, bytes.
-tests/support/native/live_fuzz.c replays them through livefast.NativeStep's call sequence (index
+tests/support/native/live_fuzz.c replays them through ringstep.NativeStep's call sequence (index
 with the carry, side-band flags, order with carried queue, runs with NEED_PLACE/NEED_COMM answers,
 forgets, read-back, grouping, context rebuilds, the final flush round), first whole, then as
 truncated / mutated / re-cut windows (bytes, and record headers and sample fields: other

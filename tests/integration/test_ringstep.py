@@ -1,4 +1,4 @@
-"""The native live step (livefast.py) against the slow step (refstep.ReferenceProfiler, the
+"""The native live step (ringstep.py) against the slow step (refstep.ReferenceProfiler, the
 whole-stream Python step: capture.drain_round + engine.feed + store.add): real ring chunks,
 captured once from a real session to a file, replayed through both; the store contents and
 every count must be the same.
@@ -41,7 +41,7 @@ from workloads.build import Workload, build_workloads
 
 @pytest.fixture(scope="module")
 def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
-    return build_workloads(tmp_path_factory.mktemp("livefast-wl"))
+    return build_workloads(tmp_path_factory.mktemp("ringstep-wl"))
 
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,

@@ -2,7 +2,7 @@
 ordering -> C placement, unwinding and per-(bucket, pid, tid, stack) counts ->
 ``StackStore.add_counts``. Its reference is the whole-stream Python step of the tests
 (tests/support/refstep.py: ``capture.drain_round`` + ``StackEngine.feed`` +
-``StackStore.add``); test_livefast.py replays the same recorded chunks through both.
+``StackStore.add``); test_ringstep.py replays the same recorded chunks through both.
 
 Invariants:
 - Same records, same order, same counts as the reference step (``_round``).
