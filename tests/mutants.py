@@ -191,9 +191,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
     ),
     Mutation(
-        name="replay-flush-one-round-early",
-        what="C orderer (order.c ord_end_round, fp_order's rounds): a FINISHED_ROUND flushes "
-        "everything seen so far, not only what is no newer than the previous round's newest time",
+        name="flush-one-round-early",
+        what="C orderer (order.c ord_end_round, the rounds of fp_order and fp_live_order_round): "
+        "a round flushes everything seen so far, not only what is no newer than the previous "
+        "round's newest time",
         edits=(
             Edit(
                 ORDER_C,
@@ -203,22 +204,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=(
             "tests/differential/test_filereplay.py::test_fp_order_equals_round_orderer",
-            "tests/differential/test_filereplay.py::test_fast_equals_slow",
-        ),
-    ),
-    Mutation(
-        name="live-flush-one-round-early",
-        what="C live orderer (fp_live_order_round): each round flushes everything seen so far, "
-        "not only what is no newer than the previous round's newest time",
-        edits=(
-            Edit(
-                ORDER_C,
-                old="uint64_t lim = o->next_flush > o->last_flush ? o->next_flush : o->last_flush;",
-                new="uint64_t lim = o->max_time; /* MUTANT */",
-            ),
-        ),
-        tests=(
             "tests/differential/test_filereplay.py::test_fp_live_order_equals_round_orderer",
+            "tests/differential/test_filereplay.py::test_fast_equals_slow",
             "tests/integration/test_ringstep.py::test_native_step_matches_slow_step",
             "tests/integration/test_live.py",
         ),
