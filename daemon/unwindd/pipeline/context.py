@@ -93,7 +93,8 @@ NewStack = tuple[str, int, int, int, list[int], bytes]
 class NativeContext:
     """One C pipeline context and the Python mirror of its ids.
 
-    Memory: per space id its snapshot key (ids are never reused), per comm its name, one byte
+    Memory: per space id its snapshot key (ids are never reused) and, for the live placement
+    check, its mapping ranges (16 bytes a mapping); per comm its name, one byte
     per frame id (has no symbol), per counted (space, frames) key with an unnamed frame its
     packed bytes; snapshots only while held (see the module's invariants)."""
 
@@ -115,7 +116,10 @@ class NativeContext:
         self._comm_ids: dict[str, int] = {}
         self._space_ids: dict[tuple[int, int], int] = {}
         self._snaps: dict[int, Snapshot] = {}  # space id -> snapshot, while held
-        self._ranges: dict[int, Any] = {}  # space id -> its mappings as C [start, end) pairs
+        # space id -> its mappings as C [start, end) pairs, kept for the context's life (not
+        # released with the snapshot): a live pid's space is forgotten at each of its side-band
+        # records and set again, mostly as the same snapshot, at its next sample
+        self._ranges: dict[int, Any] = {}
         self._pid_sid: dict[int, int] = {}  # pid -> the space id C has for it
         self._sid_refs: Counter[int] = Counter()
         self._unheld: set[int] = set()  # space ids whose last pid let go since the last naming
@@ -226,7 +230,6 @@ class NativeContext:
         for sid in self._unheld:
             if sid not in self._sid_refs:
                 del self._snaps[sid]
-                self._ranges.pop(sid, None)
         self._unheld.clear()
 
     def new_stacks(self) -> Iterator[NewStack]:
