@@ -81,13 +81,30 @@ def record(path: Path, seconds: float, spawn_rate: float) -> None:
 
 def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     import cProfile
+    import importlib
+    import importlib.util
 
     from captured import Replayed
-    from unwindd.pipeline.live import LiveProfiler
-    from unwindd.procs.livetable import LiveTable
-    from unwindd.procs.procscan import ProcFS
-    from unwindd.store.stackstore import StackStore
-    from unwindd.unwind.engine import StackEngine
+
+    def imp(new: str, old: str, name: str) -> Any:
+        """``name`` from module ``new`` (the package in stages), else from ``old`` (a CODE from
+        before the sub-packages: one flat package)."""
+        try:
+            return getattr(importlib.import_module(f"unwindd.{new}"), name)
+        except ModuleNotFoundError:
+            return getattr(importlib.import_module(f"unwindd.{old}"), name)
+
+    if importlib.util.find_spec("unwindd.source") is None:  # the flat package: what
+        # tests/support/captured.py imports from its stages is in unwindd.perfcore there, and
+        # what a capture pickled from unwindd.source.formats in unwindd.records
+        flat = importlib.import_module("unwindd.perfcore")
+        sys.modules["unwindd.source.perfcore"] = sys.modules["unwindd.source.sampling"] = flat
+        sys.modules["unwindd.source.formats"] = importlib.import_module("unwindd.records")
+    LiveProfiler = imp("pipeline.live", "live", "LiveProfiler")
+    LiveTable = imp("procs.livetable", "livetable", "LiveTable")
+    ProcFS = imp("procs.procscan", "procscan", "ProcFS")
+    StackStore = imp("store.stackstore", "stackstore", "StackStore")
+    StackEngine = imp("unwind.engine", "engine", "StackEngine")
 
     fmt, drains = pickle.loads(cap.read_bytes())
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))

@@ -177,8 +177,10 @@ class NativeContext:
         return self._snaps[self._pid_sid[pid]]
 
     def forget_space(self, pid: int) -> None:
-        """pid's space may have changed: C asks for it again at its next sample."""
-        if 0 <= pid < 1 << 32:
+        """pid's space may have changed: C asks for it again at its next sample. Every space C
+        holds was given by ``set_space`` and is in ``_pid_sid`` until forgotten here, so a pid
+        not in it costs no call into C (most side-band records are of pids C never saw)."""
+        if pid in self._pid_sid:
             lib.fp_forget_space(self.ctx, pid)
             self._unhold(pid)
 

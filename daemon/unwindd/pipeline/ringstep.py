@@ -40,10 +40,11 @@ from ..unwind.engine import StackEngine
 from ..unwind.stackfmt import Frame, UnwoundSample
 from .context import (
     END_ERRORS,
+    HAS_CPU,
     STATUS_NAMES,
+    TIMED,
     NativeContext,
     count_flagged,
-    mark_record,
     record_marks,
     view,
 )
@@ -298,7 +299,14 @@ class NativeStep:
                     observe(rec, cpus[bisect_right(bounds, off) - 2])
                     pin(rec)
                     got = objs[i] = (rec, record_marks(rec))
-                mark_record(r, got[1])  # the marks computed at decode time
+                # the marks computed at decode time: context.mark_record, inline in this loop
+                # over every side-band record of the round (and again when carried)
+                t, cpu, flags = got[1]
+                r.flags = flags
+                if flags & TIMED:
+                    r.time = t
+                if flags & HAS_CPU:
+                    r.cpu = cpu
         for end in ends[1:nparts]:
             if end in END_ERRORS:
                 dec.stats.errors[END_ERRORS[end]] += 1
