@@ -3,10 +3,11 @@ deterministic companion to bench_sideband.py (no machine noise from what the loa
 from the CPU the replay itself gets).
 
     python3 bench/bench_sideband_replay.py [--capture FILE] [--record-seconds 10]
-        [--spawn-rate 200] [--warm 30] [--runs 3] [--profile FILE] CODE [CODE ...]
+        [--spawn-rate 200] [--frequency 99] [--warm 30] [--runs 3] [--profile FILE]
+        CODE [CODE ...]
 
-Capture (once, reused when FILE exists; root): every CPU at 99 Hz with the daemon's sampling
-defaults (8 KiB stacks), one ``chain_o2 100`` re-exec loop per CPU plus ``--spawn-rate``
+Capture (once, reused when FILE exists; root): every CPU at ``--frequency`` Hz (99) with the
+daemon's sampling defaults (8 KiB stacks), one ``chain_o2 100`` re-exec loop per CPU plus ``--spawn-rate``
 ``/bin/true`` per second, drained every 100 ms (the daemon's tick) into a pickle of
 (format, [drain output]).
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
 
-def record(path: Path, seconds: float, spawn_rate: float) -> None:
+def record(path: Path, seconds: float, spawn_rate: float, frequency: int) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "support"))
     from unwindd.source.perfcore import PerfSession
     from unwindd.source.sampling import SamplingConfig, Target
@@ -61,7 +62,7 @@ def record(path: Path, seconds: float, spawn_rate: float) -> None:
                                      start_new_session=True))  # fmt: skip
     drains: list[list[tuple[int, bytes]]] = []
     try:
-        cfg = SamplingConfig(frequency=99, stack_size=8192)
+        cfg = SamplingConfig(frequency=frequency, stack_size=8192)
         with PerfSession.open(Target(all_cpus=True), cfg) as s:
             s.enable()
             t0 = time.monotonic()
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--capture", default="/tmp/unwindd-sideband-capture.pickle")
     ap.add_argument("--record-seconds", type=float, default=10.0)
     ap.add_argument("--spawn-rate", type=float, default=200.0)
+    ap.add_argument("--frequency", type=int, default=99, help="sampling Hz of the capture")
     ap.add_argument("--warm", type=int, default=30, help="drains replayed before timing")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", help="cProfile the timed part of one run of the first CODE")
@@ -172,7 +174,7 @@ def main() -> None:
         child(cap, a.warm, Path(a.child), a.profile)
         return
     if not cap.exists():
-        record(cap, a.record_seconds, a.spawn_rate)
+        record(cap, a.record_seconds, a.spawn_rate, a.frequency)
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))
     paths = {c: code_path(c, tmp) for c in a.codes}
     results: dict[str, list[dict[str, Any]]] = {c: [] for c in a.codes}

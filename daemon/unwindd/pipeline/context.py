@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 from ..binaries.cfi import ARCH_X86_64
@@ -90,6 +89,17 @@ def mark_record(r: Any, marks: tuple[int, int, int]) -> None:
 NewStack = tuple[str, int, int, int, list[int], bytes]
 
 
+class _ExportBufs:
+    """fp_stacks_export's out-arrays, with room for ``cnt`` stacks, ``nf`` frame ids and ``nk``
+    kernel callchain words."""
+
+    def __init__(self, cnt: int, nf: int, nk: int) -> None:
+        self.cnt, self.nf, self.nk = cnt, nf, nk
+        self.comm, self.space, self.npcs, self.nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
+        self.status, self.rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
+        self.fids, self.kc = ffi.new("uint32_t[]", nf), ffi.new("uint64_t[]", nk)
+
+
 class NativeContext:
     """One C pipeline context and the Python mirror of its ids.
 
@@ -132,6 +142,8 @@ class NativeContext:
         self._pair_bufs = (ffi.new("uint32_t[]", 4096), ffi.new("uint32_t[]", 4096),
                            ffi.new("uint64_t[]", 4096))  # fmt: skip
         self._frame_out = (ffi.new("uint32_t *"), ffi.new("uint64_t *"), ffi.new("uint8_t *"))
+        self._p_nkc = ffi.new("uint64_t *")
+        self._export = _ExportBufs(64, 1024, 1024)
 
     @property
     def nspaces(self) -> int:
@@ -234,35 +246,38 @@ class NativeContext:
                 del self._snaps[sid]
         self._unheld.clear()
 
-    def new_stacks(self) -> Iterator[NewStack]:
-        """The stacks added since the last call, exported from C in one call, in id order."""
+    def new_stacks(self) -> list[NewStack]:
+        """The stacks added since the last call, exported from C in one call, in id order.
+        The export arrays are kept and grown (doubling) across calls: most runs add a stack
+        or two, and fresh arrays per call would cost more than the export."""
         ctx, first = self.ctx, self.nstacks
         nst = int(lib.fp_nstacks(ctx))
         if nst <= first:
-            return
+            return []
         self.nstacks = nst
         cnt = nst - first
-        p_nkc = ffi.new("uint64_t *")
+        p_nkc = self._p_nkc
         nf = int(lib.fp_stacks_words(ctx, first, nst, p_nkc))
         nk = int(p_nkc[0])
-        a_comm, a_space, a_npcs, a_nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
-        a_status, a_rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
-        a_fids, a_kc = ffi.new("uint32_t[]", max(1, nf)), ffi.new("uint64_t[]", max(1, nk))
-        lib.fp_stacks_export(ctx, first, nst, a_comm, a_space, a_status, a_rn, a_npcs, a_nkc,
-                             a_fids, a_kc)  # fmt: skip
-        fids = view(a_fids, "I", nf).tolist()
-        kcb = bytes(ffi.buffer(a_kc, 8 * nk))
-        comm_ids, spaces = view(a_comm, "I", cnt), view(a_space, "I", cnt)
-        npcs_l, nkc_l = view(a_npcs, "I", cnt), view(a_nkc, "I", cnt)
-        status_l, rn_l = bytes(ffi.buffer(a_status, cnt)), bytes(ffi.buffer(a_rn, cnt))
+        a = self._export
+        if cnt > a.cnt or nf > a.nf or nk > a.nk:
+            a = self._export = _ExportBufs(max(cnt, 2 * a.cnt), max(nf, 2 * a.nf),
+                                           max(nk, 2 * a.nk))  # fmt: skip
+        lib.fp_stacks_export(ctx, first, nst, a.comm, a.space, a.status, a.rn, a.npcs, a.nkc,
+                             a.fids, a.kc)  # fmt: skip
+        unpack = ffi.unpack
+        fids = unpack(a.fids, nf)
+        kcb = ffi.buffer(a.kc, 8 * nk)[:]
         comms = self.comms
+        out: list[NewStack] = []
         fo = ko = 0
-        for j in range(cnt):
-            n, k = npcs_l[j], 8 * nkc_l[j]
-            yield (comms[comm_ids[j]], spaces[j], status_l[j], rn_l[j], fids[fo : fo + n],
-                   kcb[ko : ko + k])  # fmt: skip
+        cols = (unpack(col, cnt) for col in (a.comm, a.space, a.status, a.rn, a.npcs, a.nkc))
+        for c, sp, st, rn, n, k in zip(*cols, strict=True):
+            k *= 8
+            out.append((comms[c], sp, st, rn, fids[fo : fo + n], kcb[ko : ko + k]))
             fo += n
             ko += k
+        return out
 
     def count_unsymbolized(self, space: int, ids: list[int]) -> None:
         """``engine.stats.unsymbolized`` as ``StackEngine.user_frames`` counts it: a stack's
