@@ -7,9 +7,9 @@ from the CPU the replay itself gets).
         CODE [CODE ...]
 
 Capture (once, reused when FILE exists; root): every CPU at ``--frequency`` Hz (99) with the
-daemon's sampling defaults (8 KiB stacks), one ``chain_o2 100`` re-exec loop per CPU plus ``--spawn-rate``
-``/bin/true`` per second, drained every 100 ms (the daemon's tick) into a pickle of
-(format, [drain output]).
+daemon's sampling defaults (8 KiB stacks), one ``chain_o2 100`` re-exec loop per CPU plus
+``--spawn-rate`` ``/bin/true`` per second, drained every 100 ms (the daemon's tick) into a
+pickle of (format, [drain output]).
 
 Replay (per CODE, each in its own interpreter with that CODE first on PYTHONPATH; see
 bench_sideband.py for CODE): ``LiveProfiler`` with the native step over the recorded drains,
