@@ -257,20 +257,67 @@ class NativeStep:
         still queued after a round are copied into the next round's buffer (each sample's
         bytes once more: one memcpy per sample), decoded side-band objects ride along by
         index (``_carry_round``)."""
-        engine, live = self.engine, self.live
         info = StepInfo()
-        due_out: list[UnwoundSample] = []
-        due = live.due()
-        if due:  # held samples first, unwound by the engine's own path (StackEngine.feed)
-            self.forget_all()  # due() rescanned pids and may have set comms
-            due_out = engine.unwind_held(due)
-        if self.deferred:
-            due_out += self.deferred.take(flush)
+        due_out = self._held_first(flush)
         buf = self._arenas[self._cur]
-        size = bounds[-1]
-        mv = memoryview(buf)
+        mv, cbuf = memoryview(buf), ffi.from_buffer(buf)
+        recs, n, ends = self._index(cbuf, bounds)
+        ncarry = self._ncarry
+        new_other = self._decode_others(recs, n, mv, cpus, bounds)
+        errors = self.pipeline.decoder.stats.errors
+        for end in ends:
+            if end in END_ERRORS:
+                errors[END_ERRORS[end]] += 1
+        nsamples = n - ncarry - new_other
+        if nsamples:
+            self._count_new_samples(recs, ncarry, n, nsamples, info)
+        d, nkeep = self._order(recs, n, flush)
+        cols, stack_ids = self._cols, self._stack_ids
+        is_sample = bytes(ffi.buffer(cols[0], d))
+        objs = self._carry_objs
+        applied = self._runs(mv, bounds[-1], cbuf, recs, is_sample, objs)
+        self.live.end_batch()
+        self.unpin(applied)
+        self._carry_round(cbuf, recs, self._keep, nkeep, objs)
+        # -- aggregate (stored by flush_counts: every round, or every flush_interval seconds)
+        if d:
+            info.samples += count(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1],
+                                                         cols[3], cols[4], d),
+                                  "fp_live_groups_add")  # fmt: skip
+        for s in due_out:
+            info.samples += 1
+            info.depths[len(s.frames)] += 1
+            if s.pid is not None:
+                info.pids.add(s.pid)
+        # ``UnwoundSample`` objects only when the store has subscribers (the live stream)
+        subs = self.store.subscribers
+        out = self._stream_samples(is_sample, d) if subs else []
+        if due_out:
+            self.store.add(due_out)  # calls the subscribers with them
+        if flush or time.monotonic() - self._flushed_at >= self.flush_interval:
+            self.flush_counts(info)
+        if out:
+            for cb in list(subs):
+                cb(out)
+        return due_out + out, info
+
+    def _held_first(self, flush: bool) -> list[UnwoundSample]:
+        """The samples due before this round's: held ones ``live.due()`` gives back and
+        deferred ones whose binaries are ready (all of them on ``flush``), unwound by the
+        engine's per-sample path."""
+        out: list[UnwoundSample] = []
+        due = self.live.due()
+        if due:
+            self.forget_all()  # due() rescanned pids and may have set comms
+            out = self.engine.unwind_held(due)
+        if self.deferred:
+            out += self.deferred.take(flush)
+        return out
+
+    def _index(self, cbuf: Any, bounds: list[int]) -> tuple[Any, int, list[int]]:
+        """The round's records indexed in C, per drained part (``fp_live_index``): the index,
+        its length, and the FP_END_* each ring's part ended on."""
         nparts = len(bounds) - 1
-        cbuf = ffi.from_buffer(buf)
         u64 = self._u64s  # [0] records, [1] others, [2] stop
         ends = ffi.new("int[]", nparts)
         check(lib.fp_live_index(self.lay, cbuf, ffi.new("uint64_t[]", bounds), nparts, self._pp,
@@ -280,51 +327,56 @@ class NativeStep:
         if int(u64[2]) != _NO_STOP:  # a record type > 255: the kernel never writes one
             raise RuntimeError(f"unexpected record type at ring offset {int(u64[2])}")
         self._grow(n)
-        ncarry = self._ncarry
-        # -- records that are not good SAMPLEs: new ones decoded, counted, pinned (drain order)
-        dec, sstats = self.pipeline.decoder, self.pipeline.stats
-        objs = self._carry_objs
+        return recs, n, list(ends[1:nparts])
+
+    def _decode_others(self, recs: Any, n: int, mv: memoryview, cpus: list[int],
+                       bounds: list[int]) -> int:  # fmt: skip
+        """The records that are not good SAMPLEs: the new ones decoded, counted and pinned in
+        drain order, each index entry marked; their number (carried ones not counted)."""
+        if not int(self._u64s[1]):
+            return 0
+        ncarry, objs, idx = self._ncarry, self._carry_objs, self._idx
+        decode, observe = self.pipeline.decoder.decode_one, self.pipeline.stats.observe
+        pin = self.pin
         new_other = 0
-        if int(u64[1]):
-            idx = self._idx
-            decode, observe, pin = dec.decode_one, sstats.observe, self.pin
-            for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
-                r = recs[i]
-                if i < ncarry:
-                    got = objs[i]  # carried: decoded and marked once already
-                else:
-                    new_other += 1
-                    off = r.off
-                    rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
-                    observe(rec, cpus[bisect_right(bounds, off) - 2])
-                    pin(rec)
-                    got = objs[i] = (rec, record_marks(rec))
-                # the marks computed at decode time: context.mark_record, inline in this loop
-                # over every side-band record of the round (and again when carried)
-                t, cpu, flags = got[1]
-                r.flags = flags
-                if flags & TIMED:
-                    r.time = t
-                if flags & HAS_CPU:
-                    r.cpu = cpu
-        for end in ends[1:nparts]:
-            if end in END_ERRORS:
-                dec.stats.errors[END_ERRORS[end]] += 1
-        nsamples = n - ncarry - new_other
-        if nsamples:
-            self._count_new_samples(recs, ncarry, n, nsamples, info)
-        # -- order
-        perm, late, keep, ost = self._perm, self._late, self._keep, self._ost
-        check(lib.fp_live_order_round(self.orderer, recs, ncarry, n, int(flush), perm, u64 + 3,
-                                      late, u64 + 4, ost, keep, u64 + 5),
+        for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
+            r = recs[i]
+            if i < ncarry:
+                got = objs[i]  # carried: decoded and marked once already
+            else:
+                new_other += 1
+                off = r.off
+                rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
+                observe(rec, cpus[bisect_right(bounds, off) - 2])
+                pin(rec)
+                got = objs[i] = (rec, record_marks(rec))
+            # the marks computed at decode time: context.mark_record, inline in this loop
+            # over every side-band record of the round (and again when carried)
+            t, cpu, flags = got[1]
+            r.flags = flags
+            if flags & TIMED:
+                r.time = t
+            if flags & HAS_CPU:
+                r.cpu = cpu
+        return new_other
+
+    def _order(self, recs: Any, n: int, flush: bool) -> tuple[int, int]:
+        """The round ordered (``fp_live_order_round``): (records delivered, in ``_perm``,
+        their columns in ``_cols``; records kept queued, in ``_keep``)."""
+        u64, perm, late, keep, ost = self._u64s, self._perm, self._late, self._keep, self._ost
+        check(lib.fp_live_order_round(self.orderer, recs, self._ncarry, n, int(flush), perm,
+                                      u64 + 3, late, u64 + 4, ost, keep, u64 + 5),
               "fp_live_order_round")  # fmt: skip
         self.pipeline.orderer.stats.add_native(ost, late[0 : int(u64[4])])
         d, nkeep = int(u64[3]), int(u64[5])
-        cols = self._cols
-        lib.fp_columns(recs, perm, d, *cols)
-        is_sample = bytes(ffi.buffer(cols[0], d))
-        stack_ids = self._stack_ids
-        # -- runs of samples between side-band records, in delivered order
+        lib.fp_columns(recs, perm, d, *self._cols)
+        return d, nkeep
+
+    def _runs(self, mv: memoryview, size: int, cbuf: Any, recs: Any, is_sample: bytes,
+              objs: dict[int, _Marked]) -> list[Record]:  # fmt: skip
+        """The delivered records in order: each run of samples unwound (``_run``), each
+        side-band record between them applied (``_apply``); the records applied."""
+        perm, stack_ids, d = self._perm, self._stack_ids, len(is_sample)
         applied: list[Record] = []
         pos = 0
         while pos < d:
@@ -338,51 +390,25 @@ class NativeStep:
             self._apply(rec)
             applied.append(rec)
             pos = p + 1
-        live.end_batch()
-        self.unpin(applied)
-        self._carry_round(cbuf, recs, keep, nkeep, objs)
-        # -- aggregate (stored by flush_counts: every round, or every flush_interval seconds)
-        if d:
-            info.samples += count(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1],
-                                                         cols[3], cols[4], d),
-                                  "fp_live_groups_add")  # fmt: skip
-        for s in due_out:
-            info.samples += 1
-            info.depths[len(s.frames)] += 1
-            if s.pid is not None:
-                info.pids.add(s.pid)
-        # ``UnwoundSample`` objects only when the store has subscribers (the live stream)
-        subs = self.store.subscribers
+        return applied
+
+    def _stream_samples(self, is_sample: bytes, d: int) -> list[UnwoundSample]:
+        """The round's stored samples as ``UnwoundSample`` objects, for the store's
+        subscribers (the live stream): O(samples), only when someone listens."""
+        cols = self._cols
+        times, pids, tids = view(cols[1], "Q", d), view(cols[3], "I", d), view(cols[4], "I", d)
+        ids, s_cpus = view(self._stack_ids, "I", d), view(cols[5], "I", d)
+        periods = view(cols[2], "Q", d)
+        has_period = self.lay.i_period >= 0
+        stacks = self._stacks
         out: list[UnwoundSample] = []
-        if subs:
-            times, pids, tids = view(cols[1], "Q", d), view(cols[3], "I", d), view(cols[4], "I", d)
-            ids, s_cpus = view(stack_ids, "I", d), view(cols[5], "I", d)
-            periods = view(cols[2], "Q", d)
-            has_period = self.lay.i_period >= 0
-            stacks = self._stacks
-            for k in range(d):
-                if is_sample[k] and ids[k] != _HELD:
-                    fr, comm, status, _, _ = stacks[ids[k]]
-                    out.append(
-                        UnwoundSample(
-                            times[k],
-                            pids[k],
-                            tids[k],
-                            s_cpus[k],
-                            comm,
-                            periods[k] if has_period else None,
-                            status,
-                            fr,
-                        )
-                    )
-        if due_out:
-            self.store.add(due_out)  # calls the subscribers with them
-        if flush or time.monotonic() - self._flushed_at >= self.flush_interval:
-            self.flush_counts(info)
-        if out:
-            for cb in list(subs):
-                cb(out)
-        return due_out + out, info
+        for k in range(d):
+            if is_sample[k] and ids[k] != _HELD:
+                fr, comm, status, _, _ = stacks[ids[k]]
+                period = periods[k] if has_period else None
+                out.append(UnwoundSample(times[k], pids[k], tids[k], s_cpus[k], comm, period,
+                                         status, fr))  # fmt: skip
+        return out
 
     def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int,
                            info: StepInfo) -> None:  # fmt: skip
