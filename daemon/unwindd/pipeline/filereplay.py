@@ -28,6 +28,7 @@ import gc
 import os
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -227,37 +228,84 @@ class _Replay:
             idx = RecordIndex(self.lay, self.buf, self.length)
         if idx.stopped_at != _NO_STOP:
             raise Unsupported(f"record type > 255 at data offset {idx.stopped_at}")
-        n = idx.n
-        recs = idx.recs
+        n, recs = idx.n, idx.recs
         others = ffi.new("uint32_t[]", max(1, idx.other))
         nother = int(lib.fp_select_other(recs, n, others))
         for i in others[0:nother]:
             if recs[i].type == RecordType.HEADER_ATTR:
                 raise Unsupported("HEADER_ATTR in the data section")
+        cand, cand_pids, ncand, nrest = self._scan_data_mmaps(recs, n, others, nother)
+        mv = memoryview(self.mm)
+        objs = self._decode_others(mv, recs, others, nrest)
+        dec = self.data.decoder
+        nsamples = n - nother
+        if nsamples:
+            dec.stats.records["SAMPLE"] += nsamples
+        if idx.end == lib.FP_END_PAYLOAD_TRUNCATED:
+            self.data.errors["payload_truncated"] += 1
+        elif idx.end in END_ERRORS:
+            dec.stats.errors[END_ERRORS[idx.end]] += 1
+        perm, m = self._order(recs, n)
+        skipped = 0
+        if ncand:
+            m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand)
 
-        # -- data MMAP2 records that cannot change the process table (sideband.c): their index
-        # entries get time/cpu natively and they are never decoded into objects. Data
-        # (non-exec) MMAP2s overlapping no executable range of the file, after their pid's
-        # first (sideband.c states the proof), are only counted where the Python replay counts
-        # them (_skip_data_mmaps); so are data MMAP2s over nothing the pid's space maps
-        # (_data_mmap_is_noop). Deep CPython recursion makes them by the hundred thousand.
-        data, dec = self.data, self.data.decoder
+        # -- columns of the delivered stream, stream counts
+        ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
+        cols = [ffi.new(f"{t}[]", max(1, m)) for t in ctypes]
+        lib.fp_columns(recs, perm, m, *cols)
+        is_sample = bytes(ffi.buffer(cols[0], m))
+        times, periods = view(cols[1], "Q")[:m], view(cols[2], "Q")[:m]
+        pids, tids, cpus = view(cols[3], "I")[:m], view(cols[4], "I")[:m], view(cols[5], "I")[:m]
+        has_cpu = self.lay.i_cpu >= 0
+        self._stream_stats(objs, is_sample, pids, cpus if has_cpu else None, nsamples)
+
+        # -- runs of samples between side-band records, in delivered order
+        stack_ids = ffi.new("uint32_t[]", max(1, m))
+        has_period = self.lay.i_period >= 0
+        emit = emitter(self.fmt, self.out.write, self._stacks, self._rendered,
+                       (times, periods if has_period else None, pids, tids,
+                        cpus if has_cpu else None), view(stack_ids, "I"))  # fmt: skip
+        side = self._runs(recs, perm, is_sample, stack_ids, objs, emit)
+        # Nothing reads the file any more (names, counts and output come from the context):
+        # unmapped on a thread while the output is built (munmap is O(pages)).
+        mv.release()
+        ffi.release(self._whole)
+        self.buf = ffi.NULL
+        self.mapped.close(background=True)
+        self._finish()
+        return FastResult(nsamples, self.nctx.nstacks, self.runs, side + skipped,
+                          int(lib.fp_ctx_par_stats(self.ctx)))  # fmt: skip
+
+    def _scan_data_mmaps(self, recs: Any, n: int, others: Any, nother: int
+                         ) -> tuple[Any, Any, int, int]:  # fmt: skip
+        """Data MMAP2 records that cannot change the process table (sideband.c): their index
+        entries get time/cpu natively and they are never decoded into objects. Data
+        (non-exec) MMAP2s overlapping no executable range of the file, after their pid's
+        first (sideband.c states the proof), are only counted where the Python replay counts
+        them (_skip_data_mmaps); so are data MMAP2s over nothing the pid's space maps
+        (_data_mmap_is_noop). Deep CPython recursion makes them by the hundred thousand.
+        Returns (candidate flags and pids by record, their number, the others left in
+        ``others[0, nrest)``)."""
         cand = ffi.new("uint8_t[]", max(1, n))
         cand_pids = ffi.new("uint32_t[]", max(1, n))
         ncand, nrest = 0, nother
-        trailer = dec.sample_id_trailer()
+        trailer = self.data.decoder.sample_id_trailer()
         if trailer is not None and nother:
             p_rest = ffi.new("uint64_t *")
             ncand = check(lib.unw_sb_scan(self.buf, self.length, recs, others, nother, *trailer,
                                           cand, cand_pids, p_rest), "unw_sb_scan")  # fmt: skip
             nrest = int(p_rest[0])
+        return cand, cand_pids, ncand, nrest
 
-        # -- decode what is not a good SAMPLE, exactly as PerfData.records() does. MMAP2
-        # objects (many per process) are counted and dropped, and decoded again when applied
-        # (_record): a replay holds their bytes, not objects.
-        mv = memoryview(self.mm)
+    def _decode_others(self, mv: memoryview, recs: Any, others: Any, nrest: int
+                       ) -> dict[int, Record]:  # fmt: skip
+        """Decode what is not a good SAMPLE, exactly as PerfData.records() does, and mark
+        each index entry for the orderer. MMAP2 objects (many per process) are counted and
+        dropped, and decoded again when applied (_record): a replay holds their bytes, not
+        objects. The other records by index."""
+        data, dec, sstats = self.data, self.data.decoder, self.sstats
         objs: dict[int, Record] = {}
-        sstats = self.sstats
         rounds = 0
         marker = int(lib.FP_MARKER)
         for i in others[0:nrest]:
@@ -287,46 +335,26 @@ class _Replay:
             dec.stats.records[name] += rounds
             sstats.by_type[name] += rounds
             sstats.by_cpu_type.setdefault(None, Counter())[name] += rounds  # (no cpu)
-        nsamples = n - nother
-        if nsamples:
-            dec.stats.records["SAMPLE"] += nsamples
-        if idx.end == lib.FP_END_PAYLOAD_TRUNCATED:
-            data.errors["payload_truncated"] += 1
-        elif idx.end in END_ERRORS:
-            dec.stats.errors[END_ERRORS[idx.end]] += 1
+        return objs
 
-        # -- order (RoundOrderer.feed_file_order)
+    def _order(self, recs: Any, n: int) -> tuple[Any, int]:
+        """The file's records in delivery order (fp_order is RoundOrderer.feed_file_order):
+        the permutation and its length."""
         perm = ffi.new("uint32_t[]", max(1, n))
         late = ffi.new("uint64_t[]", max(1, n))
         nout, nlate = ffi.new("uint64_t *"), ffi.new("uint64_t *")
         ost = ffi.new("struct fp_order_stats *")
         check(lib.fp_order(recs, n, self.max_queued, perm, nout, late, nlate, ost), "fp_order")
         self.ostats.add_native(ost, late[0 : int(nlate[0])])
-        m = int(nout[0])
-        skipped = 0
-        if ncand:
-            m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand)
+        return perm, int(nout[0])
 
-        # -- columns of the delivered stream, stream counts
-        ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
-        cols = [ffi.new(f"{t}[]", max(1, m)) for t in ctypes]
-        lib.fp_columns(recs, perm, m, *cols)
-        is_sample = bytes(ffi.buffer(cols[0], m))
-        times, periods = view(cols[1], "Q")[:m], view(cols[2], "Q")[:m]
-        pids, tids, cpus = view(cols[3], "I")[:m], view(cols[4], "I")[:m], view(cols[5], "I")[:m]
-        has_cpu = self.lay.i_cpu >= 0
-        self._stream_stats(objs, is_sample, pids, cpus if has_cpu else None, nsamples)
-
-        # -- runs of samples between side-band records, in delivered order
-        stack_ids = ffi.new("uint32_t[]", max(1, m))
-        ids = view(stack_ids, "I")
-        engine = self.engine
-        has_period = self.lay.i_period >= 0
-        emit = emitter(self.fmt, self.out.write, self._stacks, self._rendered,
-                       (times, periods if has_period else None, pids, tids,
-                        cpus if has_cpu else None), ids)  # fmt: skip
-        pos = 0
-        side = 0
+    def _runs(self, recs: Any, perm: Any, is_sample: bytes, stack_ids: Any,
+              objs: dict[int, Record], emit: Callable[[int, int], None]) -> int:  # fmt: skip
+        """The delivered records in order: each run of samples unwound and written, each
+        side-band record between them applied to the process table (a data MMAP2 that cannot
+        change it only counted); the side-band records met."""
+        engine, nctx, m = self.engine, self.nctx, len(is_sample)
+        pos = side = 0
         while pos < m:
             p = is_sample.find(b"\0", pos)
             end = m if p < 0 else p
@@ -342,20 +370,12 @@ class _Replay:
                 engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
                 continue
             if engine.note_comm(rec):
-                self.nctx.forget_comms()
+                nctx.forget_comms()
             engine.table.apply(rec)
             rpid = getattr(rec, "pid", None)
             if isinstance(rpid, int):
-                self.nctx.forget_space(rpid)
-        # Nothing reads the file any more (names, counts and output come from the context):
-        # unmapped on a thread while the output is built (munmap is O(pages)).
-        mv.release()
-        ffi.release(self._whole)
-        self.buf = ffi.NULL
-        self.mapped.close(background=True)
-        self._finish()
-        return FastResult(nsamples, self.nctx.nstacks, self.runs, side + skipped,
-                          int(lib.fp_ctx_par_stats(self.ctx)))
+                nctx.forget_space(rpid)
+        return side
 
     def _skip_data_mmaps(
         self, recs: Any, perm: Any, m: int, cand: Any, pids: Any, ncand: int
