@@ -119,7 +119,6 @@ class NativeContext:
             raise RuntimeError("fp_ctx_par_stress: no worker thread")
         # by code (1) or by function (2): frames and stacks without their address space
         # (fp_ctx_by_code), for output that prints no addresses
-        self.by_code = by_code
         if by_code:
             check(lib.fp_ctx_by_code(self.ctx, by_code), "fp_ctx_by_code")
         self.comms: list[str] = []
