@@ -38,6 +38,7 @@ __all__ = [
     "STATUS_NAMES",
     "TIMED",
     "NativeContext",
+    "callchain",
     "count_flagged",
     "mark_record",
     "record_marks",
@@ -84,8 +85,14 @@ def mark_record(r: Any, marks: tuple[int, int, int]) -> None:
     r.flags = flags
 
 
+def callchain(kc: bytes) -> tuple[int, ...]:
+    """An exported stack's raw kernel callchain bytes as the u64 words
+    ``StackEngine.kernel_frames`` takes."""
+    return tuple(memoryview(kc).cast("Q").tolist())
+
+
 # One exported stack: (comm, space id, UNW_* status, regs_none, frame ids leaf first, raw
-# kernel callchain as native-endian u64 bytes).
+# kernel callchain as native-endian u64 bytes: ``callchain`` gives its words).
 NewStack = tuple[str, int, int, int, list[int], bytes]
 
 

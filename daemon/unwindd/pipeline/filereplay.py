@@ -47,6 +47,7 @@ from .context import (
     END_ERRORS,
     STATUS_NAMES,
     NativeContext,
+    callchain,
     count_flagged,
     mark_record,
     record_marks,
@@ -70,11 +71,6 @@ PAR_STRESS = False
 
 def _start(m: Mapping) -> int:
     return m.start
-
-
-def _u_bytes(b: bytes) -> list[int]:
-    """Native-endian u64 words of ``b``."""
-    return memoryview(b).cast("Q").tolist()
 
 
 @dataclass
@@ -527,7 +523,7 @@ class _Replay:
         for comm, space, code, regs_none, ids, kkey in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
-                kframes = engine.kernel_frames(tuple(_u_bytes(kkey))) if kkey else ()
+                kframes = engine.kernel_frames(callchain(kkey)) if kkey else ()
                 krendered = ktexts[kkey] = [self._render_kernel(f) for f in kframes]
             nk = len(krendered)
             if regs_none and nk:

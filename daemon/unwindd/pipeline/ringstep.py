@@ -44,6 +44,7 @@ from .context import (
     STATUS_NAMES,
     TIMED,
     NativeContext,
+    callchain,
     count_flagged,
     record_marks,
     view,
@@ -539,7 +540,7 @@ class NativeStep:
         self._frames += nctx.new_frames()
         frame_of, stacks = self._frames.__getitem__, self._stacks
         for comm, space, code, regs_none, ids, kc in nctx.new_stacks():
-            kframes = kernel_frames(tuple(memoryview(kc).cast("Q").tolist())) if kc else ()
+            kframes = kernel_frames(callchain(kc)) if kc else ()
             if regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
                 continue
