@@ -6,8 +6,10 @@ Invariants:
 - SIGINT/SIGTERM stop a capture cleanly: the rings are drained and everything already recorded
   is printed before exit (status 0).
 - With no subcommand (or ``run``), ``unwindd`` is the daemon (service.py): the whole machine by
-  default, configured by ``--config`` TOML, queried over its Unix socket. ``check-config FILE``
-  validates a config without starting anything.
+  default, configured by ``--config`` TOML, queried over its Unix socket; its options are the
+  same with or without ``run``. ``check-config [FILE]`` validates a config (and what start
+  checks, ``startup.preflight``) without starting anything. ``systemd-unit`` prints the
+  shipped unit with ExecStart running this install (serve/unit.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="unwindd", description="Live stack-unwinding profiler for Linux."
     )
     p.add_argument("--version", action="version", version=f"unwindd {__version__}")
+    # Bare `unwindd` is the daemon, so its options work without `run` too.
+    _add_daemon_args(p, None)
     sub = p.add_subparsers(dest="command")
 
     rec = sub.add_parser("record", help="sample live and print the record stream")
@@ -80,9 +84,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     run = sub.add_parser("run", help="run the daemon in the foreground (the default command)")
-    _add_config_arg(run)
-    chk = sub.add_parser("check-config", help="validate a config file and print it resolved")
-    chk.add_argument("file", help="the TOML file to check")
+    # SUPPRESS: `run` without the option keeps what was given before it (`unwindd --config F
+    # run`), instead of argparse's sub-parser default overwriting it.
+    _add_daemon_args(run, argparse.SUPPRESS)
+    chk = sub.add_parser(
+        "check-config",
+        help="validate a config file as the daemon would (including what start checks: "
+        "[api] group, the socket directory) and print it resolved",
+    )
+    chk.add_argument(
+        "file",
+        nargs="?",
+        default=None,
+        metavar="FILE",
+        help=f"the TOML file to check (default {_DEFAULT_CONFIG}; if that is absent, the "
+        "built-in defaults are printed and a note says so)",
+    )
+    unit = sub.add_parser(
+        "systemd-unit",
+        help="print the systemd unit, its ExecStart running this unwindd (install: README)",
+    )
+    unit.add_argument(
+        "--config",
+        dest="unit_config",  # not the daemon's `config`: a sub-parser default would replace it
+        metavar="FILE",
+        default=_DEFAULT_CONFIG,
+        help=f"the config file the service reads (default {_DEFAULT_CONFIG})",
+    )
 
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
@@ -112,26 +140,52 @@ def _replay_cache_dir(args: argparse.Namespace) -> str | None:
     return args.cache_dir or os.environ.get("UNWINDD_CACHE_DIR") or user_cache_dir(os.environ)
 
 
-def _add_config_arg(p: argparse.ArgumentParser) -> None:
+# The daemon's options: on the top-level parser (bare `unwindd`) and on `run`.
+_DAEMON_OPTIONS = ("config",)
+
+
+def _add_daemon_args(p: argparse.ArgumentParser, default: object) -> None:
     p.add_argument(
         "--config",
         metavar="FILE",
-        default=None,
+        default=default,
         help=f"TOML config (default {_DEFAULT_CONFIG}; if that file is absent, built-in defaults)",
     )
 
 
 def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
+    """The file as the daemon would load it (``load_config``), then what its start refuses
+    without starting (``startup.preflight``); prints the config resolved, as JSON."""
     import json
 
-    from .serve.config import ConfigError, load_config
+    from .serve.config import DEFAULT_PATH, DEFAULTS_SOURCE, ConfigError, load_config
+    from .serve.startup import StartupError, preflight
 
     try:
         cfg = load_config(args.file)
+        preflight(cfg)
     except ConfigError as e:
         return _fail(str(e))
+    except StartupError as e:
+        return _fail(f"{cfg.source}: {e}")
     out.write(json.dumps(cfg.to_json(), indent=2) + "\n")
-    print(f"unwindd: {args.file}: ok", file=sys.stderr)
+    if args.file is None and cfg.source == DEFAULTS_SOURCE:
+        print(f"unwindd: {DEFAULT_PATH} does not exist: the daemon would run on the built-in "
+              "defaults (printed)", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"unwindd: {cfg.source}: ok", file=sys.stderr)
+    return 0
+
+
+def cmd_systemd_unit(args: argparse.Namespace, out: TextIO) -> int:
+    """The shipped unit with ExecStart running this unwindd (serve/unit.py says how)."""
+    from .serve.unit import hidden_paths, render_unit
+
+    text = render_unit(os.path.abspath(args.unit_config))
+    out.write(text)
+    for path in hidden_paths(text):
+        print(f"unwindd: note: {path} is under a /tmp the service cannot see (PrivateTmp=yes)",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -475,7 +529,13 @@ def entry() -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command not in (None, "run"):
+        for name in _DAEMON_OPTIONS:
+            if getattr(args, name) is not None:
+                parser.error(f"--{name} before {args.command!r} is the daemon's option "
+                             f"(unwindd [run] --{name} ...)")  # fmt: skip
     if args.command in (None, "run"):
         # No subcommand: the daemon, on /etc/unwindd/config.toml or the built-in defaults.
         from .serve.service import run_daemon
@@ -485,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "check-config":
             return cmd_check_config(args, out)
+        if args.command == "systemd-unit":
+            return cmd_systemd_unit(args, out)
         if args.command == "record":
             return cmd_record(args, out)
         return cmd_replay(args, out)

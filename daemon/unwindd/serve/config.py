@@ -25,6 +25,7 @@ from typing import Any
 
 DEFAULT_PATH = "/etc/unwindd/config.toml"
 DEFAULT_SOCKET = "/run/unwindd/unwindd.sock"
+DEFAULTS_SOURCE = "<defaults>"  # Config.source when no file was read (the default path absent)
 _MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -181,7 +182,7 @@ class Config:
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
-    source: str = field(default="<defaults>", compare=False)
+    source: str = field(default=DEFAULTS_SOURCE, compare=False)
 
     def to_json(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -189,11 +190,19 @@ class Config:
             if sec.name == "source":
                 continue
             s = getattr(self, sec.name)
-            out[sec.name] = {
-                f.name: list(v) if isinstance(v := getattr(s, f.name), tuple) else v
-                for f in fields(s)
-            }
+            out[sec.name] = {f.name: _shown(sec.name, f.name, getattr(s, f.name))
+                             for f in fields(s)}  # fmt: skip
         return out
+
+
+def _shown(section: str, name: str, v: Any) -> Any:
+    """A value as ``to_json`` shows it: as the config file spells it, so the output of
+    ``check-config`` (and /v1/status's config) reads back as the same config."""
+    if isinstance(v, tuple):
+        return list(v)
+    if section == "api" and name == "mode":
+        return format(v, "04o")  # "0660", as _coerce reads it (and chmod(1) spells it)
+    return v
 
 
 SECTIONS: dict[str, type[Any]] = {

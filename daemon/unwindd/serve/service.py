@@ -56,6 +56,7 @@ from .startup import (
     apply_socket_perms,
     describe_target,
     open_profiler_for,
+    preflight,
     prepare_socket_path,
     remove_stale_socket,
 )
@@ -113,6 +114,7 @@ class Daemon:
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._readers_on = False
+        self._ready = False  # READY=1 sent: a stop is then a shutdown, not a failed start
         self._timer: asyncio.TimerHandle | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._query_pool: ThreadPoolExecutor | None = None
@@ -226,10 +228,15 @@ class Daemon:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         cfg = self.running_config
+        # What start would refuse, before the rings are opened: a second daemon on the same
+        # socket, or a bad group, then fails with its one error and nothing else.
+        preflight(cfg)
+        path = prepare_socket_path(cfg.api.socket, cfg.api.socket == DEFAULT_SOCKET)
+        remove_stale_socket(path)
         self.profiler = self._open_profiler(cfg)
         try:
             self.profiler.start()
-            await self._listen(cfg)
+            await self._listen(cfg, path)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._stop.set)
             loop.add_signal_handler(signal.SIGHUP, self.reload)
@@ -239,6 +246,7 @@ class Daemon:
                 self._spawn(self._watchdog(self.notifier.watchdog))
             self.notifier.ready(f"sampling {describe_target(cfg)} at "
                                 f"{cfg.sampling.frequency} Hz")  # fmt: skip
+            self._ready = True
             log.info("ready: %s at %d Hz; socket %s%s", describe_target(cfg),
                      cfg.sampling.frequency, self.socket_path,
                      f"; metrics http://{self._metrics_url()}/metrics"
@@ -269,9 +277,7 @@ class Daemon:
         host, port = self.metrics_address
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _listen(self, cfg: Config) -> None:
-        path = prepare_socket_path(cfg.api.socket, cfg.api.socket == DEFAULT_SOCKET)
-        remove_stale_socket(path)
+    async def _listen(self, cfg: Config, path: str) -> None:
         server = await asyncio.start_unix_server(
             lambda r, w: self.conns.serve(r, w, self._api_answer, peer_of(w)), path=path,
             backlog=1024,
@@ -298,8 +304,11 @@ class Daemon:
             self.registry.register(UnwinddCollector(self, self.m))
 
     async def _shutdown(self) -> None:
-        self.notifier.stopping()
-        log.info("stopping: draining rings")
+        """Stop (after READY=1: say so, drain, report), or undo a start that failed (quietly:
+        the start's error, logged by the caller, is the one thing to say)."""
+        if self._ready:
+            self.notifier.stopping()
+            log.info("stopping: draining rings")
         for srv in self._servers:
             srv.close()
         self.streams.close_all()
@@ -317,8 +326,8 @@ class Daemon:
         if self.socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-        log.info("stopped: %d samples", self.profiler.pipeline.stats.by_type["SAMPLE"]
-                 if hasattr(self, "profiler") else 0)  # fmt: skip
+        if self._ready:
+            log.info("stopped: %d samples", self.profiler.pipeline.stats.by_type["SAMPLE"])
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         t = asyncio.ensure_future(coro)

@@ -8,6 +8,10 @@ Rules:
   (not root: /run is not writable), and says so; a configured path never falls back.
 - A socket file left by a crashed daemon is removed; a live one (something answers on it) is an
   error, so two daemons never share a path.
+- ``preflight`` is what start refuses that can be known without starting (an ``[api] group``
+  that does not exist, a configured socket directory that cannot be made); the daemon runs it
+  before opening anything and ``unwindd check-config`` runs the same function. It reads the
+  group database and stats the socket's ancestors; it creates nothing.
 - The profiler is the native live step with the store sized from ``[store]``; its counts reach
   the store every ``FLUSH_SECONDS`` and before every read (the daemon flushes first).
 - The on-disk CFI and symbol cache is pruned to its bound once, here (O(files in it)); a cache
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING
 from ..pipeline.live import LiveProfiler
 from .config import (
     CACHE_DIR_FALLBACK,
+    DEFAULT_SOCKET,
     ApiSection,
     Config,
     cache_dir,
@@ -47,26 +52,65 @@ class StartupError(Exception):
     """The daemon cannot start for a reason the operator can fix (message says which)."""
 
 
+def preflight(cfg: Config) -> None:
+    """Raise the ``StartupError`` start would raise for ``cfg`` where that is known without
+    starting: an ``[api] group`` that does not exist; a configured (not the default, which
+    falls back) socket directory that cannot be made or written."""
+    group_id(cfg.api)
+    if cfg.api.socket != DEFAULT_SOCKET:
+        d = os.path.dirname(cfg.api.socket)
+        why = socket_dir_problem(d)
+        if why is not None:
+            raise StartupError(f"[api] socket: cannot create {d}: {why}")
+
+
+def group_id(api: ApiSection) -> int | None:
+    """``[api] group`` as a gid (None: keep the daemon's); a number is taken as is, as
+    chown(1) takes it."""
+    if not api.group:
+        return None
+    if api.group.isdigit():
+        return int(api.group)
+    try:
+        return grp.getgrnam(api.group).gr_gid
+    except KeyError:
+        raise StartupError(f"[api] group: no such group {api.group!r}") from None
+
+
+def socket_dir_problem(d: str) -> str | None:
+    """Why directory ``d`` cannot be made or written by this process, or None. Makes nothing:
+    the nearest existing ancestor must be a directory we may write and search (as makedirs
+    and bind need)."""
+    p = os.path.abspath(d)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return f"{p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"{p} is not writable"
+    return None
+
+
 def prepare_socket_path(path: str, is_default: bool) -> str:
     """Create the socket's directory. When it is the built-in default and cannot be created
     (not root: /run is not writable), fall back to a per-user directory and say so."""
     d = os.path.dirname(path)
-    try:
-        os.makedirs(d, mode=0o755, exist_ok=True)
-        if not os.access(d, os.W_OK | os.X_OK):
-            raise PermissionError(13, "not writable", d)
-        return path
-    except OSError as e:
-        if not is_default:
-            raise StartupError(f"[api] socket: cannot create {d}: {e.strerror or e}") from None
-        fb = fallback_socket()
+    why = socket_dir_problem(d)
+    if why is None:
         try:
-            os.makedirs(os.path.dirname(fb), mode=0o700, exist_ok=True)
-        except OSError as e2:
-            msg = f"cannot create {d} ({e.strerror}) nor {fb} ({e2.strerror})"
-            raise StartupError(msg) from None
-        log.warning("cannot create %s (%s); listening on %s instead", d, e.strerror, fb)
-        return fb
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            return path
+        except OSError as e:
+            why = str(e.strerror or e)
+    if not is_default:
+        raise StartupError(f"[api] socket: cannot create {d}: {why}")
+    fb = fallback_socket()
+    try:
+        os.makedirs(os.path.dirname(fb), mode=0o700, exist_ok=True)
+    except OSError as e2:
+        raise StartupError(f"cannot create {d} ({why}) nor {fb} ({e2.strerror})") from None
+    log.warning("cannot create %s (%s); listening on %s instead", d, why, fb)
+    return fb
 
 
 def remove_stale_socket(path: str) -> None:
@@ -91,16 +135,13 @@ def remove_stale_socket(path: str) -> None:
 
 def apply_socket_perms(api: ApiSection, path: str) -> None:
     """``[api] group`` and ``mode`` on the socket file (at start and on every reload)."""
+    gid = group_id(api)
     try:
-        if api.group:
-            gid = int(api.group) if api.group.isdigit() else grp.getgrnam(api.group).gr_gid
+        if gid is not None:
             os.chown(path, -1, gid)
         os.chmod(path, api.mode)
-    except (KeyError, OSError) as e:
-        msg = f"[api] group/mode: cannot apply to {path}: {e}"
-        if isinstance(e, KeyError):
-            msg = f"[api] group: no such group {api.group!r}"
-        raise StartupError(msg) from None
+    except OSError as e:
+        raise StartupError(f"[api] group/mode: cannot apply to {path}: {e}") from None
 
 
 def describe_target(cfg: Config) -> str:
