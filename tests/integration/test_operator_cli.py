@@ -5,6 +5,7 @@ verified by ``systemd-analyze`` and run from a clean environment as systemd woul
 
 from __future__ import annotations
 
+import errno
 import grp
 import json
 import os
@@ -12,6 +13,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,6 +126,28 @@ def test_daemon_refuses_a_bad_group_before_sampling(tmp_path: Path, sock_dir: Pa
     assert res.returncode == 2
     assert res.stderr.splitlines() == [f"unwindd: ERROR: [api] group: no such group '{group}'"]
     assert not (sock_dir / "unwindd.sock").exists()
+
+
+def test_a_start_failing_after_the_rings_opened_says_only_why(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """The metrics port is taken: known only once the rings are open and the socket listens;
+    the error is still the one line, and the socket made for it is removed."""
+    sock = sock_dir / "unwindd.sock"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = daemon_config(tmp_path, sock)
+        cfg.write_text(cfg.read_text().replace(
+            "[metrics]\nenabled = false\n", f'[metrics]\nlisten = "127.0.0.1:{port}"\n'))
+        res = cli("--config", str(cfg))
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        f"unwindd: ERROR: [metrics] listen: cannot listen on 127.0.0.1:{port}: "
+        f"{os.strerror(errno.EADDRINUSE)}"
+    ]
+    assert not sock.exists()
 
 
 # -- check-config

@@ -293,8 +293,10 @@ class Daemon:
                     host=host, port=port, reuse_address=True,
                 )  # fmt: skip
             except OSError as e:
+                # uvloop's message repeats the address; the errno's text says it all.
+                why = os.strerror(e.errno) if e.errno else str(e)
                 raise StartupError(f"[metrics] listen: cannot listen on {cfg.metrics.listen}: "
-                                   f"{e.strerror or e}") from None  # fmt: skip
+                                   f"{why}") from None  # fmt: skip
             self._servers.append(msrv)
             sockname = msrv.sockets[0].getsockname()
             self.metrics_address = (sockname[0], sockname[1])
