@@ -145,3 +145,19 @@ def test_cache_dir() -> None:
     assert of(b"", {"CACHE_DIRECTORY": "/var/cache/unwindd2:/var/cache/x"}) == "/var/cache/unwindd2"
     assert of(b'[cache]\ndir = "off"\n', {"CACHE_DIRECTORY": "/c"}) is None
     assert of(b'[cache]\ndir = "/srv/c"\n', {"CACHE_DIRECTORY": "/c"}) == "/srv/c"
+
+
+def test_to_json_reads_back_as_the_same_config() -> None:
+    """What check-config prints (``to_json``) is a config: each value as a file spells it, the
+    socket mode as an octal string."""
+    import json
+
+    text = (b'[sampling]\ntarget = "pids"\npids = [1, 2]\nfrequency = 7\n[api]\nmode = 0o640\n'
+            b'group = "adm"\nrequest_timeout = 2.5\n[metrics]\nenabled = false\n')
+    c = parse_config(text)
+    shown = c.to_json()
+    assert shown["api"]["mode"] == "0640"
+    again = "".join(f"[{sec}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                    for sec, keys in shown.items())  # fmt: skip
+    assert parse_config(again.encode()) == c
+    assert Config().to_json()["api"]["mode"] == "0660"
