@@ -224,7 +224,7 @@ def test_ctl_top_fits_the_terminal(env: Env) -> None:
     assert tty and max(map(len, tty)) <= width, tty
     assert any(ln.split()[4] == "spin" for ln in tty[2:] if len(ln.split()) > 4), tty
     wide = run_on_tty([*base, "--full-paths", "--wide"], width).splitlines()
-    assert wide == full
+    assert wide[1:] == full[1:]  # the same rows (the window line moves with the clock)
 
 
 def test_ctl_watch_header_and_wall_clock(env: Env) -> None:
