@@ -4,6 +4,7 @@ series, and unwindctl's formatting helpers, without a daemon."""
 from __future__ import annotations
 
 import io
+import json
 import random
 import re
 from collections import Counter
@@ -77,6 +78,9 @@ def test_unknown_parameters_are_refused_naming_them() -> None:
     res = api.handle(req("/v1/top?limit=x"), Peer(0))
     assert res.status == 400 and res.rejected == "bad_parameter"  # type: ignore[union-attr]
     assert set(PARAMS) == set(api.routes)
+    index = json.loads(api.handle(req("/"), Peer(0)).body)  # type: ignore[union-attr]
+    assert index["parameters"]["/v1/top"] == sorted(PARAMS["/v1/top"])
+    assert "until" in PARAMS["/v1/top"] and "since" not in PARAMS["/v1/stream"]
 
 
 def test_window_in_answers_and_headers() -> None:
@@ -85,8 +89,6 @@ def test_window_in_answers_and_headers() -> None:
                                  (Frame(1, "/w/app", "spin", 0),))])  # fmt: skip
     api = Api(src, clock_offset=lambda: 1_700_000_000 * SEC - 50 * SEC)
     res = api.handle(req("/v1/top?since=1.5"), Peer(0))
-    import json
-
     w = json.loads(res.body)["window"]  # type: ignore[union-attr]
     assert (w["from_ns"], w["to_ns"], w["seconds"]) == (98 * SEC, 100 * SEC, 2.0)
     assert (w["from"], w["to"]) == ("2023-11-14T22:14:08.000Z", "2023-11-14T22:14:10.000Z")

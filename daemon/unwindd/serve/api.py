@@ -2,6 +2,7 @@
 
 Endpoints (GET only; JSON unless a format says otherwise)::
 
+    /                               endpoints and the parameters each takes
     /v1/status                      version, uptime, samples, lost, throttled, processes, caches
     /v1/processes                   [{pid, comm, exe, samples, last_seen_ns}]
     /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
@@ -252,7 +253,8 @@ class Api:
     # -- endpoints
 
     def index(self, req: Request, peer: Peer) -> Response:
-        return json_response({"endpoints": sorted(self.routes)})
+        return json_response({"endpoints": sorted(self.routes),
+                              "parameters": {p: sorted(PARAMS[p]) for p in sorted(PARAMS)}})
 
     def status(self, req: Request, peer: Peer) -> Response:
         return json_response(self.source.status())
