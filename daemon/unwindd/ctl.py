@@ -4,7 +4,14 @@ Invariants:
 - Talks only HTTP over the Unix socket (the same API ``curl --unix-socket`` uses); it never
   touches perf or /proc, so it needs no privilege beyond access to the socket.
 - Human-readable tables by default, the API's JSON verbatim with ``--json`` (one JSON document,
-  or one JSON line per sample for ``watch``), so scripts never parse tables.
+  or one JSON line per sample for ``watch``; ``folded`` turns the folded text into
+  ``{"window", "truncated", "stacks": [{"comm", "frames", "count"}]}``), so scripts never parse
+  tables.
+- A store answer's text says which window it covers (a ``window:`` line: first for ``top``, on
+  stderr for ``folded`` to stdout, whose stdout stays flamegraph.pl input); times are shown on
+  the local wall clock.
+- ``top`` fits the terminal (``shutil.get_terminal_size``) when stdout is one, unless
+  ``--wide``; dsos are shown by basename unless ``--full-paths``.
 - Errors (no daemon, permission, a 4xx/5xx answer) end in one line on stderr and exit 2.
 - Memory: O(one response); ``watch`` holds one line at a time.
 """
@@ -15,9 +22,12 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import socket
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any, TextIO
 from urllib.parse import urlencode
 
@@ -93,6 +103,12 @@ class Client:
         with self.open(endpoint, params) as resp:
             return resp.read()
 
+    def get_with_headers(self, endpoint: str,
+                         params: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+        """The body and the headers (names lower-cased)."""
+        with self.open(endpoint, params) as resp:
+            return resp.read(), {k.lower(): v for k, v in resp.getheaders()}
+
     def json(self, endpoint: str, params: dict[str, Any] | None = None) -> Any:
         return json.loads(self.get(endpoint, params))
 
@@ -108,16 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="processes with samples")
     ps.add_argument("--limit", type=int, default=None)
 
-    def filters(sp: argparse.ArgumentParser) -> None:
+    def filters(sp: argparse.ArgumentParser, window: bool = True) -> None:
         sp.add_argument("--pid", type=int, action="append", default=[], help="repeatable")
         sp.add_argument("--comm")
         sp.add_argument("--tid", type=int)
         sp.add_argument("--since", type=float, metavar="SECONDS",
                         help="only the last SECONDS (default: everything retained)")
+        if window:
+            sp.add_argument("--until", type=float, metavar="SECONDS",
+                            help="end the window SECONDS ago (default: now)")
 
     top = sub.add_parser("top", help="functions by self and total samples")
     filters(top)
     top.add_argument("--limit", type=int, default=20)
+    top.add_argument("--wide", action="store_true",
+                     help="do not truncate lines to the terminal's width")
+    top.add_argument("--full-paths", action="store_true",
+                     help="show each dso's full path (default: its file name)")
     fo = sub.add_parser("folded", help="folded stacks (flamegraph.pl input)")
     filters(fo)
     fo.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
@@ -125,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     filters(pp)
     pp.add_argument("-o", "--output", metavar="FILE", default="profile.pb.gz")
     w = sub.add_parser("watch", help="stream unwound samples as they arrive")
-    filters(w)
+    filters(w, window=False)
     w.add_argument("--count", type=int, help="stop after N samples")
     w.add_argument("--seconds", type=float, help="stop after S seconds")
     return p  # fmt: skip
@@ -137,17 +160,64 @@ def _filter_params(args: argparse.Namespace) -> dict[str, Any]:
         "comm": args.comm,
         "tid": args.tid,
         "since": args.since,
+        "until": getattr(args, "until", None),
     }
 
 
-def _table(rows: list[list[str]], head: list[str], out: TextIO, right: set[int]) -> None:
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, *rows]:
-        cells = [
-            str(c).rjust(widths[i]) if i in right else str(c).ljust(widths[i])
-            for i, c in enumerate(r)
-        ]
-        out.write("  ".join(cells).rstrip() + "\n")
+def _local(iso: str, fmt: str) -> str:
+    return datetime.fromisoformat(iso).astimezone().strftime(fmt)
+
+
+def window_line(w: Mapping[str, Any]) -> str:
+    """``window: 2026-11-25 18:01:02 .. 18:03:02 (120 s)``, local time: what an answer covers
+    (the API widens a window to whole store buckets, and narrows it to what it still holds)."""
+    day = "%Y-%m-%d %H:%M:%S"
+    same_day = _local(w["from"], "%Y-%m-%d") == _local(w["to"], "%Y-%m-%d")
+    to = _local(w["to"], "%H:%M:%S" if same_day else day)
+    return f"window: {_local(w['from'], day)} .. {to} ({float(w['seconds']):g} s)"
+
+
+def header_window(headers: Mapping[str, str]) -> dict[str, Any] | None:
+    """The window of a text answer, from its x-unwindd-window-* headers."""
+    try:
+        return {"from": headers["x-unwindd-window-from"], "to": headers["x-unwindd-window-to"],
+                "seconds": float(headers["x-unwindd-window-seconds"])}  # fmt: skip
+    except (KeyError, ValueError):
+        return None
+
+
+def duration(seconds: float) -> str:
+    """``2d 3h 04m 05s``: the leading units that are zero are left out."""
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h}h {m:02d}m {s:02d}s"
+    if h:
+        return f"{h}h {m:02d}m {s:02d}s"
+    return f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+def _table(rows: list[list[Any]], head: list[str], out: TextIO, right: set[int],
+           fit: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """Columns padded to their widest cell; ``fit`` = (column, width): shorten that column's
+    cells (ending in "…") so lines fit ``width``, then cut what still does not."""
+    rows = [[str(c) for c in r] for r in [head, *rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    limit = None
+    if fit is not None:
+        col, limit = fit
+        over = sum(widths) + 2 * (len(widths) - 1) - limit
+        if over > 0:
+            widths[col] = max(len(head[col]), widths[col] - over, 8)
+            for r in rows:
+                if len(r[col]) > widths[col]:
+                    r[col] = r[col][: widths[col] - 1] + "…"
+    for r in rows:
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(r)]
+        line = "  ".join(cells).rstrip()
+        out.write((line if limit is None else line[:limit]) + "\n")
 
 
 def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
@@ -158,7 +228,7 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     cache = st["cache"]
     lines = [
         ("version", st["version"]),
-        ("uptime", f"{st['uptime_s']:.0f} s"),
+        ("uptime", duration(st["uptime_s"])),
         ("socket", st["api"]["socket"]),
         ("samples", st["samples"]),
         ("unwind", ", ".join(f"{k} {v}" for k, v in sorted(st["unwind"].items())) or "-"),
@@ -169,7 +239,11 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
                       f"{cache['hits']} hits, {cache['misses']} misses"),
         ("store", f"{st['store']['stacks']} stacks, {st['store']['bytes'] / 1e6:.1f} MB"),
         ("config", st["config_source"]),
+        ("reloads", f"{st.get('reloads', 0)} applied"),
     ]  # fmt: skip
+    if st.get("reload_errors"):
+        # A failed reload keeps the running config; say so where an operator looks.
+        lines.append(("last reload error", f"{st['reload_errors'][-1]} (running config kept)"))
     if st["pending_restart"]:
         lines.append(("restart needed for", ", ".join(st["pending_restart"])))
     for k, v in lines:
@@ -191,38 +265,83 @@ def cmd_top(c: Client, args: argparse.Namespace, out: TextIO) -> None:
         out.write(json.dumps(res) + "\n")
         return
     n = max(res["samples"], 1)
+
+    def dso(path: str | None) -> str:
+        if not path:
+            return "-"
+        return path if args.full_paths or path.startswith("[") else os.path.basename(path)
+
     rows = [
         [f"{f['self'] * 100 / n:.1f}%", f["self"], f"{f['total'] * 100 / n:.1f}%", f["total"],
-         f["sym"], f["dso"] or "-"]
+         f["sym"], dso(f["dso"])]
         for f in res["functions"]
     ]  # fmt: skip
-    _table(rows, ["SELF%", "SELF", "TOTAL%", "TOTAL", "FUNCTION", "DSO"], out, {0, 1, 2, 3})
+    if "window" in res:
+        out.write(window_line(res["window"]) + "\n")
+    fit = None
+    if not args.wide and out.isatty():
+        fit = (4, shutil.get_terminal_size().columns)
+    _table(rows, ["SELF%", "SELF", "TOTAL%", "TOTAL", "FUNCTION", "DSO"], out, {0, 1, 2, 3}, fit)
     out.write(f"{res['samples']} samples\n")
 
 
+def folded_json(body: bytes, headers: Mapping[str, str]) -> dict[str, Any]:
+    """The folded answer as JSON: each line ``comm;root;...;leaf count`` as its comm, frames
+    (root first) and count."""
+    stacks = []
+    for line in body.decode().splitlines():
+        key, _, n = line.rpartition(" ")
+        if not key:
+            continue
+        comm, *frames = key.split(";")
+        stacks.append({"comm": comm, "frames": frames, "count": int(n)})
+    return {"window": header_window(headers),
+            "truncated": headers.get("x-unwindd-truncated") == "true", "stacks": stacks}
+
+
 def cmd_folded(c: Client, args: argparse.Namespace, out: TextIO) -> None:
-    body = c.get("/v1/stacks", {**_filter_params(args), "format": "folded"})
+    body, headers = c.get_with_headers("/v1/stacks", {**_filter_params(args), "format": "folded"})
+    window = header_window(headers)
+    if args.json:
+        body = (json.dumps(folded_json(body, headers)) + "\n").encode()
     if args.output:
         with open(args.output, "wb") as fh:
             fh.write(body)
+        if not args.json:
+            out.write(f"wrote {args.output} ({len(body)} bytes)"
+                      + (f"; {window_line(window)}" if window else "") + "\n")  # fmt: skip
     else:
+        if window and not args.json:
+            # stdout stays flamegraph.pl input; the window goes beside it
+            print(window_line(window), file=sys.stderr)
         out.write(body.decode())
 
 
 def cmd_pprof(c: Client, args: argparse.Namespace, out: TextIO) -> None:
-    body = c.get("/v1/stacks", {**_filter_params(args), "format": "pprof"})
+    body, headers = c.get_with_headers("/v1/stacks", {**_filter_params(args), "format": "pprof"})
+    window = header_window(headers)
     with open(args.output, "wb") as fh:
         fh.write(body)
     if args.json:
-        out.write(json.dumps({"output": args.output, "bytes": len(body)}) + "\n")
+        out.write(json.dumps({"output": args.output, "bytes": len(body), "window": window}) + "\n")
     else:
         out.write(f"wrote {args.output} ({len(body)} bytes); view: go tool pprof {args.output}\n")
+        if window:
+            out.write(window_line(window) + "\n")
 
 
 def cmd_watch(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     params = {**_filter_params(args), "limit": args.count, "seconds": args.seconds}
     params.pop("since")
+    params.pop("until")
     with c.open("/v1/stream", params, timeout=None) as resp:
+        # sample times are CLOCK_MONOTONIC (perf's clock): the daemon says how far the wall
+        # clock is ahead of it (the same machine's clocks, when it does not)
+        offset = resp.getheader("x-unwindd-clock-offset-ns")
+        off_ns = int(offset) if offset else time.time_ns() - time.monotonic_ns()
+        if not args.json:
+            out.write(f"{'TIME':<12} {'COMM':>16} {'PID':>7}/{'TID':<7} STACK (leaf first)\n")
+            out.flush()
         while True:
             line = resp.readline()
             if not line:
@@ -233,9 +352,17 @@ def cmd_watch(c: Client, args: argparse.Namespace, out: TextIO) -> None:
                 s = json.loads(line)
                 user = [f["sym"] or "?" for f in s["frames"] if not f["kernel"]]
                 chain = " <- ".join(user[:8]) or "[no user frames]"
-                t = (s["time_ns"] or 0) / 1e9
-                out.write(f"{t:14.6f} {s['comm']:>16} {s['pid']:>7}/{s['tid']:<7} {chain}\n")
+                t = _clock(s["time_ns"], off_ns)
+                out.write(f"{t:<12} {s['comm']:>16} {s['pid']:>7}/{s['tid']:<7} {chain}\n")
             out.flush()
+
+
+def _clock(time_ns: int | None, offset_ns: int) -> str:
+    """A sample's CLOCK_MONOTONIC time as local wall-clock HH:MM:SS.mmm."""
+    if time_ns is None:
+        return "-"
+    wall = (time_ns + offset_ns) / 1e9
+    return time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall * 1000) % 1000:03d}"
 
 
 COMMANDS = {"status": cmd_status, "ps": cmd_ps, "top": cmd_top, "folded": cmd_folded,

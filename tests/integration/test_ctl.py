@@ -53,7 +53,7 @@ def test_top_folded_pprof(env: tuple[DaemonProc, int, Workload], tmp_path: Path)
     d, pid, _ = env
     top = ctl(d, "top", "--pid", str(pid), "--since", "120")
     assert top.returncode == 0
-    first = top.stdout.splitlines()[1].split()
+    first = top.stdout.splitlines()[2].split()  # after the window line and the heads
     assert first[4] == "spin", top.stdout
     tj = json.loads(ctl(d, "--json", "top", "--pid", str(pid), "--comm", "chain_o2", "--limit",
                         "50").stdout)

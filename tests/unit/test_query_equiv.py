@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from unwindd.serve.api import Api, Peer, stack_json
+from unwindd.serve.api import Api, Peer, stack_json, window_json
 from unwindd.serve.httpapi import Request
 from unwindd.store.pprof import encode_profile
 from unwindd.store.queries import top_functions
@@ -70,19 +70,28 @@ def random_groups(rng: random.Random, pool: list[Frame], stacks: list[tuple[Fram
     return out
 
 
-def reference_stacks(store: Any, since: int | None, limit: int, pids: Any = None) -> bytes:
+def reference_window(store: Any, now: int, since: int | None) -> dict[str, Any]:
+    """The window the answer reports (the API's clock offset is 0 here)."""
+    return window_json(*store.covered(since, None, now), 0)
+
+
+def reference_stacks(store: Any, now: int, since: int | None, limit: int,
+                     pids: Any = None) -> bytes:  # fmt: skip
     stacks = store.query(since, None, pids=pids)
     obj = {"samples": sum(s.count for s in stacks[:limit]), "truncated": len(stacks) > limit,
-           "stacks": [stack_json(s) for s in stacks[:limit]]}  # fmt: skip
+           "stacks": [stack_json(s) for s in stacks[:limit]],
+           "window": reference_window(store, now, since)}  # fmt: skip
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
-def reference_top(store: Any, since: int | None, limit: int, pids: Any = None) -> bytes:
+def reference_top(store: Any, now: int, since: int | None, limit: int,
+                  pids: Any = None) -> bytes:  # fmt: skip
     stacks = store.query(since, None, pids=pids)
     funcs = top_functions(stacks, limit)
     obj = {"samples": sum(s.count for s in stacks),
            "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
-                          "total": fc.total_count} for fc in funcs]}  # fmt: skip
+                          "total": fc.total_count} for fc in funcs],
+           "window": reference_window(store, now, since)}  # fmt: skip
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
@@ -92,6 +101,10 @@ def reference_folded(store: Any, since: int | None, limit: int) -> bytes:
         u = UnwoundSample(None, s.pid, s.tid, None, s.comm, None, "", s.frames)
         folded[stackfmt.folded_key(u)] += s.count
     return stackfmt.render_folded(folded).encode()
+
+
+def api_of(src: Source) -> Api:
+    return Api(src, clock_offset=lambda: 0)
 
 
 def cache_sum(store: StackStore) -> int:
@@ -123,29 +136,30 @@ def test_answers_equal_reference(seed: int) -> None:
         now = newest * SEC + SEC // 2
         for view in ("store", "snapshot"):
             snap = store.snapshot() if view == "snapshot" else store
-            api = Api(Source(snap, now))
+            api = api_of(Source(snap, now))
             for since in (None, 1, 3, 30):
                 sq = "" if since is None else f"since={since}"
                 s_ns = None if since is None else now - since * SEC
                 for limit in (1, 7, 50):
                     body = get(api, f"/v1/stacks?{sq}&limit={limit}", Peer(0))
-                    assert body == reference_stacks(snap, s_ns, limit), (step, since, limit)
+                    assert body == reference_stacks(snap, now, s_ns, limit), (step, since, limit)
                     body = get(api, f"/v1/top?{sq}&limit={limit}", Peer(0))
-                    assert body == reference_top(snap, s_ns, limit), (step, since, limit)
+                    assert body == reference_top(snap, now, s_ns, limit), (step, since, limit)
                     body = get(api, f"/v1/stacks?{sq}&limit={limit}&format=folded", Peer(0))
                     assert body == reference_folded(snap, s_ns, limit)
                 body = get(api, f"/v1/stacks?{sq}&limit=7&format=pprof", Peer(0))
+                lo, hi = snap.covered(s_ns, None, now)
                 ref = encode_profile(snap.query(s_ns, None)[:7], period_ns=1_000_000,
-                                     duration_nanos=max(0, now - (s_ns or now)))  # fmt: skip
+                                     time_nanos=lo, duration_nanos=hi - lo)  # fmt: skip
                 assert body == ref
                 # filtered: a pid, and a non-root peer (sees odd pids only)
                 body = get(api, f"/v1/top?{sq}&pid=1,2", Peer(0))
-                assert body == reference_top(snap, s_ns, 50, frozenset({1, 2}))
+                assert body == reference_top(snap, now, s_ns, 50, frozenset({1, 2}))
                 odd = frozenset(p.pid for p in snap.processes() if p.pid % 2)
                 body = get(api, f"/v1/stacks?{sq}", Peer(1000))
-                assert body == reference_stacks(snap, s_ns, 50, odd)
+                assert body == reference_stacks(snap, now, s_ns, 50, odd)
                 body = get(api, f"/v1/top?{sq}", Peer(1000))
-                assert body == reference_top(snap, s_ns, 50, odd)
+                assert body == reference_top(snap, now, s_ns, 50, odd)
             if view == "snapshot":
                 snap.close()
         st = store.stats
@@ -175,7 +189,7 @@ def test_summary_path_answers_without_ties() -> None:
 def test_caches_emptied_with_their_data_and_bounded() -> None:
     f = [Frame(i, "/bin/a", f"fn{i}", 0) for i in range(50)]
     store = StackStore(bucket_ns=SEC, max_buckets=2)
-    api = Api(Source(store, 0))
+    api = api_of(Source(store, 0))
     for t in range(5):
         store.add_counts([(t * SEC, 1, 1, "a", (f[t], f[t + i]), i + 1) for i in range(10)])
         get(api, "/v1/stacks", Peer(0))
@@ -191,9 +205,9 @@ def test_caches_emptied_with_their_data_and_bounded() -> None:
     # bounded: a store whose cache share holds two renderings caches at most that much
     small = StackStore(bucket_ns=SEC, max_bytes=8 * 400)
     small.add_counts([(0, 1, 1, "a", (f[i],), 1) for i in range(10)])
-    api = Api(Source(small, 0))
+    api = api_of(Source(small, 0))
     body = get(api, "/v1/stacks", Peer(0))
-    assert body == reference_stacks(small, None, 50)
+    assert body == reference_stacks(small, 0, None, 50)
     assert small.stats.cache_bytes <= small.caches.max_bytes
 
 
@@ -211,12 +225,12 @@ def test_queries_on_a_thread_while_adding() -> None:
         while (item := snaps.get()) is not None:
             snap, now = item
             try:
-                api = Api(Source(snap, now))
+                api = api_of(Source(snap, now))
                 for limit in (5, 50):
                     body = get(api, f"/v1/stacks?since=3&limit={limit}", Peer(0))
-                    assert body == reference_stacks(snap, now - 3 * SEC, limit)
+                    assert body == reference_stacks(snap, now, now - 3 * SEC, limit)
                     body = get(api, f"/v1/top?limit={limit}", Peer(0))
-                    assert body == reference_top(snap, None, limit)
+                    assert body == reference_top(snap, now, None, limit)
             except BaseException as e:
                 errors.append(e)
             finally:

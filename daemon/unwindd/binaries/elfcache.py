@@ -62,6 +62,19 @@ class CacheStats:
     errors: Counter[str] = field(default_factory=Counter)
 
 
+# Every reason ``errors`` counts a binary the cache could not open or read under: the open
+# (``lookup``), the vDSO copy, and ``ElfReader``'s header checks (``elf.ElfError``). Later
+# failures of a usable binary are counted by elfentry.py as ``symbols_``/``debug_``/``cfi_``
+# plus the reader's reason. The metrics export each of these at 0 from the start.
+ERROR_KINDS = (
+    "not_a_file", "open_failed", "symlink", "stat_failed", "not_regular", "too_large",
+    "inode_mismatch", "build_id_mismatch", "no_vdso", "vdso_read_failed",
+    "bad_magic", "unsupported_class", "unsupported_data", "bad_phentsize", "out_of_bounds",
+    "read_failed", "short_read", "too_many_phdrs", "bad_segment", "bad_shentsize",
+    "too_many_sections", "bad_section",
+)  # fmt: skip
+
+
 def _malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` (malloc_trim(3): since 2.8 it releases the free pages of
     every arena, not just the top of the main heap; the CFI worker's too), or None without

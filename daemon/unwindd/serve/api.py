@@ -2,13 +2,14 @@
 
 Endpoints (GET only; JSON unless a format says otherwise)::
 
+    /                               endpoints and the parameters each takes
     /v1/status                      version, uptime, samples, lost, throttled, processes, caches
     /v1/processes                   [{pid, comm, exe, samples, last_seen_ns}]
     /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
     /v1/top?FILTERS&limit=N         functions by self and total samples
     /v1/stream?pid=&comm=&tid=&limit=&seconds=    chunked JSON lines, one per unwound sample
-    FILTERS: since=SECONDS (ago) | since_ns=NS, until_ns=NS (CLOCK_MONOTONIC), pid=P[,P..]
-             (repeatable), comm=NAME, tid=T
+    FILTERS: since=SECONDS (ago) | since_ns=NS, until=SECONDS (ago) | until_ns=NS
+             (CLOCK_MONOTONIC), pid=P[,P..] (repeatable), comm=NAME, tid=T
 
 Invariants:
 - Sans-IO: handlers read the ``Source`` (store, counters, injected clock and uid lookup) and
@@ -17,7 +18,15 @@ Invariants:
   comes from ``Source.uid_of``; an unknown uid hides the process). The status endpoint shows
   machine-wide totals only, never per-process data.
 - Bounded answers: at most ``Source.max_stacks`` stacks per reply (``truncated`` says so), at
-  most 1000 functions or processes; a bad parameter is a 400 naming it.
+  most 1000 functions or processes; a bad parameter is a 400 naming it, and so is a parameter
+  the endpoint does not take (``PARAMS``, the one list of each endpoint's parameters): a typo
+  never widens a query to the whole machine. Each refusal names its ``REJECTIONS`` reason.
+- Answers say what they answered: a store query reports the window its counts cover
+  (``window_json``: in the JSON, or ``x-unwindd-window-*`` headers for folded and pprof) —
+  the requested window widened to whole buckets, narrowed to what the store still holds and to
+  now — as CLOCK_MONOTONIC ns and as wall-clock times (``clock_offset_ns``: CLOCK_REALTIME
+  minus CLOCK_MONOTONIC, perf's sample clock). The stream's head carries the offset too
+  (``x-unwindd-clock-offset-ns``) so clients can show sample times on the wall clock.
 - Cost: a stacks query is O(entries in the window) in C-level dict merges, plus O(limit log)
   to rank and O(limit) to render: each stack's frames are rendered once while it stays in the
   store (``StackStore.render``). A top query without filters merges per-bucket summaries the
@@ -30,11 +39,13 @@ Invariants:
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from ..store.pprof import encode_profile
 from ..store.queries import Stack, StackCount
@@ -42,6 +53,24 @@ from ..store.stackstore import StackStore
 from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
 from .httpapi import Request, Response, StreamStart, error_response, json_response
+
+FILTER_PARAMS: Final = ("since", "until", "since_ns", "until_ns", "pid", "comm", "tid")
+
+# Each endpoint's parameters: anything else in a query string is refused (400 naming it).
+PARAMS: Final[dict[str, frozenset[str]]] = {
+    "/": frozenset(),
+    "/v1/status": frozenset(),
+    "/v1/processes": frozenset({"limit"}),
+    "/v1/stacks": frozenset({*FILTER_PARAMS, "format", "limit"}),
+    "/v1/top": frozenset({*FILTER_PARAMS, "limit"}),
+    "/v1/stream": frozenset({"pid", "comm", "tid", "limit", "seconds"}),
+}
+
+
+def clock_offset_ns() -> int:
+    """CLOCK_REALTIME minus CLOCK_MONOTONIC (perf's sample clock): a sample time plus this is
+    its wall-clock time. Read per answer: the wall clock may be stepped while we run."""
+    return time.time_ns() - time.monotonic_ns()
 
 
 class Source(Protocol):
@@ -110,10 +139,14 @@ def _float(req: Request, name: str) -> float | None:
 
 
 def parse_filters(req: Request, now_ns: int) -> Filters:
-    since = _float(req, "since")
-    since_ns = _int(req, "since_ns")
+    since, until = _float(req, "since"), _float(req, "until")
+    since_ns, until_ns = _int(req, "since_ns"), _int(req, "until_ns")
     if since is not None:
         since_ns = now_ns - int(since * 1e9)
+    if until is not None:
+        until_ns = now_ns - int(until * 1e9)
+    if since_ns is not None and until_ns is not None and until_ns <= since_ns:
+        raise BadParam("until: the window must end after it starts (until < since)")
     pids: set[int] = set()
     for p in req.args("pid"):
         try:
@@ -121,8 +154,8 @@ def parse_filters(req: Request, now_ns: int) -> Filters:
         except ValueError:
             raise BadParam(f"pid: not an integer: {p!r}") from None
     comm = req.arg("comm")
-    return Filters(since_ns, _int(req, "until_ns"), frozenset(pids) if pids else None,
-                   _int(req, "tid"), comm or None)  # fmt: skip
+    return Filters(since_ns, until_ns, frozenset(pids) if pids else None, _int(req, "tid"),
+                   comm or None)  # fmt: skip
 
 
 def _limit(req: Request, default: int, cap: int) -> int:
@@ -134,9 +167,28 @@ def _limit(req: Request, default: int, cap: int) -> int:
     return min(n, cap)
 
 
+def window_json(from_ns: int, to_ns: int, offset_ns: int) -> dict[str, Any]:
+    """The window an answer covers: [from, to) as wall-clock times (UTC, ISO 8601), its length,
+    and the CLOCK_MONOTONIC ns (what ``since_ns``/``until_ns`` take)."""
+    return {"from": _iso(from_ns + offset_ns), "to": _iso(to_ns + offset_ns),
+            "seconds": round((to_ns - from_ns) / 1e9, 3), "from_ns": from_ns, "to_ns": to_ns}
+
+
+def window_headers(w: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``window_json`` for answers that are not JSON (folded, pprof)."""
+    return (("x-unwindd-window-from", w["from"]), ("x-unwindd-window-to", w["to"]),
+            ("x-unwindd-window-seconds", str(w["seconds"])))  # fmt: skip
+
+
+def _iso(wall_ns: int) -> str:
+    t = datetime.fromtimestamp(wall_ns / 1e9, UTC)
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 class Api:
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Source, clock_offset: Callable[[], int] = clock_offset_ns) -> None:
         self.source = source
+        self.clock_offset = clock_offset
         self.routes: dict[str, Callable[[Request, Peer], Response | StreamStart]] = {
             "/": self.index,
             "/v1/status": self.status,
@@ -145,20 +197,39 @@ class Api:
             "/v1/top": self.top,
             "/v1/stream": self.stream,
         }
+        assert set(self.routes) == set(PARAMS)
         self.requests: Counter[str] = Counter()  # by endpoint (bounded: the route names)
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Every ``requests`` label: the routes, and "other" for the rest."""
+        return (*self.routes, "other")
+
     def handle(self, req: Request, peer: Peer) -> Response | StreamStart:
-        route = self.routes.get(req.path.rstrip("/") or "/")
-        name = req.path if route is not None else "other"
-        self.requests[name] += 1
+        path = req.path.rstrip("/") or "/"
+        route = self.routes.get(path)
+        self.requests[path if route is not None else "other"] += 1
         if route is None:
-            return error_response(404, f"no such endpoint: {req.path}")
+            return error_response(404, f"no such endpoint: {req.path}", "no_such_endpoint")
         if req.method != "GET":
-            return Response(405, b'{"error":"only GET"}\n', headers=(("allow", "GET"),))
+            return Response(405, b'{"error":"only GET"}\n', headers=(("allow", "GET"),),
+                            rejected="method_not_allowed")  # fmt: skip
+        unknown = sorted(set(req.query) - PARAMS[path])
+        if unknown:
+            takes = ", ".join(sorted(PARAMS[path])) or "none"
+            return error_response(400, f"unknown parameter{'s' if len(unknown) > 1 else ''}: "
+                                  f"{', '.join(unknown)} ({path} takes: {takes})",
+                                  "unknown_parameter")  # fmt: skip
         try:
             return route(req, peer)
         except BadParam as e:
-            return error_response(400, str(e))
+            return error_response(400, str(e), "bad_parameter")
+
+    def window(self, f: Filters) -> dict[str, Any]:
+        """``window_json`` of what a store query with ``f`` covers."""
+        now = self.source.now_ns()
+        lo, hi = self.source.store.covered(f.since_ns, f.until_ns, now)
+        return window_json(lo, hi, self.clock_offset())
 
     # -- visibility
 
@@ -182,7 +253,8 @@ class Api:
     # -- endpoints
 
     def index(self, req: Request, peer: Peer) -> Response:
-        return json_response({"endpoints": sorted(self.routes)})
+        return json_response({"endpoints": sorted(self.routes),
+                              "parameters": {p: sorted(PARAMS[p]) for p in sorted(PARAMS)}})
 
     def status(self, req: Request, peer: Peer) -> Response:
         return json_response(self.source.status())
@@ -212,18 +284,20 @@ class Api:
         stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm,
                                     limit=limit)  # fmt: skip
         truncated = n > limit
+        window = self.window(f)
         if fmt == "folded":
             names = partial(store.render, "folded", fn=stackfmt.folded_names)
             body = render_folded(stacks, names).encode()
             return Response(200, body, "text/plain; charset=utf-8",
-                            (("x-unwindd-truncated", str(truncated).lower()),))  # fmt: skip
+                            (("x-unwindd-truncated", str(truncated).lower()),
+                             *window_headers(window)))  # fmt: skip
         if fmt == "pprof":
-            now = self.source.now_ns()
-            since = f.since_ns if f.since_ns is not None else now
-            body = encode_profile(stacks, period_ns=self.source.period_ns,
-                                  duration_nanos=max(0, now - since))  # fmt: skip
+            wall_from = window["from_ns"] + self.clock_offset()
+            body = encode_profile(stacks, period_ns=self.source.period_ns, time_nanos=wall_from,
+                                  duration_nanos=window["to_ns"] - window["from_ns"])  # fmt: skip
             disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
-            return Response(200, body, "application/vnd.google.protobuf+gzip", (disposition,))
+            return Response(200, body, "application/vnd.google.protobuf+gzip",
+                            (disposition, *window_headers(window)))  # fmt: skip
         # json_response's bytes, with each stack's frames rendered once per stack (cached).
         dumps, render = json.dumps, store.render
         parts = [
@@ -233,7 +307,8 @@ class Api:
         ]
         samples = sum(s.count for s in stacks)
         head = f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},"stacks":['
-        return Response(200, (head + ",".join(parts) + "]}\n").encode())
+        tail = f'],"window":{json.dumps(window, separators=(",", ":"))}}}\n'
+        return Response(200, (head + ",".join(parts) + tail).encode())
 
     def top(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 50, 1000)
@@ -245,6 +320,7 @@ class Api:
             "samples": total,
             "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
                            "total": fc.total_count} for fc in funcs],
+            "window": self.window(f),
         })  # fmt: skip
 
     def stream(self, req: Request, peer: Peer) -> StreamStart:
@@ -252,7 +328,8 @@ class Api:
         limit = _int(req, "limit")
         seconds = _float(req, "seconds")
         accept = self.stream_filter(peer, f)
-        return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds})
+        return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds},
+                           headers=(("x-unwindd-clock-offset-ns", str(self.clock_offset())),))
 
     def stream_filter(self, peer: Peer, f: Filters) -> Callable[[UnwoundSample], bool]:
         uid_of = self.source.uid_of

@@ -3,7 +3,8 @@
 Rules:
 - A request must arrive completely within ``[api] request_timeout`` (else 408), its head within
   ``max_header_bytes`` (431) and its body within ``max_body_bytes`` (413); a malformed one gets
-  its 4xx and the connection closes. Each refusal is counted in ``rejected`` by reason.
+  its 4xx and the connection closes. Each refusal is counted in ``rejected`` by reason (one of
+  ``httpapi.REJECTIONS``), so is an answer the API marks as one (``Response.rejected``).
 - More than ``max_connections`` open connections: the new one gets 503 at once.
 - Every socket wait has a timeout (a response must drain within ``request_timeout``, a close
   within a second, else the transport is aborted), so a slow or silent client holds only its
@@ -116,6 +117,8 @@ class Connections:
                 if isinstance(result, StreamStart):
                     await self._stream(session, reader, writer, result)
                     return
+                if result.rejected is not None:
+                    self.rejected[result.rejected] += 1
                 writer.write(session.respond(result))
                 await asyncio.wait_for(writer.drain(), api.request_timeout)
                 if not session.keep_alive:

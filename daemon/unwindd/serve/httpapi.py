@@ -13,7 +13,7 @@ Invariants:
 - Garbage gets a 400 with a JSON ``{"error": ...}`` body and the connection is closed; a
   well-formed request gets exactly one response (plain, or a chunked stream), after which the
   session accepts the next request on the same connection (keep-alive) unless either side
-  asked to close.
+  asked to close. Every response carries its status's standard reason phrase.
 - Cost: O(bytes received + bytes sent).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,12 +31,31 @@ from .. import __version__
 
 SERVER = f"unwindd/{__version__}".encode()
 
-_REASONS: Final = {
-    200: b"OK", 400: b"Bad Request", 403: b"Forbidden", 404: b"Not Found",
-    405: b"Method Not Allowed", 408: b"Request Timeout", 413: b"Content Too Large",
-    414: b"URI Too Long", 429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-    500: b"Internal Server Error", 503: b"Service Unavailable",
-}  # fmt: skip
+# The statuses a malformed request is answered with (h11's ``error_status_hint`` is kept when it
+# is one of them, else 400).
+SESSION_ERRORS: Final = (400, 413, 431)
+
+# Every reason a refusal is counted under (``Connections.rejected``, the unwindd_api_rejected
+# metric, which exports each at 0 from the start): the session's ``http_<status>``, the
+# connection limits, and what the API refuses (``Response.rejected``).
+REJECTIONS: Final = (
+    *(f"http_{s}" for s in SESSION_ERRORS),
+    "timeout",  # a request not received within [api] request_timeout (408)
+    "too_many_connections",  # [api] max_connections (503)
+    "too_many_streams",  # [api] max_stream_clients (429)
+    "unknown_parameter",  # a query parameter the endpoint does not take (400)
+    "bad_parameter",  # a parameter's value is wrong (400)
+    "no_such_endpoint",  # 404
+    "method_not_allowed",  # 405
+)
+
+
+def reason_phrase(status: int) -> bytes:
+    """RFC 9110's reason phrase of ``status`` (every response carries one)."""
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +82,7 @@ class Response:
     body: bytes
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = ()
+    rejected: str | None = None  # a refusal: the ``REJECTIONS`` reason it is counted under
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +91,16 @@ class StreamStart:
 
     content_type: str = "application/x-ndjson"
     params: dict[str, Any] = field(default_factory=dict)
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def json_response(obj: object, status: int = 200) -> Response:
     return Response(status, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
-def error_response(status: int, message: str) -> Response:
-    return json_response({"error": message, "status": status}, status)
+def error_response(status: int, message: str, rejected: str | None = None) -> Response:
+    body = json.dumps({"error": message, "status": status}, separators=(",", ":")).encode()
+    return Response(status, body + b"\n", rejected=rejected)
 
 
 class NeedData:
@@ -118,7 +141,7 @@ class HttpSession:
             try:
                 ev = self.conn.next_event()
             except h11.RemoteProtocolError as e:
-                status = e.error_status_hint if e.error_status_hint in _REASONS else 400
+                status = e.error_status_hint if e.error_status_hint in SESSION_ERRORS else 400
                 msg = str(e) or "malformed request"
                 if status == 431:
                     msg = "request head too large"
@@ -165,7 +188,7 @@ class HttpSession:
         headers.append((b"content-length", str(len(resp.body)).encode()))
         try:
             head = h11.Response(
-                status_code=resp.status, headers=headers, reason=_REASONS.get(resp.status, b"")
+                status_code=resp.status, headers=headers, reason=reason_phrase(resp.status)
             )
             return (
                 (self.conn.send(head) or b"")
@@ -178,11 +201,13 @@ class HttpSession:
             self.must_close = True
             return _raw_response(resp)
 
-    def start_stream(self, content_type: str) -> bytes:
-        headers = self._headers(content_type, ())
+    def start_stream(self, content_type: str,
+                     extra: tuple[tuple[str, str], ...] = ()) -> bytes:  # fmt: skip
+        headers = self._headers(content_type, extra)
         # No content-length: h11 frames the body with chunked transfer coding (HTTP/1.1) or
         # delimits it by closing (HTTP/1.0).
-        return self.conn.send(h11.Response(status_code=200, headers=headers)) or b""
+        return self.conn.send(h11.Response(status_code=200, headers=headers,
+                                           reason=reason_phrase(200))) or b""  # fmt: skip
 
     def stream_data(self, data: bytes) -> bytes:
         return self.conn.send(h11.Data(data=data)) or b"" if data else b""
@@ -228,7 +253,7 @@ def _to_request(head: h11.Request, body: bytes) -> Request:
 
 def _raw_response(resp: Response) -> bytes:
     head = (
-        f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, b'').decode()}\r\n"
+        f"HTTP/1.1 {resp.status} {reason_phrase(resp.status).decode()}\r\n"
         f"server: {SERVER.decode()}\r\ncontent-type: {resp.content_type}\r\n"
         f"content-length: {len(resp.body)}\r\nconnection: close\r\n\r\n"
     )

@@ -12,6 +12,10 @@ Invariants:
   an optional label name and a getter returning a number or a mapping label -> number; a getter
   that raises ``AttributeError`` (a stage that does not have that counter yet) is skipped, so
   the collector works against older and newer stages alike.
+- No "no data": a labelled family whose label values are known in advance (``Spec.known``,
+  read from where they are defined: the CPUs the session samples, the decoder's and the ELF
+  cache's error reasons, the API's endpoints and refusal reasons, ...) has a 0 series for each
+  from the first scrape, so alerts on a rate see 0 rather than nothing.
 - Scrapes run on the event loop thread (the shell serves /metrics itself), so counters are never
   read while a step mutates them.
 - Cost per scrape: O(CPUs + label values + buckets).
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import platform
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +38,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .. import __version__
+from ..binaries.elfcache import ERROR_KINDS as ELF_ERRORS
+from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
+from ..source.abi import RecordType
+from .httpapi import REJECTIONS
 
 NS = 1e-9
 
@@ -95,6 +103,7 @@ def lateness_histogram(late_buckets: Mapping[int, int]) -> tuple[list[tuple[str,
 
 
 Getter = Callable[[Any], "float | Mapping[Any, float]"]
+Known = Callable[[Any], Iterable[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,14 @@ class Spec:
     doc: str
     get: Getter
     label: str | None = None
+    known: Known | None = None  # label values exported at 0 before their first count
+
+
+def _cpus(d: Any) -> Iterable[int]:
+    return d.profiler.session.cpus  # type: ignore[no-any-return]
+
+
+DECODE_ERRORS = (*(r for r in SAMPLE_ERRORS if r), *END_ERRORS.values())
 
 
 def _cpu(k: object) -> str:
@@ -113,17 +130,19 @@ def counter_specs() -> list[Spec]:
     """Monotonic counters. ``d`` is the daemon (see ``service.Daemon``)."""
     return [
         Spec("unwindd_samples", "Samples unwound, by unwind result.",
-             lambda d: d.profiler.engine.stats.by_status, "result"),
+             lambda d: d.profiler.engine.stats.by_status, "result", lambda d: STATUS_NAMES),
         Spec("unwindd_records", "Perf records read from the rings, by type.",
-             lambda d: d.profiler.pipeline.stats.by_type, "type"),
+             lambda d: d.profiler.pipeline.stats.by_type, "type",
+             lambda d: (t.name for t in RecordType if t < 64)),
         Spec("unwindd_lost_records", "Records the kernel dropped from a full ring, by CPU.",
-             lambda d: d.profiler.pipeline.stats.lost_by_cpu, "cpu"),
+             lambda d: d.profiler.pipeline.stats.lost_by_cpu, "cpu", _cpus),
         Spec("unwindd_lost_samples", "Samples the kernel dropped before the ring, by CPU.",
-             lambda d: d.profiler.pipeline.stats.lost_samples_by_cpu, "cpu"),
+             lambda d: d.profiler.pipeline.stats.lost_samples_by_cpu, "cpu", _cpus),
         Spec("unwindd_throttled", "THROTTLE records (the kernel throttled sampling), by CPU.",
-             lambda d: d.profiler.pipeline.stats.throttled_by_cpu, "cpu"),
+             lambda d: d.profiler.pipeline.stats.throttled_by_cpu, "cpu", _cpus),
         Spec("unwindd_decode_errors", "Records that could not be decoded, by reason.",
-             lambda d: d.profiler.pipeline.decoder.stats.errors, "reason"),
+             lambda d: d.profiler.pipeline.decoder.stats.errors, "reason",
+             lambda d: DECODE_ERRORS),
         Spec("unwindd_reorder_late", "Records that arrived after newer ones were delivered.",
              lambda d: d.profiler.pipeline.orderer.stats.late),
         Spec("unwindd_reorder_forced_flushes", "Orderer flushes forced by its queue bound.",
@@ -138,7 +157,8 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_elf_cache_evictions", "ELF cache entries evicted (LRU, byte bound).",
              lambda d: d.profiler.engine.table.binaries.stats.evictions),
         Spec("unwindd_elf_cache_errors", "Binaries the ELF cache could not use, by reason.",
-             lambda d: d.profiler.engine.table.binaries.stats.errors, "reason"),
+             lambda d: d.profiler.engine.table.binaries.stats.errors, "reason",
+             lambda d: ELF_ERRORS),
         Spec("unwindd_elf_cache_negative_hits",
              "Lookups of a binary that recently failed to open, answered without opening.",
              lambda d: d.profiler.engine.table.binaries.stats.negative_hits),
@@ -165,9 +185,9 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_store_evicted_samples", "Samples dropped from the store by retention.",
              lambda d: d.profiler.store.stats.evicted_samples),
         Spec("unwindd_api_requests", "Query API requests, by endpoint.",
-             lambda d: d.api.requests, "endpoint"),
+             lambda d: d.api.requests, "endpoint", lambda d: d.api.endpoints),
         Spec("unwindd_api_rejected", "Query API connections or requests refused, by reason.",
-             lambda d: d.rejected, "reason"),
+             lambda d: d.rejected, "reason", lambda d: REJECTIONS),
         Spec("unwindd_stream_dropped_samples", "Samples not sent to slow stream clients.",
              lambda d: d.stream_dropped),
         Spec("unwindd_reloads", "Configuration reloads (SIGHUP).", lambda d: d.reloads),
@@ -239,7 +259,7 @@ class UnwinddCollector(Collector):
         ):  # fmt: skip
             yield HistogramMetricFamily(name, doc, buckets=h.buckets(), sum_value=h.sum)
 
-    def _get(self, getter: Getter) -> Any:
+    def _get(self, getter: Callable[[Any], Any]) -> Any:
         try:
             return getter(self.daemon)
         except (AttributeError, KeyError):
@@ -253,6 +273,8 @@ class UnwinddCollector(Collector):
             fam = kind(spec.name, spec.doc, value=float(v))
         else:
             fam = kind(spec.name, spec.doc, labels=[spec.label])
-            for k, n in sorted(dict(v).items(), key=lambda kv: str(kv[0])):
+            known = self._get(spec.known) if spec.known is not None else None
+            values = {**dict.fromkeys(known or (), 0), **dict(v)}
+            for k, n in sorted(values.items(), key=lambda kv: str(kv[0])):
                 fam.add_metric([_cpu(k) if spec.label == "cpu" else str(k)], float(n))
         yield fam

@@ -108,7 +108,7 @@ class StreamFanout:
         self._add(sc)
         sent = 0
         try:
-            writer.write(session.start_stream(start.content_type))
+            writer.write(session.start_stream(start.content_type, start.headers))
             await asyncio.wait_for(writer.drain(), self._api().request_timeout)
             while not sc.closed and not self._stop.is_set():
                 timeout = 1.0 if end is None else min(1.0, end - loop.time())

@@ -5,7 +5,7 @@ Rules:
   writes them, so the same code serves the store (on its thread) and its snapshots (on the
   query thread).
 - A window [since_ns, until_ns) is resolved to buckets: an edge inside a bucket includes the
-  whole bucket.
+  whole bucket. ``covered`` says which window an answer's counts then come from.
 - ``query_top(..., limit)`` equals ``query(...)[:limit]``; ranks are by count, descending, ties in
   insertion order (``Counter.most_common``'s order).
 - ``top_functions``: self (leaf frame) and total (anywhere in the stack, once per sample) counts
@@ -66,6 +66,13 @@ class Queries:
     def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         raise NotImplementedError
 
+    def window(self) -> tuple[int, int] | None:
+        raise NotImplementedError
+
+    def covered(self, since_ns: int | None, until_ns: int | None, now_ns: int) -> tuple[int, int]:
+        """[from, to) ns a query of [since_ns, until_ns) at ``now_ns`` counts samples from."""
+        return covered_window(self.bucket_ns, self.window(), since_ns, until_ns, now_ns)
+
     def query(
         self,
         since_ns: int | None = None,
@@ -113,6 +120,26 @@ def rank_stacks(
     return [
         StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
     ], len(total)
+
+
+def covered_window(
+    bucket_ns: int,
+    held: tuple[int, int] | None,
+    since_ns: int | None,
+    until_ns: int | None,
+    now_ns: int,
+) -> tuple[int, int]:
+    """The window [since_ns, until_ns) widened to whole buckets (as ``merge_window`` counts
+    them), then narrowed to the buckets ``held`` ([oldest start, newest end), None: none) and to
+    ``now_ns`` (no sample is newer). Without a start, what is held; nothing held: empty, at
+    the requested end."""
+    start = None if since_ns is None else since_ns // bucket_ns * bucket_ns
+    end = now_ns if until_ns is None else min(now_ns, ((until_ns - 1) // bucket_ns + 1) * bucket_ns)
+    if held is not None:
+        start = held[0] if start is None else max(start, held[0])
+    if start is None or start > end:
+        start = end
+    return start, end
 
 
 def merge_window(

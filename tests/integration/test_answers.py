@@ -1,0 +1,271 @@
+"""What a new operator sees first, against a real daemon over its real socket and metrics port:
+zero series from the first scrape, unknown query parameters refused (and counted), answers that
+say which window they cover (JSON, headers, ``unwindctl``'s text), ``until``, reason phrases on
+every response, and ``unwindctl``'s folded JSON, watch, top, status layouts."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import signal
+import socket
+import struct
+import subprocess
+import termios
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from daemonutil import UNWINDCTL, DaemonProc, held, metric_values, release
+from workloads.build import Workload, build_workloads
+
+Env = tuple[DaemonProc, int, Workload, str]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    wl = build_workloads(tmp_path_factory.mktemp("answers-wl"))["c_o2"]
+    d = DaemonProc(tmp_path_factory.mktemp("answers"))
+    try:
+        d.wait_message("READY=1")
+        first_scrape = d.metrics()  # before anything happened
+        proc = subprocess.Popen(wl.argv, stdout=subprocess.DEVNULL)
+        assert proc.wait(60) == 0
+        d.wait_settled(proc.pid)
+        yield d, proc.pid, wl, first_scrape
+    finally:
+        assert d.stop() == 0
+
+
+def ctl(d: DaemonProc, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*UNWINDCTL, "--socket", str(d.sock), *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def online_cpus() -> set[str]:
+    out: set[str] = set()
+    for part in Path("/sys/devices/system/cpu/online").read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        out |= {str(c) for c in range(int(lo), int(hi or lo) + 1)}
+    return out
+
+
+def labels(text: str, family: str, label: str) -> dict[str, float]:
+    return {k.split('"')[1]: v for k, v in metric_values(text, family).items()
+            if k.startswith(f"{{{label}=")}  # fmt: skip
+
+
+def status_line(sock: Path, target: str) -> str:
+    """The first line of the response, as sent (raw_http does not keep the reason phrase)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        buf = b""
+        while b"\r\n" not in buf and (chunk := s.recv(4096)):
+            buf += chunk
+    return buf.split(b"\r\n")[0].decode()
+
+
+def test_first_scrape_has_zero_series(env: Env) -> None:
+    from unwindd.binaries.elfcache import ERROR_KINDS
+    from unwindd.pipeline.context import END_ERRORS, SAMPLE_ERRORS
+    from unwindd.serve.api import PARAMS
+    from unwindd.serve.httpapi import REJECTIONS
+
+    _, _, _, text = env
+    cpus = online_cpus()
+    for family in ("unwindd_lost_records_total", "unwindd_lost_samples_total",
+                   "unwindd_throttled_total"):  # fmt: skip
+        assert set(labels(text, family, "cpu")) == cpus, (family, text)
+    decode = labels(text, "unwindd_decode_errors_total", "reason")
+    assert set(decode) >= {*filter(None, SAMPLE_ERRORS), *END_ERRORS.values()}
+    assert set(decode.values()) == {0.0}
+    assert set(labels(text, "unwindd_elf_cache_errors_total", "reason")) >= set(ERROR_KINDS)
+    rejected = labels(text, "unwindd_api_rejected_total", "reason")
+    assert set(rejected) == set(REJECTIONS) and set(rejected.values()) == {0.0}
+    # nothing was asked of the API yet (READY came from the notify socket)
+    requests = labels(text, "unwindd_api_requests_total", "endpoint")
+    assert set(requests) == {*PARAMS, "other"} and set(requests.values()) == {0.0}
+
+
+def test_unknown_parameter_is_refused_and_counted(env: Env) -> None:
+    d, pid, _, _ = env
+    before = labels(d.metrics(), "unwindd_api_rejected_total", "reason")["unknown_parameter"]
+    status, _, body = d.get("/v1/stacks?sicne=10")
+    assert status == 400 and "sicne" in json.loads(body)["error"], body
+    status, _, body = d.get(f"/v1/top?pid={pid}&limt=3&comm=x")
+    assert status == 400 and "limt" in json.loads(body)["error"], body
+    status, _, body = d.get("/v1/status?verbose=1")
+    assert status == 400 and "verbose" in json.loads(body)["error"], body
+    after = labels(d.metrics(), "unwindd_api_rejected_total", "reason")["unknown_parameter"]
+    assert after == before + 3
+    assert d.get(f"/v1/top?pid={pid}&since=600&limit=3")[0] == 200
+    res = ctl(d, "top", "--pid", str(pid))
+    assert res.returncode == 0, res.stderr
+
+
+def wall(iso: str) -> float:
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def test_answers_report_their_window(env: Env) -> None:
+    d, pid, _, _ = env
+    bucket = d.json("/v1/status")["config"]["store"]["bucket_seconds"] * 10**9
+    t0 = time.time()
+    top = d.json(f"/v1/top?pid={pid}&since=1")
+    w = top["window"]
+    # since=1 is widened to the whole bucket it falls in, and says so
+    assert w["from_ns"] % bucket == 0 and w["seconds"] >= 1, w
+    assert w["seconds"] == pytest.approx((w["to_ns"] - w["from_ns"]) / 1e9, abs=0.002)
+    assert wall(w["to"]) == pytest.approx(t0, abs=5)  # the window ends now, on the wall clock
+    assert wall(w["to"]) - wall(w["from"]) == pytest.approx(w["seconds"], abs=0.002)
+    # everything: from the oldest bucket held; the workload's samples are in it
+    stacks = d.json(f"/v1/stacks?pid={pid}")
+    assert stacks["samples"] > 0 and stacks["window"]["from_ns"] % bucket == 0
+    # folded and pprof: the same window in headers
+    status, headers, body = d.get(f"/v1/stacks?pid={pid}&format=folded")
+    assert status == 200 and body
+    assert wall(headers["x-unwindd-window-to"]) == pytest.approx(time.time(), abs=5)
+    assert float(headers["x-unwindd-window-seconds"]) == pytest.approx(
+        wall(headers["x-unwindd-window-to"]) - wall(headers["x-unwindd-window-from"]), abs=0.002)
+    status, headers, _ = d.get(f"/v1/stacks?pid={pid}&format=pprof")
+    assert status == 200 and "x-unwindd-window-from" in headers
+
+
+def test_until_ends_the_window_before_now(env: Env) -> None:
+    d, pid, _, _ = env
+    uptime = d.json("/v1/status")["uptime_s"]
+    # a window that ended before the daemon started covers nothing
+    old = d.json(f"/v1/stacks?pid={pid}&until={uptime + 30:.0f}")
+    assert old["samples"] == 0 and old["window"]["seconds"] == 0, old
+    recent = d.json(f"/v1/stacks?pid={pid}&until=0.001")
+    assert recent["samples"] > 0
+    w = d.json("/v1/top?since=600&until=5")["window"]
+    assert wall(w["to"]) <= time.time() - 5 + 10  # at most a bucket past now - 5 s
+    assert d.get("/v1/top?since=5&until=10")[0] == 400  # ends before it starts
+    res = ctl(d, "top", "--pid", str(pid), "--until", f"{uptime + 30:.0f}")
+    assert res.returncode == 0 and "0 samples" in res.stdout, res.stdout
+
+
+def test_ctl_says_the_window(env: Env) -> None:
+    d, pid, _, _ = env
+    res = ctl(d, "top", "--pid", str(pid), "--since", "1")
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    m = re.fullmatch(r"window: (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) \.\. (\S+) \(([\d.]+) s\)", first)
+    assert m and float(m[3]) >= 1, first
+    shown = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp()  # local time
+    assert time.time() - float(m[3]) - 2 <= shown <= time.time(), first
+    res = ctl(d, "folded", "--pid", str(pid))
+    # stdout stays flamegraph.pl input; the window is said on stderr
+    assert res.returncode == 0 and res.stderr.startswith("window: "), res.stderr
+    assert all(re.fullmatch(r".+ \d+", ln) for ln in res.stdout.splitlines())
+
+
+def test_reason_phrases(env: Env) -> None:
+    d, _, _, _ = env
+    assert status_line(d.sock, "/v1/stream?limit=1&seconds=0.2") == "HTTP/1.1 200 OK"
+    assert status_line(d.sock, "/v1/status") == "HTTP/1.1 200 OK"
+    assert status_line(d.sock, "/v1/nope") == "HTTP/1.1 404 Not Found"
+    assert status_line(d.sock, "/v1/top?limit=x") == "HTTP/1.1 400 Bad Request"
+
+
+def test_ctl_json_folded(env: Env) -> None:
+    d, pid, _, _ = env
+    text = ctl(d, "folded", "--pid", str(pid))
+    res = ctl(d, "--json", "folded", "--pid", str(pid))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert set(doc) == {"window", "truncated", "stacks"} and doc["window"]["seconds"] > 0
+    assert doc["stacks"] and all(s["comm"] == "chain_o2" for s in doc["stacks"])
+    as_text = {f"{';'.join([s['comm'], *s['frames']])} {s['count']}" for s in doc["stacks"]}
+    assert as_text == set(text.stdout.splitlines())
+
+
+def run_on_tty(args: list[str], columns: int) -> str:
+    """``args``' stdout when it is a terminal ``columns`` wide."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    p = subprocess.Popen(args, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert p.wait(60) == 0, p.stderr
+    return out.decode().replace("\r\n", "\n")
+
+
+def test_ctl_top_fits_the_terminal(env: Env) -> None:
+    d, pid, wl, _ = env
+    base = [*UNWINDCTL, "--socket", str(d.sock), "top", "--pid", str(pid)]
+    # not a terminal: whole lines; dsos by file name unless --full-paths
+    plain = ctl(d, "top", "--pid", str(pid)).stdout.splitlines()
+    full = ctl(d, "top", "--pid", str(pid), "--full-paths").stdout.splitlines()
+    spin = next(ln.split() for ln in plain if " spin " in ln)
+    assert spin[-1] == os.path.basename(wl.argv[0]), plain
+    assert any(ln.split()[-1] == wl.argv[0] for ln in full if " spin " in ln), full
+    width = 50
+    assert max(map(len, full)) > width  # else the terminal test below shows nothing
+    tty = run_on_tty([*base, "--full-paths"], width).splitlines()
+    assert tty and max(map(len, tty)) <= width, tty
+    assert any(ln.split()[4] == "spin" for ln in tty[2:] if len(ln.split()) > 4), tty
+    wide = run_on_tty([*base, "--full-paths", "--wide"], width).splitlines()
+    assert wide[1:] == full[1:]  # the same rows (the window line moves with the clock)
+
+
+def test_ctl_watch_header_and_wall_clock(env: Env) -> None:
+    d, _, wl, _ = env
+    child = held(wl.argv)
+    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "watch", "--pid",
+                              str(child.pid), "--count", "5", "--seconds", "30"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
+    release(child)
+    out, _ = watch.communicate(timeout=40)
+    child.wait(60)
+    lines = out.splitlines()
+    assert watch.returncode == 0 and lines[0].split()[:2] == ["TIME", "COMM"], out
+    assert len(lines) == 6, out
+    now = time.time()
+    for ln in lines[1:]:
+        hms = ln.split()[0]
+        assert re.fullmatch(r"\d\d:\d\d:\d\d\.\d{3}", hms), ln
+        t = datetime.strptime(hms, "%H:%M:%S.%f").time()
+        shown = datetime.combine(datetime.fromtimestamp(now).date(), t).timestamp()
+        late = (now - shown) % 86400  # how long ago, on the local clock (across midnight too)
+        assert late <= 60 or late >= 86400 - 1, (ln, late)
+
+
+def test_ctl_status_uptime_and_failed_reload(env: Env) -> None:
+    d, _, _, _ = env
+    res = ctl(d, "status")
+    uptime = next(ln for ln in res.stdout.splitlines() if ln.startswith("uptime:"))
+    assert re.fullmatch(r"uptime:\s+(\d+d \d+h \d\dm \d\ds|\d+h \d\dm \d\ds|\d+m \d\ds|\d+s)",
+                        uptime), uptime  # fmt: skip
+    assert "reload error" not in res.stdout
+    good = d.config.read_text()
+    d.config.write_text("[sampling]\nfrequency = -1\n")
+    try:
+        d.recv_messages(0.05)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_message("READY=1", timeout=10)
+    finally:
+        d.config.write_text(good)
+    res = ctl(d, "status")
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("last reload error:")),
+                None)  # fmt: skip
+    assert line is not None and "[sampling] frequency" in line, res.stdout
