@@ -54,6 +54,12 @@ EVENTS: dict[str, tuple[int, int]] = {
     "ref-cycles": (PERF_TYPE_HARDWARE, 9),
 }
 
+# What perf_event_open says for an event no PMU of this machine counts: ENOENT from
+# kernel/events/core.c perf_init_event when no PMU takes the type, ENODEV/ENXIO/EOPNOTSUPP from
+# a PMU that exists but cannot count or sample it (tools/perf/util/evsel.c evsel__fallback).
+_NO_PMU = (errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.EOPNOTSUPP)
+
+
 # cffi_build/perfcore.h PC_MAX_STACK_USER (perfcore.py refuses to load if they differ)
 MAX_STACK_SIZE = 65528
 MAX_RING_PAGES = 1 << 20
@@ -339,7 +345,8 @@ def _denied(what: str, config: SamplingConfig, per_cpu: bool) -> str:
         return (
             f"perf_event_open({what}) denied: sampling every CPU or a cgroup needs {privileged} "
             f"or kernel.perf_event_paranoid <= 0 (currently {p}); without them a user can "
-            f"sample only their own processes (record --pid P, or record -- CMD)"
+            f"sample only their own processes (record --pid P, record -- CMD, or the daemon's "
+            f'target = "pids")'
         )
     if level is not None and level > 2:
         return (
@@ -355,12 +362,6 @@ def _denied(what: str, config: SamplingConfig, per_cpu: bool) -> str:
         f"perf_event_open({what}) denied: a process can be sampled by its own user (same "
         f"uid, and dumpable) or with {privileged} (kernel.perf_event_paranoid={p})"
     )
-
-
-# What perf_event_open says for an event no PMU of this machine counts: ENOENT from
-# kernel/events/core.c perf_init_event when no PMU takes the type, ENODEV/ENXIO/EOPNOTSUPP from
-# a PMU that exists but cannot count or sample it (tools/perf/util/evsel.c evsel__fallback).
-_NO_PMU = (errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.EOPNOTSUPP)
 
 
 def fallback(
