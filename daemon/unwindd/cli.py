@@ -144,7 +144,12 @@ def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--event", default="cpu-clock", help="software event (default cpu-clock)")
+    p.add_argument(
+        "--event",
+        default="cpu-clock",
+        help="cpu-clock (the default), task-clock, or a hardware event by perf's name (cycles, "
+        "instructions, ...; cycles falls back to cpu-clock where no PMU counts it)",
+    )
     p.add_argument("--frequency", "-F", type=int, default=99, help="samples/s per CPU (99)")
     p.add_argument(
         "--stack-size",
