@@ -25,20 +25,22 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import unwindd
+from daemonutil import raw_http
 from procutil import wait_cpu_seconds
 from unwindd.source.perfcore import attr_bytes
 from unwindd.source.sampling import EVENTS, SamplingConfig, read_sysctl
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3.11"
-# What ``import unwindd.cli`` and the record path load outside the standard library.
-RUNTIME_IMPORTS = ("_cffi_backend", "cffi", "elftools")
+# What ``import unwindd.cli``, the record path and the daemon load outside the standard library.
+RUNTIME_IMPORTS = ("_cffi_backend", "cffi", "elftools", "uvloop", "h11", "prometheus_client")
 
 # Two phases with their own functions: first_phase runs from main's start for a quarter of the
 # work, second_phase for the rest; argv[1] scales the work (20M: ~30 ms + ~90 ms here), argv[2]
@@ -117,13 +119,17 @@ def as_nobody(argv: list[str]) -> list[str]:
             "--inh-caps=-all", "--bounding-set=-all", *argv]  # fmt: skip
 
 
+def nobody_env(site: Path, home: Path) -> dict[str, str]:
+    assert os.path.exists(SYSTEM_PYTHON), f"{SYSTEM_PYTHON} is needed to run as another user"
+    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(home),
+            "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+
+
 def unwindd_as_nobody(site: Path, cwd: Path, *args: str, timeout: float = 60) -> (
         subprocess.CompletedProcess[str]):  # fmt: skip
-    assert os.path.exists(SYSTEM_PYTHON), f"{SYSTEM_PYTHON} is needed to run as another user"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(cwd),
-           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
     return subprocess.run(as_nobody([SYSTEM_PYTHON, "-m", "unwindd.cli", *args]), cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          env=nobody_env(site, cwd), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
 
 
 def unwindd_as_root(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -213,6 +219,45 @@ def test_nobody_cannot_sample_another_users_process(site: Path, shared_dir: Path
     assert res.returncode == 2, (res.stdout, res.stderr)
     line = one_line(res.stderr)
     assert "denied" in line and "its own user" in line, line
+
+
+def test_nobody_runs_the_daemon_on_its_own_pids(site: Path, shared_dir: Path,
+                                               phases: Path) -> None:  # fmt: skip
+    """README's not-root path: the daemon says it cannot use /run, listens under
+    $XDG_RUNTIME_DIR instead, and serves the user's own workload, unwound in user space."""
+    run = shared_dir / "xdg"
+    run.mkdir(mode=0o700)
+    os.chown(run, NOBODY, NOBODY)
+    work = subprocess.Popen(as_nobody([str(phases), str(10**10)]))
+    config = shared_dir / "daemon.toml"
+    config.write_text(f'[sampling]\ntarget = "pids"\npids = [{work.pid}]\nfrequency = 999\n'
+                      '[metrics]\nenabled = false\n[cache]\ndir = "off"\n')  # fmt: skip
+    config.chmod(0o644)
+    env = nobody_env(site, shared_dir) | {"XDG_RUNTIME_DIR": str(run)}
+    daemon = subprocess.Popen(as_nobody([SYSTEM_PYTHON, "-m", "unwindd.cli", "run", "--config",
+                                         str(config)]), cwd=shared_dir, env=env,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    sock = run / "unwindd" / "unwindd.sock"
+    try:
+        wait_cpu_seconds(work.pid, 0.3)
+        body = b""
+        for _ in range(300):
+            if sock.exists():
+                status, _, body = raw_http(sock, "/v1/stacks?format=folded")
+                if status == 200 and b"first_phase" in body:
+                    break
+            assert daemon.poll() is None, daemon.communicate()[1]
+            time.sleep(0.1)
+    finally:
+        work.kill()
+        work.wait()
+        daemon.send_signal(signal.SIGTERM)
+        _, err = daemon.communicate(timeout=30)
+    assert daemon.returncode == 0, err
+    assert f"listening on {sock} instead" in err, err
+    folded = body.decode()
+    assert re.search(r"^phases;.*;main;first_phase;spin \d+$", folded, re.M), folded
+    assert "_[k]" not in folded
 
 
 # ---------------------------------------------------------------------------- record -- CMD
@@ -373,8 +418,6 @@ def test_stop_signal_still_prints(phases: Path) -> None:
 
 def _wait_child(ppid: int) -> int:
     """The pid of ``ppid``'s child once it has exec'd the workload."""
-    import time
-
     for _ in range(3000):
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
