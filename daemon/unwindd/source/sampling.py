@@ -9,6 +9,9 @@ Rules:
 - ``validate`` raises ``ValueError`` for anything the kernel would refuse for a reason we can
   name before a syscall; ``open_error`` turns the kernel's -errno into a ``PerfOpenError`` that
   says what to change. The session raises these errors; callers catch them from here.
+- ``fallback`` is perf's evsel__fallback as a pure function: given a config and the errno it
+  got, the config to retry with (``cycles`` -> ``cpu-clock`` without a PMU; ``user_only`` for
+  a task an unprivileged user may not sample with the kernel) and the line that says so.
 - Ring size: ``ring_pages`` 0 is resolved when the session opens (``SamplingConfig.resolved``:
   ``auto_ring_pages`` within ``system_ring_cap``); a chosen size is kept as is.
 

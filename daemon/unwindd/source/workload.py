@@ -16,7 +16,7 @@ Invariants:
 - Fork before starting threads (the caller does it first thing): a forked child of a threaded
   process may only exec, and this one runs a little Python before it.
 
-Cost: one fork, three pipes and a pidfd (where the kernel has pidfd_open, 5.3+).
+Cost: one fork, two pipes and a pidfd (where the kernel has pidfd_open, 5.3+).
 """
 
 from __future__ import annotations
