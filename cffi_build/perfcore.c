@@ -67,6 +67,19 @@ static void pc_fill_attr(struct perf_event_attr *attr, const pc_attr_config *cfg
     /* Opened disabled so every fd exists and is mapped before the first record is written. */
     attr->disabled = 1;
     attr->inherit = cfg->inherit ? 1 : 0;
+    /* tools/perf/util/evsel.c evsel__fallback: where kernel.perf_event_paranoid > 1 keeps an
+     * unprivileged user out of kernel space, perf samples user space only (exclude_kernel and
+     * exclude_hv). No kernel callchain either: with exclude_kernel every sample is taken in
+     * user mode (kernel/events/core.c perf_exclude_event), so the kernel part would be empty. */
+    if (cfg->user_only) {
+        attr->exclude_kernel = 1;
+        attr->exclude_hv = 1;
+        attr->exclude_callchain_kernel = 1;
+    }
+    /* tools/perf/util/evlist.c evlist__prepare_workload: a workload's events are opened on
+     * the held child and enabled by the kernel at its exec (perf_event_enable_on_exec), so
+     * the first sample is of the new image. */
+    attr->enable_on_exec = cfg->enable_on_exec ? 1 : 0;
     if (cfg->wakeup_watermark) {
         /* kernel/events/ring_buffer.c perf_output_put_handle: with watermark, poll() wakes
          * once at least wakeup_watermark bytes are unread, not once per record. */
@@ -83,6 +96,16 @@ static void pc_fill_attr(struct perf_event_attr *attr, const pc_attr_config *cfg
         attr->task = 1;
         attr->build_id = build_id ? 1 : 0;
     }
+}
+
+int pc_build_attr(const pc_attr_config *cfg, unsigned char *out, size_t cap)
+{
+    struct perf_event_attr attr;
+    if (cap < sizeof(attr))
+        return -EINVAL;
+    pc_fill_attr(&attr, cfg, cfg->sideband && cfg->build_id);
+    memcpy(out, &attr, sizeof(attr));
+    return (int)sizeof(attr);
 }
 
 static int sys_perf_event_open(struct perf_event_attr *attr, int pid, int cpu, int group_fd,

@@ -30,6 +30,8 @@ typedef struct {
     int sideband;               /* mmap/mmap2/comm/comm_exec/task on this event */
     int build_id;               /* ask for attr.build_id (only with sideband) */
     int inherit;                /* attr.inherit: follow future children of the task */
+    int user_only;              /* exclude_kernel, exclude_hv, exclude_callchain_kernel */
+    int enable_on_exec;         /* attr.enable_on_exec: the kernel enables it at the next exec */
 } pc_attr_config;
 
 /* One mmap'd perf ring. `meta` is the struct perf_event_mmap_page (first page of the mapping);
@@ -49,6 +51,10 @@ typedef struct {
 
 /* The sample_type pc_open will request for this config. */
 uint64_t pc_sample_type(const pc_attr_config *cfg);
+
+/* The struct perf_event_attr pc_open would pass for cfg (build_id as asked), written to
+ * out[0, cap): returns its size (attr.size), or -EINVAL if cap is smaller. Tests read it. */
+int pc_build_attr(const pc_attr_config *cfg, unsigned char *out, size_t cap);
 
 /* perf_event_open(attr built from cfg, pid, cpu, group_fd, flags) then, on success, the fd.
  * If cfg asks for build_id and the kernel says EINVAL, retries once without it; *build_id_granted

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .source.capture import StreamPipeline
     from .source.mapfile import MappedFile
     from .source.sampling import SamplingConfig, Target
+    from .source.workload import Workload
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
 # (test_filereplay.py checks they agree).
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="S",
         help="print a status line to stderr every S seconds",
+    )
+    rec.add_argument(
+        "workload",
+        nargs="*",
+        metavar="CMD",
+        help="after --: run CMD ARGS... and sample it (and its children) from its exec until it "
+        "exits; not with --pid, --all or --cgroup",
     )
 
     run = sub.add_parser("run", help="run the daemon in the foreground (the default command)")
@@ -190,7 +198,12 @@ def cmd_systemd_unit(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--event", default="cpu-clock", help="software event (default cpu-clock)")
+    p.add_argument(
+        "--event",
+        default="cpu-clock",
+        help="cpu-clock (the default), task-clock, or a hardware event by perf's name (cycles, "
+        "instructions, ...; cycles falls back to cpu-clock where no PMU counts it)",
+    )
     p.add_argument("--frequency", "-F", type=int, default=99, help="samples/s per CPU (99)")
     p.add_argument(
         "--stack-size",
@@ -240,14 +253,23 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     from .source.perfcore import PerfSession
     from .source.sampling import PerfOpenError
 
+    if args.workload and (args.pid or args.all or args.cgroup):
+        return _fail("record -- CMD samples that command: it takes no --pid, --all or --cgroup")
     if args.format != "records":
         return _record_live(args, out)
     # Raw records need no unwinding: the plain stream pipeline, no process table.
-    target = _target(args)
+    try:
+        workload = _fork_workload(args)
+    except OSError as e:
+        return _fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
+    target = _target(args, workload)
     try:
         session = PerfSession.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
-        return _fail(str(e))
+        if workload is not None:
+            workload.cancel()
+        return _fail(_open_failed(e))
+    _print_notes(session.notes)
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
     sink = TextOutput(args.format, out)
@@ -256,10 +278,59 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         on_tick = _status_printer(pipeline, time.monotonic(), args.status_interval)
     with session:
         session.enable()
-        run_live(session, pipeline, sink, duration=args.duration, should_stop=stop, on_tick=on_tick)
+        if workload is not None:
+            try:
+                workload.start()
+            except OSError as e:
+                return _fail(_open_failed(e))
+        run_live(session, pipeline, sink, duration=args.duration,
+                 should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
         sink.finish()
         session.disable()
+    _end_workload(workload)
     return 0
+
+
+def _fork_workload(args: argparse.Namespace) -> Workload | None:
+    """``record -- CMD``: the command forked and held before its exec (workload.py), before
+    anything starts a thread; None for the other targets."""
+    if not args.workload:
+        return None
+    from .source.workload import Workload
+
+    return Workload(args.workload)
+
+
+def _stop_or_exited(stop: Callable[[], bool], workload: Workload | None) -> Callable[[], bool]:
+    """Stop on SIGINT/SIGTERM, and when the recorded command has exited."""
+    if workload is None:
+        return stop
+    return lambda: stop() or workload.poll() is not None
+
+
+def _end_workload(workload: Workload | None) -> None:
+    """The recording is over: end the command if it still runs (perf record sends it SIGTERM
+    too), and say how it ended unless it exited with status 0. The exit status of ``record``
+    stays 0, as perf's: the recording itself succeeded."""
+    if workload is None:
+        return
+    workload.stop()
+    if workload.returncode != 0:
+        print(f"unwindd: {workload.describe()}", file=sys.stderr)
+
+
+def _open_failed(e: Exception) -> str:
+    """A failed open's one line: the reason ``PerfOpenError`` spells out, without the
+    ``[Errno N]`` prefix ``str`` puts in front of it."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e)
+
+
+def _print_notes(notes: Sequence[str]) -> None:
+    """What the session changed to open (sampling.fallback), one line each on stderr."""
+    for note in notes:
+        print(f"unwindd: {note}", file=sys.stderr, flush=True)
 
 
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
@@ -273,9 +344,11 @@ def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     )
 
 
-def _target(args: argparse.Namespace) -> Target:
+def _target(args: argparse.Namespace, workload: Workload | None = None) -> Target:
     from .source.sampling import Target
 
+    if workload is not None:
+        return Target(pids=(workload.pid,), from_exec=True)
     if args.pid:
         return Target(pids=tuple(args.pid))
     if args.cgroup:
@@ -295,12 +368,19 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     from .source.output import render_summary
     from .source.sampling import PerfOpenError
 
-    target = _target(args)
+    try:
+        workload = _fork_workload(args)
+    except OSError as e:
+        return _fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
+    target = _target(args, workload)
     try:
         prof = LiveProfiler.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
-        return _fail(str(e))
-    stop = _install_stop_handlers()
+        if workload is not None:
+            workload.cancel()
+        return _fail(_open_failed(e))
+    _print_notes(prof.session.notes)
+    stop = _stop_or_exited(_install_stop_handlers(), workload)
     sink = TextOutput(args.format, out, unwind=False)
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
     if args.format in ("jsonl", "perf-script"):
@@ -317,15 +397,23 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     poller = select.poll()
     for fd in prof.fds:
         poller.register(fd, select.POLLIN)
+    if workload is not None and workload.pidfd >= 0:
+        poller.register(workload.pidfd, select.POLLIN)  # readable once the command exits
     deadline = None if args.duration is None else started + args.duration
     try:
         take(prof.start())
+        if workload is not None:
+            try:
+                workload.start()
+            except OSError as e:
+                return _fail(_open_failed(e))
         while not stop() and (deadline is None or time.monotonic() < deadline):
             timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             poller.poll(int(timeout * 1000))
             take(prof.step())
             if on_tick is not None:
                 on_tick()
+        _end_workload(workload)
         take(prof.close())
     finally:
         if not prof.closed:
@@ -333,8 +421,11 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     sink.finish()
     if args.format == "summary":
         session = prof.session
+        what = _describe(target)
+        if workload is not None:
+            what = f"command {' '.join(workload.argv)} (pid {workload.pid})"
         extra: dict[str, object] = {
-            "target": _describe(target),
+            "target": what,
             "duration_s": round(time.monotonic() - started, 3),
             "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
             "ring_errors": session.ring_errors,

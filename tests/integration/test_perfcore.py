@@ -213,7 +213,7 @@ def test_bad_stack_size_is_refused_before_any_syscall(stack_size: int) -> None:
 @pytest.mark.parametrize(
     ("config", "pattern"),
     [
-        (SamplingConfig(event="cycles"), "unknown event 'cycles'"),
+        (SamplingConfig(event="cycle"), "unknown event 'cycle'"),
         (SamplingConfig(ring_pages=3), "ring_pages"),
         (SamplingConfig(ring_pages=-1), "ring_pages"),
         (SamplingConfig(ring_pages=1 << 21), "ring_pages"),

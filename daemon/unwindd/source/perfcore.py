@@ -17,6 +17,12 @@ Invariants:
 - ``event_format`` is computed from the same C function that builds the attr
   (``pc_sample_type``), so the decoder's idea of the layout cannot drift from the kernel's.
 - A failed ``open`` closes and unmaps everything it had opened before raising.
+- Fallbacks (``sampling.fallback``, after perf's evsel__fallback): ``cycles`` without a PMU
+  becomes ``cpu-clock``, and a per-task target an unprivileged user may not sample with kernel
+  frames (kernel.perf_event_paranoid 2) is sampled in user space only; the session's ``config``
+  is what opened and ``notes`` says, one line each, what was changed.
+- ``Target.from_exec``: events opened with enable_on_exec, which the kernel enables at the
+  task's next exec; ``enable`` leaves them to it (``disable`` still stops them).
 - Ring size: ``SamplingConfig.ring_pages`` 0 (the default) is resolved when the session opens
   (``auto_ring_pages`` within ``system_ring_cap``, halved on EPERM); the session keeps the
   config it opened with (``config``) and what auto sizing wanted (``ring_pages_wanted``).
@@ -45,6 +51,7 @@ from .sampling import (
     SamplingConfig,
     Target,
     expand_tasks,
+    fallback,
     online_cpus,
     open_error,
     read_sysctl,
@@ -63,6 +70,44 @@ if int(lib.PC_MAX_STACK_USER) != MAX_STACK_SIZE:  # what validate allows is what
     )
 
 
+def _attr_config(config: SamplingConfig, wakeup_watermark: int, *, sideband: bool,
+                 inherit: bool, enable_on_exec: bool) -> Any:  # fmt: skip
+    """The native ``pc_attr_config`` for ``config`` (perfcore.c pc_fill_attr builds the attr)."""
+    etype, econfig = EVENTS[config.event]
+    c = ffi.new("pc_attr_config *")
+    c.type = etype
+    c.config = econfig
+    c.sample_freq = config.frequency if config.period is None else 0
+    c.sample_period = config.period or 0
+    c.sample_regs_user = config.regs_mask
+    c.sample_stack_user = config.stack_size
+    # Wake poll() at half the ring (the kernel's own default, as perf record has it): each
+    # wake starts a daemon step with a fixed Python cost, so waking earlier (at a quarter)
+    # means more steps a second and more daemon CPU for the same samples. The other half is
+    # the drain's headroom before LOST (``sampling._HEADROOM_S``).
+    c.wakeup_watermark = wakeup_watermark
+    c.sideband = int(sideband)
+    c.build_id = int(config.build_id)
+    c.inherit = int(inherit)
+    c.user_only = int(config.user_only)
+    c.enable_on_exec = int(enable_on_exec)
+    return c
+
+
+def attr_bytes(config: SamplingConfig, *, sideband: bool = True, inherit: bool = False,
+               enable_on_exec: bool = False, wakeup_watermark: int = 0) -> bytes:  # fmt: skip
+    """The struct perf_event_attr a session passes to perf_event_open for ``config``, as the
+    kernel reads it (tests check it field by field)."""
+    config.validate()
+    c = _attr_config(config, wakeup_watermark, sideband=sideband, inherit=inherit,
+                     enable_on_exec=enable_on_exec)  # fmt: skip
+    buf = ffi.new("unsigned char[]", 512)
+    n = int(lib.pc_build_attr(c, buf, 512))
+    if n < 0:
+        raise OSError(-n, "pc_build_attr")
+    return bytes(ffi.buffer(buf, n))
+
+
 class PerfSession:
     """Opened, mapped (and initially disabled) perf events for one target; a context manager.
 
@@ -76,6 +121,8 @@ class PerfSession:
     skipped_cpus: list[int]
     config: SamplingConfig  # as opened: ring_pages concrete
     ring_pages_wanted: int  # what auto sizing wanted (> config.ring_pages when capped)
+    notes: tuple[str, ...]  # the fallbacks taken to open, one line each (sampling.fallback)
+    from_exec: bool  # the kernel enables the events at the task's exec (Target.from_exec)
 
     def __init__(
         self,
@@ -109,6 +156,8 @@ class PerfSession:
         self.skipped_cpus = skipped_cpus
         self.config = config
         self.ring_pages_wanted = ring_pages_wanted
+        self.notes = ()
+        self.from_exec = False
 
     # -- opening
 
@@ -135,6 +184,28 @@ class PerfSession:
             raise ValueError("no CPUs to open")
         page = os.sysconf("SC_PAGE_SIZE")
         cap = system_ring_cap(page, len(cpu_list)) if not config.ring_pages else 0
+        notes: list[str] = []
+        while True:
+            try:
+                session = cls._open_sized(target, config, cap, cpu_list, proc_root, page)
+            except RingMapError:
+                raise
+            except PerfOpenError as e:
+                step = fallback(config, e.errno or 0, per_task=bool(target.pids),
+                                paranoid=read_sysctl("perf_event_paranoid"))  # fmt: skip
+                if step is None:
+                    raise
+                config, note = step
+                notes.append(note)
+                continue
+            session.notes = tuple(notes)
+            session.from_exec = target.from_exec
+            return session
+
+    @classmethod
+    def _open_sized(cls, target: Target, config: SamplingConfig, cap: int, cpu_list: list[int],
+                    proc_root: str, page: int) -> PerfSession:  # fmt: skip
+        """``_open`` with the ring size resolved, halved while EPERM refuses to map it."""
         sized, wanted = config.resolved(page, cap)
         while True:
             try:
@@ -149,25 +220,9 @@ class PerfSession:
     def _open(cls, target: Target, config: SamplingConfig, wanted: int, cpu_list: list[int],
               proc_root: str, page: int) -> PerfSession:  # fmt: skip
         """``open`` with ``config.ring_pages`` concrete; a failed map raises RingMapError."""
-        etype, econfig = EVENTS[config.event]
-
         def attr(sideband: bool, inherit: bool) -> Any:
-            c = ffi.new("pc_attr_config *")
-            c.type = etype
-            c.config = econfig
-            c.sample_freq = config.frequency if config.period is None else 0
-            c.sample_period = config.period or 0
-            c.sample_regs_user = config.regs_mask
-            c.sample_stack_user = config.stack_size
-            # Wake poll() at half the ring (the kernel's own default, as perf record has it):
-            # each wake starts a daemon step with a fixed Python cost, so waking earlier (at a
-            # quarter) means more steps a second and more daemon CPU for the same samples. The
-            # other half is the drain's headroom before LOST (``sampling._HEADROOM_S``).
-            c.wakeup_watermark = config.ring_pages * page // 2
-            c.sideband = int(sideband)
-            c.build_id = int(config.build_id)
-            c.inherit = int(inherit)
-            return c
+            return _attr_config(config, config.ring_pages * page // 2, sideband=sideband,
+                                inherit=inherit, enable_on_exec=target.from_exec)  # fmt: skip
 
         tasks: list[int] = []
         given: set[int] = set()
@@ -198,6 +253,7 @@ class PerfSession:
         all_fds: list[int] = []
         skipped: list[int] = []
         granted: list[bool] = []
+        skip_errno = 0  # what the last skipped CPU said
         bid = ffi.new("int *")
         sb_attr = attr(sideband=True, inherit=pid_mode)
 
@@ -229,6 +285,7 @@ class PerfSession:
                     what = f"cpu={cpu}" if cg_fd < 0 else f"cgroup={target.cgroup}, cpu={cpu}"
                     if fd in (-errno.ENODEV, -errno.ENOENT):
                         skipped.append(cpu)
+                        skip_errno = -fd
                         continue
                     if fd < 0:
                         raise open_error(-fd, what, config, nfds=n_fds, per_cpu=True)
@@ -246,6 +303,7 @@ class PerfSession:
                     if fd == -errno.ESRCH and tid not in given:
                         continue  # a thread that exited since we listed it
                     if fd in (-errno.ENODEV, -errno.ENOENT) and ring_fd < 0:
+                        skip_errno = -fd
                         break
                     if fd < 0:
                         what = f"pid={tid}, cpu={cpu}"
@@ -275,6 +333,10 @@ class PerfSession:
                         )
                 if ring_fd < 0:
                     skipped.append(cpu)
+            if not nrings and config.hardware:
+                # Every CPU "offline" for a hardware event: no PMU counts it (the same answer
+                # on every CPU), which sampling.fallback can act on.
+                raise open_error(skip_errno, f"{config.event}, cpus={cpu_list}", config)
             if not nrings:
                 raise PerfOpenError(
                     errno.ENODEV,
@@ -310,6 +372,10 @@ class PerfSession:
                 raise OSError(-rc, f"PERF_EVENT_IOC_{name} on fd {fd}: {os.strerror(-rc)}")
 
     def enable(self) -> None:
+        """Start sampling; a ``from_exec`` session is enabled by the kernel at the exec."""
+        if self.from_exec:
+            self._check_open()
+            return
         self._ioctl_all(lib.pc_enable, "ENABLE")
 
     def disable(self) -> None:

@@ -9,6 +9,9 @@ Rules:
 - ``validate`` raises ``ValueError`` for anything the kernel would refuse for a reason we can
   name before a syscall; ``open_error`` turns the kernel's -errno into a ``PerfOpenError`` that
   says what to change. The session raises these errors; callers catch them from here.
+- ``fallback`` is perf's evsel__fallback as a pure function: given a config and the errno it
+  got, the config to retry with (``cycles`` -> ``cpu-clock`` without a PMU; ``user_only`` for
+  a task an unprivileged user may not sample with the kernel) and the line that says so.
 - Ring size: ``ring_pages`` 0 is resolved when the session opens (``SamplingConfig.resolved``:
   ``auto_ring_pages`` within ``system_ring_cap``); a chosen size is kept as is.
 
@@ -26,15 +29,39 @@ from dataclasses import dataclass, replace
 
 from . import abi
 
-# include/uapi/linux/perf_event.h: enum perf_type_id / perf_sw_ids.
+# include/uapi/linux/perf_event.h: enum perf_type_id, perf_hw_id, perf_sw_ids.
+PERF_TYPE_HARDWARE = 0
 PERF_TYPE_SOFTWARE = 1
+PERF_COUNT_HW_CPU_CYCLES = 0
 PERF_COUNT_SW_CPU_CLOCK = 0
 PERF_COUNT_SW_TASK_CLOCK = 1
 
+# The generic events by perf's names (tools/perf/util/parse-events.c event_symbols_hw and
+# event_symbols_sw, aliases included). A hardware event needs a PMU that counts it.
 EVENTS: dict[str, tuple[int, int]] = {
     "cpu-clock": (PERF_TYPE_SOFTWARE, PERF_COUNT_SW_CPU_CLOCK),
     "task-clock": (PERF_TYPE_SOFTWARE, PERF_COUNT_SW_TASK_CLOCK),
+    "cycles": (PERF_TYPE_HARDWARE, PERF_COUNT_HW_CPU_CYCLES),
+    "cpu-cycles": (PERF_TYPE_HARDWARE, PERF_COUNT_HW_CPU_CYCLES),
+    "instructions": (PERF_TYPE_HARDWARE, 1),
+    "cache-references": (PERF_TYPE_HARDWARE, 2),
+    "cache-misses": (PERF_TYPE_HARDWARE, 3),
+    "branch-instructions": (PERF_TYPE_HARDWARE, 4),
+    "branches": (PERF_TYPE_HARDWARE, 4),
+    "branch-misses": (PERF_TYPE_HARDWARE, 5),
+    "bus-cycles": (PERF_TYPE_HARDWARE, 6),
+    "stalled-cycles-frontend": (PERF_TYPE_HARDWARE, 7),
+    "idle-cycles-frontend": (PERF_TYPE_HARDWARE, 7),
+    "stalled-cycles-backend": (PERF_TYPE_HARDWARE, 8),
+    "idle-cycles-backend": (PERF_TYPE_HARDWARE, 8),
+    "ref-cycles": (PERF_TYPE_HARDWARE, 9),
 }
+
+# What perf_event_open says for an event no PMU of this machine counts: ENOENT from
+# kernel/events/core.c perf_init_event when no PMU takes the type, ENODEV/ENXIO/EOPNOTSUPP from
+# a PMU that exists but cannot count or sample it (tools/perf/util/evsel.c evsel__fallback).
+_NO_PMU = (errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.EOPNOTSUPP)
+
 
 # cffi_build/perfcore.h PC_MAX_STACK_USER (perfcore.py refuses to load if they differ)
 MAX_STACK_SIZE = 65528
@@ -141,6 +168,9 @@ class SamplingConfig:
     # buffer in build_id__init and abort. The ELF cache reads build-ids from the files and
     # checks them against the inode identity instead.
     build_id: bool = False
+    # Sample user space only: exclude_kernel, exclude_hv and no kernel callchain. What an
+    # unprivileged user gets at kernel.perf_event_paranoid 2 (``fallback`` sets it).
+    user_only: bool = False
 
     def validate(self) -> None:
         """Raise ValueError for anything the kernel would refuse for a reason we can name now."""
@@ -179,16 +209,26 @@ class SamplingConfig:
         return (
             f"event={self.event} {rate} stack_size={self.stack_size} "
             f"regs_mask={self.regs_mask:#x} build_id={self.build_id}"
+            + (" user_only" if self.user_only else "")
         )
+
+    @property
+    def hardware(self) -> bool:
+        """Whether the event is counted by a hardware PMU (PERF_TYPE_HARDWARE)."""
+        return EVENTS[self.event][0] == PERF_TYPE_HARDWARE
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """What to sample; exactly one field is set."""
+    """What to sample; exactly one of ``all_cpus``, ``pids``, ``cgroup`` is set.
+    ``from_exec`` (with ``pids``): the events are opened with enable_on_exec on a process held
+    before its exec (``unwindd record -- CMD``), and the kernel enables them at that exec; the
+    session's ``enable`` then leaves them alone."""
 
     all_cpus: bool = False
     pids: tuple[int, ...] = ()
     cgroup: str | None = None
+    from_exec: bool = False
 
     def validate(self) -> None:
         chosen = [self.all_cpus, bool(self.pids), self.cgroup is not None]
@@ -199,6 +239,8 @@ class Target:
                 raise ValueError(f"not a valid pid: {pid!r}")
         if self.cgroup is not None and not self.cgroup:
             raise ValueError("cgroup path is empty")
+        if self.from_exec and not self.pids:
+            raise ValueError("from_exec needs pids")
 
 
 # --------------------------------------------------------------------------- host facts
@@ -258,12 +300,7 @@ def open_error(
 ) -> PerfOpenError:
     """Turn -errno from perf_event_open/mmap/ioctl into an error that says what to change."""
     if err in (errno.EACCES, errno.EPERM):
-        need = 0 if per_cpu else 1
-        msg = (
-            f"perf_event_open({what}) denied: needs CAP_PERFMON (or CAP_SYS_ADMIN), or "
-            f"kernel.perf_event_paranoid <= {need} for this target with kernel callchains "
-            f"(currently {read_sysctl('perf_event_paranoid')})"
-        )
+        msg = _denied(what, config, per_cpu)
     elif err in (errno.EMFILE, errno.ENFILE):
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         msg = (
@@ -278,6 +315,11 @@ def open_error(
         )
     elif err == errno.ESRCH:
         msg = f"perf_event_open({what}): no such process"
+    elif err in _NO_PMU and config.hardware:
+        msg = (
+            f"perf_event_open({what}): the {config.event} event is not supported here (no "
+            f"hardware PMU counts it: {os.strerror(err)}); cpu-clock samples by time"
+        )
     elif err in (errno.ENOENT, errno.ENODEV):
         msg = f"perf_event_open({what}): CPU or event not available ({config.event})"
     elif err in (errno.EOPNOTSUPP, errno.ENOTSUP):
@@ -291,3 +333,63 @@ def open_error(
     else:
         msg = f"perf_event_open({what}): {os.strerror(err)}"
     return PerfOpenError(err, msg)
+
+
+def _denied(what: str, config: SamplingConfig, per_cpu: bool) -> str:
+    """Why perf_event_open said EACCES/EPERM, after kernel/events/core.c: an event on a whole
+    CPU (every CPU, or a cgroup's tasks on each CPU) needs perf_allow_cpu (paranoid <= 0),
+    one that samples the kernel needs perf_allow_kernel (paranoid <= 1), and an event on a task
+    needs ptrace read access to it (same uid); CAP_PERFMON or CAP_SYS_ADMIN pass them all.
+    Debian's paranoid 3 refuses every unprivileged perf_event_open."""
+    p = read_sysctl("perf_event_paranoid")
+    level = int(p) if p.lstrip("-").isdigit() else None
+    privileged = "CAP_PERFMON or CAP_SYS_ADMIN (root)"
+    if per_cpu:
+        return (
+            f"perf_event_open({what}) denied: sampling every CPU or a cgroup needs {privileged} "
+            f"or kernel.perf_event_paranoid <= 0 (currently {p}); without them a user can "
+            f"sample only their own processes (record --pid P, record -- CMD, or the daemon's "
+            f'target = "pids")'
+        )
+    if level is not None and level > 2:
+        return (
+            f"perf_event_open({what}) denied: kernel.perf_event_paranoid={p} refuses perf to "
+            f"users without {privileged}; at <= 2 a user can sample their own processes"
+        )
+    if not config.user_only and level is not None and level > 1:
+        return (
+            f"perf_event_open({what}) denied: kernel samples and callchains need {privileged} "
+            f"or kernel.perf_event_paranoid <= 1 (currently {p})"
+        )
+    return (
+        f"perf_event_open({what}) denied: a process can be sampled by its own user (same "
+        f"uid, and dumpable) or with {privileged} (kernel.perf_event_paranoid={p})"
+    )
+
+
+def fallback(
+    config: SamplingConfig, err: int, *, per_task: bool, paranoid: str
+) -> tuple[SamplingConfig, str] | None:
+    """The config to retry with after perf_event_open said ``err``, and the line that says so,
+    or None; after tools/perf/util/evsel.c evsel__fallback. Each one changes a field the next
+    check reads, so a retry can only fall back further, never loop:
+    - ``cycles`` where no PMU counts it: ``cpu-clock`` (a time-based stand-in for cycles; the
+      other hardware events have none, and fail with the reason).
+    - Denied (EACCES) while kernel.perf_event_paranoid > 1 keeps an unprivileged user out of
+      kernel space: user space only (``user_only``). Only for per-task targets: an event on a
+      whole CPU needs paranoid <= 0 whatever it samples (kernel/events/core.c
+      perf_allow_cpu), so retrying it would fail again with a less precise reason."""
+    etype, econfig = EVENTS[config.event]
+    if err in _NO_PMU and (etype, econfig) == (PERF_TYPE_HARDWARE, PERF_COUNT_HW_CPU_CYCLES):
+        return replace(config, event="cpu-clock"), (
+            f"the {config.event} event is not supported (no hardware PMU), "
+            f"falling back to cpu-clock"
+        )
+    level = int(paranoid) if paranoid.lstrip("-").isdigit() else None
+    if err == errno.EACCES and per_task and not config.user_only and level is not None:
+        if level > 1:
+            return replace(config, user_only=True), (
+                f"kernel.perf_event_paranoid={paranoid}: sampling user space only (no kernel "
+                f"frames); CAP_PERFMON, root or paranoid <= 1 would add them"
+            )
+    return None
