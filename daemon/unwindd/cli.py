@@ -268,7 +268,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     except (PerfOpenError, ValueError) as e:
         if workload is not None:
             workload.cancel()
-        return _fail(_open_failed(e))
+        return _fail(str(e))
     _print_notes(session.notes)
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
@@ -281,8 +281,8 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         if workload is not None:
             try:
                 workload.start()
-            except OSError as e:
-                return _fail(_open_failed(e))
+            except OSError as e:  # its message names the command and the reason
+                return _fail(e.strerror or str(e))
         run_live(session, pipeline, sink, duration=args.duration,
                  should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
         sink.finish()
@@ -317,14 +317,6 @@ def _end_workload(workload: Workload | None) -> None:
     workload.stop()
     if workload.returncode != 0:
         print(f"unwindd: {workload.describe()}", file=sys.stderr)
-
-
-def _open_failed(e: Exception) -> str:
-    """A failed open's one line: the reason ``PerfOpenError`` spells out, without the
-    ``[Errno N]`` prefix ``str`` puts in front of it."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return str(e)
 
 
 def _print_notes(notes: Sequence[str]) -> None:
@@ -378,7 +370,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     except (PerfOpenError, ValueError) as e:
         if workload is not None:
             workload.cancel()
-        return _fail(_open_failed(e))
+        return _fail(str(e))
     _print_notes(prof.session.notes)
     stop = _stop_or_exited(_install_stop_handlers(), workload)
     sink = TextOutput(args.format, out, unwind=False)
@@ -405,8 +397,8 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         if workload is not None:
             try:
                 workload.start()
-            except OSError as e:
-                return _fail(_open_failed(e))
+            except OSError as e:  # its message names the command and the reason
+                return _fail(e.strerror or str(e))
         while not stop() and (deadline is None or time.monotonic() < deadline):
             timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             poller.poll(int(timeout * 1000))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from daemonutil import UNWINDD, raw_http
+from perfutil import has_pmu
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_UNIT = ROOT / "systemd" / "unwindd.service"
@@ -105,6 +106,43 @@ def test_daemon_options_without_run_and_a_second_daemon_says_only_why(
             first.kill()
             first.wait()
     assert "Traceback" not in log.read_text()
+
+
+def test_daemon_takes_perfs_event_names_and_says_what_it_fell_back_to(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """`event = "cycles"` in the config: the daemon samples cycles where a PMU counts them, and
+    where none does (this machine) falls back to cpu-clock with one warning, as `record` does;
+    an event no fallback covers ends the start in one line, without "[Errno N]"."""
+    sock = sock_dir / "unwindd.sock"
+    cfg = daemon_config(tmp_path, sock, '')
+    cfg.write_text(cfg.read_text().replace("[sampling]\n", '[sampling]\nevent = "cycles"\n'))
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([*UNWINDD, "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=fh)  # fmt: skip
+    try:
+        st = wait_answering(sock, proc, log)
+        assert st["config"]["sampling"]["event"] == "cycles"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    warnings = [ln for ln in log.read_text().splitlines() if "WARNING" in ln and "cycles" in ln]
+    if has_pmu():
+        assert warnings == []
+    else:
+        assert warnings == ["unwindd: WARNING: the cycles event is not supported (no hardware "
+                            "PMU), falling back to cpu-clock"]  # fmt: skip
+        cfg.write_text(cfg.read_text().replace('"cycles"', '"instructions"'))
+        res = cli("--config", str(cfg))
+        assert res.returncode == 2
+        (line,) = res.stderr.splitlines()
+        assert line.startswith("unwindd: ERROR: perf_event_open(instructions, "), line
+        assert "the instructions event is not supported here" in line
+        assert "[Errno" not in line
 
 
 def test_version_help_and_daemon_options_elsewhere() -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import unwindd
 from daemonutil import raw_http
+from perfutil import has_pmu
 from procutil import wait_cpu_seconds
 from unwindd.source.perfcore import attr_bytes
 from unwindd.source.sampling import EVENTS, SamplingConfig, read_sysctl
@@ -329,15 +330,6 @@ def test_record_command_raw_records_start_at_its_exec(phases: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- hardware events
-
-
-def has_pmu() -> bool:
-    """Whether a CPU PMU is registered (kernel/events/core.c perf_pmu_register: "cpu" on x86,
-    "armv8_*" on arm64...): where none is, PERF_TYPE_HARDWARE opens fail with ENOENT."""
-    devices = Path("/sys/bus/event_source/devices")
-    names = {p.name for p in devices.iterdir()}
-    return bool(names - {"breakpoint", "software", "tracepoint", "uprobe", "kprobe", "msr",
-                         "power"})  # fmt: skip
 
 
 def test_cycles_falls_back_to_cpu_clock_without_a_pmu(phases: Path) -> None:

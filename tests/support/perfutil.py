@@ -23,6 +23,15 @@ from typing import IO
 
 PERF = shutil.which("perf") or "perf"
 
+
+def has_pmu() -> bool:
+    """Whether a CPU PMU is registered (kernel/events/core.c perf_pmu_register: "cpu" on x86,
+    "armv8_*" on arm64...): where none is, PERF_TYPE_HARDWARE opens fail with ENOENT."""
+    devices = Path("/sys/bus/event_source/devices")
+    names = {p.name for p in devices.iterdir()}
+    return bool(names - {"breakpoint", "software", "tracepoint", "uprobe", "kprobe", "msr",
+                         "power"})  # fmt: skip
+
 # A process that forks once; parent and child both spin through two real call frames for
 # ``argv[1]`` seconds of their own CPU time (so a loaded machine stretches the run instead of
 # thinning its samples), so a recording has two pids with user stacks worth unwinding.

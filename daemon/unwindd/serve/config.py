@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..source.sampling import EVENTS
+
 DEFAULT_PATH = "/etc/unwindd/config.toml"
 DEFAULT_SOCKET = "/run/unwindd/unwindd.sock"
 DEFAULTS_SOURCE = "<defaults>"  # Config.source when no file was read (the default path absent)
@@ -105,7 +107,8 @@ class SamplingSection:
                        doc="what to sample: the whole machine, `pids`, or `cgroup`")  # fmt: skip
     pids: tuple[int, ...] = _key((), live=False, check=_pids)
     cgroup: str = _key("", live=False)
-    event: str = _key("cpu-clock", live=False, check=_one_of("cpu-clock", "task-clock"))
+    event: str = _key("cpu-clock", live=False, check=_one_of(*EVENTS),
+                      doc="perf's event name; `cycles` without a PMU falls back to `cpu-clock`")
     frequency: int = _key(99, live=False, check=_positive)
     stack_size: int = _key(8192, live=False, check=_stack_size)
     ring_pages: int = _key(0, live=False, check=_auto_or_power_of_two)

@@ -206,5 +206,8 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     # Counts reach the store once a second and before every read of it (Daemon._flush), not
     # every drain: a busy stack's group recurs in most drains of a second, and each store
     # update of it is Python work.
-    return LiveProfiler.open(target, sampling, engine=engine, store=store,
+    prof = LiveProfiler.open(target, sampling, engine=engine, store=store,
                              flush_interval=FLUSH_SECONDS)  # fmt: skip
+    for note in prof.session.notes:  # the fallbacks taken to open (sampling.fallback)
+        log.warning("%s", note)
+    return prof

@@ -144,7 +144,11 @@ def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096) -> int:
 
 class PerfOpenError(OSError):
     """perf_event_open, its ioctls or the ring mmap failed; ``errno`` is the kernel's answer and
-    the message says what to change."""
+    the message says what to change. ``str`` is that message alone (an operator's one line),
+    without the ``[Errno N]`` prefix OSError's would put in front of it."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
 
 
 class RingMapError(PerfOpenError):
