@@ -246,6 +246,8 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         prof = LiveProfiler.open(target, _sampling_config(args))
     except (PerfOpenError, ValueError) as e:
         return _fail(str(e))
+    # processes older than the recording have no COMM record: the summary names them from /proc
+    prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
     stop = _install_stop_handlers()
     sink = TextOutput(args.format, out, unwind=False)
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples

@@ -6,6 +6,8 @@ Invariants:
 - Loss is never inferred: LOST counts what the kernel said it dropped from a full ring
   (``lost`` field), LOST_SAMPLES what it dropped before the ring, THROTTLE/UNTHROTTLE how often
   the kernel throttled the event. All of them per CPU (``None`` when the record had no CPU).
+- A pid's name (``comm_of``) is its main thread's COMM, else the first COMM of its threads or
+  the name /proc gave it (``note_comm``), else perf's name for an unnamed task (comms.py).
 - Memory: O(types + CPUs + distinct pids). Cost per record: a few dict updates.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .comms import default_comm
 from .records import (
     BadRecord,
     Comm,
@@ -73,6 +76,17 @@ class StreamStats:
             (self.unthrottled_by_cpu if rec.unthrottle else self.throttled_by_cpu)[rcpu] += 1
         elif isinstance(rec, BadRecord):
             self.bad_records[rec.reason] += 1
+
+    def note_comm(self, pid: int, comm: str) -> None:
+        """``pid`` is named ``comm`` outside the stream (/proc, for a process older than the
+        recording): its name unless a COMM record of its main thread names it."""
+        self.comm_by_pid.setdefault(pid, comm)
+
+    def comm_of(self, pid: int) -> str:
+        """The per-pid table's name of ``pid``: its COMM's, /proc's, else perf's
+        (comms.default_comm: ``swapper`` for pid 0)."""
+        comm = self.comm_by_pid.get(pid)
+        return default_comm(pid, pid) if comm is None else comm
 
     @property
     def lost(self) -> int:
