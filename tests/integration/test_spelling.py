@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -25,10 +26,11 @@ from pathlib import Path
 
 import pytest
 from daemonutil import UNWINDCTL, DaemonProc, held, release
-from perfutil import PERF, record_perf_data
+from perfutil import PERF, build_busy, record_perf_data
 from pprofcheck import check_valid, decode
-from procutil import wait_cpu_seconds
+from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
 from refreplay import python_replay_bytes
+from unwindd.source.sampling import online_cpus
 from workloads.build import CFLAGS, SRC
 
 UNWINDD = [sys.executable, "-m", "unwindd.cli"]
@@ -212,6 +214,28 @@ def test_record_names(running: int, stripped_data: Path) -> None:
     # the process older than the recording, by its /proc name
     rows = _pid_rows(_record("--pid", str(pid), "--duration", "1", "-F", "499"))
     assert rows[pid][1] == COMM, rows
+
+
+def test_record_names_forked_child(tmp_path: Path) -> None:
+    """A child that never execs is named as its parent in the summary, as in its samples (and
+    as perf's thread__fork names it): busy.c forks once and both spin."""
+    busy = build_busy(tmp_path)
+    child = held([str(busy), "0.5"])
+    rec = subprocess.Popen([*UNWINDD, "record", "--pid", str(child.pid), "-F", "499",
+                            "--status-interval", "0.2"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_perf_fds(rec.pid, len(online_cpus()), rec)
+        wait_stderr_line(rec, r"unwindd: \d+s samples=\d+ ")  # sampling: the loop runs
+        release(child)
+        assert child.wait(60) == 0
+    finally:
+        rec.send_signal(signal.SIGINT)
+        out, err = rec.communicate(timeout=60)
+    assert rec.returncode == 0, err
+    rows = _pid_rows(out)
+    assert len(rows) == 2 and child.pid in rows, rows  # the parent and its forked child
+    assert {comm for _, comm in rows.values()} == {"busy"}, rows
 
 
 def test_record_idle_task_is_swapper() -> None:
