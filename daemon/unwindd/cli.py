@@ -372,6 +372,8 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
             workload.cancel()
         return _fail(str(e))
     _print_notes(prof.session.notes)
+    # processes older than the recording have no COMM record: the summary names them from /proc
+    prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
     stop = _stop_or_exited(_install_stop_handlers(), workload)
     sink = TextOutput(args.format, out, unwind=False)
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples

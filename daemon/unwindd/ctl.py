@@ -33,6 +33,7 @@ from urllib.parse import urlencode
 
 from . import __version__
 from .serve.config import DEFAULT_SOCKET, fallback_socket
+from .unwind.stackfmt import UNKNOWN
 
 
 class CtlError(Exception):
@@ -350,7 +351,7 @@ def cmd_watch(c: Client, args: argparse.Namespace, out: TextIO) -> None:
                 out.write(line.decode())
             else:
                 s = json.loads(line)
-                user = [f["sym"] or "?" for f in s["frames"] if not f["kernel"]]
+                user = [f["sym"] or UNKNOWN for f in s["frames"] if not f["kernel"]]
                 chain = " <- ".join(user[:8]) or "[no user frames]"
                 t = _clock(s["time_ns"], off_ns)
                 out.write(f"{t:<12} {s['comm']:>16} {s['pid']:>7}/{s['tid']:<7} {chain}\n")

@@ -39,7 +39,10 @@ def test_profile_round_trips() -> None:
     assert p.sample_types == [("samples", "count"), ("cpu", "nanoseconds")]
     assert p.period_type == ("cpu", "nanoseconds") and p.period == 10_101_010
     assert [s[1] for s in p.samples] == [[7, 70_707_070], [3, 30_303_030], [1, 10_101_010]]
-    assert p.stack_names(0) == ["asm_sysvec", "spin", "c", "[/usr/lib/x86_64-linux-gnu/libc.so.6]"]
+    assert p.stack_names(0) == ["asm_sysvec", "spin", "c", "[unknown]"]
+    # the unknown frame's binary is its function's file name (and its location's mapping)
+    libc = p.functions[p.locations[p.samples[0][0][3]][2][0]]
+    assert libc == ("[unknown]", "[unknown]", "/usr/lib/x86_64-linux-gnu/libc.so.6")
     assert p.stack_names(1) == ["spin", "c"]
     assert p.samples[0][2] == {"comm": "chain_o2", "pid": 42, "tid": 43}
     assert p.samples[2][2] == {}

@@ -41,7 +41,7 @@ def test_perf_script_layout_matches_perf() -> None:
 def test_folded_is_outermost_first_with_kernel_marked() -> None:
     folded = fold([SAMPLE, SAMPLE])
     assert render_folded(folded) == (
-        "sh;__libc_start_call_main;[dash];__strchr_evex;asm_sysvec_apic_timer_interrupt_[k] 2\n"
+        "sh;__libc_start_call_main;[unknown];__strchr_evex;asm_sysvec_apic_timer_interrupt_[k] 2\n"
     )
     assert fold([SAMPLE], by_period=True)[next(iter(folded))] == 10101010
 

@@ -40,8 +40,7 @@ def render_frame(fmt: str, f: Frame) -> str:
 
         u = UnwoundSample(None, None, None, None, "", None, "", (f,))
         return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
-    return (f"\t{f.rel if f.rel is not None else f.ip:16x} {f.sym or '[unknown]'} "
-            f"({f.dso or '[unknown]'})\n")  # fmt: skip
+    return stackfmt.perf_script_frame(f, f.rel if f.rel is not None else f.ip)
 
 
 def emitter(
@@ -114,7 +113,7 @@ def write_folded(
     kips = view(a_kips, "Q", nk).tolist()
     # one folded_names call for all: it names frames outermost first, so reversed twice
     knames = list(stackfmt.folded_names(tuple(map(kernel_frame, reversed(kips)))))
-    comms = [c or "[unknown]" for c in nctx.comms]
+    comms = [c or stackfmt.UNKNOWN for c in nctx.comms]  # folded_key's comm
     names = sorted({*comms, *frame_text, *knames})
     rank = {n: r for r, n in enumerate(names)}
     comm_rank = array("I", [rank[c] for c in comms] or [0])

@@ -75,7 +75,7 @@ class TextOutput:
     def counts(self, groups: Sequence[CountGroup]) -> None:
         """Fold aggregated samples (``StackStore.add_counts``' groups) into the folded output."""
         for _t, _pid, _tid, comm, frames, n in groups:
-            self.folded[(comm or "[unknown]", *stackfmt.folded_names(frames))] += n
+            self.folded[(comm or stackfmt.UNKNOWN, *stackfmt.folded_names(frames))] += n
 
     def finish(self) -> None:
         if self.fmt == "folded":

@@ -116,6 +116,9 @@ class LiveTable:
         self.config.validate()
         self.clock = clock
         self.on_comm = on_comm
+        # Also told every comm read from /proc (the engine owns ``on_comm``): ``unwindd
+        # record``'s summary names pids that produced no COMM record (they predate it) by them.
+        self.comm_listeners: list[Callable[[int, str], None]] = []
         self.stats = LiveTableStats()
         self.record_time = 0  # newest record time applied: the table's "now" for retirement
         self._boot_offset = self.procfs.boot_offset_ns()
@@ -141,8 +144,7 @@ class LiveTable:
         for info in infos:
             if info is None:
                 continue
-            if self.on_comm is not None:
-                self.on_comm(info.pid, info.comm)
+            self._named(info.pid, info.comm)
             if info.kernel_thread:
                 st.bootstrap_kernel_threads += 1
                 continue
@@ -320,9 +322,15 @@ class LiveTable:
             self.stats.pid_reuse += 1
         sp = self.table.load_mappings(pid, info.maps, mode, start_time=info.start_time)
         sp.last_used = self.record_time
-        if self.on_comm is not None:
-            self.on_comm(pid, info.comm)
+        self._named(pid, info.comm)
         return True
+
+    def _named(self, pid: int, comm: str) -> None:
+        """/proc named ``pid`` ``comm``: tell the engine and the listeners."""
+        if self.on_comm is not None:
+            self.on_comm(pid, comm)
+        for cb in self.comm_listeners:
+            cb(pid, comm)
 
 
 def user_pc(s: Sample) -> int:

@@ -376,7 +376,7 @@ def render_folded(
     frames' part per stack."""
     folded: Counter[tuple[str, ...]] = Counter()
     for s in stacks:
-        folded[(s.comm or "[unknown]", *names(s.frames))] += s.count
+        folded[(s.comm or stackfmt.UNKNOWN, *names(s.frames))] += s.count
     return stackfmt.render_folded(folded)
 
 

@@ -123,7 +123,7 @@ def render_summary(
         lines.append("")
         top = stats.samples_by_pid.most_common(top_pids)
         lines += _table(
-            [(str(pid), str(n), stats.comm_by_pid.get(pid, "?")) for pid, n in top],
+            [(str(pid), str(n), stats.comm_of(pid)) for pid, n in top],
             ("pid", "samples", "comm"),
         )
         if len(stats.samples_by_pid) > top_pids:

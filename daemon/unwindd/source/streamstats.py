@@ -6,6 +6,9 @@ Invariants:
 - Loss is never inferred: LOST counts what the kernel said it dropped from a full ring
   (``lost`` field), LOST_SAMPLES what it dropped before the ring, THROTTLE/UNTHROTTLE how often
   the kernel throttled the event. All of them per CPU (``None`` when the record had no CPU).
+- A pid's name (``comm_of``) is its main thread's latest COMM or, before one, its parent's
+  name at FORK, the first COMM of its threads or the name /proc gave it (``note_comm``), else
+  perf's name for an unnamed task (comms.py).
 - Memory: O(types + CPUs + distinct pids). Cost per record: a few dict updates.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .comms import default_comm
 from .records import (
     BadRecord,
     Comm,
@@ -29,7 +33,7 @@ from .records import (
     record_type_name,
 )
 
-_PLAIN: frozenset[type] = frozenset({Mmap2, Fork, Exit, Mmap})  # counted by type and CPU only
+_PLAIN: frozenset[type] = frozenset({Mmap2, Exit, Mmap})  # counted by type and CPU only
 # (record types are final classes: ``type(rec) in _PLAIN`` is exact)
 
 
@@ -65,6 +69,12 @@ class StreamStats:
         elif isinstance(rec, Comm):
             if rec.pid == rec.tid or rec.pid not in self.comm_by_pid:
                 self.comm_by_pid[rec.pid] = rec.comm
+        elif isinstance(rec, Fork):
+            # a new process is named as its parent until it execs (perf's thread__fork copies
+            # the parent's comm, tools/perf/util/thread.c), like the engine's samples
+            parent = self.comm_by_pid.get(rec.ppid)
+            if rec.pid != rec.ppid and parent is not None:
+                self.comm_by_pid[rec.pid] = parent
         elif isinstance(rec, Lost):
             self.lost_by_cpu[rcpu] += rec.lost
         elif isinstance(rec, LostSamples):
@@ -73,6 +83,17 @@ class StreamStats:
             (self.unthrottled_by_cpu if rec.unthrottle else self.throttled_by_cpu)[rcpu] += 1
         elif isinstance(rec, BadRecord):
             self.bad_records[rec.reason] += 1
+
+    def note_comm(self, pid: int, comm: str) -> None:
+        """``pid`` is named ``comm`` outside the stream (/proc, for a process older than the
+        recording): its name unless a COMM record of its main thread names it."""
+        self.comm_by_pid.setdefault(pid, comm)
+
+    def comm_of(self, pid: int) -> str:
+        """The per-pid table's name of ``pid``: its COMM's, /proc's, else perf's
+        (comms.default_comm: ``swapper`` for pid 0)."""
+        comm = self.comm_by_pid.get(pid)
+        return default_comm(pid, pid) if comm is None else comm
 
     @property
     def lost(self) -> int:

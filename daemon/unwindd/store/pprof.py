@@ -31,7 +31,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import Iterable
 
-from ..unwind.stackfmt import Frame
+from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
 from .queries import StackCount
 
 
@@ -70,12 +70,6 @@ class _Strings:
         return i
 
 
-def _function_name(f: Frame) -> str:
-    if f.sym:
-        return f.sym
-    return f"[{f.dso}]" if f.dso else "[unknown]"
-
-
 def encode_profile(
     stacks: Iterable[StackCount],
     *,
@@ -98,8 +92,8 @@ def encode_profile(
     out.append(_bytes(1, vtype("cpu", "nanoseconds")))
 
     def location(f: Frame) -> int:
-        dso = f.dso or ("[kernel]" if f.kernel else "[unknown]")
-        name = _function_name(f)
+        dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
+        name = frame_name(f)  # the binary is the location's mapping
         key = (dso, f.ip, name)
         lid = locations.get(key)
         if lid is not None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
-from ..unwind.stackfmt import Frame
+from ..unwind.stackfmt import Frame, frame_name
 
 Stack = tuple[Frame, ...]
 Key = tuple[int, int, str, int]  # pid, tid, comm, stack id
@@ -219,7 +219,8 @@ def func_keys(frames: Stack) -> _Keys | tuple[()]:
     hit = _KEYS_CACHE.get(id(frames))
     if hit is not None and hit[0] is frames:
         return hit[1]
-    keys = [(f.sym or f"[{f.dso or 'unknown'}]", f.dso) for f in frames]
+    # a frame without a symbol is UNKNOWN, kept apart per binary by the key's dso
+    keys = [(frame_name(f), f.dso) for f in frames]
     out = (keys[0], tuple(dict.fromkeys(keys)))
     if len(_KEYS_CACHE) >= _KEYS_CACHE_MAX:
         _KEYS_CACHE.clear()

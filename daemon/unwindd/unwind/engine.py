@@ -35,6 +35,7 @@ from ..procs.mapping import Mapping, find_mapping
 from ..procs.proctable import ProcessTable
 from ..procs.space import SpaceState
 from ..source import abi
+from ..source.comms import default_comm
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
 from .stackfmt import Frame, UnwoundSample
 
@@ -312,11 +313,13 @@ class StackEngine:
                 "kstacks": len(self._kstacks), "comms": len(self._comms)}  # fmt: skip
 
     def comm_of(self, pid: int | None, tid: int | None) -> str:
+        """The task's name now: its COMM (or /proc's, or its parent's at FORK), else its
+        process's, else the name perf gives a task nothing named (comms.default_comm)."""
         if tid is not None and tid in self._comms:
             return self._comms[tid]
         if pid is not None and pid in self._comms:
             return self._comms[pid]
-        return ":-1" if pid is None else f":{pid}"
+        return default_comm(pid, tid)
 
     # -- internals
 

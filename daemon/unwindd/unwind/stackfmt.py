@@ -11,15 +11,22 @@ Invariants:
   ``%5lu.%09llu:``, then one ``\\t%16x sym (dso)`` line per frame (the address perf prints:
   ``Frame.rel``) and an empty line.
 - ``folded`` follows flamegraph.pl's stackcollapse-perf.pl: ``comm;outermost;...;leaf count``,
-  a frame without a symbol spelled ``[dso basename]`` (or ``[unknown]``), kernel frames
-  suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user frames.
+  kernel frames suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user
+  frames.
+- A frame without a symbol is named ``UNKNOWN`` (``[unknown]``) everywhere a name is shown
+  (``frame_name``: folded, perf script, the store's top and pprof, ``unwindctl watch``), as
+  perf does: util/evsel_fprintf.c prints ``[unknown]`` for a frame without a symbol and
+  names its binary in the ``(dso)`` column, and perf's stackcollapse.py
+  (tools/perf/scripts/python) folds it as ``[unknown]``. Its binary is shown only where the
+  output has a place for it (perf script's ``(dso)``, jsonl's ``dso``, top's DSO column,
+  pprof's mapping). The native replay renders frames through these functions too
+  (replaytext.py; fold.c only joins the names it is given).
 - Cost: O(frames) per sample. A ``Frame`` hashes its fields once (cached; equality is the
   dataclass's, over the seven fields only), so interning a new stack costs one call per frame.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,10 +69,21 @@ class Frame:
     def __repr__(self) -> str:
         where = f"{self.sym}+{self.offset:#x}" if self.sym and self.offset else self.sym
         k = " [k]" if self.kernel else ""
-        return f"Frame({self.ip:#x} {where or '?'} in {self.dso or '?'}{k})"
+        return f"Frame({self.ip:#x} {where or UNKNOWN} in {self.dso or UNKNOWN}{k})"
 
 
 _FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel")
+
+# The name of a frame without a symbol, and of a frame's binary when no mapping covers it:
+# perf's spelling (util/evsel_fprintf.c sample__fprintf_callchain, scripts/python/
+# stackcollapse.py). Every output names unknown frames through this one constant.
+UNKNOWN = "[unknown]"
+
+
+def frame_name(f: Frame) -> str:
+    """The function name shown for ``f``: its symbol, else ``UNKNOWN`` (never its binary's
+    name: outputs that show the binary have their own place for it)."""
+    return f.sym or UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,26 +130,26 @@ def perf_script(s: UnwoundSample) -> str:
     lines = [head]
     for f in s.frames:
         addr = f.rel if f.rel is not None else f.ip
-        lines.append(f"\t{addr:16x} {f.sym or '[unknown]'} ({f.dso or '[unknown]'})\n")
+        lines.append(perf_script_frame(f, addr))
     lines.append("\n")
     return "".join(lines)
 
 
+def perf_script_frame(f: Frame, addr: int) -> str:
+    """One callchain line of perf script: ``\\t%16x sym (dso)`` at ``addr``."""
+    return f"\t{addr:16x} {frame_name(f)} ({f.dso or UNKNOWN})\n"
+
+
 def folded_key(s: UnwoundSample) -> tuple[str, ...]:
     """The stack as flamegraph.pl folds it: comm first, then outermost frame to leaf."""
-    return (s.comm or "[unknown]", *folded_names(s.frames))
+    return (s.comm or UNKNOWN, *folded_names(s.frames))
 
 
 def folded_names(frames: tuple[Frame, ...]) -> tuple[str, ...]:
     """``folded_key`` without the comm: the frames' names, outermost first."""
     names = []
     for f in reversed(frames):
-        if f.sym:
-            name = f.sym
-        elif f.dso:
-            name = f"[{os.path.basename(f.dso.strip('[]'))}]"
-        else:
-            name = "[unknown]"
+        name = f.sym or UNKNOWN  # frame_name, inlined: called per frame of every stack
         if f.kernel:
             name += "_[k]"
         names.append(name.replace(";", ":"))
