@@ -128,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--pid", type=int, action="append", default=[], help="repeatable")
         sp.add_argument("--comm")
         sp.add_argument("--tid", type=int)
-        sp.add_argument("--since", type=float, metavar="SECONDS",
-                        help="only the last SECONDS (default: everything retained)")
-        if window:
+        if window:  # the live stream has no window: it sends samples from now on
+            sp.add_argument("--since", type=float, metavar="SECONDS",
+                            help="only the last SECONDS (default: everything retained)")
             sp.add_argument("--until", type=float, metavar="SECONDS",
                             help="end the window SECONDS ago (default: now)")
 
@@ -159,7 +159,7 @@ def _filter_params(args: argparse.Namespace) -> dict[str, Any]:
         "pid": ",".join(map(str, args.pid)) or None,
         "comm": args.comm,
         "tid": args.tid,
-        "since": args.since,
+        "since": getattr(args, "since", None),
         "until": getattr(args, "until", None),
     }
 
@@ -332,8 +332,7 @@ def cmd_pprof(c: Client, args: argparse.Namespace, out: TextIO) -> None:
 
 def cmd_watch(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     params = {**_filter_params(args), "limit": args.count, "seconds": args.seconds}
-    params.pop("since")
-    params.pop("until")
+    del params["since"], params["until"]  # the parser does not offer them for watch
     with c.open("/v1/stream", params, timeout=None) as resp:
         # sample times are CLOCK_MONOTONIC (perf's clock): the daemon says how far the wall
         # clock is ahead of it (the same machine's clocks, when it does not)
