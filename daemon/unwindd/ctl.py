@@ -239,15 +239,26 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
                       f"{cache['hits']} hits, {cache['misses']} misses"),
         ("store", f"{st['store']['stacks']} stacks, {st['store']['bytes'] / 1e6:.1f} MB"),
         ("config", st["config_source"]),
-        ("reloads", f"{st.get('reloads', 0)} applied"),
+        ("reload", reload_line(st)),
     ]  # fmt: skip
-    if st.get("reload_errors"):
-        # A failed reload keeps the running config; say so where an operator looks.
-        lines.append(("last reload error", f"{st['reload_errors'][-1]} (running config kept)"))
     if st["pending_restart"]:
         lines.append(("restart needed for", ", ".join(st["pending_restart"])))
     for k, v in lines:
         out.write(f"{k + ':':<20}{v}\n")
+
+
+def reload_line(st: Mapping[str, Any]) -> str:
+    """The latest reload, in local time: its error only while it is the latest (a failed one
+    keeps the running config; a later good one clears it)."""
+    last = st.get("last_reload")
+    if not last:
+        return "none since start"
+    at = time.strftime("%H:%M:%S", time.localtime(last["unix"]))
+    if last["ok"]:
+        return (f"applied at {at} ({st['reloads']} applied, "
+                f"{st.get('reload_failures', 0)} failed since start)")  # fmt: skip
+    kept = "the rest of the new config applied" if last["applied"] else "running config kept"
+    return f"failed at {at}: {last['error']} ({kept})"
 
 
 def cmd_ps(c: Client, args: argparse.Namespace, out: TextIO) -> None:

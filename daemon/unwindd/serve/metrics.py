@@ -201,7 +201,10 @@ def counter_specs() -> list[Spec]:
              lambda d: d.rejected, "reason", lambda d: REJECTIONS),
         Spec("unwindd_stream_dropped_samples", "Samples not sent to slow stream clients.",
              lambda d: d.stream_dropped),
-        Spec("unwindd_reloads", "Configuration reloads (SIGHUP).", lambda d: d.reloads),
+        Spec("unwindd_reloads", "Configuration reloads (SIGHUP) whose config was applied.",
+             lambda d: d.reloads),
+        Spec("unwindd_reload_failures", "Configuration reloads that failed, in whole or in part.",
+             lambda d: d.reload_failures),
     ]  # fmt: skip
 
 
@@ -229,6 +232,9 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.profiler.pipeline.orderer.stats.queued),
         Spec("unwindd_api_connections", "Open query API connections.",
              lambda d: d.connections),
+        Spec("unwindd_last_reload_successful",
+             "0 if the latest reload failed (see unwindctl status), else 1.",
+             lambda d: float(d.last_reload is None or d.last_reload.ok)),
         Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
              lambda d: d.uptime()),
         Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",
