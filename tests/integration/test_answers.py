@@ -332,15 +332,21 @@ def test_ctl_status_says_whether_the_latest_reload_failed(env: Env) -> None:
     assert metric_values(d.metrics(), "unwindd_last_reload_successful") == {"": 1.0}
 
 
-def test_too_many_streams_is_refused_and_counted_once(tmp_path: Path) -> None:
+def test_partly_failed_reload_applies_the_rest(tmp_path: Path) -> None:
+    """A reload whose socket group cannot be set fails, says so, and applies the rest: the
+    stream limit it sets refuses a second stream (429, counted once)."""
     d = DaemonProc(tmp_path, frequency=99)
     try:
         d.wait_message("READY=1")
-        # a live key: set by a reload
         d.config.write_text(d.config.read_text().replace(
-            "request_timeout = 1.5\n", "request_timeout = 1.5\nmax_stream_clients = 1\n"))
+            "request_timeout = 1.5\n",
+            'request_timeout = 1.5\nmax_stream_clients = 1\ngroup = "unwindd-no-such-group"\n'))
         sighup(d)
-        assert d.json("/v1/status")["last_reload"]["ok"] is True
+        last = d.json("/v1/status")["last_reload"]
+        assert last["ok"] is False and last["applied"] is True, last
+        line = reload_of(ctl(d, "status").stdout)
+        assert re.fullmatch(r"failed at \d\d:\d\d:\d\d: \[api\] group: .*unwindd-no-such-group.* "
+                            r"\(the rest of the new config applied\)", line), line  # fmt: skip
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
             first.settimeout(10)
             first.connect(str(d.sock))
