@@ -264,3 +264,16 @@ def test_cpu_zero_series_follow_the_session(cpus: list[int]) -> None:
     text = scrape(d)
     assert metric_values(text, "unwindd_lost_records_total") == {
         f'{{cpu="{c}"}}': 0.0 for c in cpus}
+
+
+def test_reload_line() -> None:
+    assert ctl.reload_line({"last_reload": None, "reloads": 0}) == "none since start"
+    at = 1_700_000_000.0
+    hms = ctl.time.strftime("%H:%M:%S", ctl.time.localtime(at))
+    failed = {"unix": at, "ok": False, "applied": False, "error": "[x] y: bad"}
+    st = {"last_reload": failed, "reloads": 2, "reload_failures": 1}
+    assert ctl.reload_line(st) == f"failed at {hms}: [x] y: bad (running config kept)"
+    st["last_reload"] = {**failed, "applied": True}
+    assert ctl.reload_line(st).endswith("(the rest of the new config applied)")
+    st["last_reload"] = {"unix": at, "ok": True, "applied": True, "error": None}
+    assert ctl.reload_line(st) == f"applied at {hms} (2 applied, 1 failed since start)"
