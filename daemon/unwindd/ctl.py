@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--pid", type=int, action="append", default=[], help="repeatable")
         sp.add_argument("--comm")
         sp.add_argument("--tid", type=int)
-        sp.add_argument("--since", type=float, metavar="SECONDS",
-                        help="only the last SECONDS (default: everything retained)")
-        if window:
+        if window:  # the live stream has no window: it sends samples from now on
+            sp.add_argument("--since", type=float, metavar="SECONDS",
+                            help="only the last SECONDS (default: everything retained)")
             sp.add_argument("--until", type=float, metavar="SECONDS",
                             help="end the window SECONDS ago (default: now)")
 
@@ -160,7 +160,7 @@ def _filter_params(args: argparse.Namespace) -> dict[str, Any]:
         "pid": ",".join(map(str, args.pid)) or None,
         "comm": args.comm,
         "tid": args.tid,
-        "since": args.since,
+        "since": getattr(args, "since", None),
         "until": getattr(args, "until", None),
     }
 
@@ -240,15 +240,26 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
                       f"{cache['hits']} hits, {cache['misses']} misses"),
         ("store", f"{st['store']['stacks']} stacks, {st['store']['bytes'] / 1e6:.1f} MB"),
         ("config", st["config_source"]),
-        ("reloads", f"{st.get('reloads', 0)} applied"),
+        ("reload", reload_line(st)),
     ]  # fmt: skip
-    if st.get("reload_errors"):
-        # A failed reload keeps the running config; say so where an operator looks.
-        lines.append(("last reload error", f"{st['reload_errors'][-1]} (running config kept)"))
     if st["pending_restart"]:
         lines.append(("restart needed for", ", ".join(st["pending_restart"])))
     for k, v in lines:
         out.write(f"{k + ':':<20}{v}\n")
+
+
+def reload_line(st: Mapping[str, Any]) -> str:
+    """The latest reload, in local time: its error only while it is the latest (a failed one
+    keeps the running config; a later good one clears it)."""
+    last = st.get("last_reload")
+    if not last:
+        return "none since start"
+    at = time.strftime("%H:%M:%S", time.localtime(last["unix"]))
+    if last["ok"]:
+        return (f"applied at {at} ({st['reloads']} applied, "
+                f"{st.get('reload_failures', 0)} failed since start)")  # fmt: skip
+    kept = "the rest of the new config applied" if last["applied"] else "running config kept"
+    return f"failed at {at}: {last['error']} ({kept})"
 
 
 def cmd_ps(c: Client, args: argparse.Namespace, out: TextIO) -> None:
@@ -333,8 +344,7 @@ def cmd_pprof(c: Client, args: argparse.Namespace, out: TextIO) -> None:
 
 def cmd_watch(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     params = {**_filter_params(args), "limit": args.count, "seconds": args.seconds}
-    params.pop("since")
-    params.pop("until")
+    del params["since"], params["until"]  # the parser does not offer them for watch
     with c.open("/v1/stream", params, timeout=None) as resp:
         # sample times are CLOCK_MONOTONIC (perf's clock): the daemon says how far the wall
         # clock is ahead of it (the same machine's clocks, when it does not)

@@ -73,10 +73,15 @@ def status_line(sock: Path, target: str) -> str:
 
 
 def test_first_scrape_has_zero_series(env: Env) -> None:
+    from unwindd.binaries.cfi import CFI_STORE_RESULTS
     from unwindd.binaries.elfcache import ERROR_KINDS
+    from unwindd.binaries.symstore import SYM_STORE_RESULTS
     from unwindd.pipeline.context import END_ERRORS, SAMPLE_ERRORS
+    from unwindd.procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
+    from unwindd.procs.proctable import DROP_REASONS
     from unwindd.serve.api import PARAMS
     from unwindd.serve.httpapi import REJECTIONS
+    from unwindd.source import decoder
 
     _, _, _, text = env
     cpus = online_cpus()
@@ -85,7 +90,22 @@ def test_first_scrape_has_zero_series(env: Env) -> None:
         assert set(labels(text, family, "cpu")) == cpus, (family, text)
     decode = labels(text, "unwindd_decode_errors_total", "reason")
     assert set(decode) >= {*filter(None, SAMPLE_ERRORS), *END_ERRORS.values()}
-    assert set(decode.values()) == {0.0}
+    assert set(decode) == set(decoder.DECODE_ERRORS) and set(decode.values()) == {0.0}
+    # every reason each module names, and no other: the rescans that bootstrap left to do may
+    # have counted some already, the rest are there at 0
+    for family, known in (
+        ("unwindd_proc_rescans_total", RESCAN_TRIGGERS),
+        ("unwindd_proc_backfilled_samples_total", RESCAN_TRIGGERS),
+        ("unwindd_proc_rescan_failures_total", RESCAN_FAILURES),
+        ("unwindd_proc_give_ups_total", GIVE_UPS),
+        ("unwindd_process_drops_total", DROP_REASONS),
+    ):  # fmt: skip
+        assert set(labels(text, family, "reason")) == set(known), (family, text)
+    for family, known in (("unwindd_cfi_disk_cache_total", CFI_STORE_RESULTS),
+                          ("unwindd_symbol_disk_cache_total", SYM_STORE_RESULTS)):  # fmt: skip
+        assert set(labels(text, family, "result")) == set(known), (family, text)
+    assert metric_values(text, "unwindd_reload_failures_total") == {"": 0.0}
+    assert metric_values(text, "unwindd_last_reload_successful") == {"": 1.0}
     assert set(labels(text, "unwindd_elf_cache_errors_total", "reason")) >= set(ERROR_KINDS)
     rejected = labels(text, "unwindd_api_rejected_total", "reason")
     assert set(rejected) == set(REJECTIONS) and set(rejected.values()) == {0.0}
@@ -250,22 +270,91 @@ def test_ctl_watch_header_and_wall_clock(env: Env) -> None:
         assert late <= 60 or late >= 86400 - 1, (ln, late)
 
 
-def test_ctl_status_uptime_and_failed_reload(env: Env) -> None:
+def reload_of(out: str) -> str:
+    lines = [ln for ln in out.splitlines() if ln.startswith("reload")]
+    assert len(lines) == 1, out
+    return re.sub(r"^reload:\s+", "", lines[0])
+
+
+def shown_at(hms: str) -> float:
+    """How long ago a local HH:MM:SS was (across midnight too)."""
+    t = datetime.strptime(hms, "%H:%M:%S").time()
+    now = time.time()
+    return (now - datetime.combine(datetime.fromtimestamp(now).date(), t).timestamp()) % 86400
+
+
+def sighup(d: DaemonProc) -> None:
+    d.recv_messages(0.05)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_message("READY=1", timeout=10)
+
+
+def test_ctl_status_says_whether_the_latest_reload_failed(env: Env) -> None:
     d, _, _, _ = env
     res = ctl(d, "status")
     uptime = next(ln for ln in res.stdout.splitlines() if ln.startswith("uptime:"))
     assert re.fullmatch(r"uptime:\s+(\d+d \d+h \d\dm \d\ds|\d+h \d\dm \d\ds|\d+m \d\ds|\d+s)",
                         uptime), uptime  # fmt: skip
-    assert "reload error" not in res.stdout
+    assert not reload_of(res.stdout).startswith("failed"), res.stdout
+    before = d.json("/v1/status")
     good = d.config.read_text()
     d.config.write_text("[sampling]\nfrequency = -1\n")
     try:
-        d.recv_messages(0.05)
-        d.proc.send_signal(signal.SIGHUP)
-        d.wait_message("READY=1", timeout=10)
+        sighup(d)
     finally:
         d.config.write_text(good)
     res = ctl(d, "status")
-    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("last reload error:")),
-                None)  # fmt: skip
-    assert line is not None and "[sampling] frequency" in line, res.stdout
+    m = re.fullmatch(r"failed at (\d\d:\d\d:\d\d): (.*) \(running config kept\)",
+                     reload_of(res.stdout))  # fmt: skip
+    assert m and "[sampling] frequency" in m[2], res.stdout
+    assert shown_at(m[1]) <= 60 or shown_at(m[1]) >= 86400 - 1, m[1]
+    st = d.json("/v1/status")
+    last = st["last_reload"]
+    assert last["ok"] is False and last["applied"] is False and "[sampling]" in last["error"]
+    assert abs(last["unix"] - time.time()) < 60, last
+    assert st["reload_failures"] == before["reload_failures"] + 1
+    assert st["reloads"] == before["reloads"] and st["reload_errors"][-1] == last["error"]
+    scrape = d.metrics()
+    assert metric_values(scrape, "unwindd_last_reload_successful") == {"": 0.0}
+    assert metric_values(scrape, "unwindd_reload_failures_total") == {
+        "": float(st["reload_failures"])}
+
+    sighup(d)  # the file fixed: the next reload applies, and the error is no longer shown
+    res = ctl(d, "status")
+    line = reload_of(res.stdout)
+    m = re.fullmatch(r"applied at (\d\d:\d\d:\d\d) \((\d+) applied, (\d+) failed since start\)",
+                     line)  # fmt: skip
+    assert m and "frequency" not in res.stdout and "error" not in res.stdout, res.stdout
+    assert (int(m[2]), int(m[3])) == (before["reloads"] + 1, before["reload_failures"] + 1)
+    st = d.json("/v1/status")
+    assert st["last_reload"]["ok"] is True and st["last_reload"]["error"] is None
+    assert st["last_reload"]["unix"] >= last["unix"]
+    assert metric_values(d.metrics(), "unwindd_last_reload_successful") == {"": 1.0}
+
+
+def test_partly_failed_reload_applies_the_rest(tmp_path: Path) -> None:
+    """A reload whose socket group cannot be set fails, says so, and applies the rest: the
+    stream limit it sets refuses a second stream (429, counted once)."""
+    d = DaemonProc(tmp_path, frequency=99)
+    try:
+        d.wait_message("READY=1")
+        d.config.write_text(d.config.read_text().replace(
+            "request_timeout = 1.5\n",
+            'request_timeout = 1.5\nmax_stream_clients = 1\ngroup = "unwindd-no-such-group"\n'))
+        sighup(d)
+        last = d.json("/v1/status")["last_reload"]
+        assert last["ok"] is False and last["applied"] is True, last
+        line = reload_of(ctl(d, "status").stdout)
+        assert re.fullmatch(r"failed at \d\d:\d\d:\d\d: \[api\] group: .*unwindd-no-such-group.* "
+                            r"\(the rest of the new config applied\)", line), line  # fmt: skip
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+            first.settimeout(10)
+            first.connect(str(d.sock))
+            first.sendall(b"GET /v1/stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
+            status, _, body = d.get("/v1/stream")
+            assert status == 429 and "stream clients" in json.loads(body)["error"], body
+        rejected = labels(d.metrics(), "unwindd_api_rejected_total", "reason")
+        assert rejected["too_many_streams"] == 1.0, rejected
+    finally:
+        assert d.stop() == 0

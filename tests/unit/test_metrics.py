@@ -81,9 +81,10 @@ def test_counters_and_gauges() -> None:
 
 
 def test_new_stage_counters_appear_when_they_exist() -> None:
-    text = scrape(fake_daemon(Counter({"unmapped_pc": 4, "exec": 1})))
-    assert metric_values(text, "unwindd_proc_rescans_total") == {
-        '{reason="exec"}': 1.0, '{reason="unmapped_pc"}': 4.0}
+    text = scrape(fake_daemon(Counter({"pc_unmapped": 4, "retry": 1})))
+    assert counted(text, "unwindd_proc_rescans_total") == {
+        '{reason="retry"}': 1.0, '{reason="pc_unmapped"}': 4.0}
+    assert metric_values(text, "unwindd_proc_rescans_total")['{reason="no_mappings"}'] == 0.0
     assert metric_values(text, "unwindd_proc_held_samples") == {"": 0.0}
     assert metric_values(text, "unwindd_bootstrap_processes") == {"": 0.0}
 

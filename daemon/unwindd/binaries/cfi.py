@@ -36,6 +36,7 @@ from ..unwcore import check, ffi, lib
 from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 
 __all__ = [
+    "CFI_STORE_RESULTS",
     "ERROR_NAMES",
     "CfaKind",
     "CfiError",
@@ -427,18 +428,20 @@ FILE_HEADER = struct.Struct("<8sIIQI")
 MAX_CACHE_FILE = 1 << 30
 
 
+# ``CfiStore.stats`` keys: loaded from disk, compiled (and written), file discarded, compiled
+# but not persisted (no build-id), write failed.
+CFI_STORE_RESULTS = ("hits", "compiled", "corrupt", "no_build_id", "write_errors")
+
+
 class CfiStore:
     """Compiled tables on disk, one file per build-id: ``<cache_dir>/<build-id hex>.cfi``.
 
-    ``stats`` counts ``hits`` (loaded from disk), ``compiled``, ``corrupt`` (file discarded),
-    ``no_build_id`` (compiled, not persisted) and ``write_errors``. Not thread-safe."""
+    ``stats`` counts each of ``CFI_STORE_RESULTS``. Not thread-safe."""
 
     def __init__(self, cache_dir: str | os.PathLike[str]) -> None:
         self.cache_dir = os.fspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
-        self.stats: dict[str, int] = dict.fromkeys(
-            ("hits", "compiled", "corrupt", "no_build_id", "write_errors"), 0
-        )
+        self.stats: dict[str, int] = dict.fromkeys(CFI_STORE_RESULTS, 0)
 
     def path_for(self, build_id: bytes) -> str:
         return os.path.join(self.cache_dir, build_id.hex() + ".cfi")

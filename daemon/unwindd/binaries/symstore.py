@@ -33,6 +33,7 @@ __all__ = [
     "MAX_SYM_FILE",
     "SYM_FILE_MAGIC",
     "SYM_FILE_VERSION",
+    "SYM_STORE_RESULTS",
     "SymbolStore",
     "decode_symbol_table",
     "encode_symbol_table",
@@ -53,7 +54,10 @@ SYM_FILE_VERSION = 2
 _SYM_FILE = struct.Struct("<8sIIQIIIIQI4x")
 _EXTRA_RAW = 1 << 31
 MAX_SYM_FILE = 1 << 30  # > any real table (4M symbols x 20 B + string table); < 2**32 offsets
-_SYM_STATS = ("hits", "misses", "corrupt", "stale", "no_build_id", "write_errors", "unsaved")
+# ``SymbolStore.stats`` keys: read back, built (file missing or unusable), file discarded as
+# corrupt or stale, not persisted (no build-id, or over the bounds), write failed.
+SYM_STORE_RESULTS = ("hits", "misses", "corrupt", "stale", "no_build_id", "write_errors",
+                     "unsaved")  # fmt: skip
 
 
 class _BadFile(Exception):
@@ -238,7 +242,7 @@ class SymbolStore:
         self.cache_dir = os.fspath(cache_dir)
         os.makedirs(self.cache_dir, exist_ok=True)
         self.max_file_bytes = min(max_file_bytes, MAX_SYM_FILE)
-        self.stats: dict[str, int] = dict.fromkeys(_SYM_STATS, 0)
+        self.stats: dict[str, int] = dict.fromkeys(SYM_STORE_RESULTS, 0)
 
     def path_for(self, build_id: bytes) -> str:
         return os.path.join(self.cache_dir, build_id.hex() + ".sym")

@@ -45,7 +45,24 @@ from .procscan import ProcFS, ProcInfo, ticks_from_monotonic
 from .proctable import ProcessTable
 from .space import AddressSpace
 
-__all__ = ["LiveTable", "LiveTableConfig", "LiveTableStats"]
+__all__ = [
+    "GIVE_UPS",
+    "RESCAN_FAILURES",
+    "RESCAN_TRIGGERS",
+    "LiveTable",
+    "LiveTableConfig",
+    "LiveTableStats",
+]
+
+# What makes /proc/<pid>/maps be re-read (``stats.rescans``; ``stats.backfilled`` counts the
+# samples each made placeable): a pc outside every known mapping, samples of a pid the table
+# knows nothing of, a changed start time, a held sample's pid once the rate limit allows it.
+RESCAN_TRIGGERS = ("pc_unmapped", "no_mappings", "pid_reused", "retry")
+RESCAN_FAILURES = ("process_gone",)  # ``stats.rescan_failed``: nothing left to read
+# Why a sample was unwound without a mapping for its pc (``stats.give_ups``): the rescan did
+# not cover it (unmapped since, or never file-backed), nothing left to read, EXIT seen (/proc
+# no longer describes it), ``max_held`` reached, held past ``max_hold_ns``.
+GIVE_UPS = ("not_in_proc_maps", "process_gone", "process_exited", "hold_overflow", "hold_expired")
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
 
@@ -79,21 +96,15 @@ class LiveTableStats:
     bootstrap_kernel_threads: int = 0  # skipped: no user mappings
     bootstrap_mappings: int = 0  # executable mappings loaded
     bootstrap_seconds: float = 0.0  # wall time of the scan, ELF cache opens included
-    # /proc/<pid>/maps re-reads, by trigger: "pc_unmapped" (pc outside every known mapping),
-    # "no_mappings" (samples of a pid the table knows nothing of), "pid_reused" (start time
-    # changed), "retry" (a held sample's pid once the rate limit allowed it)
-    rescans: Counter[str] = field(default_factory=Counter)
+    rescans: Counter[str] = field(default_factory=Counter)  # by RESCAN_TRIGGERS
     rescans_override: int = 0  # of those, past the churn threshold: /proc won overlaps
-    rescan_failed: Counter[str] = field(default_factory=Counter)  # "process_gone"
-    # samples a rescan made placeable, by what triggered it (same labels as ``rescans``)
+    rescan_failed: Counter[str] = field(default_factory=Counter)  # by RESCAN_FAILURES
+    # samples a rescan made placeable, by what triggered it (RESCAN_TRIGGERS)
     backfilled: Counter[str] = field(default_factory=Counter)
     held: int = 0  # samples held for a rate-limited rescan
     held_now: int = 0  # gauge: samples held at this moment
     retried: int = 0  # held samples handed back for unwinding
-    # samples unwound without a mapping for their pc, by reason: "not_in_proc_maps" (the
-    # rescan did not cover the pc: code unmapped since, or never file-backed), "process_gone"
-    # (nothing left to read), "process_exited" (EXIT seen: /proc no longer describes it),
-    # "hold_overflow" (``max_held`` reached), "hold_expired"
+    # samples unwound without a mapping for their pc, by reason (GIVE_UPS)
     give_ups: Counter[str] = field(default_factory=Counter)
     verifications: int = 0  # stat reads to check a space still belongs to its process
     pid_reuse: int = 0  # spaces found to belong to an older process with the same pid

@@ -66,7 +66,7 @@ from .mapping import (
 from .procmaps import parse_proc_maps
 from .space import AddressSpace
 
-__all__ = ["BinaryResolver", "ProcessTable", "TableStats"]
+__all__ = ["DROP_REASONS", "BinaryResolver", "ProcessTable", "TableStats"]
 
 
 class BinaryResolver(Protocol):
@@ -97,13 +97,16 @@ class BinaryResolver(Protocol):
 _ALIAS_KEYS = 1 << 48
 
 
+# Why a space leaves the table (``TableStats.drops``): retired and past the grace period, over
+# ``max`` spaces (retired ones first, then live ones), a new process took the pid, ``drop()``.
+DROP_REASONS = ("exit_grace", "cap_retired", "cap_live", "reused", "manual")
+
+
 @dataclass
 class TableStats:
     records: Counter[str] = field(default_factory=Counter)
     ignored: Counter[str] = field(default_factory=Counter)
-    # spaces dropped, by reason: "exit_grace" (retired and past the grace period), "cap_retired"
-    # / "cap_live" (over ``max`` spaces), "reused" (a new process took the pid), "manual"
-    drops: Counter[str] = field(default_factory=Counter)
+    drops: Counter[str] = field(default_factory=Counter)  # spaces dropped, by DROP_REASONS
 
 
 MERGE_MODES = ("replace", "fill", "override")

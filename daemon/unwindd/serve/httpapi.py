@@ -35,6 +35,9 @@ SERVER = f"unwindd/{__version__}".encode()
 # is one of them, else 400).
 SESSION_ERRORS: Final = (400, 413, 431)
 
+# The stream-client limit is the shell's (service.py), not the API's: its reason named once.
+TOO_MANY_STREAMS: Final = "too_many_streams"
+
 # Every reason a refusal is counted under (``Connections.rejected``, the unwindd_api_rejected
 # metric, which exports each at 0 from the start): the session's ``http_<status>``, the
 # connection limits, and what the API refuses (``Response.rejected``).
@@ -42,7 +45,7 @@ REJECTIONS: Final = (
     *(f"http_{s}" for s in SESSION_ERRORS),
     "timeout",  # a request not received within [api] request_timeout (408)
     "too_many_connections",  # [api] max_connections (503)
-    "too_many_streams",  # [api] max_stream_clients (429)
+    TOO_MANY_STREAMS,  # [api] max_stream_clients (429)
     "unknown_parameter",  # a query parameter the endpoint does not take (400)
     "bad_parameter",  # a parameter's value is wrong (400)
     "no_such_endpoint",  # 404

@@ -38,8 +38,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .. import __version__
+from ..binaries.cfi import CFI_STORE_RESULTS
 from ..binaries.elfcache import ERROR_KINDS as ELF_ERRORS
+from ..binaries.symstore import SYM_STORE_RESULTS
 from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
+from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
+from ..procs.proctable import DROP_REASONS
+from ..source import decoder
 from ..source.abi import RecordType
 from .httpapi import REJECTIONS
 
@@ -119,7 +124,9 @@ def _cpus(d: Any) -> Iterable[int]:
     return d.profiler.session.cpus  # type: ignore[no-any-return]
 
 
-DECODE_ERRORS = (*(r for r in SAMPLE_ERRORS if r), *END_ERRORS.values())
+# The Python decoder's reasons and the native index's (the same names: context.py), once each.
+DECODE_ERRORS = tuple(dict.fromkeys(
+    (*decoder.DECODE_ERRORS, *(r for r in SAMPLE_ERRORS if r), *END_ERRORS.values())))
 
 
 def _cpu(k: object) -> str:
@@ -165,23 +172,27 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_elf_cache_trims", "malloc_trim calls after ELF cache loads and drops.",
              lambda d: d.profiler.engine.table.binaries.stats.trims),
         Spec("unwindd_cfi_disk_cache", "Compiled CFI tables on disk ([cache] dir), by result.",
-             lambda d: d.profiler.engine.disk_stats.get("cfi", {}), "result"),
+             lambda d: d.profiler.engine.disk_stats.get("cfi", {}), "result",
+             lambda d: CFI_STORE_RESULTS),
         Spec("unwindd_symbol_disk_cache", "Symbol tables on disk ([cache] dir), by result.",
-             lambda d: d.profiler.engine.disk_stats.get("sym", {}), "result"),
+             lambda d: d.profiler.engine.disk_stats.get("sym", {}), "result",
+             lambda d: SYM_STORE_RESULTS),
         Spec("unwindd_proc_rescans", "/proc/<pid>/maps re-reads, by trigger.",
-             lambda d: d.profiler.live.stats.rescans, "reason"),
+             lambda d: d.profiler.live.stats.rescans, "reason", lambda d: RESCAN_TRIGGERS),
         Spec("unwindd_proc_rescans_override", "Rescans past the churn threshold (/proc won).",
              lambda d: d.profiler.live.stats.rescans_override),
         Spec("unwindd_proc_rescan_failures", "Rescans that found nothing to read, by reason.",
-             lambda d: d.profiler.live.stats.rescan_failed, "reason"),
+             lambda d: d.profiler.live.stats.rescan_failed, "reason",
+             lambda d: RESCAN_FAILURES),
         Spec("unwindd_proc_backfilled_samples", "Samples a rescan made placeable, by trigger.",
-             lambda d: d.profiler.live.stats.backfilled, "reason"),
+             lambda d: d.profiler.live.stats.backfilled, "reason", lambda d: RESCAN_TRIGGERS),
         Spec("unwindd_proc_give_ups", "Samples unwound without a mapping for their pc.",
-             lambda d: d.profiler.live.stats.give_ups, "reason"),
+             lambda d: d.profiler.live.stats.give_ups, "reason", lambda d: GIVE_UPS),
         Spec("unwindd_proc_pid_reuse", "Address spaces found to belong to an older process.",
              lambda d: d.profiler.live.stats.pid_reuse),
         Spec("unwindd_process_drops", "Address spaces dropped from the table, by reason.",
-             lambda d: d.profiler.engine.table.stats.drops, "reason"),
+             lambda d: d.profiler.engine.table.stats.drops, "reason",
+             lambda d: DROP_REASONS),
         Spec("unwindd_store_evicted_samples", "Samples dropped from the store by retention.",
              lambda d: d.profiler.store.stats.evicted_samples),
         Spec("unwindd_api_requests", "Query API requests, by endpoint.",
@@ -190,7 +201,10 @@ def counter_specs() -> list[Spec]:
              lambda d: d.rejected, "reason", lambda d: REJECTIONS),
         Spec("unwindd_stream_dropped_samples", "Samples not sent to slow stream clients.",
              lambda d: d.stream_dropped),
-        Spec("unwindd_reloads", "Configuration reloads (SIGHUP).", lambda d: d.reloads),
+        Spec("unwindd_reloads", "Configuration reloads (SIGHUP) whose config was applied.",
+             lambda d: d.reloads),
+        Spec("unwindd_reload_failures", "Configuration reloads that failed, in whole or in part.",
+             lambda d: d.reload_failures),
     ]  # fmt: skip
 
 
@@ -218,6 +232,9 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.profiler.pipeline.orderer.stats.queued),
         Spec("unwindd_api_connections", "Open query API connections.",
              lambda d: d.connections),
+        Spec("unwindd_last_reload_successful",
+             "0 if the latest reload failed (see unwindctl status), else 1.",
+             lambda d: float(d.last_reload is None or d.last_reload.ok)),
         Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
              lambda d: d.uptime()),
         Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",

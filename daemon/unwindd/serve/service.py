@@ -13,8 +13,10 @@ Invariants:
   dropped from the reader set until the next tick, so it cannot spin the loop.
 - Lifecycle: READY=1 once the rings are open and the socket listens; WATCHDOG=1 at half of
   WATCHDOG_USEC while steps keep completing; SIGHUP -> RELOADING=1, re-read the config, apply
-  the live keys, READY=1; SIGTERM/SIGINT -> STOPPING=1, stop accepting, end streams, drain the
-  rings into the store, remove the socket, exit 0.
+  the live keys (or keep the running ones if it does not load), READY=1, and keep the outcome
+  (``ReloadOutcome``: the latest one and counts, O(1)) for /v1/status; SIGTERM/SIGINT ->
+  STOPPING=1, stop accepting, end streams, drain the rings into the store, remove the socket,
+  exit 0.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
@@ -48,7 +51,7 @@ from .config import (
     restart_keys,
 )
 from .connections import Connections, peer_of
-from .httpapi import Request, Response, StreamStart, error_response
+from .httpapi import TOO_MANY_STREAMS, Request, Response, StreamStart, error_response
 from .metrics import Measurements, UnwinddCollector
 from .sdnotify import Notifier
 from .startup import (
@@ -79,6 +82,25 @@ def read_uid(proc_root: str, pid: int) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class ReloadOutcome:
+    """One SIGHUP: when (wall clock), whether the new config's live keys took effect, and what
+    failed (None: nothing). A config that does not load is not applied at all; socket
+    permissions that cannot be set leave the rest of the new config applied."""
+
+    unix: float
+    applied: bool
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"unix": round(self.unix, 3), "ok": self.ok, "applied": self.applied,
+                "error": self.error}  # fmt: skip
+
+
 class Daemon:
     def __init__(
         self,
@@ -100,8 +122,10 @@ class Daemon:
         self.m = Measurements.create()
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
-        self.reloads = 0
-        self.reload_errors: list[str] = []
+        self.reloads = 0  # reloads whose config was applied
+        self.reload_failures = 0  # reloads that failed, in whole or in part
+        self.last_reload: ReloadOutcome | None = None
+        self.reload_errors: deque[str] = deque(maxlen=5)  # the latest failures' errors
         self.pending_restart: list[str] = []
         self.socket_path = ""
         self.last_step_mono = time.monotonic()
@@ -215,7 +239,9 @@ class Daemon:
             "api": {"socket": self.socket_path, "connections": self.connections,
                     "streams": len(self.streams.clients), "rejected": dict(self.rejected)},
             "reloads": self.reloads,
-            "reload_errors": self.reload_errors[-5:],
+            "reload_failures": self.reload_failures,
+            "last_reload": self.last_reload.to_json() if self.last_reload else None,
+            "reload_errors": list(self.reload_errors),
             "pending_restart": self.pending_restart,
             "rings": {"cpus": len(p.session.fds), "pages": p.session.config.ring_pages,
                       "wanted_pages": p.session.ring_pages_wanted},
@@ -350,7 +376,7 @@ class Daemon:
         try:
             new = load_config(self.config_path)
         except ConfigError as e:
-            self.reload_errors.append(str(e))
+            self._reloaded(applied=False, error=str(e))
             log.error("reload failed, keeping the running config: %s", e)
             self.notifier.ready("reload failed: " + str(e)[:200])
             return
@@ -364,16 +390,24 @@ class Daemon:
         store.max_bytes = s.max_bytes  # a smaller cap evicts oldest buckets at the next add
         store.max_buckets = max(1, s.retention_seconds // s.bucket_seconds)
         logging.getLogger().setLevel(self.config.daemon.log_level.upper())
+        error = None
         try:
             apply_socket_perms(self.config.api, self.socket_path)
         except StartupError as e:
-            self.reload_errors.append(str(e))
+            error = str(e)
             log.error("%s", e)
+        self._reloaded(applied=True, error=error)
         applied = [k for k in changed_keys(old, self.config)]
         log.info("reloaded %s: applied %s%s", new.source, ", ".join(applied) or "nothing",
                  f"; needs a restart: {', '.join(self.pending_restart)}"
                  if self.pending_restart else "")  # fmt: skip
         self.notifier.ready()
+
+    def _reloaded(self, *, applied: bool, error: str | None) -> None:
+        self.last_reload = ReloadOutcome(time.time(), applied, error)
+        if error is not None:
+            self.reload_failures += 1
+            self.reload_errors.append(error)
 
     # -- sampling
 
@@ -455,8 +489,7 @@ class Daemon:
             self._answers.put(key, res, now)
         full = len(self.streams.clients) >= self.config.api.max_stream_clients
         if isinstance(res, StreamStart) and full:
-            self.rejected["too_many_streams"] += 1
-            return error_response(429, "too many stream clients")
+            return error_response(429, "too many stream clients", TOO_MANY_STREAMS)
         return res
 
     def _offloaded(self, req: Request) -> bool:

@@ -73,6 +73,17 @@ _T_MMAP, _T_MMAP2 = int(RecordType.MMAP), int(RecordType.MMAP2)
 _T_COMM, _T_FORK, _T_EXIT = int(RecordType.COMM), int(RecordType.FORK), int(RecordType.EXIT)
 
 
+# ``DecodeStats.errors`` keys. The buffer: a tail shorter than a header or a record reaching
+# past the end ("truncated"), a header size < 8. A record's body (``DecodeError`` reasons,
+# ``BadRecord.reason``): too short for its layout, for its sample_id trailer, or for its
+# registers; a count or size field past what the body holds or the kernel allows.
+DECODE_ERRORS = (
+    "truncated", "bad_size",
+    "short_body", "short_sample_id", "short_regs", "bad_build_id_size", "bad_callchain_nr",
+    "bad_raw_size", "bad_branch_nr", "bad_stack_size", "bad_dyn_size",
+)  # fmt: skip
+
+
 class DecodeError(Exception):
     """A record body that does not match its attr's layout."""
 
