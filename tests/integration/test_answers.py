@@ -198,8 +198,10 @@ def test_reason_phrases(env: Env) -> None:
 
 def test_ctl_json_folded(env: Env) -> None:
     d, pid, _, _ = env
-    text = ctl(d, "folded", "--pid", str(pid))
-    res = ctl(d, "--json", "folded", "--pid", str(pid))
+    # a window wide enough to hold the whole (finished) workload in both answers, however long
+    # the tests before this one took on a loaded machine
+    text = ctl(d, "folded", "--pid", str(pid), "--since", "900")
+    res = ctl(d, "--json", "folded", "--pid", str(pid), "--since", "900")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert set(doc) == {"window", "truncated", "stacks"} and doc["window"]["seconds"] > 0
