@@ -5,7 +5,7 @@ number (address spaces, comms, frames, stacks, statuses) is named here, once.
 
 Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``
-  (unwinder.UnwindStatus) or ``FP_STATUS_*`` value ``i`` (engine.STATUS_CALLCHAIN,
+  (unwinder.UnwindStatus) or ``FP_STATUS_*`` value ``i`` (stackfmt.STATUS_CALLCHAIN,
   STATUS_IP_ONLY: samples with nothing to unwind), ``SAMPLE_ERRORS[i]`` the decoder's reason for ``FP_ERR_*`` ``i``
   (decoder.RecordDecoder.decode_sample's reasons), ``END_ERRORS`` the decode error an index run
   ends on (``FP_END_*``): the same counters the Python decoder keeps.
@@ -28,8 +28,8 @@ from typing import Any
 from ..binaries.cfi import ARCH_X86_64
 from ..source.records import Record
 from ..unwcore import check, count, ffi, lib, owned
-from ..unwind.engine import STATUS_CALLCHAIN, STATUS_IP_ONLY, Snapshot, StackEngine
-from ..unwind.stackfmt import Frame
+from ..unwind.engine import Snapshot, StackEngine
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame
 from ..unwind.unwinder import UnwindStatus
 
 __all__ = [

@@ -39,15 +39,12 @@ from ..procs.proctable import ProcessTable
 from ..procs.space import SpaceState
 from ..source import abi
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
-from .stackfmt import Frame, UnwoundSample
+from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
 if TYPE_CHECKING:
     from ..procs.livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
-# Statuses of samples that are not unwound (recorded_frames): the C context's FP_STATUS_*.
-STATUS_CALLCHAIN = "callchain"
-STATUS_IP_ONLY = "ip_only"
 # frame_sources' answers: what the samples of an event are given as frames
 SOURCE_STACK = "user stack copies (DWARF unwind)"
 SOURCE_CALLCHAIN = "the recorded callchain (frame pointers)"
