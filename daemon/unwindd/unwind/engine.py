@@ -98,6 +98,20 @@ def user_ips(callchain: Iterable[int]) -> Iterator[int]:
             yield ip
 
 
+def frame_sources(formats: Iterable[tuple[int, int]]) -> tuple[str, ...]:
+    """``frame_source`` of each (sample_type, sample_regs_user), distinct, in order."""
+    return tuple(dict.fromkeys(frame_source(st, ru) for st, ru in formats))
+
+
+def frames_note(sources: tuple[str, ...], name: str) -> str | None:
+    """The one line ``unwindd replay`` says on stderr when samples of ``name`` are not
+    unwound from stack copies (``sources``: ``frame_sources`` of its events), else None."""
+    if not sources or sources == (SOURCE_STACK,):
+        return None
+    lead = "some events have" if SOURCE_STACK in sources else "no"
+    return f"unwindd: {name}: {lead} user stack copies; frames from {', '.join(sources)}"
+
+
 def frame_source(sample_type: int, sample_regs_user: int) -> str:
     """What the samples of an event with this ``sample_type`` and ``sample_regs_user`` get as
     frames (``StackEngine._unwind``'s rule, and stacks.c unwind_sample's): user registers
