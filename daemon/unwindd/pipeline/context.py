@@ -7,8 +7,9 @@ Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``
   (unwinder.UnwindStatus) or ``FP_STATUS_*`` value ``i`` (stackfmt.STATUS_CALLCHAIN,
   STATUS_IP_ONLY: samples with nothing to unwind), ``SAMPLE_ERRORS[i]`` the decoder's reason
-  for ``FP_ERR_*`` ``i`` (decoder.RecordDecoder.decode_sample's reasons), ``END_ERRORS`` the decode error an index run
-  ends on (``FP_END_*``): the same counters the Python decoder keeps.
+  for ``FP_ERR_*`` ``i`` (decoder.RecordDecoder.decode_sample's reasons), ``END_ERRORS`` the
+  decode error an index run ends on (``FP_END_*``): the same counters the Python decoder
+  keeps.
 - ``record_marks`` is what a decoded non-SAMPLE record's C index entry (``struct fp_rec``)
   must carry so the C orderer places it exactly where ordering.RoundOrderer would.
 - ``NativeContext``: a space id names one snapshot key for the context's life; the snapshot
