@@ -576,7 +576,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs)]  # fmt: skip
-    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters)],
+    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters), str(lay.i_ip)],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **env))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -595,6 +595,25 @@ def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, 
                      "-DPAR_BLOCK=3", "-DPAR_NBLOCKS=2", "-DPAR_SEG=61", "-DPAR_JUDGE_NS=0",
                      "-DPAR_BACKOFF=5"],
                     {"ASAN_OPTIONS": "detect_leaks=1:exitcode=97"}, 400)  # fmt: skip
+    assert "runtime error" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["fp", "nocg"])
+def test_fastpath_asan_ubsan_without_stack_copies(files: dict[str, Path], tmp_path: Path,
+                                                   name: str) -> None:  # fmt: skip
+    """Samples without user registers (stacks.c recorded_frames: the callchain's user
+    entries; the sample ip; a kernel ip's callchain made by intern_sample) on the mutated
+    sections of the fp and no-call-graph recordings."""
+    data = PerfData.open(files[name])
+    raw = files[name].read_bytes()[data.data_offset : data.data_offset + data.data_size]
+    data.close()
+    lay = layout_of(data.decoder.formats[0])
+    assert lay.regs_mask == 0 and lay.i_ip >= 0
+    proc = _fp_fuzz(tmp_path, (lay, data.decoder, raw[:200_000]), "fp_fuzz",
+                    ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                     "-DPAR_BLOCK=3", "-DPAR_NBLOCKS=2", "-DPAR_SEG=61", "-DPAR_JUDGE_NS=0",
+                     "-DPAR_BACKOFF=5"],
+                    {"ASAN_OPTIONS": "detect_leaks=1:exitcode=97"}, 200)  # fmt: skip
     assert "runtime error" not in proc.stderr
 
 
