@@ -415,7 +415,8 @@ static int sample_ip(const struct fp_layout *lay, const uint8_t *data, const str
 
 /* A sample of a layout without user registers (nothing to unwind) gets the frames perf
  * script shows for it (tools/perf/util/machine.c thread__resolve_callchain_sample): the
- * callchain's user entries, those after PERF_CONTEXT_USER up to the next marker, each as
+ * callchain's user entries, those after PERF_CONTEXT_USER (or before any marker) up to the
+ * next marker, each as
  * recorded (add_callchain_ip names the address itself, no return address - 1: every one is
  * exact), leaf first, at most max_depth; its kernel entries are the key's raw callchain
  * (intern_sample). A sample with no callchain entries: its ip alone (user mode: pcs[0]; kernel
@@ -426,7 +427,7 @@ static uint8_t recorded_frames(uint32_t max_depth, const struct fp_layout *lay,
 {
     const uint8_t *body = data + r->off + 8;
     if (r->cc_nr) {
-        int in_user = 0;
+        int in_user = 1; /* perf starts in PERF_RECORD_MISC_USER, before any marker */
         for (uint32_t i = 0; i < r->cc_nr && *npcs < max_depth; i++) {
             uint64_t v = ld64(body + r->cc_off + 8 * (uint64_t)i);
             if (v >= CTX_MAX)

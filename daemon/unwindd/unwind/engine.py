@@ -88,9 +88,10 @@ def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
 
 def user_ips(callchain: Iterable[int]) -> Iterator[int]:
     """The user entries of a raw PERF_SAMPLE_CALLCHAIN, in order (leaf first): those after a
-    PERF_CONTEXT_USER marker, as perf's add_callchain_ip takes them (tools/perf/util/machine.c:
-    a marker sets the cpumode the next entries are looked up in)."""
-    in_user = False
+    PERF_CONTEXT_USER marker or before any marker, as perf's add_callchain_ip takes them
+    (tools/perf/util/machine.c: a marker sets the cpumode the next entries are looked up in,
+    user to begin with)."""
+    in_user = True
     for ip in callchain:
         if ip >= abi.CONTEXT_MAX:
             in_user = ip == abi.CONTEXT_USER
