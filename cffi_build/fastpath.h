@@ -123,6 +123,12 @@ void fp_forget_space(struct fp_ctx *c, uint32_t pid);
 int fp_set_comm(struct fp_ctx *c, uint32_t pid, uint32_t tid, uint32_t comm_id);
 void fp_forget_comms(struct fp_ctx *c);
 
+/* Stack statuses past the unwinder's UNW_* (0..7): a sample of a layout that samples no user
+ * registers (sample_regs_user 0: perf record -g, frame pointers, or no call graph at all) has
+ * nothing to unwind; stacks.c unwind_sample takes its frames the way perf script does. */
+#define FP_STATUS_CALLCHAIN 8   /* the recorded callchain's kernel and user entries */
+#define FP_STATUS_IP_ONLY 9     /* no callchain entries: the sample ip alone, one frame */
+
 #define FP_RUN_DONE 0
 #define FP_RUN_NEED_SPACE 1   /* no space for *need_pid: fp_set_space, then resume at *stopped */
 #define FP_RUN_NEED_COMM 2    /* no comm for (*need_pid, *need_tid): fp_set_comm, resume */
@@ -192,12 +198,14 @@ uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
 struct fp_stack {
     uint32_t space_id, comm_id;
     uint8_t status;         /* UNW_* */
-    uint8_t regs_none;      /* the sample's regs_abi was PERF_SAMPLE_REGS_ABI_NONE */
+    uint8_t regs_none;      /* the sample's regs_abi was PERF_SAMPLE_REGS_ABI_NONE and it was
+                             * unwound (status an UNW_*): kernel_only if it has kernel frames */
     uint16_t pad;
     uint32_t npcs, nkc;
     const uint64_t *pcs;    /* user pcs, leaf first (unwinder output); by code NULL */
     const uint8_t *kinds;   /* UNW_FRAME_* per pc */
-    const uint64_t *kc;     /* the raw PERF_SAMPLE_CALLCHAIN */
+    const uint64_t *kc;     /* the raw PERF_SAMPLE_CALLCHAIN; FP_STATUS_IP_ONLY of a kernel
+                             * ip: { PERF_CONTEXT_KERNEL, ip } */
     uint64_t count;         /* samples so far */
     const uint32_t *fids;   /* frame id of each pc (fp_frame) */
 };
@@ -232,13 +240,13 @@ int64_t fp_fold_text(struct fp_fold *f, const uint8_t *names, const uint64_t *na
 void fp_fold_free(struct fp_fold *f);
 
 /* fold.c, the engine's counts of the stacks so far without a Python pass over them:
- * fp_fold_stats: samples by_status[UNW_*], by_status[FP_FOLD_NSTATUS - 1] kernel_only (no
- * user registers, kernel frames), first[k] the first stack of each (UINT32_MAX: none), and
+ * fp_fold_stats: samples by_status[UNW_* or FP_STATUS_*], by_status[FP_FOLD_NSTATUS - 1]
+ * kernel_only (unwound without user registers, kernel frames), first[k] the first stack of each (UINT32_MAX: none), and
  * the user and kernel frames of all samples; 0, or -1 on a bad status. fp_kernel_ips: the
  * distinct kernel ips of all stacks ascending in out, their number; a number > cap is the
  * room needed (out then unordered). fp_stacks_unsym: per stack of [from, to), its user frames
  * (none for kernel_only) whose frame id is flagged in unsym[0, nframes). */
-#define FP_FOLD_NSTATUS 9
+#define FP_FOLD_NSTATUS 11
 int fp_fold_stats(const struct fp_ctx *c, uint64_t *by_status, uint32_t *first,
                   uint64_t *user_frames, uint64_t *kernel_frames);
 uint64_t fp_kernel_ips(const struct fp_ctx *c, uint64_t *out, uint64_t cap);

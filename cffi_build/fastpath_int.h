@@ -149,7 +149,8 @@ FP_INTERNAL uint8_t unwind_sample(const struct unw_arch_desc *arch, uint32_t max
                                   const struct fp_layout *lay, const uint8_t *data,
                                   const struct fp_rec *r, const struct space_ent *sp,
                                   uint64_t *pcs, uint8_t *kinds, uint32_t *npcs);
-FP_INTERNAL uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_rec *r,
+FP_INTERNAL uint32_t intern_sample(struct fp_ctx *c, const struct fp_layout *lay,
+                                   const uint8_t *data, const struct fp_rec *r,
                                    const struct space_ent *sp, const struct comm_ent *ce,
                                    uint8_t status, const uint64_t *pcs, const uint8_t *kinds,
                                    uint32_t npcs);

@@ -385,8 +385,9 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
             } else {
                 const struct par_slot *sl = &P->slots[k % ring];
                 uint64_t i = k % ring;
-                id = intern_sample(c, data, r, sp, ce, sl->status, P->pcs + i * P->max_depth,
-                                   P->kinds + i * P->max_depth, sl->npcs);
+                id = intern_sample(c, lay, data, r, sp, ce, sl->status,
+                                   P->pcs + i * P->max_depth, P->kinds + i * P->max_depth,
+                                   sl->npcs);
             }
             if (id == NEED_SYMS_ID) {
                 *need_pid = r->pid;

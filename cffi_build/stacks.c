@@ -24,6 +24,11 @@
 
 #include "fastpath_int.h"
 
+/* include/uapi/linux/perf_event.h: callchain context markers (abi.CONTEXT_*), as u64 */
+#define CTX_MAX ((uint64_t)-4095)
+#define CTX_KERNEL ((uint64_t)-128)
+#define CTX_USER ((uint64_t)-512)
+
 /* The sets of this file (struct fp_ctx points at them; no other file reads them). */
 struct stack_ent {
     uint64_t woff;      /* its key: words[woff, woff + nwords) */
@@ -266,9 +271,16 @@ static uint32_t frame_id(struct fp_ctx *c, const struct space_ent *sp, uint64_t 
     return fid;
 }
 
-/* Frame ids of a new stack's pcs: the leaf and a frame after a signal trampoline are exact. */
-static int stack_fids(struct fp_ctx *c, const struct space_ent *sp, const uint64_t *pcs,
-                      const uint8_t *kinds, uint32_t npcs, uint64_t *foff)
+/* Whether pcs[i] is named as it is (exact) or at pc - 1 (a return address): the leaf, a frame
+ * after a signal trampoline, and every recorded callchain entry (FP_STATUS_*) are exact. */
+static inline uint8_t pc_exact(uint8_t status, const uint8_t *kinds, uint32_t i)
+{
+    return i == 0 || status >= FP_STATUS_CALLCHAIN || (kinds[i - 1] & UNW_FRAME_SIGNAL);
+}
+
+/* Frame ids of a new stack's pcs (pc_exact). */
+static int stack_fids(struct fp_ctx *c, const struct space_ent *sp, uint8_t status,
+                      const uint64_t *pcs, const uint8_t *kinds, uint32_t npcs, uint64_t *foff)
 {
     if (c->nfids + npcs > c->capfids) {
         uint64_t ncap = c->capfids ? c->capfids : 4096;
@@ -282,8 +294,7 @@ static int stack_fids(struct fp_ctx *c, const struct space_ent *sp, const uint64
     }
     *foff = c->nfids;
     for (uint32_t i = 0; i < npcs; i++) {
-        uint8_t exact = i == 0 || (kinds[i - 1] & UNW_FRAME_SIGNAL);
-        uint32_t id = intern_frame(c, sp, pcs[i], exact);
+        uint32_t id = intern_frame(c, sp, pcs[i], pc_exact(status, kinds, i));
         if (id == UINT32_MAX)
             return -1;
         c->fids[c->nfids++] = id;
@@ -321,7 +332,7 @@ static uint32_t intern_stack(struct fp_ctx *c, const struct space_ent *sp, const
     uint32_t npcs = (uint32_t)(key[1] >> 32);
     const uint64_t *pcs = key + 2;
     if (!c->by_code &&
-        stack_fids(c, sp, pcs, (const uint8_t *)(pcs + npcs), npcs, &foff))
+        stack_fids(c, sp, (uint8_t)key[1], pcs, (const uint8_t *)(pcs + npcs), npcs, &foff))
         return UINT32_MAX;
     memcpy(c->words + c->nwords, key, 8 * (size_t)nw);
     c->stacks[c->nstk] = (struct stack_ent){c->nwords, h, 0, foff, nw, sp->space_id};
@@ -385,11 +396,61 @@ static inline int rec_view_ok(const struct fp_layout *lay, const struct fp_rec *
            (uint64_t)r->stack_off + r->dyn <= blen;
 }
 
+/* A sample ip (PERF_SAMPLE_IP) taken in kernel mode: header.misc's cpumode, which perf's
+ * thread__find_map picks the kernel's maps by (include/uapi/linux/perf_event.h
+ * PERF_RECORD_MISC_KERNEL). */
+#define MISC_CPUMODE_MASK 7
+#define MISC_KERNEL 1
+
+/* The sample ip of r (*ip), 1; 0 when its layout has none (or, never for an indexed record,
+ * the slot is outside it). */
+static int sample_ip(const struct fp_layout *lay, const uint8_t *data, const struct fp_rec *r,
+                     uint64_t *ip)
+{
+    if (lay->i_ip < 0 || 8 * (uint64_t)lay->i_ip + 8 > r->size - 8u)
+        return 0;
+    *ip = ld64(data + r->off + 8 + 8 * (uint64_t)lay->i_ip);
+    return 1;
+}
+
+/* A sample of a layout without user registers (nothing to unwind) gets the frames perf
+ * script shows for it (tools/perf/util/machine.c thread__resolve_callchain_sample): the
+ * callchain's user entries, those after PERF_CONTEXT_USER (or before any marker) up to the
+ * next marker, each as
+ * recorded (add_callchain_ip names the address itself, no return address - 1: every one is
+ * exact), leaf first, at most max_depth; its kernel entries are the key's raw callchain
+ * (intern_sample). A sample with no callchain entries: its ip alone (user mode: pcs[0]; kernel
+ * mode: intern_sample's callchain), as perf prints it without a call graph. */
+static uint8_t recorded_frames(uint32_t max_depth, const struct fp_layout *lay,
+                               const uint8_t *data, const struct fp_rec *r, uint64_t *pcs,
+                               uint32_t *npcs)
+{
+    const uint8_t *body = data + r->off + 8;
+    if (r->cc_nr) {
+        int in_user = 1; /* perf starts in PERF_RECORD_MISC_USER, before any marker */
+        for (uint32_t i = 0; i < r->cc_nr && *npcs < max_depth; i++) {
+            uint64_t v = ld64(body + r->cc_off + 8 * (uint64_t)i);
+            if (v >= CTX_MAX)
+                in_user = v == CTX_USER;
+            else if (in_user)
+                pcs[(*npcs)++] = v;
+        }
+        return FP_STATUS_CALLCHAIN;
+    }
+    uint64_t ip;
+    if (!sample_ip(lay, data, r, &ip))
+        return UNW_NO_REGS;
+    if ((r->misc & MISC_CPUMODE_MASK) != MISC_KERNEL)
+        pcs[(*npcs)++] = ip;
+    return FP_STATUS_IP_ONLY;
+}
+
 /* The unwinder's half of a sample: unwind the indexed SAMPLE r against the modules of sp into
  * pcs/kinds (max_depth each); its UNW_* status and *npcs, or UNW_BAD_VIEW if its stored view is
- * not inside the record. Reads only r, the record's bytes, the modules and their tables, and
- * writes only pcs, kinds and the calling thread's lookup cache (unwind.c, __thread): so any
- * thread may run it while the context is not being changed (the parallel run, par_*). */
+ * not inside the record; a layout without user registers: recorded_frames' FP_STATUS_*. Reads
+ * only r, the record's bytes, the modules and their tables, and writes only pcs, kinds and the
+ * calling thread's lookup cache (unwind.c, __thread): so any thread may run it while the
+ * context is not being changed (the parallel run, par_*). */
 uint8_t unwind_sample(const struct unw_arch_desc *arch, uint32_t max_depth,
                       const struct fp_layout *lay, const uint8_t *data,
                       const struct fp_rec *r, const struct space_ent *sp, uint64_t *pcs,
@@ -403,6 +464,11 @@ uint8_t unwind_sample(const struct unw_arch_desc *arch, uint32_t max_depth,
      * registers, the stack bytes the walk reads and the callchain are touched. */
     if (!rec_view_ok(lay, r))
         return UNW_BAD_VIEW;
+    if (!lay->regs_mask) {
+        uint8_t st = recorded_frames(max_depth, lay, data, r, pcs, npcs);
+        memset(kinds, 0, *npcs);
+        return st;
+    }
     /* unwinder.Unwinder.unwind_batch: registers of 64-bit tasks only */
     uint32_t nregs = (r->regs_abi == 2 && lay->regs_mask) ? nregs_lay : 0;
     if (nregs)
@@ -415,16 +481,24 @@ uint8_t unwind_sample(const struct unw_arch_desc *arch, uint32_t max_depth,
 
 /* The aggregating half (calling thread only): the stack id of sample r (space sp, comm ce)
  * whose unwind gave status and pcs/kinds[0, npcs), counted; UINT32_MAX on failure,
- * NEED_SYMS_ID (by function, nothing counted) when a module needs its symbol table. */
-uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_rec *r,
-                       const struct space_ent *sp, const struct comm_ent *ce,
-                       uint8_t status, const uint64_t *pcs, const uint8_t *kinds,
-                       uint32_t npcs)
+ * NEED_SYMS_ID (by function, nothing counted) when a module needs its symbol table. The key's
+ * callchain is the raw one; for the ip alone of a kernel-mode sample (FP_STATUS_IP_ONLY, no
+ * pcs) { PERF_CONTEXT_KERNEL, ip }, so its one frame is a kernel frame like a callchain's. */
+uint32_t intern_sample(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
+                       const struct fp_rec *r, const struct space_ent *sp,
+                       const struct comm_ent *ce, uint8_t status, const uint64_t *pcs,
+                       const uint8_t *kinds, uint32_t npcs)
 {
     if (status == UNW_BAD_VIEW)
         return UINT32_MAX;
     const uint8_t *body = data + r->off + 8;
     uint64_t nkc = r->cc_nr;
+    uint64_t kip[2] = {CTX_KERNEL, 0};
+    const uint8_t *kc = body + r->cc_off;
+    if (status == FP_STATUS_IP_ONLY && !npcs && sample_ip(lay, data, r, &kip[1])) {
+        kc = (const uint8_t *)kip;
+        nkc = 2;
+    }
     if (nkc > UINT32_MAX - 2 * (uint64_t)c->max_depth - 4)
         return UINT32_MAX; /* cannot happen: records are < 64 KiB */
     uint32_t nw = key_words(c, npcs, nkc);
@@ -436,7 +510,9 @@ uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_re
         c->keycap = nw;
     }
     uint64_t *key = c->key;
-    key[1] = (uint64_t)status | (uint64_t)(r->regs_abi == 0) << 8 | (uint64_t)npcs << 32;
+    /* kernel_only (fp_stack.regs_none) is for unwound samples only */
+    uint64_t regs_none = r->regs_abi == 0 && status < FP_STATUS_CALLCHAIN;
+    key[1] = (uint64_t)status | regs_none << 8 | (uint64_t)npcs << 32;
     uint32_t npw = pc_words(c, npcs);
     uint64_t pcs_hash = npcs;
     if (c->by_code) {
@@ -445,8 +521,7 @@ uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_re
         if (npcs & 1)
             key[2 + npw - 1] = 0; /* the pad half of an odd count */
         for (uint32_t i = 0; i < npcs; i++) {
-            uint8_t exact = i == 0 || (kinds[i - 1] & UNW_FRAME_SIGNAL);
-            uint32_t fid = frame_id(c, sp, pcs[i], exact);
+            uint32_t fid = frame_id(c, sp, pcs[i], pc_exact(status, kinds, i));
             if (fid >= NEED_SYMS_ID)
                 return fid; /* nothing counted yet: the sample is unwound again on resume */
             pcs_hash = mix(pcs_hash, pcs[i]);
@@ -462,7 +537,7 @@ uint32_t intern_sample(struct fp_ctx *c, const uint8_t *data, const struct fp_re
     if (npcs)
         memcpy(kw, kinds, npcs);
     if (nkc)
-        memcpy(kw + (npcs + 7) / 8, body + r->cc_off, 8 * (size_t)nkc);
+        memcpy(kw + (npcs + 7) / 8, kc, 8 * (size_t)nkc);
     uint32_t id = intern_stack(c, sp, key, nw);
     if (id == UINT32_MAX)
         return id;
@@ -480,7 +555,7 @@ uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t
     uint32_t npcs;
     uint8_t status = unwind_sample(c->arch, c->max_depth, lay, data, r, sp, c->pcs, c->kinds,
                                    &npcs);
-    return intern_sample(c, data, r, sp, ce, status, c->pcs, c->kinds, npcs);
+    return intern_sample(c, lay, data, r, sp, ce, status, c->pcs, c->kinds, npcs);
 }
 
 uint32_t fp_nstacks(const struct fp_ctx *c) { return (uint32_t)c->nstk; }

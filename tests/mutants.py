@@ -237,7 +237,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "daemon/unwindd/unwind/engine.py",
-                old="ip = pc if exact >> i & 1 else pc - 1",
+                old="ip = pc if exact_bits >> i & 1 else pc - 1",
                 new="ip = pc  # MUTANT",
             ),
             Edit(
@@ -253,6 +253,26 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/integration/test_live.py",
             "tests/integration/test_service.py",
         ),
+    ),
+    Mutation(
+        name="callchain-entries-at-minus-1",
+        what="samples without user stack copies (perf record -g): their recorded callchain's "
+        "caller entries are named at address - 1 like unwound return addresses, in C and in "
+        "the engine, where perf names each entry as recorded",
+        edits=(
+            Edit(
+                "cffi_build/stacks.c",
+                old="return i == 0 || status >= FP_STATUS_CALLCHAIN || (kinds[i - 1]",
+                new="return i == 0 || (kinds[i - 1]",
+            ),
+            Edit(
+                "daemon/unwindd/unwind/engine.py",
+                old="self.user_frames(s.pid, snap, pcs, exact=True))",
+                new="self.user_frames(s.pid, snap, pcs, exact=False))",
+            ),
+        ),
+        # Both replays alike: only perf as the oracle sees it.
+        tests=("tests/differential/test_callchain_replay.py",),
     ),
     Mutation(
         name="gap-named-after-previous-symbol",

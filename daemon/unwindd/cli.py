@@ -441,15 +441,11 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
 
 def _render_unwind_summary(prof: LiveProfiler) -> str:
     """Unwind results by status and the live table's counters (livetable.LiveTableStats)."""
-    es = prof.engine.stats
+    from .source.output import render_unwind_summary
+
     ls = prof.live.stats
     ts = prof.engine.table.stats
-    lines = ["", f"unwound samples: {es.samples}"]
-    for status, n in es.by_status.most_common():
-        pct = 100.0 * n / es.samples if es.samples else 0.0
-        lines.append(f"  {status}: {n} ({pct:.1f}%)")
-    lines.append(f"frames: user={es.user_frames} kernel={es.kernel_frames} "
-                 f"unsymbolized={es.unsymbolized}")  # fmt: skip
+    lines = [render_unwind_summary(prof.engine.stats).rstrip("\n")]
     lines.append(
         f"bootstrap: processes={ls.bootstrap_processes} kernel_threads="
         f"{ls.bootstrap_kernel_threads} mappings={ls.bootstrap_mappings} "
@@ -544,6 +540,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             data = PerfData.open(src)
         except (PerfDataError, OSError) as e:
             return _fail(f"{args.file}: {e}")
+        noted = args.format == "records" or _note_frames(data, args.file)
         if native:
             if mapped is not None:  # indexed while the replay's modules are imported
                 mapped.start_index(data)
@@ -566,7 +563,26 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             replay_records(data, args.format, out, name=args.file, top_pids=args.top or 1 << 30)
         except PerfDataError as e:
             return _fail(f"{args.file}: {e}")
+        if not noted:  # a pipe's events are known once its attr records are read
+            _note_frames(data, args.file)
     return 0
+
+
+def _note_frames(data: object, name: str) -> bool:
+    """Say once on stderr where the frames of a file whose samples have no user stack copies
+    come from (engine.frames_note); False while its events are not known yet (a pipe, before
+    its attr records)."""
+    from .source.perfdata import PerfData
+    from .unwind.engine import frame_sources, frames_note
+
+    assert isinstance(data, PerfData)
+    if not data.attrs:
+        return False
+    sources = frame_sources((a.fmt.sample_type, a.fmt.sample_regs_user) for a in data.attrs)
+    note = frames_note(sources, name)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
+    return True
 
 
 def _native_replay(

@@ -2,10 +2,11 @@
 replay (pipeline/streamreplay.py, through tests/support/refreplay.py) as the reference
 (differential, fuzzing, sanitizers).
 
-1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, and a
-   system-wide recording with several CPUs): folded, jsonl and perf-script output byte for byte,
-   and every count (decode records/errors, file errors, stream, ordering, per-status samples,
-   frames) equal.
+1. Differential on real perf.data files (fork/exec, dlopen, threads, signals, Python, a
+   system-wide recording with several CPUs, and two without user stack copies: ``perf record
+   -g``, frame-pointer callchains, and no call graph): folded, jsonl and perf-script output
+   byte for byte, and every count (decode records/errors, file errors, stream, ordering,
+   per-status samples, frames) equal.
 2. The C indexer against decoder.RecordDecoder on every truncation of a real data section and on
    Hypothesis-mutated ones: same records, same SAMPLE errors, same end-of-stream error.
 3. fp_order against RoundOrderer on random timed/untimed/marker streams (including forced
@@ -86,6 +87,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                  ["gcc", "-O2", "-o", str(exe), str(src / "dlmtwice.c"), "-ldl"]):  # fmt: skip
         subprocess.run(argv, check=True, capture_output=True)
     out["dlmtwice"] = record_perf_data(tmp, [str(exe), str(lib_so)], name="dlmtwice.data")
+    # No user stack copies (perf record -g: frame-pointer callchains; no call graph): frames
+    # from the recorded callchain, else the sample ip (stacks.c unwind_sample)
+    fpchain = tmp / "fpchain"
+    subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-o", str(fpchain),
+                    str(src / "fpchain.c")], check=True, capture_output=True)  # fmt: skip
+    out["fp"] = record_perf_data(tmp, [str(fpchain)], call_graph="fp", name="fp.data")
+    out["nocg"] = record_perf_data(tmp, [str(fpchain)], call_graph=None, name="nocg.data")
     return out
 
 
@@ -133,7 +141,8 @@ def _counts(
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "name",
-    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice"],
+    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
+     "fp", "nocg"],
 )
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
@@ -178,7 +187,8 @@ def test_fast_equals_slow_on_a_cut_file(files: dict[str, Path], tmp_path: Path, 
 
 @pytest.mark.parametrize(
     "name",
-    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice"],
+    ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
+     "fp", "nocg"],
 )
 def test_parallel_unwind_equals_one_thread(files: dict[str, Path], name: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
@@ -566,7 +576,7 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
                    check=True, capture_output=True, text=True)  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs)]  # fmt: skip
-    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters)],
+    proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters), str(lay.i_ip)],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, **env))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -585,6 +595,25 @@ def test_fastpath_asan_ubsan(tmp_path: Path, section: tuple[Any, RecordDecoder, 
                      "-DPAR_BLOCK=3", "-DPAR_NBLOCKS=2", "-DPAR_SEG=61", "-DPAR_JUDGE_NS=0",
                      "-DPAR_BACKOFF=5"],
                     {"ASAN_OPTIONS": "detect_leaks=1:exitcode=97"}, 400)  # fmt: skip
+    assert "runtime error" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["fp", "nocg"])
+def test_fastpath_asan_ubsan_without_stack_copies(files: dict[str, Path], tmp_path: Path,
+                                                   name: str) -> None:  # fmt: skip
+    """Samples without user registers (stacks.c recorded_frames: the callchain's user
+    entries; the sample ip; a kernel ip's callchain made by intern_sample) on the mutated
+    sections of the fp and no-call-graph recordings."""
+    data = PerfData.open(files[name])
+    raw = files[name].read_bytes()[data.data_offset : data.data_offset + data.data_size]
+    data.close()
+    lay = layout_of(data.decoder.formats[0])
+    assert lay.regs_mask == 0 and lay.i_ip >= 0
+    proc = _fp_fuzz(tmp_path, (lay, data.decoder, raw[:200_000]), "fp_fuzz",
+                    ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                     "-DPAR_BLOCK=3", "-DPAR_NBLOCKS=2", "-DPAR_SEG=61", "-DPAR_JUDGE_NS=0",
+                     "-DPAR_BACKOFF=5"],
+                    {"ASAN_OPTIONS": "detect_leaks=1:exitcode=97"}, 200)  # fmt: skip
     assert "runtime error" not in proc.stderr
 
 

@@ -76,11 +76,13 @@ def build_busy(tmp_path: Path) -> Path:
 
 
 def _record_argv(
-    out: str, argv: Sequence[str], freq: int, stack: int, extra: Sequence[str]
-) -> list[str]:
+    out: str, argv: Sequence[str], freq: int, stack: int, extra: Sequence[str],
+    call_graph: str | None = "dwarf",
+) -> list[str]:  # fmt: skip
+    graph = {"dwarf": ["--call-graph", f"dwarf,{stack}"], "fp": ["-g"], None: []}[call_graph]
     return [
         PERF, "record", "-q", "-e", "cpu-clock", "-F", str(freq),
-        "--call-graph", f"dwarf,{stack}", "-o", out, *extra, "--", *argv,
+        *graph, "-o", out, *extra, "--", *argv,
     ]  # fmt: skip
 
 
@@ -93,8 +95,10 @@ def record_perf_data(
     extra: Sequence[str] = (),
     stack: int = 8192,
     name: str | None = None,
+    call_graph: str | None = "dwarf",
 ) -> Path:
-    """``perf record -e cpu-clock -F freq --call-graph dwarf,stack`` of ``argv``.
+    """``perf record -e cpu-clock -F freq --call-graph dwarf,stack`` of ``argv``
+    (``call_graph``: "fp" records ``-g``, frame-pointer callchains; None no call graph).
 
     File mode writes with ``-o file``; pipe mode with ``-o -`` redirected into the file, so
     the result is the byte stream a live pipe would carry.
@@ -112,11 +116,12 @@ def record_perf_data(
         if pipe:
             with path.open("wb") as out:
                 proc = subprocess.run(
-                    _record_argv("-", argv, freq, stack, extra), stdout=out, stderr=subprocess.PIPE
+                    _record_argv("-", argv, freq, stack, extra, call_graph), stdout=out,
+                    stderr=subprocess.PIPE,
                 )
         else:
             proc = subprocess.run(
-                _record_argv(str(path), argv, freq, stack, extra),
+                _record_argv(str(path), argv, freq, stack, extra, call_graph),
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )

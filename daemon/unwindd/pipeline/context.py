@@ -5,9 +5,11 @@ number (address spaces, comms, frames, stacks, statuses) is named here, once.
 
 Invariants:
 - Names by C value: ``STATUS_NAMES[i]`` is the status name of ``UNW_*`` value ``i``
-  (unwinder.UnwindStatus), ``SAMPLE_ERRORS[i]`` the decoder's reason for ``FP_ERR_*`` ``i``
-  (decoder.RecordDecoder.decode_sample's reasons), ``END_ERRORS`` the decode error an index run
-  ends on (``FP_END_*``): the same counters the Python decoder keeps.
+  (unwinder.UnwindStatus) or ``FP_STATUS_*`` value ``i`` (stackfmt.STATUS_CALLCHAIN,
+  STATUS_IP_ONLY: samples with nothing to unwind), ``SAMPLE_ERRORS[i]`` the decoder's reason
+  for ``FP_ERR_*`` ``i`` (decoder.RecordDecoder.decode_sample's reasons), ``END_ERRORS`` the
+  decode error an index run ends on (``FP_END_*``): the same counters the Python decoder
+  keeps.
 - ``record_marks`` is what a decoded non-SAMPLE record's C index entry (``struct fp_rec``)
   must carry so the C orderer places it exactly where ordering.RoundOrderer would.
 - ``NativeContext``: a space id names one snapshot key for the context's life; the snapshot
@@ -28,7 +30,7 @@ from ..binaries.cfi import ARCH_X86_64
 from ..source.records import Record
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import Snapshot, StackEngine
-from ..unwind.stackfmt import Frame
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame
 from ..unwind.unwinder import UnwindStatus
 
 __all__ = [
@@ -48,7 +50,10 @@ __all__ = [
 SAMPLE_ERRORS = ("", "short_body", "bad_callchain_nr", "bad_raw_size", "bad_branch_nr",
                  "short_regs", "bad_stack_size", "bad_dyn_size")  # fmt: skip
 END_ERRORS = {int(lib.FP_END_TRUNCATED): "truncated", int(lib.FP_END_BAD_SIZE): "bad_size"}
-STATUS_NAMES = tuple(s.name.lower() for s in sorted(UnwindStatus))
+STATUS_NAMES = (*(s.name.lower() for s in sorted(UnwindStatus)), STATUS_CALLCHAIN,
+                STATUS_IP_ONLY)  # fmt: skip
+assert STATUS_NAMES.index(STATUS_CALLCHAIN) == lib.FP_STATUS_CALLCHAIN
+assert STATUS_NAMES.index(STATUS_IP_ONLY) == lib.FP_STATUS_IP_ONLY
 TIMED, HAS_CPU = int(lib.FP_TIMED), int(lib.FP_HAS_CPU)
 
 

@@ -42,7 +42,7 @@ from ..source.records import FinishedRound, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
 from ..unwcore import check, count, ffi, lib
 from ..unwind.engine import StackEngine
-from ..unwind.stackfmt import Frame
+from ..unwind.stackfmt import STATUS_IP_ONLY, Frame
 from .context import (
     END_ERRORS,
     STATUS_NAMES,
@@ -53,7 +53,7 @@ from .context import (
     record_marks,
     view,
 )
-from .replaytext import emitter, render_frame, write_folded
+from .replaytext import emitter, ip_only_text, render_frame, write_folded
 
 __all__ = ["FastResult", "Unsupported", "replay"]
 
@@ -194,6 +194,8 @@ class _Replay:
         # with distinct texts, not with processes; the Frame itself is not kept.
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
+        # perf-script, per frame id: its absolute ip (an ip_only stack prints it, not rel)
+        self._frame_ip: list[int] = []
         # kernel callchain (raw u64s) -> its frames' renderings in self.fmt, leaf first; bounded
         # by the distinct callchains of the file
         self._ktext: dict[bytes, list[str]] = {}
@@ -508,6 +510,8 @@ class _Replay:
         for f in self.nctx.new_frames():
             t = render_frame(fmt, f)
             text.append(texts.setdefault(t, t))
+            if fmt == "perf-script":
+                self._frame_ip.append(f.ip)
         if self.by_code:
             self.nctx.count_code_stacks()
         else:
@@ -534,6 +538,11 @@ class _Replay:
             stacks.append((comm, status, len(ids), nk))
             if fmt == "jsonl":
                 rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
+            elif status == STATUS_IP_ONLY and nk + len(ids) == 1:  # (stackfmt.perf_script)
+                if ids:
+                    rendered.append(ip_only_text(text_of(ids[0]), self._frame_ip[ids[0]]))
+                else:  # a kernel ip: the callchain intern_sample made, {CONTEXT_KERNEL, ip}
+                    rendered.append(ip_only_text(krendered[0], callchain(kkey)[-1]))
             else:
                 rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
 

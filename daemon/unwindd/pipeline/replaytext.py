@@ -5,7 +5,9 @@ reference path (stackfmt, ``unwindd replay``'s Python sink) writes.
 
 Invariants:
 - ``render_frame`` is stackfmt's rendering of one frame: ``folded_names``' name, ``to_json``'s
-  frame object, perf script's frame line; so a stack's text is its frames' texts joined.
+  frame object, perf script's frame line; so a stack's text is its frames' texts joined. A
+  perf-script ``ip_only`` stack is ``stackfmt.ip_only_line`` of its frame (``ip_only_text``),
+  written after a ``%16s`` comm (``emitter``), as ``stackfmt.perf_script`` writes it.
 - Folded names are ranked as Python sorts str, so C's order of rank sequences (fold.c) is
   ``render_folded``'s order of name tuples; names cross to C as UTF-8 with surrogates passed
   through, so decoding gives back the same str.
@@ -23,10 +25,10 @@ from typing import Any
 
 from ..unwcore import ffi, lib
 from ..unwind import stackfmt
-from ..unwind.stackfmt import Frame, UnwoundSample
+from ..unwind.stackfmt import STATUS_IP_ONLY, Frame, UnwoundSample
 from .context import NativeContext, view
 
-__all__ = ["emitter", "render_frame", "write_folded"]
+__all__ = ["emitter", "ip_only_text", "render_frame", "write_folded"]
 
 Emit = Callable[[int, int], None]
 
@@ -41,6 +43,13 @@ def render_frame(fmt: str, f: Frame) -> str:
         u = UnwoundSample(None, None, None, None, "", None, "", (f,))
         return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
     return stackfmt.perf_script_frame(f, f.rel if f.rel is not None else f.ip)
+
+
+def ip_only_text(frame_line: str, ip: int) -> str:
+    """``stackfmt.ip_only_line`` of the frame whose perf-script ``render_frame`` line is
+    ``frame_line`` and whose absolute ip is ``ip``: the line's address column (a tab and 16
+    hex digits, every u64 fits) becomes a space and the absolute ip."""
+    return f" {ip:16x}{frame_line[17:]}"
 
 
 def emitter(
@@ -84,8 +93,13 @@ def emitter(
         for k in range(a, b):
             sid = ids[k]
             t = times[k]
-            parts.append(f"{stacks[sid][0]} {pids[k]:5d}/{tids[k]:<5d} "
-                         f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n")  # fmt: skip
+            comm, status = stacks[sid][0], stacks[sid][1]
+            if status == STATUS_IP_ONLY:  # one line: rendered[sid] follows the time
+                parts.append(f"{comm:>16} {pids[k]:5d}/{tids[k]:<5d} "
+                             f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: ")  # fmt: skip
+            else:
+                parts.append(f"{comm} {pids[k]:5d}/{tids[k]:<5d} "
+                             f"{t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n")  # fmt: skip
             parts.append(rendered[sid])
         write("".join(parts))
 

@@ -8,7 +8,9 @@ Invariants:
 - For a file and format both replays take, the output and every count are the same
   (tests/differential/test_filereplay.py holds the native replay to this one).
 - Records reach the output in batches of at most ``BATCH`` (jsonl, perf-script and records
-  output is written as it goes); the summary is written at the end.
+  output is written as it goes); the summary is written at the end, its samples unwound as for
+  the other formats (its unwind section: ``render_unwind_summary``, what ``unwindd record``
+  writes, with where the frames came from, ``engine.frame_sources``).
 - A ``PerfDataError`` while reading propagates, after what was read before it was written.
 """
 
@@ -18,13 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
 from ..source.capture import StreamPipeline
-from ..source.output import render_summary
+from ..source.output import render_summary, render_unwind_summary
+from ..unwind.engine import StackEngine, frame_sources
 from .textout import TextOutput
 
 if TYPE_CHECKING:
     from ..source.perfdata import PerfData
     from ..source.records import Record
-    from ..unwind.engine import StackEngine
 
 BATCH = 4096  # records handed to the output at a time
 
@@ -33,7 +35,7 @@ BATCH = 4096  # records handed to the output at a time
 class StreamReplay:
     """What a replay counted: the stream pipeline (stream and ordering counts; the decode
     counts are ``data.decoder``'s) and the engine that unwound the samples (None for the
-    summary and records formats)."""
+    records format)."""
 
     pipeline: StreamPipeline
     engine: StackEngine | None
@@ -45,6 +47,8 @@ def replay_records(
     """Replay ``data`` (opened, left open) to ``out`` in ``fmt`` (cli.FORMATS); ``name`` is the
     file the summary names, ``top_pids`` how many pids it lists."""
     sink = TextOutput(fmt, out)
+    if fmt == "summary":  # samples unwound, for the counts only (the sink writes none)
+        sink.engine = StackEngine.create()
     pipeline = StreamPipeline(data.decoder)
     batch: list[Record] = []
     for rec in pipeline.replay(data.records()):
@@ -65,4 +69,8 @@ def replay_records(
             extra[f"file error {reason}"] = n
         order = pipeline.orderer.stats
         out.write(render_summary(pipeline.stats, data.decoder.stats, order, extra, top_pids))
+        if sink.engine is not None:
+            sources = frame_sources((a.fmt.sample_type, a.fmt.sample_regs_user)
+                                    for a in data.attrs)  # fmt: skip
+            out.write(render_unwind_summary(sink.engine.stats, sources))
     return StreamReplay(pipeline, sink.engine)

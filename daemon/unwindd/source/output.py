@@ -1,4 +1,5 @@
-"""Renderings of records and stream counts for people (summary) and scripts (JSON lines).
+"""Renderings of records, stream and unwind counts for people (summary) and scripts (JSON
+lines).
 
 Invariants:
 - Pure functions of their inputs; writing is the caller's business.
@@ -11,8 +12,9 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .abi import X86_REG_NAMES, regs_in_mask
 from .decoder import DecodeStats
@@ -62,6 +64,31 @@ def record_to_json(rec: Record) -> dict[str, Any]:
             if v is not None:
                 out[prop] = v
     return out
+
+
+class UnwindCounts(Protocol):
+    """What ``render_unwind_summary`` reads (unwind/engine.py EngineStats)."""
+
+    samples: int
+    by_status: Counter[str]
+    user_frames: int
+    kernel_frames: int
+    unsymbolized: int
+
+
+def render_unwind_summary(stats: UnwindCounts, frames_from: Sequence[str] = ()) -> str:
+    """The unwind section of ``--format summary`` (``unwindd record`` and ``unwindd replay``):
+    samples by unwind status, most first, the frames, and (``frames_from``) what the samples'
+    frames came from."""
+    lines = ["", f"unwound samples: {stats.samples}"]
+    for status, n in stats.by_status.most_common():
+        pct = 100.0 * n / stats.samples if stats.samples else 0.0
+        lines.append(f"  {status}: {n} ({pct:.1f}%)")
+    lines.append(f"frames: user={stats.user_frames} kernel={stats.kernel_frames} "
+                 f"unsymbolized={stats.unsymbolized}")  # fmt: skip
+    if frames_from:
+        lines.append(f"frames from: {', '.join(frames_from)}")
+    return "\n".join(lines) + "\n"
 
 
 def _table(rows: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> list[str]:

@@ -13,7 +13,10 @@ Invariants:
   rescan come later, each still exactly once: ``attach``); a failed unwind still gives the
   kernel frames and the leaf, with a status.
 - Frames follow perf script's conventions: leaf first, kernel frames first, a caller frame
-  named at its return address - 1 (``user_frames``).
+  named at its return address - 1 (``user_frames``). A sample with nothing to unwind (its
+  layout samples no user registers: ``perf record -g`` or no call graph) gets the frames perf
+  shows for it (``recorded_frames``): its callchain as recorded (status ``callchain``), else
+  its ip alone (``ip_only``); ``frame_sources`` says which a file's events get.
 - Cost: one native unwinder call per ``batch_size`` samples; a stack already seen in an
   address-space generation is one dict lookup (``user_frames``).
 - Memory: every cache is bounded, and per-process ones are dropped with the pid
@@ -37,12 +40,16 @@ from ..procs.space import SpaceState
 from ..source import abi
 from ..source.comms import default_comm
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
-from .stackfmt import Frame, UnwoundSample
+from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
 if TYPE_CHECKING:
     from ..procs.livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
+# frame_sources' answers: what the samples of an event are given as frames
+SOURCE_STACK = "user stack copies (DWARF unwind)"
+SOURCE_CALLCHAIN = "the recorded callchain (frame pointers)"
+SOURCE_IP = "the sample ip alone (no call graph recorded)"
 # Frame(ip, dso, sym, offset, kernel, inlined, rel, <hash cache>): every frame of a new
 # process is built anew (ASLR), so its constructor is the fast one (records.frozen_maker).
 _new_frame = frozen_maker(Frame)
@@ -78,6 +85,45 @@ def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
             in_kernel = ip == abi.CONTEXT_KERNEL
         elif in_kernel:
             yield ip
+
+
+def user_ips(callchain: Iterable[int]) -> Iterator[int]:
+    """The user entries of a raw PERF_SAMPLE_CALLCHAIN, in order (leaf first): those after a
+    PERF_CONTEXT_USER marker or before any marker, as perf's add_callchain_ip takes them
+    (tools/perf/util/machine.c: a marker sets the cpumode the next entries are looked up in,
+    user to begin with)."""
+    in_user = True
+    for ip in callchain:
+        if ip >= abi.CONTEXT_MAX:
+            in_user = ip == abi.CONTEXT_USER
+        elif in_user:
+            yield ip
+
+
+def frame_sources(formats: Iterable[tuple[int, int]]) -> tuple[str, ...]:
+    """``frame_source`` of each (sample_type, sample_regs_user), distinct, in order."""
+    return tuple(dict.fromkeys(frame_source(st, ru) for st, ru in formats))
+
+
+def frames_note(sources: tuple[str, ...], name: str) -> str | None:
+    """The one line ``unwindd replay`` says on stderr when samples of ``name`` are not
+    unwound from stack copies (``sources``: ``frame_sources`` of its events), else None."""
+    if not sources or sources == (SOURCE_STACK,):
+        return None
+    lead = "some events have" if SOURCE_STACK in sources else "no"
+    return f"unwindd: {name}: {lead} user stack copies; frames from {', '.join(sources)}"
+
+
+def frame_source(sample_type: int, sample_regs_user: int) -> str:
+    """What the samples of an event with this ``sample_type`` and ``sample_regs_user`` get as
+    frames (``StackEngine._unwind``'s rule, and stacks.c unwind_sample's): user registers
+    sampled, a DWARF unwind of the stack copy; else the recorded callchain if sampled; else the
+    sample ip."""
+    if sample_regs_user:
+        return SOURCE_STACK
+    if sample_type & abi.SampleType.CALLCHAIN:
+        return SOURCE_CALLCHAIN
+    return SOURCE_IP
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,14 +394,18 @@ class StackEngine:
         out = []
         stats = self.stats
         for i, ((snap, s), res) in enumerate(zip(pending, results, strict=True)):
-            kframes = self.kernel_frames(s.callchain) if s.callchain else ()
-            if s.regs_abi == abi.REGS_ABI_NONE and kframes:
-                status = "kernel_only"
-                frames = kframes
-            else:
-                status = res.status.name.lower()
-                uframes = self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
+            if not s.regs_mask:  # nothing to unwind (the unwinder said no_regs)
+                status, kframes, uframes = self.recorded_frames(snap, s)
                 frames = self._join(kframes, uframes) if kframes else uframes
+            else:
+                kframes = self.kernel_frames(s.callchain) if s.callchain else ()
+                if s.regs_abi == abi.REGS_ABI_NONE and kframes:
+                    status = "kernel_only"
+                    frames = kframes
+                else:
+                    status = res.status.name.lower()
+                    uframes = self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
+                    frames = self._join(kframes, uframes) if kframes else uframes
             stats.samples += 1
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)
@@ -364,6 +414,26 @@ class StackEngine:
             out.append(UnwoundSample(s.time, s.pid, s.tid, s.cpu, comm, s.period, status, frames))
         stats.frames = stats.kernel_frames + stats.user_frames
         return out
+
+    def recorded_frames(self, snap: Snapshot, s: Sample
+                        ) -> tuple[str, tuple[Frame, ...], tuple[Frame, ...]]:  # fmt: skip
+        """(status, kernel frames, user frames) of a sample whose layout samples no user
+        registers, as perf script resolves it (tools/perf/util/machine.c
+        thread__resolve_callchain_sample): with callchain entries, its kernel entries and its
+        user entries (``user_ips``, at most ``max_depth``) as recorded, each named at the
+        address itself (add_callchain_ip: no return address - 1); without, its ip alone, a
+        kernel frame if taken in kernel mode (header.misc's cpumode, as perf picks the map).
+        stacks.c unwind_sample / intern_sample are this rule in C."""
+        cc = s.callchain
+        if cc:
+            pcs = tuple(user_ips(cc))[: self.unwinder.max_depth]
+            return (STATUS_CALLCHAIN, self.kernel_frames(cc),
+                    self.user_frames(s.pid, snap, pcs, exact=True))  # fmt: skip
+        if s.ip is None:
+            return "no_regs", (), ()
+        if s.cpumode == abi.MISC_KERNEL:
+            return STATUS_IP_ONLY, self.kernel_frames((abi.CONTEXT_KERNEL, s.ip)), ()
+        return STATUS_IP_ONLY, (), self.user_frames(s.pid, snap, (s.ip,))
 
     def _join(self, kframes: tuple[Frame, ...], uframes: tuple[Frame, ...]) -> tuple[Frame, ...]:
         """``kframes + uframes``, the same tuple object each time for the same two cached
@@ -379,12 +449,14 @@ class StackEngine:
         return out
 
     def user_frames(
-        self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...], signal_frames: int = 0
-    ) -> tuple[Frame, ...]:
+        self, pid: int | None, snap: Snapshot, pcs: tuple[int, ...], signal_frames: int = 0,
+        exact: bool = False,
+    ) -> tuple[Frame, ...]:  # fmt: skip
         """Symbolized user frames for unwound ``pcs`` (leaf first, return addresses as the
         unwinder found them; ``signal_frames``: the unwinder's mask of signal-trampoline
-        frames, ``UnwindResult.signal_frames``). Profiles repeat the same stacks: each
-        (address space, stack) is symbolized once (the mask is a function of both).
+        frames, ``UnwindResult.signal_frames``; ``exact``: every pc is named as it is, a
+        recorded callchain's). Profiles repeat the same stacks: each (address space, stack)
+        is symbolized once (the mask is a function of both; ``exact`` is part of the key).
 
         Frames follow perf script's conventions so the two can be compared: a caller frame's
         ``ip`` is its return address minus 1 (perf's unwinders report ``pc - 1`` for
@@ -401,7 +473,7 @@ class StackEngine:
         per = self._stacks.get(spid)
         if per is None:
             per = self._stacks[spid] = {}
-        key = (gen, pcs)
+        key = (2 * gen + exact, pcs)  # (generation, exact) in one int
         hit = per.get(key)
         if hit is not None:
             return hit
@@ -411,10 +483,10 @@ class StackEngine:
         frames = []
         # The leaf's pc is exact; so is the pc of a frame right after a signal trampoline (it
         # was interrupted, not called); every other pc is a return address, reported - 1.
-        exact = signal_frames << 1 | 1
+        exact_bits = -1 if exact else signal_frames << 1 | 1
         unsym = 0
         for i, pc in enumerate(pcs):
-            ip = pc if exact >> i & 1 else pc - 1
+            ip = pc if exact_bits >> i & 1 else pc - 1
             f = fcache.get((gen, ip))
             if f is None:
                 f = self._user_frame(pid, snap, ip)

@@ -9,7 +9,9 @@ Invariants:
   for the fields it prints (tools/perf/builtin-script.c ``perf_sample__fprintf_start`` and
   util/evsel_fprintf.c ``sample__fprintf_callchain``): ``comm`` then ``%5d/%-5d``, the time as
   ``%5lu.%09llu:``, then one ``\\t%16x sym (dso)`` line per frame (the address perf prints:
-  ``Frame.rel``) and an empty line.
+  ``Frame.rel``) and an empty line. A sample of an event without a call graph
+  (``STATUS_IP_ONLY``) is one line, as perf prints it (builtin-script.c: comm as ``%16s``,
+  then `` %16x sym (dso)`` of the absolute ip after the time: ``sample__fprintf_sym``).
 - ``folded`` follows flamegraph.pl's stackcollapse-perf.pl: ``comm;outermost;...;leaf count``,
   kernel frames suffixed ``_[k]`` like its ``--kernel`` option so they stay apart from user
   frames.
@@ -86,6 +88,12 @@ def frame_name(f: Frame) -> str:
     return f.sym or UNKNOWN
 
 
+# Statuses of samples with nothing to unwind (engine.recorded_frames): frames from the recorded
+# callchain, or the sample ip alone.
+STATUS_CALLCHAIN = "callchain"
+STATUS_IP_ONLY = "ip_only"
+
+
 @dataclass(frozen=True, slots=True)
 class UnwoundSample:
     time_ns: int | None
@@ -126,8 +134,10 @@ def perf_script(s: UnwoundSample) -> str:
     t = s.time_ns or 0
     pid = -1 if s.pid is None else s.pid
     tid = -1 if s.tid is None else s.tid
-    head = f"{s.comm} {pid:5d}/{tid:<5d} {t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}: \n"
-    lines = [head]
+    when = f"{pid:5d}/{tid:<5d} {t // 1_000_000_000:5d}.{t % 1_000_000_000:09d}:"
+    if s.unwind_status == STATUS_IP_ONLY and len(s.frames) == 1:
+        return f"{s.comm:>16} {when} {ip_only_line(s.frames[0])}"
+    lines = [f"{s.comm} {when} \n"]
     for f in s.frames:
         addr = f.rel if f.rel is not None else f.ip
         lines.append(perf_script_frame(f, addr))
@@ -136,8 +146,14 @@ def perf_script(s: UnwoundSample) -> str:
 
 
 def perf_script_frame(f: Frame, addr: int) -> str:
-    """One callchain line of perf script: ``\\t%16x sym (dso)`` at ``addr``."""
+    """One callchain line of perf script: ``\t%16x sym (dso)`` at ``addr``."""
     return f"\t{addr:16x} {frame_name(f)} ({f.dso or UNKNOWN})\n"
+
+
+def ip_only_line(f: Frame) -> str:
+    """perf script's text of the one frame of a sample without a call graph, after its time:
+    the absolute ip (``sample->ip``), not the mapping-relative address of a callchain line."""
+    return f" {f.ip:16x} {frame_name(f)} ({f.dso or UNKNOWN})\n"
 
 
 def folded_key(s: UnwoundSample) -> tuple[str, ...]:

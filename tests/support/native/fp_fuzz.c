@@ -2,6 +2,7 @@
  * parallel.c, context.c) under ASan/UBSan and TSan (tests/differential/test_filereplay.py).
  *
  * usage: fp_fuzz DATA sample_type regs_mask nprefix i_tid i_time i_cpu i_period nregs ITERS
+ *        [i_ip] (default -1: the samples' ip is read only without user registers)
  *
  * DATA is a real perf.data data section. Each iteration copies a truncated and byte-mutated
  * version into a buffer malloc'd at its exact size (so any over-read is reported), then runs
@@ -413,7 +414,11 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
     for (uint32_t i = 0; i < nst; i++) {
         struct fp_stack s;
         CHECK(fp_stack(c, i, &s) == 0);
-        CHECK(s.count >= 1 && s.status <= UNW_NO_REGS);
+        CHECK(s.count >= 1 && s.status <= FP_STATUS_IP_ONLY);
+        /* a sample with nothing to unwind: frames from its callchain or ip, all exact, never
+         * kernel_only; its ip alone is one frame (user) or one kernel entry */
+        CHECK(s.status < FP_STATUS_CALLCHAIN || (!s.regs_none && !(s.npcs && s.kinds[0])));
+        CHECK(s.status != FP_STATUS_IP_ONLY || s.npcs + (s.nkc == 2) == 1);
         CHECK(by_code ? s.pcs == NULL : s.pcs != NULL);
         for (uint32_t j = 0; j < s.npcs; j++) {
             CHECK(s.fids[j] < nfr);
@@ -495,7 +500,7 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
 
 int main(int argc, char **argv)
 {
-    if (argc != 11)
+    if (argc != 11 && argc != 12)
         return 2;
     FILE *f = fopen(argv[1], "rb");
     if (!f)
@@ -512,7 +517,7 @@ int main(int argc, char **argv)
     lay.sample_type = strtoull(argv[2], NULL, 0);
     lay.regs_mask = strtoull(argv[3], NULL, 0);
     lay.nprefix = (uint32_t)strtoul(argv[4], NULL, 0);
-    lay.i_ip = -1;
+    lay.i_ip = argc > 11 ? (int32_t)strtol(argv[11], NULL, 0) : -1;
     lay.i_tid = (int32_t)strtol(argv[5], NULL, 0);
     lay.i_time = (int32_t)strtol(argv[6], NULL, 0);
     lay.i_cpu = (int32_t)strtol(argv[7], NULL, 0);
