@@ -37,39 +37,13 @@ from perfutil import has_pmu
 from procutil import wait_cpu_seconds
 from unwindd.source.perfcore import attr_bytes
 from unwindd.source.sampling import EVENTS, SamplingConfig, read_sysctl
+from workloads.build import SRC
 
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3.11"
 # What ``import unwindd.cli``, the record path and the daemon load outside the standard library.
 RUNTIME_IMPORTS = ("_cffi_backend", "cffi", "elftools", "uvloop", "h11", "prometheus_client")
 
-# Two phases with their own functions: first_phase runs from main's start for a quarter of the
-# work, second_phase for the rest; argv[1] scales the work (20M: ~30 ms + ~90 ms here), argv[2]
-# is the exit status.
-PHASES_C = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#define NOIN __attribute__((noinline, noclone))
-volatile uint64_t sink;
-NOIN uint64_t spin(uint64_t n)
-{
-    uint64_t acc = sink;
-    for (uint64_t i = 0; i < n; i++) {
-        acc = acc * 6364136223846793005ULL + i;
-        acc ^= acc >> 29;
-    }
-    return acc;
-}
-NOIN uint64_t first_phase(uint64_t n) { return spin(n) + 1; }
-NOIN uint64_t second_phase(uint64_t n) { return spin(n) + 2; }
-int main(int argc, char **argv)
-{
-    long n = argc > 1 ? atol(argv[1]) : 20000000;
-    sink += first_phase(n);
-    sink += second_phase(3 * n);
-    return argc > 2 ? atoi(argv[2]) : 0;
-}
-"""
 
 USER_ONLY = re.compile(r"^unwindd: kernel\.perf_event_paranoid=2: sampling user space only")
 
@@ -85,8 +59,9 @@ def shared_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def phases(shared_dir: Path) -> Path:
+    """workloads/phases.c built where nobody can run it."""
     src = shared_dir / "phases.c"
-    src.write_text(PHASES_C)
+    shutil.copyfile(SRC / "phases.c", src)
     out = shared_dir / "phases"
     subprocess.run(["gcc", "-O2", "-g", "-fomit-frame-pointer", "-o", str(out), str(src)],
                    check=True)  # fmt: skip
