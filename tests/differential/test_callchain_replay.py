@@ -116,7 +116,8 @@ def test_pipe_replay_equals_native(files: dict[str, Path], name: str, fmt: str) 
     """The Python replay of the pipe stream writes what the native driver writes for the
     file, and the native driver does take such files (no hand-over to Python)."""
     native = replay(files[name], fmt).stdout
-    assert native.count("\n") > 3
+    # not empty: folded without a call graph has a line per leaf only (spin, a few kernel ones)
+    assert native.count("\n") >= (2 if fmt == "folded" else 4)
     assert replay(files[f"{name}_pipe"], fmt, pipe=True).stdout == native
     data = PerfData.open(files[name])
     out = io.StringIO()
