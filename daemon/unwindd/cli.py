@@ -1,10 +1,9 @@
-"""Command line: ``unwindd record`` (live capture), ``unwindd replay FILE`` (perf.data).
+"""The ``unwindd`` command: its parser, ``replay FILE`` (perf.data), ``check-config``,
+``systemd-unit``, the daemon; ``record`` (live capture) is record.py.
 
 Invariants:
 - Errors the user can fix (missing privilege, bad pid, unreadable or corrupt file, bad option)
-  end in one clear line on stderr and exit status 2, never a traceback.
-- SIGINT/SIGTERM stop a capture cleanly: the rings are drained and everything already recorded
-  is printed before exit (status 0).
+  end in one clear line on stderr and exit status 2 (``fail``), never a traceback.
 - With no subcommand (or ``run``), ``unwindd`` is the daemon (service.py): the whole machine by
   default, configured by ``--config`` TOML, queried over its Unix socket; its options are the
   same with or without ``run``. ``check-config [FILE]`` validates a config (and what start
@@ -17,23 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable, Sequence
-from types import FrameType
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from . import __version__
-from .unwind import stackfmt
 
 # Imports are per command: `unwindd replay` (the native replay) must not pay at start-up for the
 # capture, output, config or service stacks it does not run, nor for json/select/signal, which
 # only the other commands and formats use.
 if TYPE_CHECKING:
-    from .pipeline.live import LiveProfiler
-    from .source.capture import StreamPipeline
     from .source.mapfile import MappedFile
-    from .source.sampling import SamplingConfig, Target
-    from .source.workload import Workload
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
 # (test_filereplay.py checks they agree).
@@ -173,9 +165,9 @@ def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
         cfg = load_config(args.file)
         preflight(cfg)
     except ConfigError as e:
-        return _fail(str(e))
+        return fail(str(e))
     except StartupError as e:
-        return _fail(f"{cfg.source}: {e}")
+        return fail(f"{cfg.source}: {e}")
     out.write(json.dumps(cfg.to_json(), indent=2) + "\n")
     if args.file is None and cfg.source == DEFAULTS_SOURCE:
         print(f"unwindd: {DEFAULT_PATH} does not exist: the daemon would run on the built-in "
@@ -238,273 +230,10 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _ignore(samples: Sequence[stackfmt.UnwoundSample]) -> None:
-    pass
-
-
-def _fail(msg: str) -> int:
+def fail(msg: str) -> int:
+    """An error the user can fix: one line on stderr, exit status 2."""
     print(f"unwindd: error: {msg}", file=sys.stderr)
     return 2
-
-
-def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
-    from .pipeline.textout import TextOutput
-    from .source.capture import StreamPipeline, run_live
-    from .source.perfcore import PerfSession
-    from .source.sampling import PerfOpenError
-
-    if args.workload and (args.pid or args.all or args.cgroup):
-        return _fail("record -- CMD samples that command: it takes no --pid, --all or --cgroup")
-    if args.format != "records":
-        return _record_live(args, out)
-    # Raw records need no unwinding: the plain stream pipeline, no process table.
-    try:
-        workload = _fork_workload(args)
-    except OSError as e:
-        return _fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
-    target = _target(args, workload)
-    try:
-        session = PerfSession.open(target, _sampling_config(args))
-    except (PerfOpenError, ValueError) as e:
-        if workload is not None:
-            workload.cancel()
-        return _fail(str(e))
-    _print_notes(session.notes)
-    stop = _install_stop_handlers()
-    pipeline = StreamPipeline.for_format(session.event_format)
-    sink = TextOutput(args.format, out)
-    on_tick = None
-    if args.status_interval:
-        on_tick = _status_printer(pipeline, time.monotonic(), args.status_interval)
-    with session:
-        session.enable()
-        if workload is not None:
-            try:
-                workload.start()
-            except OSError as e:  # its message names the command and the reason
-                return _fail(e.strerror or str(e))
-        run_live(session, pipeline, sink, duration=args.duration,
-                 should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
-        sink.finish()
-        session.disable()
-    _end_workload(workload)
-    return 0
-
-
-def _fork_workload(args: argparse.Namespace) -> Workload | None:
-    """``record -- CMD``: the command forked and held before its exec (workload.py), before
-    anything starts a thread; None for the other targets."""
-    if not args.workload:
-        return None
-    from .source.workload import Workload
-
-    return Workload(args.workload)
-
-
-def _stop_or_exited(stop: Callable[[], bool], workload: Workload | None) -> Callable[[], bool]:
-    """Stop on SIGINT/SIGTERM, and when the recorded command has exited."""
-    if workload is None:
-        return stop
-    return lambda: stop() or workload.poll() is not None
-
-
-def _end_workload(workload: Workload | None) -> None:
-    """The recording is over: end the command if it still runs (perf record sends it SIGTERM
-    too), and say how it ended unless it exited with status 0. The exit status of ``record``
-    stays 0, as perf's: the recording itself succeeded."""
-    if workload is None:
-        return
-    workload.stop()
-    if workload.returncode != 0:
-        print(f"unwindd: {workload.describe()}", file=sys.stderr)
-
-
-def _print_notes(notes: Sequence[str]) -> None:
-    """What the session changed to open (sampling.fallback), one line each on stderr."""
-    for note in notes:
-        print(f"unwindd: {note}", file=sys.stderr, flush=True)
-
-
-def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    from .source.sampling import SamplingConfig
-
-    return SamplingConfig(
-        event=args.event,
-        frequency=args.frequency,
-        stack_size=args.stack_size,
-        ring_pages=args.ring_pages,
-    )
-
-
-def _target(args: argparse.Namespace, workload: Workload | None = None) -> Target:
-    from .source.sampling import Target
-
-    if workload is not None:
-        return Target(pids=(workload.pid,), from_exec=True)
-    if args.pid:
-        return Target(pids=tuple(args.pid))
-    if args.cgroup:
-        return Target(cgroup=args.cgroup)
-    return Target(all_cpus=True)
-
-
-def _record_live(args: argparse.Namespace, out: TextIO) -> int:
-    """Live capture on the daemon's driver (LiveProfiler with its native step): every sample
-    unwound and symbolized as it arrives. jsonl and perf-script print each sample, so they
-    subscribe to the store (the step then builds an object for each, as for the daemon's
-    stream; the step's own return value repeats them and is not printed); folded takes the
-    step's per-stack counts (``StackStore.count_subscribers``) and the samples the step
-    returns (those held for a /proc rescan and unwound later), so it builds none."""
-    from .pipeline.live import LiveProfiler
-    from .pipeline.textout import TextOutput
-    from .source.output import render_summary
-    from .source.sampling import PerfOpenError
-
-    try:
-        workload = _fork_workload(args)
-    except OSError as e:
-        return _fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
-    target = _target(args, workload)
-    try:
-        prof = LiveProfiler.open(target, _sampling_config(args))
-    except (PerfOpenError, ValueError) as e:
-        if workload is not None:
-            workload.cancel()
-        return _fail(str(e))
-    _print_notes(prof.session.notes)
-    # processes older than the recording have no COMM record: the summary names them from /proc
-    prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
-    stop = _stop_or_exited(_install_stop_handlers(), workload)
-    sink = TextOutput(args.format, out, unwind=False)
-    take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
-    if args.format in ("jsonl", "perf-script"):
-        prof.store.subscribers.append(sink.samples)
-        take = _ignore
-    elif args.format == "folded":
-        prof.store.count_subscribers.append(sink.counts)
-    started = time.monotonic()
-    on_tick = None
-    if args.status_interval:
-        on_tick = _status_printer(prof.pipeline, started, args.status_interval)
-    import select
-
-    poller = select.poll()
-    for fd in prof.fds:
-        poller.register(fd, select.POLLIN)
-    if workload is not None and workload.pidfd >= 0:
-        poller.register(workload.pidfd, select.POLLIN)  # readable once the command exits
-    deadline = None if args.duration is None else started + args.duration
-    try:
-        take(prof.start())
-        if workload is not None:
-            try:
-                workload.start()
-            except OSError as e:  # its message names the command and the reason
-                return _fail(e.strerror or str(e))
-        while not stop() and (deadline is None or time.monotonic() < deadline):
-            timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            poller.poll(int(timeout * 1000))
-            take(prof.step())
-            if on_tick is not None:
-                on_tick()
-        _end_workload(workload)
-        take(prof.close())
-    finally:
-        if not prof.closed:
-            prof.close()
-    sink.finish()
-    if args.format == "summary":
-        session = prof.session
-        what = _describe(target)
-        if workload is not None:
-            what = f"command {' '.join(workload.argv)} (pid {workload.pid})"
-        extra: dict[str, object] = {
-            "target": what,
-            "duration_s": round(time.monotonic() - started, 3),
-            "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
-            "ring_errors": session.ring_errors,
-        }
-        if session.skipped_cpus:
-            extra["skipped_cpus"] = ",".join(map(str, session.skipped_cpus))
-        out.write(
-            render_summary(
-                prof.pipeline.stats,
-                prof.pipeline.decoder.stats,
-                prof.pipeline.orderer.stats,
-                extra,
-                args.top or 1 << 30,
-            )
-        )
-        out.write(_render_unwind_summary(prof))
-    return 0
-
-
-def _render_unwind_summary(prof: LiveProfiler) -> str:
-    """Unwind results by status and the live table's counters (livetable.LiveTableStats)."""
-    from .source.output import render_unwind_summary
-
-    ls = prof.live.stats
-    ts = prof.engine.table.stats
-    lines = [render_unwind_summary(prof.engine.stats).rstrip("\n")]
-    lines.append(
-        f"bootstrap: processes={ls.bootstrap_processes} kernel_threads="
-        f"{ls.bootstrap_kernel_threads} mappings={ls.bootstrap_mappings} "
-        f"seconds={ls.bootstrap_seconds:.3f}"
-    )
-    for name, counter in (("rescans", ls.rescans), ("backfilled", ls.backfilled),
-                          ("give_ups", ls.give_ups), ("drops", ts.drops)):  # fmt: skip
-        body = " ".join(f"{k}={v}" for k, v in sorted(counter.items())) or "-"
-        lines.append(f"{name}: {body}")
-    lines.append(
-        f"held={ls.held} verifications={ls.verifications} pid_reuse={ls.pid_reuse} "
-        f"rescans_override={ls.rescans_override} lost_epochs={ls.lost_epochs} "
-        f"tracked_processes={len(prof.engine.table.spaces)} pinned_at_drain={prof.stats_pinned}"
-    )
-    return "\n".join(lines) + "\n"
-
-
-def _describe(target: object) -> str:
-    pids = getattr(target, "pids", ())
-    if pids:
-        return "pids " + ",".join(map(str, pids))
-    cg = getattr(target, "cgroup", None)
-    return f"cgroup {cg}" if cg else "all CPUs"
-
-
-def _status_printer(pipeline: StreamPipeline, started: float, every: float) -> Callable[[], None]:
-    next_at = started + every
-
-    def tick() -> None:
-        nonlocal next_at
-        now = time.monotonic()
-        if now < next_at:
-            return
-        next_at = now + every
-        s = pipeline.stats
-        print(
-            f"unwindd: {now - started:.0f}s samples={s.by_type['SAMPLE']} "
-            f"records={sum(s.by_type.values())} lost={s.lost} lost_samples={s.lost_samples} "
-            f"throttled={s.throttled} decode_errors={pipeline.decoder.stats.error_count} "
-            f"late={pipeline.orderer.stats.late}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    return tick
-
-
-def _install_stop_handlers() -> Callable[[], bool]:
-    import signal
-
-    stopped = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopped
-        stopped = True
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return lambda: stopped
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
@@ -539,7 +268,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             src = sys.stdin.buffer if args.file == "-" else args.file
             data = PerfData.open(src)
         except (PerfDataError, OSError) as e:
-            return _fail(f"{args.file}: {e}")
+            return fail(f"{args.file}: {e}")
         noted = args.format == "records" or _note_frames(data, args.file)
         if native:
             if mapped is not None:  # indexed while the replay's modules are imported
@@ -562,7 +291,7 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         try:
             replay_records(data, args.format, out, name=args.file, top_pids=args.top or 1 << 30)
         except PerfDataError as e:
-            return _fail(f"{args.file}: {e}")
+            return fail(f"{args.file}: {e}")
         if not noted:  # a pipe's events are known once its attr records are read
             _note_frames(data, args.file)
     return 0
@@ -649,6 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "systemd-unit":
             return cmd_systemd_unit(args, out)
         if args.command == "record":
+            from .record import cmd_record
+
             return cmd_record(args, out)
         return cmd_replay(args, out)
     except BrokenPipeError:

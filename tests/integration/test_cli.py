@@ -39,7 +39,7 @@ WORKLOAD = [
 ]
 
 
-# record's --status-interval line (cli._status_printer), printed from its drain loop only
+# record's --status-interval line (record._status_printer), printed from its drain loop only
 STATUS_LINE = r"unwindd: \d+s samples=\d+ "
 
 
