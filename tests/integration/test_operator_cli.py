@@ -344,12 +344,14 @@ def test_systemd_unit_for_a_console_script(tmp_path: Path) -> None:
 
 
 def test_the_unit_ships_in_the_package(tmp_path: Path) -> None:
-    """The package's unit is systemd/unwindd.service itself (a link in the tree), and a build
-    puts its text in the package."""
+    """The package's unit is systemd/unwindd.service itself (a link in the tree), a build
+    puts its text in the package, and the package under test (installed or this tree) has it."""
     import unwindd.serve
 
+    tree_unit = ROOT / "daemon" / "unwindd" / "serve" / "unwindd.service"
+    assert tree_unit.is_symlink() and tree_unit.resolve() == SHIPPED_UNIT.resolve()
     pkg_unit = Path(unwindd.serve.__file__).parent / "unwindd.service"
-    assert pkg_unit.resolve() == SHIPPED_UNIT.resolve()
+    assert pkg_unit.read_text() == SHIPPED_UNIT.read_text()
     res = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "-e", str(tmp_path),
                           "build_py", "-d", str(tmp_path / "lib")], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
