@@ -3,8 +3,9 @@ from ``/proc/<pid>/cgroup`` (cgroups(7)).
 
 Invariants:
 - Parsing is pure and total: ``cgroup_path`` and ``labels_of_path`` never raise, on any text,
-  and their output is bounded (the path at ``MAX_PATH`` chars, else no cgroup label; a unit
-  at systemd's UNIT_NAME_MAX; a container id is 64 hex digits).
+  and their output is bounded and printable (the path at ``MAX_PATH`` printable chars, else no
+  cgroup label: a directory name may hold any byte but "/"; a unit at systemd's
+  UNIT_NAME_MAX of its unit-name characters; a container id is 64 hex digits).
 - The cgroup: cgroup v2's ``0::/path`` line; on a hybrid or v1-only machine (no v2 line, or a
   v2 line at the root) systemd's own ``name=systemd`` hierarchy, then the first v1 controller
   path below the root (v1 docker puts every controller at ``/docker/<id>``).
@@ -133,7 +134,7 @@ def labels_of_path(path: str | None) -> Labels:
             cid = _container_id(comp)
         if unit is not None and cid is not None:
             break
-    cg = path if len(path) <= MAX_PATH else None
+    cg = path if len(path) <= MAX_PATH and path.isprintable() else None
     return Labels(cg, unit or slice_, cid)
 
 
@@ -142,7 +143,8 @@ class CgroupStats:
     reads: int = 0
     unreadable: int = 0  # the process was gone (or the file unreadable): no labels
     unparsed: int = 0  # read, but no cgroup line in it
-    too_long: int = 0  # a path past MAX_PATH: no cgroup label (unit and id still parsed)
+    # a path past MAX_PATH or not printable: no cgroup label (unit and id still parsed)
+    unlabelled_path: int = 0
 
 
 class CgroupLabels:
@@ -179,7 +181,7 @@ class CgroupLabels:
                     self._by_path.clear()
                 cached = labels_of_path(path)
                 if cached.cgroup is None:
-                    st.too_long += 1
+                    st.unlabelled_path += 1
                 self._by_path[path] = cached
             labels = cached
         by_pid = self._by_pid
