@@ -256,3 +256,40 @@ def test_read_property(data: bytes) -> None:
         encode_profile([], period_ns=1, labels_of=lambda pid: lab.as_dict())  # encodable
         for v in lab.as_dict().values():
             v.encode()
+
+
+def test_live_table_reads_at_bootstrap_exec_and_rescan(proc: Path) -> None:
+    """The live table reads a process's cgroup with its /proc at bootstrap, forgets it at a
+    FORK of a new process (the store reads it at its first sample), re-reads at its exec (a
+    runtime moved it before the exec) and at a rescan; a thread's FORK changes nothing."""
+    from unwindd.procs.livetable import LiveTable
+    from unwindd.procs.proctable import ProcessTable
+    from unwindd.source.abi import MISC_COMM_EXEC
+    from unwindd.source.records import NO_SAMPLE_ID, Comm, Fork
+
+    def put_proc(pid: int, cg: str) -> None:
+        put(proc, pid, f"0::{cg}\n".encode())
+        (proc / str(pid) / "stat").write_text(
+            f"{pid} (x) S 1 {pid} {pid} 0 -1 4194304 " + "0 " * 12 + "500 1 1\n")
+        (proc / str(pid) / "maps").write_text("")
+
+    put_proc(30, "/system.slice/a.service")
+    live = LiveTable(ProcessTable(), ProcFS(str(proc)))
+    store = StackStore()
+    store.attach_labels(live.labels)
+    live.bootstrap([30])
+    assert live.labels.get(30) == Labels("/system.slice/a.service", "a.service", None)
+    assert live.labels.stats.reads == 1
+    live.observe(Fork(0, 31, 30, 31, 30, 10, NO_SAMPLE_ID))
+    assert live.labels.get(31) is None and live.labels.stats.reads == 1  # lazily, not here
+    live.observe(Fork(0, 30, 30, 32, 30, 11, NO_SAMPLE_ID))  # a thread of 30
+    assert live.labels.get(30) is not None
+    store.add([_sample(30, 12, "f")])
+    put_proc(30, f"/system.slice/docker-{ID}.scope")
+    live.observe(Comm(0, 30, 30, "x", NO_SAMPLE_ID))  # a rename (prctl): no read
+    assert store.labels_of(30)["unit"] == "a.service"
+    live.observe(Comm(MISC_COMM_EXEC, 30, 30, "x", NO_SAMPLE_ID))
+    assert store.labels_of(30)["container_id"] == ID and live.labels.stats.reads == 2
+    put_proc(30, "/system.slice/c.service")
+    assert live._rescan(30, "retry", 0)
+    assert store.labels_of(30)["unit"] == "c.service" and live.labels.stats.reads == 3
