@@ -293,3 +293,13 @@ def test_live_table_reads_at_bootstrap_exec_and_rescan(proc: Path) -> None:
     put_proc(30, "/system.slice/c.service")
     assert live._rescan(30, "retry", 0)
     assert store.labels_of(30)["unit"] == "c.service" and live.labels.stats.reads == 3
+
+
+def test_cut_file_never_yields_a_cut_path(proc: Path) -> None:
+    """A file past the read limit (hybrid machines list every hierarchy, the v2 line last):
+    its cut last line is dropped, not read as a shorter path."""
+    v1 = b"".join(b"%d:c%d:/system.slice/v1.service\n" % (i, i) for i in range(1, 11))
+    v2 = b"0::/system.slice/" + b"y" * 20000 + b"/real.service\n"
+    put(proc, 5, v1 + v2)
+    got = CgroupLabels(ProcFS(str(proc))).read(5)
+    assert got == Labels("/system.slice/v1.service", "v1.service", None)

@@ -25,7 +25,8 @@ Invariants:
   at most ``max_pids`` pids (oldest read dropped first) and parses each distinct path once
   (``max_paths`` cached, then the cache starts over). A pid whose file cannot be read (the
   process is gone) has no labels, counted in ``stats.unreadable``; never another's.
-- Cost: a read is one open and one read of a small file (at most 4 KiB read) plus a dict
+- A file longer than the read limit loses its cut last line, never yields a cut path.
+- Cost: a read is one open and one read of a small file (at most 16 KiB read) plus a dict
   lookup; nothing here runs per sample.
 """
 
@@ -39,7 +40,7 @@ from .procscan import ProcFS
 __all__ = ["NO_LABELS", "CgroupLabels", "CgroupStats", "Labels", "cgroup_path", "labels_of_path"]
 
 MAX_PATH = 1024  # longer cgroup paths give no cgroup label (counted): a label stays small
-_READ_LIMIT = 4096
+_READ_LIMIT = 16384  # a v1 machine has a line per hierarchy, each path up to PATH_MAX
 UNIT_NAME_MAX = 256  # systemd src/basic/unit-name.h
 _HEX = frozenset("0123456789abcdef")
 _UNIT_CHARS = frozenset(
@@ -170,6 +171,8 @@ class CgroupLabels:
             st.unreadable += 1
             self.forget(pid)
             return None
+        if len(text) >= _READ_LIMIT and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]  # cut by the limit: a partial line is no path
         path = cgroup_path(text)
         if path is None:
             st.unparsed += 1
