@@ -25,7 +25,8 @@ Invariants:
   at most ``max_pids`` pids (oldest read dropped first) and parses each distinct path once
   (``max_paths`` cached, then the cache starts over). A pid whose file cannot be read (the
   process is gone) has no labels, counted in ``stats.unreadable``; never another's.
-- A file longer than the read limit loses its cut last line, never yields a cut path.
+- A file longer than the read limit loses its cut last line (one without its newline), never
+  yields a cut path.
 - Cost: a read is one open and one read of a small file (at most 16 KiB read) plus a dict
   lookup; nothing here runs per sample.
 """
@@ -171,8 +172,10 @@ class CgroupLabels:
             st.unreadable += 1
             self.forget(pid)
             return None
-        if len(text) >= _READ_LIMIT and not text.endswith("\n"):
-            text = text[: text.rfind("\n") + 1]  # cut by the limit: a partial line is no path
+        if not text.endswith("\n"):
+            # the kernel ends every line (kernel/cgroup/cgroup.c proc_cgroup_show): one without
+            # its newline was cut by the read limit, and a partial path is no path
+            text = text[: text.rfind("\n") + 1]
         path = cgroup_path(text)
         if path is None:
             st.unparsed += 1
