@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="only the last SECONDS (default: everything retained)")
             sp.add_argument("--until", type=float, metavar="SECONDS",
                             help="end the window SECONDS ago (default: now)")
+            # labels: the processes of a systemd unit, a container, a cgroup (and below it)
+            sp.add_argument("--unit", help="systemd unit, e.g. nginx.service")
+            sp.add_argument("--container", metavar="ID",
+                            help="container id or its first digits")
+            sp.add_argument("--cgroup", metavar="PATH", help="cgroup path, or an ancestor")
 
     top = sub.add_parser("top", help="functions by self and total samples")
     filters(top)
@@ -162,6 +167,9 @@ def _filter_params(args: argparse.Namespace) -> dict[str, Any]:
         "tid": args.tid,
         "since": getattr(args, "since", None),
         "until": getattr(args, "until", None),
+        "unit": getattr(args, "unit", None),
+        "container": getattr(args, "container", None),
+        "cgroup": getattr(args, "cgroup", None),
     }
 
 
@@ -267,8 +275,10 @@ def cmd_ps(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     if args.json:
         out.write(json.dumps(res) + "\n")
         return
-    rows = [[p["pid"], p["samples"], p["comm"], p["exe"] or "-"] for p in res["processes"]]
-    _table(rows, ["PID", "SAMPLES", "COMM", "EXE"], out, {0, 1})
+    # the container as docker ps shows it: its id's first 12 digits
+    rows = [[p["pid"], p["samples"], p["comm"], p["exe"] or "-", p.get("unit") or "-",
+             (p.get("container_id") or "-")[:12]] for p in res["processes"]]
+    _table(rows, ["PID", "SAMPLES", "COMM", "EXE", "UNIT", "CONTAINER"], out, {0, 1})
 
 
 def cmd_top(c: Client, args: argparse.Namespace, out: TextIO) -> None:

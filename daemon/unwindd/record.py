@@ -167,6 +167,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
     stop = _stop_or_exited(_install_stop_handlers(), workload)
     sink = TextOutput(args.format, out, unwind=False)
+    sink.labels_of = prof.store.labels_of  # jsonl: each sample's process's cgroup labels
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
     if args.format in ("jsonl", "perf-script"):
         prof.store.subscribers.append(sink.samples)

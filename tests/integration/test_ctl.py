@@ -42,7 +42,8 @@ def test_status_and_ps(env: tuple[DaemonProc, int, Workload]) -> None:
     st = json.loads(ctl(d, "--json", "status").stdout)
     assert st["samples"] > 0 and st["config"]["api"]["socket"] == str(d.sock)
     ps = ctl(d, "ps")
-    assert ps.stdout.splitlines()[0].split() == ["PID", "SAMPLES", "COMM", "EXE"]
+    head = ["PID", "SAMPLES", "COMM", "EXE", "UNIT", "CONTAINER"]
+    assert ps.stdout.splitlines()[0].split() == head
     row = next(ln.split() for ln in ps.stdout.splitlines() if ln.split()[0] == str(pid))
     assert row[2] == "chain_o2" and row[3] == wl.argv[0]
     procs = json.loads(ctl(d, "--json", "ps").stdout)["processes"]

@@ -87,6 +87,7 @@ class LiveProfiler:
             engine.attach(live)
         assert engine.live is not None
         self.live: LiveTable = engine.live
+        store.attach_labels(self.live.labels)  # each process's cgroup labels (cgroups.py)
         self._pinned: dict[int, tuple[Record, ElfEntry]] = {}  # id(MMAP2) -> (it, its entry)
         self.stats_pinned = 0  # MMAP2 binaries acquired at drain time
         self.last_step = StepInfo()  # what the last step stored (samples, depths, pids)

@@ -5,6 +5,9 @@ Invariants:
 - records: each record as one JSON line (``source/output.record_to_json``); jsonl and
   perf-script: each unwound sample; both written and flushed as each batch comes. folded:
   stacks counted, written once by ``finish`` (``stackfmt.render_folded``).
+- jsonl samples carry their process's labels (``cgroup``, ``unit``, ``container_id``) when
+  ``labels_of`` (a live profiler's ``StackStore.labels_of``) knows them; unknown ones are left
+  out. One dict lookup per sample, on a path that already builds a JSON object per sample.
 - Records in, samples out only with ``unwind``: the sink's own engine (``StackEngine.feed``)
   unwinds them; without it the caller hands it samples (``samples``) and per-stack counts
   (``counts``) from a live profiler.
@@ -13,7 +16,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from ..unwind import stackfmt
@@ -33,6 +36,7 @@ class TextOutput:
         self.out = out
         self.engine: StackEngine | None = None
         self.folded: Counter[tuple[str, ...]] = Counter()
+        self.labels_of: Callable[[int], Mapping[str, str]] | None = None
         if unwind and fmt in ("jsonl", "folded", "perf-script"):
             from ..unwind.engine import StackEngine
 
@@ -60,8 +64,12 @@ class TextOutput:
 
         w = self.out.write
         if self.fmt == "jsonl":
+            labels_of = self.labels_of
             for u in samples:
-                w(json.dumps(stackfmt.to_json(u), separators=(",", ":")))
+                d = stackfmt.to_json(u)
+                if labels_of is not None and u.pid is not None and u.pid > 0:
+                    d.update(labels_of(u.pid))
+                w(json.dumps(d, separators=(",", ":")))
                 w("\n")
         elif self.fmt == "perf-script":
             for u in samples:

@@ -25,6 +25,10 @@ Invariants:
 - Retirement. EXIT retires a pid (proctable); ``end_batch`` drops spaces retired more than
   ``exit_grace_ns`` (record time) ago, except pids with held samples, and then enforces
   ``max_processes``. Every drop is counted by reason (``table.stats.drops``).
+- Labels (``labels``, cgroups.py): a process's cgroup is read with its /proc at bootstrap and
+  at each rescan, and again at its exec (COMM with the exec flag: runtimes and ``systemd-run``
+  move a process before it execs); a FORK of a new process forgets the pid's labels (the
+  store reads them at its first stored sample). Never per sample.
 - Sans-IO apart from the injected ``ProcFS`` (tests give a fake tree) and ``clock``.
 
 Cost: ``place`` of a placeable sample is one dict lookup and one bisect; a rescan is one
@@ -40,7 +44,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..source import abi
-from ..source.records import Fork, Lost, Record, Sample
+from ..source.records import Comm, Fork, Lost, Record, Sample
+from .cgroups import CgroupLabels
 from .procscan import ProcFS, ProcInfo, ticks_from_monotonic
 from .proctable import ProcessTable
 from .space import AddressSpace
@@ -130,6 +135,7 @@ class LiveTable:
         # Also told every comm read from /proc (the engine owns ``on_comm``): ``unwindd
         # record``'s summary names pids that produced no COMM record (they predate it) by them.
         self.comm_listeners: list[Callable[[int, str], None]] = []
+        self.labels = CgroupLabels(self.procfs, max_pids=2 * self.config.max_processes)
         self.stats = LiveTableStats()
         self.record_time = 0  # newest record time applied: the table's "now" for retirement
         self._boot_offset = self.procfs.boot_offset_ns()
@@ -159,6 +165,7 @@ class LiveTable:
             if info.kernel_thread:
                 st.bootstrap_kernel_threads += 1
                 continue
+            self.labels.read(info.pid)
             sp = self.table.load_mappings(info.pid, info.maps, "replace",
                                           start_time=info.start_time)  # fmt: skip
             sp.verified_epoch = -1
@@ -173,9 +180,14 @@ class LiveTable:
         t = rec.time
         if t is not None and t > self.record_time:
             self.record_time = t
-        if isinstance(rec, Fork):
+        if isinstance(rec, Comm):
+            if rec.exec and rec.pid == rec.tid:
+                self.labels.read(rec.pid)
+        elif isinstance(rec, Fork):
             if rec.pid != rec.tid:
                 return
+            if rec.pid != rec.ppid:
+                self.labels.forget(rec.pid)  # a new process: read when first wanted
             sp = self.table.get(rec.pid)
             if sp is not None and sp.start_time is None:
                 sp.start_time = ticks_from_monotonic(rec.time, self._boot_offset,
@@ -334,6 +346,7 @@ class LiveTable:
         sp = self.table.load_mappings(pid, info.maps, mode, start_time=info.start_time)
         sp.last_used = self.record_time
         self._named(pid, info.comm)
+        self.labels.read(pid)
         return True
 
     def _named(self, pid: int, comm: str) -> None:

@@ -4,12 +4,15 @@ Endpoints (GET only; JSON unless a format says otherwise)::
 
     /                               endpoints and the parameters each takes
     /v1/status                      version, uptime, samples, lost, throttled, processes, caches
-    /v1/processes                   [{pid, comm, exe, samples, last_seen_ns}]
+    /v1/processes                   [{pid, comm, exe, samples, last_seen_ns, cgroup, unit,
+                                      container_id}] (labels: null when not known)
     /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
     /v1/top?FILTERS&limit=N         functions by self and total samples
     /v1/stream?pid=&comm=&tid=&limit=&seconds=    chunked JSON lines, one per unwound sample
     FILTERS: since=SECONDS (ago) | since_ns=NS, until=SECONDS (ago) | until_ns=NS
-             (CLOCK_MONOTONIC), pid=P[,P..] (repeatable), comm=NAME, tid=T
+             (CLOCK_MONOTONIC), pid=P[,P..] (repeatable), comm=NAME, tid=T,
+             unit=UNIT, container=ID-PREFIX, cgroup=PATH (it or below it): the processes
+             whose labels (procs/cgroups.py) match, resolved to pids in the store
 
 Invariants:
 - Sans-IO: handlers read the ``Source`` (store, counters, injected clock and uid lookup) and
@@ -54,7 +57,8 @@ from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
 from .httpapi import Request, Response, StreamStart, error_response, json_response
 
-FILTER_PARAMS: Final = ("since", "until", "since_ns", "until_ns", "pid", "comm", "tid")
+FILTER_PARAMS: Final = ("since", "until", "since_ns", "until_ns", "pid", "comm", "tid", "unit",
+                        "container", "cgroup")
 
 # Each endpoint's parameters: anything else in a query string is refused (400 naming it).
 PARAMS: Final[dict[str, frozenset[str]]] = {
@@ -113,6 +117,13 @@ class Filters:
     pids: frozenset[int] | None
     tid: int | None
     comm: str | None
+    unit: str | None = None
+    container: str | None = None
+    cgroup: str | None = None
+
+    @property
+    def by_label(self) -> bool:
+        return self.unit is not None or self.container is not None or self.cgroup is not None
 
 
 def _int(req: Request, name: str) -> int | None:
@@ -154,8 +165,15 @@ def parse_filters(req: Request, now_ns: int) -> Filters:
         except ValueError:
             raise BadParam(f"pid: not an integer: {p!r}") from None
     comm = req.arg("comm")
+    container = req.arg("container") or None
+    if container is not None and not (container.isascii() and container.isalnum()):
+        raise BadParam(f"container: a container id (or its first digits), got {container!r}")
+    cgroup = req.arg("cgroup") or None
+    if cgroup is not None and not cgroup.startswith("/"):
+        raise BadParam(f"cgroup: a cgroup path starting with /, got {cgroup!r}")
     return Filters(since_ns, until_ns, frozenset(pids) if pids else None, _int(req, "tid"),
-                   comm or None)  # fmt: skip
+                   comm or None, req.arg("unit") or None, container and container.lower(),
+                   cgroup)  # fmt: skip
 
 
 def _limit(req: Request, default: int, cap: int) -> int:
@@ -233,6 +251,14 @@ class Api:
 
     # -- visibility
 
+    def wanted_pids(self, f: Filters) -> frozenset[int] | None:
+        """The pids ``f`` names: its pid filter, narrowed to the processes whose labels match
+        its label filters (None: every pid)."""
+        if not f.by_label:
+            return f.pids
+        match = self.source.store.label_pids(f.unit, f.container, f.cgroup)
+        return match if f.pids is None else match & f.pids
+
     def visible_pids(self, peer: Peer, wanted: frozenset[int] | None) -> frozenset[int] | None:
         """None means "every pid" (root without a pid filter)."""
         if peer.root:
@@ -245,7 +271,7 @@ class Api:
 
     def query(self, req: Request, peer: Peer) -> tuple[list[StackCount], Filters]:
         f = parse_filters(req, self.source.now_ns())
-        pids = self.visible_pids(peer, f.pids)
+        pids = self.visible_pids(peer, self.wanted_pids(f))
         stacks = self.source.store.query(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
                                          comm=f.comm)  # fmt: skip
         return stacks, f
@@ -268,7 +294,8 @@ class Api:
         procs.sort(key=lambda p: -p.samples)
         out = [
             {"pid": p.pid, "comm": p.comm, "exe": self.source.exe_of(p.pid),
-             "samples": p.samples, "last_seen_ns": p.last_seen_ns}
+             "samples": p.samples, "last_seen_ns": p.last_seen_ns, "cgroup": p.labels.cgroup,
+             "unit": p.labels.unit, "container_id": p.labels.container_id}
             for p in procs[:limit]
         ]  # fmt: skip
         return json_response({"processes": out, "truncated": len(procs) > limit})
@@ -279,7 +306,7 @@ class Api:
             raise BadParam(f"format: one of json, folded, pprof, got {fmt!r}")
         limit = _limit(req, self.source.max_stacks, self.source.max_stacks)
         f = parse_filters(req, self.source.now_ns())
-        pids = self.visible_pids(peer, f.pids)
+        pids = self.visible_pids(peer, self.wanted_pids(f))
         store = self.source.store
         stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm,
                                     limit=limit)  # fmt: skip
@@ -294,7 +321,8 @@ class Api:
         if fmt == "pprof":
             wall_from = window["from_ns"] + self.clock_offset()
             body = encode_profile(stacks, period_ns=self.source.period_ns, time_nanos=wall_from,
-                                  duration_nanos=window["to_ns"] - window["from_ns"])  # fmt: skip
+                                  duration_nanos=window["to_ns"] - window["from_ns"],
+                                  labels_of=store.labels_of)  # fmt: skip
             disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
             return Response(200, body, "application/vnd.google.protobuf+gzip",
                             (disposition, *window_headers(window)))  # fmt: skip
@@ -313,7 +341,7 @@ class Api:
     def top(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 50, 1000)
         f = parse_filters(req, self.source.now_ns())
-        pids = self.visible_pids(peer, f.pids)
+        pids = self.visible_pids(peer, self.wanted_pids(f))
         total, funcs = self.source.store.top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
                                              comm=f.comm, limit=limit)  # fmt: skip
         return json_response({

@@ -23,13 +23,15 @@ Invariants:
 - One Location per distinct (dso, address, symbol), one Function per (name, dso), one Mapping
   per dso: a profile's size is O(distinct frames + samples), not O(samples * depth).
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
-  sampling period), with the comm, pid and tid as labels.
+  sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
+  (``labels_of(pid)``: ``cgroup``, ``unit``, ``container_id``; procs/cgroups.py) when known:
+  string labels, each key and value interned once in the string table.
 """
 
 from __future__ import annotations
 
 import gzip
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
 from .queries import StackCount
@@ -77,6 +79,7 @@ def encode_profile(
     time_nanos: int = 0,
     duration_nanos: int = 0,
     compress: bool = True,
+    labels_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> bytes:
     strings = _Strings()
     mappings: dict[str, int] = {}
@@ -114,12 +117,22 @@ def encode_profile(
         return lid
 
     k_comm, k_pid, k_tid = strings("comm"), strings("pid"), strings("tid")
+    by_pid: dict[int, bytes] = {}  # the encoded cgroup labels of each pid
+
+    def pid_labels(pid: int) -> bytes:
+        got = by_pid.get(pid)
+        if got is None:
+            pairs = labels_of(pid).items() if labels_of is not None else ()
+            got = by_pid[pid] = b"".join(
+                _bytes(3, _uint(1, strings(k)) + _uint(2, strings(v))) for k, v in pairs if v)
+        return got
+
     for sc in stacks:
         ids = [location(f) for f in sc.frames]
         # An empty comm would be string index 0, which proto3 omits: leave the label out.
         labels = _bytes(3, _uint(1, k_comm) + _uint(2, strings(sc.comm))) if sc.comm else b""
         if sc.pid >= 0:
-            labels += _bytes(3, _uint(1, k_pid) + _uint(3, sc.pid))
+            labels += _bytes(3, _uint(1, k_pid) + _uint(3, sc.pid)) + pid_labels(sc.pid)
         if sc.tid >= 0:
             labels += _bytes(3, _uint(1, k_tid) + _uint(3, sc.tid))
         body = _packed(1, ids) + _packed(2, (sc.count, sc.count * period_ns)) + labels

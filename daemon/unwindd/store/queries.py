@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+from ..procs.cgroups import NO_LABELS, Labels
 from ..unwind.stackfmt import Frame, frame_name
 
 Stack = tuple[Frame, ...]
@@ -46,6 +47,7 @@ class ProcessInfo:
     comm: str
     samples: int
     last_seen_ns: int
+    labels: Labels = NO_LABELS
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +173,41 @@ def merge_window(
     return total
 
 
-def process_list(procs: dict[int, tuple[str, int, int]]) -> list[ProcessInfo]:
+def process_list(
+    procs: dict[int, tuple[str, int, int]], labels: dict[int, Labels | None] | None = None,
+) -> list[ProcessInfo]:
+    lab = labels or {}
     return [
-        ProcessInfo(pid, comm, n, last)
+        ProcessInfo(pid, comm, n, last, lab.get(pid) or NO_LABELS)
         for pid, (comm, n, last) in sorted(procs.items())
         if pid >= 0
     ]
+
+
+def label_pids(
+    labels: dict[int, Labels | None],
+    unit: str | None,
+    container: str | None,
+    cgroup: str | None,
+) -> frozenset[int]:
+    """The pids whose labels match every filter given: ``unit`` exactly; ``container`` a
+    prefix of the container id (``docker ps`` shows 12 digits); ``cgroup`` the cgroup or an
+    ancestor of it (``/system.slice`` selects every service's processes). O(pids held)."""
+    anc = None if cgroup is None else cgroup.rstrip("/") + "/"
+    out = []
+    for pid, lab in labels.items():
+        if lab is None:
+            continue
+        if unit is not None and lab.unit != unit:
+            continue
+        if container is not None and (lab.container_id is None
+                                      or not lab.container_id.startswith(container)):
+            continue
+        if cgroup is not None and (lab.cgroup is None or (
+                lab.cgroup != cgroup and not lab.cgroup.startswith(anc or "/"))):
+            continue
+        out.append(pid)
+    return frozenset(out)
 
 
 def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[FunctionCount]:

@@ -12,6 +12,11 @@ Invariants:
   churn, where every process brings new stacks). Past a bound the query caches go first, then
   the OLDEST bucket whole, counted in ``stats.evicted_samples``: never silently.
 - ``processes()`` covers exactly the pids with samples still held.
+- Labels (procs/cgroups.py: cgroup, unit, container id) belong to a process, not to its
+  entries: ``_labels`` holds them per pid while the pid has a summary, resolved once when the
+  pid's first entry arrives (``label_source``, set by ``attach_labels``) and replaced when the
+  label table re-reads or forgets the pid (exec, FORK); queries join them via the pid
+  (``labels_of``, ``label_pids``). A pid whose labels could not be read has none.
 - Subscribers get every added batch through a callback; they must not block.
 - Snapshots are immutable views a worker thread may query while the owner keeps adding:
   buckets are copy-on-write, stacks released while one is open are freed when the last closes.
@@ -29,8 +34,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..procs.cgroups import CgroupLabels, Labels
 from ..unwind.stackfmt import UnwoundSample
-from .queries import FunctionCount, Key, ProcessInfo, Queries, Stack, process_list, top_functions
+from .queries import (
+    FunctionCount,
+    Key,
+    ProcessInfo,
+    Queries,
+    Stack,
+    label_pids,
+    process_list,
+    top_functions,
+)
 from .querycache import QueryCaches, top_summaries
 
 # Bytes per unit for ``stats.bytes_estimate`` and the ``max_bytes`` bound: what tracemalloc
@@ -102,6 +117,9 @@ class StackStore(Queries):
         self._next_stack = 0
         self._procs: dict[int, tuple[str, int, int]] = {}  # pid -> (comm, samples held, last ns)
         self._pid_entries: dict[int, int] = {}  # pid -> its bucket entries: prunes _procs
+        # pid -> its labels (None: unreadable), for pids in _procs once resolved
+        self._labels: dict[int, Labels | None] = {}
+        self.label_source: Callable[[int], Labels | None] | None = None
         self._newest = 0
         self.subscribers: list[Callable[[Sequence[UnwoundSample]], None]] = []
         # called with each add_counts' groups: a consumer of every count that needs no sample
@@ -120,6 +138,19 @@ class StackStore(Queries):
         self.caches = QueryCaches(self.stats, self._lock, max_bytes // 8)
 
     # -- writing
+
+    def attach_labels(self, table: CgroupLabels) -> None:
+        """Take each process's labels from ``table`` (the live table's): read when the pid's
+        first sample is stored, updated when the table re-reads or forgets the pid."""
+        self.label_source = table.labels_for
+        table.listeners.append(self._relabel)
+
+    def _relabel(self, pid: int, labels: Labels | None) -> None:
+        if pid in self._procs:
+            if labels is None:
+                self._labels.pop(pid, None)  # resolved again at the pid's next sample
+            else:
+                self._labels[pid] = labels
 
     def add(self, samples: Sequence[UnwoundSample]) -> None:
         for s in samples:
@@ -168,6 +199,8 @@ class StackStore(Queries):
             else:
                 self._pid_entries[pid] = pe + 1
         self.stats.samples += n
+        if self.label_source is not None and pid not in self._labels and pid > 0:
+            self._labels[pid] = self.label_source(pid)
         _, m, last = self._procs.get(pid, ("", 0, 0))
         self._procs[pid] = (comm, m + n, max(last, t))
 
@@ -300,6 +333,7 @@ class StackStore(Queries):
                 else:  # the pid's last entry: its summary goes too
                     del pid_entries[pid]
                     procs.pop(pid, None)
+                    self._labels.pop(pid, None)
                     st.pids -= 1
             st.entries -= len(b.counts)
             self._release_unreferenced()  # frees the stacks, so the byte estimate drops
@@ -309,6 +343,7 @@ class StackStore(Queries):
         """Drop the per-process summary now (its samples stay in their buckets until evicted;
         eviction drops the summary of a pid with no entry left by itself)."""
         self._procs.pop(pid, None)
+        self._labels.pop(pid, None)
 
     # -- reading
 
@@ -354,7 +389,19 @@ class StackStore(Queries):
         """The processes with samples still held (in some bucket), by pid: the last comm seen,
         the samples held (evicted ones no longer count) and the newest sample's time. A pid
         whose last sample is evicted is no longer listed."""
-        return process_list(self._procs)
+        return process_list(self._procs, self._labels)
+
+    def labels_of(self, pid: int) -> dict[str, str]:
+        """The labels known for ``pid`` (``cgroup``, ``unit``, ``container_id``; those not
+        known are left out), as held with its samples: for a pusher splitting series."""
+        got = self._labels.get(pid)
+        return got.as_dict() if got is not None else {}
+
+    def label_pids(
+        self, unit: str | None = None, container: str | None = None, cgroup: str | None = None,
+    ) -> frozenset[int]:
+        """The pids held whose labels match every filter given (``queries.label_pids``)."""
+        return label_pids(self._labels, unit, container, cgroup)
 
     def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         return [(idx, b.counts) for idx, b in self._buckets.items()]
@@ -366,7 +413,7 @@ class StackStore(Queries):
         with self._lock:
             self._readers += 1
         return StoreSnapshot(self, self._bucket_counts(), dict(self._procs),
-                             self.window())  # fmt: skip
+                             self.window(), dict(self._labels))  # fmt: skip
 
     def _close_snapshot(self) -> None:
         with self._lock:
@@ -382,8 +429,10 @@ class StoreSnapshot(Queries):
         buckets: list[tuple[int, Counter[Key]]],
         procs: dict[int, tuple[str, int, int]],
         window: tuple[int, int] | None,
+        labels: dict[int, Labels | None] | None = None,
     ) -> None:
         self._store: StackStore | None = store
+        self._labels = labels if labels is not None else {}
         self._buckets = buckets
         self._stacks = store._stacks  # entries we can see are not freed while we are open
         self._procs = procs
@@ -415,7 +464,16 @@ class StoreSnapshot(Queries):
         return fn(frames) if store is None else store.caches.render(store, kind, frames, fn)
 
     def processes(self) -> list[ProcessInfo]:
-        return process_list(self._procs)
+        return process_list(self._procs, self._labels)
+
+    def labels_of(self, pid: int) -> dict[str, str]:
+        got = self._labels.get(pid)
+        return got.as_dict() if got is not None else {}
+
+    def label_pids(
+        self, unit: str | None = None, container: str | None = None, cgroup: str | None = None,
+    ) -> frozenset[int]:
+        return label_pids(self._labels, unit, container, cgroup)
 
     def window(self) -> tuple[int, int] | None:
         return self._window
