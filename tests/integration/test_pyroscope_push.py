@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.server
+import itertools
 import socket
 import subprocess
 import threading
@@ -186,7 +187,7 @@ def test_pushes_follow_the_ingest_api(tmp_path: Path, chain: Workload) -> None:
         assert g.headers["authorization"] == "Basic " + base64.b64encode(b"pusher:s3cret").decode()
     # consecutive windows: each starts where the one before ended (sampling all CPUs, the
     # daemon and this test always leave samples in every window)
-    for (_, until), (frm, _) in zip(windows, windows[1:], strict=False):
+    for (_, until), (frm, _) in itertools.pairwise(windows):
         assert frm == until, windows
     # each sample once: the pushes hold the workload's samples the store holds, not more
     pushed = pid_samples()
