@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -89,7 +90,9 @@ async def _exchange(ep: Endpoint, target: str, headers: list[tuple[str, str]], b
         reader, writer = await asyncio.open_connection(
             ep.host, ep.port, ssl=tls, server_hostname=ep.host if tls else None)
     except (OSError, ssl.SSLError) as e:
-        raise ConnectFailed(e.errno, str(e)) from None
+        # asyncio's "Connect call failed (addr)" hides the reason the errno names
+        why = os.strerror(e.errno) if e.errno and e.errno > 0 else (e.strerror or str(e))
+        raise ConnectFailed(e.errno, why) from None
     try:
         conn = h11.Connection(h11.CLIENT)
         head = [("Host", ep.host_header), ("Content-Length", str(len(body))),

@@ -242,6 +242,7 @@ class Pusher:
         self.next_from: int | None = None
         self.clock = Clock()
         self._queued = asyncio.Event()
+        self._failing = False  # logged the current outage
 
     # -- building
 
@@ -317,13 +318,21 @@ class Pusher:
                 self.stats.pushed += 1
                 self.stats.pushed_bytes += len(p.body)
                 self.stats.last_success_unix = time.time()
+                if self._failing:
+                    log.info("push: %s accepts profiles again", self.cfg.url)
+                    self._failing = False
                 return
             self.stats.failures[reason] += 1
             self.stats.last_error = error
+            if not self._failing:
+                # Once per outage, not per attempt: the counters and /v1/status say the rest.
+                log.warning("push: %s; retrying, dropping what cannot wait (see "
+                            "unwindd_push_failures_total, unwindd_push_dropped_profiles_total)",
+                            error)  # fmt: skip
+                self._failing = True
             if not retry:
                 self.stats.dropped["rejected"] += 1
-                log.warning("push: %s; dropping the profile of %d..%d", error, p.from_s,
-                            p.until_s)  # fmt: skip
+                log.debug("push: dropping the profile of %d..%d: %s", p.from_s, p.until_s, error)
                 return
             if attempt + 1 == ATTEMPTS:
                 break
@@ -331,8 +340,8 @@ class Pusher:
             if await _wait(stop, min(BACKOFF_S * 2**attempt, MAX_BACKOFF_S)):
                 return
         self.stats.dropped["retries_exhausted"] += 1
-        log.warning("push: %s after %d attempts; dropping the profile of %d..%d",
-                    self.stats.last_error, ATTEMPTS, p.from_s, p.until_s)  # fmt: skip
+        log.debug("push: dropping the profile of %d..%d after %d attempts", p.from_s, p.until_s,
+                  ATTEMPTS)  # fmt: skip
 
     async def _attempt(self, p: Profile,
                        headers: list[tuple[str, str]]) -> tuple[str | None, str, bool]:  # fmt: skip
