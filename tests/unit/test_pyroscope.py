@@ -46,6 +46,8 @@ def test_export_keys_parse_and_hide_secrets() -> None:
     ('basic_auth_password = "a"\nbasic_auth_password_file = "/x"',
      "[export] basic_auth_password_file"),
     ('bearer_token = "t"\nbasic_auth_user = "u"', "[export] bearer_token"),
+    ('tenant_id = "a\\r\\nX-Evil: 1"', "[export] tenant_id"),
+    ('basic_auth_user = "a:b"', "[export] basic_auth_user"),
 ])  # fmt: skip
 def test_export_refusals_name_the_key(toml: str, where: str) -> None:
     with pytest.raises(ConfigError) as e:

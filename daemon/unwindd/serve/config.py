@@ -183,6 +183,11 @@ def _push_name(v: Any) -> str | None:
     return check_app_name(v)
 
 
+def _header_value(v: Any) -> str | None:
+    ok = v == v.strip() and v.isprintable()
+    return None if ok else "must be printable, without edge spaces (it is sent in a header)"
+
+
 def _push_labels(v: Any) -> str | None:
     from .pyroscope import check_labels
 
@@ -197,11 +202,12 @@ class ExportSection:
     app_name: str = _key("unwindd", live=False, check=_push_name)
     interval: int = _key(15, live=False, check=_positive)
     labels: Mapping[str, str] = _key({}, live=False, check=_push_labels)
-    tenant_id: str = _key("", live=False)
-    basic_auth_user: str = _key("", live=False)
+    tenant_id: str = _key("", live=False, check=_header_value)
+    basic_auth_user: str = _key("", live=False, check=lambda v: _header_value(v) or (
+        "must not contain ':' (RFC 7617)" if ":" in v else None))
     basic_auth_password: str = _key("", live=False)
     basic_auth_password_file: str = _key("", live=False, check=lambda v: v and _abs_path(v))
-    bearer_token: str = _key("", live=False)
+    bearer_token: str = _key("", live=False, check=_header_value)
     timeout: float = _key(10.0, live=False, check=_positive)
     max_pending: int = _key(16, live=False, check=_positive)
 
@@ -241,7 +247,8 @@ SECRETS = frozenset({"basic_auth_password", "bearer_token"})
 
 def _shown(section: str, name: str, v: Any) -> Any:
     """A value as ``to_json`` shows it: as the config file spells it, so the output of
-    ``check-config`` (and /v1/status's config) reads back as the same config."""
+    ``check-config`` (and /v1/status's config) reads back as the same config (``SECRETS``
+    excepted: they show as ``"<hidden>"``)."""
     if isinstance(v, tuple):
         return list(v)
     if isinstance(v, dict):

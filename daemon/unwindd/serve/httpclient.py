@@ -97,9 +97,11 @@ async def _exchange(ep: Endpoint, target: str, headers: list[tuple[str, str]], b
         conn = h11.Connection(h11.CLIENT)
         head = [("Host", ep.host_header), ("Content-Length", str(len(body))),
                 ("Connection", "close"), ("User-Agent", "unwindd"), *headers]  # fmt: skip
-        out = conn.send(h11.Request(method="POST", target=ep.prefix + target, headers=head))
-        out += conn.send(h11.Data(data=body))
-        out += conn.send(h11.EndOfMessage())
+        try:
+            out = conn.send(h11.Request(method="POST", target=ep.prefix + target, headers=head))
+            out += conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as e:  # a header value h11 will not send
+            raise ProtocolFailed(f"request not sent: {e}") from None
         writer.write(out)
         await writer.drain()
         status = 0

@@ -308,7 +308,11 @@ class Pusher:
                 continue
             p = self.queue.popleft()
             self.stats.pending = len(self.queue)
-            await self.send(p, stop)
+            try:
+                await self.send(p, stop)
+            except Exception as e:  # a bug here must not end the pushes unseen
+                log.exception("push: sending a profile failed")
+                self.stats.last_error = f"send: {e}"
 
     async def send(self, p: Profile, stop: asyncio.Event) -> None:
         headers = [("Content-Type", "application/octet-stream"), *self.cfg.headers]
