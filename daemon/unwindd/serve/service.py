@@ -308,7 +308,8 @@ class Daemon:
         self.push_stats = self.pusher.stats
         self._spawn(self.pusher.ticker(self._stop))
         self._spawn(self.pusher.sender(self._stop))
-        log.info("push: every %g s to %s/ingest as %s", push.interval, push.url,
+        log.info("push: every %g s (windows of whole %d s store buckets) to %s/ingest as %s",
+                 push.interval, self.running_config.store.bucket_seconds, push.url,
                  push.app_name)  # fmt: skip
 
     def _log_rings(self, cfg: Config) -> None:
