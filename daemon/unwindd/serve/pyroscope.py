@@ -16,6 +16,7 @@ about-server-api.md; pkg/ingester/pyroscope/ingest_handler.go; api/model/labelse
 - With ``format=pprof`` the ingest handler hands the raw body to pprof.RawFromBytes (gzip or
   not); a multipart form (``profile`` field) is only read when ``format`` is absent, so the body
   is the profile. ``sampleRate`` is ignored for pprof (the profile's period says it) but sent.
+- ``from``/``until``: pkg/og/util/attime reads a 10-digit number as unix seconds.
 
 Invariants:
 - Windows: a push covers whole store buckets [from, until), each window starting where the last

@@ -17,6 +17,8 @@ Invariants:
   (``ReloadOutcome``: the latest one and counts, O(1)) for /v1/status; SIGTERM/SIGINT ->
   STOPPING=1, stop accepting, end streams, drain the rings into the store, remove the socket,
   exit 0.
+- With ``[export] pyroscope_url`` set, the push (pyroscope.py) runs as two tasks on the loop;
+  they end with the daemon (profiles still queued are not sent).
 """
 
 from __future__ import annotations
