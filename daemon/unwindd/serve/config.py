@@ -38,6 +38,8 @@ class ConfigError(ValueError):
 def _key(default: Any, *, live: bool, check: Callable[[Any], str | None] | None = None,
          doc: str = "") -> Any:  # fmt: skip
     meta = {"live": live, "check": check, "doc": doc}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -169,6 +171,47 @@ class MetricsSection:
     listen: str = _key("127.0.0.1:9464", live=False, check=_listen)
 
 
+def _push_url(v: Any) -> str | None:
+    from .pyroscope import check_url
+
+    return check_url(v)
+
+
+def _push_name(v: Any) -> str | None:
+    from .pyroscope import check_app_name
+
+    return check_app_name(v)
+
+
+def _header_value(v: Any) -> str | None:
+    ok = v == v.strip() and v.isprintable()
+    return None if ok else "must be printable, without edge spaces (it is sent in a header)"
+
+
+def _push_labels(v: Any) -> str | None:
+    from .pyroscope import check_labels
+
+    return check_labels(v)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSection:
+    # push (Pyroscope): serve/pyroscope.py; opened at start, so every key waits for a restart
+    pyroscope_url: str = _key("", live=False, check=_push_url,
+                              doc='push: http(s)://HOST[:PORT] of Pyroscope; "" is off')
+    app_name: str = _key("unwindd", live=False, check=_push_name)
+    interval: int = _key(15, live=False, check=_positive)
+    labels: Mapping[str, str] = _key({}, live=False, check=_push_labels)
+    tenant_id: str = _key("", live=False, check=_header_value)
+    basic_auth_user: str = _key("", live=False, check=lambda v: _header_value(v) or (
+        "must not contain ':' (RFC 7617)" if ":" in v else None))
+    basic_auth_password: str = _key("", live=False)
+    basic_auth_password_file: str = _key("", live=False, check=lambda v: v and _abs_path(v))
+    bearer_token: str = _key("", live=False, check=_header_value)
+    timeout: float = _key(10.0, live=False, check=_positive)
+    max_pending: int = _key(16, live=False, check=_positive)
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonSection:
     tick_ms: int = _key(100, live=True, check=_positive)
@@ -184,6 +227,7 @@ class Config:
     store: StoreSection = field(default_factory=StoreSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    export: ExportSection = field(default_factory=ExportSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
     source: str = field(default=DEFAULTS_SOURCE, compare=False)
 
@@ -198,11 +242,19 @@ class Config:
         return out
 
 
+SECRETS = frozenset({"basic_auth_password", "bearer_token"})
+
+
 def _shown(section: str, name: str, v: Any) -> Any:
     """A value as ``to_json`` shows it: as the config file spells it, so the output of
-    ``check-config`` (and /v1/status's config) reads back as the same config."""
+    ``check-config`` (and /v1/status's config) reads back as the same config (``SECRETS``
+    excepted: they show as ``"<hidden>"``)."""
     if isinstance(v, tuple):
         return list(v)
+    if isinstance(v, dict):
+        return dict(v)
+    if section == "export" and name in SECRETS and v:
+        return "<hidden>"  # /v1/status shows the config to every peer of the socket
     if section == "api" and name == "mode":
         return format(v, "04o")  # "0660", as _coerce reads it (and chmod(1) spells it)
     return v
@@ -244,6 +296,10 @@ def _coerce(section: str, name: str, ftype: Any, raw: Any) -> Any:
         if isinstance(raw, str):
             return raw
         raise ConfigError(f"{where}: must be a string, got {raw!r}")
+    if t.startswith(("dict", "Mapping")):
+        if isinstance(raw, Mapping) and all(isinstance(x, str) for x in raw.values()):
+            return dict(raw)
+        raise ConfigError(f"{where}: must be a table of strings, got {raw!r}")
     if t.startswith("tuple"):
         if isinstance(raw, list):
             return tuple(raw)
@@ -305,6 +361,13 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError('[sampling] cgroup: target = "cgroup" needs a cgroup directory')
     if cfg.store.retention_seconds < cfg.store.bucket_seconds:
         raise ConfigError("[store] retention_seconds: must be >= bucket_seconds")
+    e = cfg.export
+    if e.basic_auth_password and e.basic_auth_password_file:
+        raise ConfigError("[export] basic_auth_password_file: set basic_auth_password or "
+                          "basic_auth_password_file, not both")
+    if e.bearer_token and (e.basic_auth_user or e.basic_auth_password or
+                           e.basic_auth_password_file):  # fmt: skip
+        raise ConfigError("[export] bearer_token: set basic auth or a bearer token, not both")
 
 
 def restart_keys(old: Config, new: Config) -> list[str]:

@@ -47,6 +47,8 @@ from ..procs.proctable import DROP_REASONS
 from ..source import decoder
 from ..source.abi import RecordType
 from .httpapi import REJECTIONS
+from .pyroscope import DROPS as PUSH_DROPS
+from .pyroscope import FAILURES as PUSH_FAILURES
 
 NS = 1e-9
 
@@ -205,6 +207,12 @@ def counter_specs() -> list[Spec]:
              lambda d: d.reloads),
         Spec("unwindd_reload_failures", "Configuration reloads that failed, in whole or in part.",
              lambda d: d.reload_failures),
+        Spec("unwindd_push_profiles", "Profiles Pyroscope accepted ([export] pyroscope_url).",
+             lambda d: d.push_stats.pushed),
+        Spec("unwindd_push_failures", "Push attempts that failed, by reason.",
+             lambda d: d.push_stats.failures, "reason", lambda d: PUSH_FAILURES),
+        Spec("unwindd_push_dropped_profiles", "Profiles never pushed, by reason.",
+             lambda d: d.push_stats.dropped, "reason", lambda d: PUSH_DROPS),
     ]  # fmt: skip
 
 
@@ -237,6 +245,8 @@ def gauge_specs() -> list[Spec]:
              lambda d: float(d.last_reload is None or d.last_reload.ok)),
         Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
              lambda d: d.uptime()),
+        Spec("unwindd_push_pending_profiles", "Profiles waiting to be pushed.",
+             lambda d: d.push_stats.pending),
         Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",
              lambda d: d.profiler.session.config.ring_pages),
     ]  # fmt: skip

@@ -17,6 +17,8 @@ Invariants:
   (``ReloadOutcome``: the latest one and counts, O(1)) for /v1/status; SIGTERM/SIGINT ->
   STOPPING=1, stop accepting, end streams, drain the rings into the store, remove the socket,
   exit 0.
+- With ``[export] pyroscope_url`` set, the push (pyroscope.py) runs as two tasks on the loop;
+  they end with the daemon (profiles still queued are not sent).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .. import __version__
 from ..pipeline.live import LiveProfiler
 from ..pipeline.ringstep import StepInfo
 from .answers import AnswerCache, cacheable
-from .api import Api, Peer
+from .api import Api, Peer, clock_offset_ns
 from .config import (
     DEFAULT_SOCKET,
     Config,
@@ -53,6 +55,7 @@ from .config import (
 from .connections import Connections, peer_of
 from .httpapi import TOO_MANY_STREAMS, Request, Response, StreamStart, error_response
 from .metrics import Measurements, UnwinddCollector
+from .pyroscope import PushConfig, Pusher, PushStats
 from .sdnotify import Notifier
 from .startup import (
     StartupError,
@@ -143,6 +146,8 @@ class Daemon:
         self.metrics_address: tuple[str, int] | None = None
         self._query_pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # .store: the snapshot a worker-thread query reads
+        self.pusher: Pusher | None = None  # [export] pyroscope_url: pyroscope.py
+        self.push_stats = PushStats()  # the pusher's, once there is one (metrics read it)
 
     # -- what metrics and status read
 
@@ -243,6 +248,7 @@ class Daemon:
             "last_reload": self.last_reload.to_json() if self.last_reload else None,
             "reload_errors": list(self.reload_errors),
             "pending_restart": self.pending_restart,
+            "push": self.pusher.status() if self.pusher is not None else None,
             "rings": {"cpus": len(p.session.fds), "pages": p.session.config.ring_pages,
                       "wanted_pages": p.session.ring_pages_wanted},
             "config_source": self.config.source,
@@ -257,6 +263,7 @@ class Daemon:
         # What start would refuse, before the rings are opened: a second daemon on the same
         # socket, or a bad group, then fails with its one error and nothing else.
         preflight(cfg)
+        push = self._push_config(cfg)
         path = prepare_socket_path(cfg.api.socket, cfg.api.socket == DEFAULT_SOCKET)
         remove_stale_socket(path)
         self.profiler = self._open_profiler(cfg)
@@ -270,6 +277,8 @@ class Daemon:
             self._schedule_tick()
             if self.notifier.watchdog:
                 self._spawn(self._watchdog(self.notifier.watchdog))
+            if push is not None:
+                self._start_push(push)
             self.notifier.ready(f"sampling {describe_target(cfg)} at "
                                 f"{cfg.sampling.frequency} Hz")  # fmt: skip
             self._ready = True
@@ -282,6 +291,28 @@ class Daemon:
         finally:
             await self._shutdown()
         return 0
+
+    def _push_config(self, cfg: Config) -> PushConfig | None:
+        if not cfg.export.pyroscope_url:
+            return None
+        try:
+            return PushConfig.from_section(cfg.export, frequency=cfg.sampling.frequency)
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or str(e)
+            raise StartupError(f"[export] basic_auth_password_file: cannot read "
+                               f"{cfg.export.basic_auth_password_file}: {why}") from None
+
+    def _start_push(self, push: PushConfig) -> None:
+        """The push tasks (pyroscope.py). One series for now: per-process labels, once the
+        store has them, plug in as ``labels_of`` (a stack -> {name: value})."""
+        self.pusher = Pusher(push, store=lambda: self.profiler.store, flush=self._flush,
+                             offset=clock_offset_ns, labels_of=None)  # fmt: skip
+        self.push_stats = self.pusher.stats
+        self._spawn(self.pusher.ticker(self._stop))
+        self._spawn(self.pusher.sender(self._stop))
+        log.info("push: every %g s (windows of whole %d s store buckets) to %s/ingest as %s",
+                 push.interval, self.running_config.store.bucket_seconds, push.url,
+                 push.app_name)  # fmt: skip
 
     def _log_rings(self, cfg: Config) -> None:
         """The ring size in use; a warning when auto sizing got less than it wanted (a busy
