@@ -12,36 +12,16 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from daemonutil import UNWINDCTL, UNWINDD, DaemonProc, held, release
+from cgrouputil import cgroup2_mount, in_cgroup, rmdir_when_empty
+from daemonutil import UNWINDCTL, UNWINDD, DaemonProc
 from pprofcheck import decode
 from workloads.build import Workload, build_workloads
-
-
-def cgroup2_mount() -> Path:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        fields = line.split()
-        if fields[2] == "cgroup2":
-            return Path(fields[1])
-    pytest.fail("cgroup v2 is not mounted on this machine: labels cannot be tested")
-
-
-def rmdir_when_empty(cg: Path) -> None:
-    for _ in range(200):  # a cgroup depopulates asynchronously after its last exit
-        try:
-            cg.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-    cg.rmdir()
 
 
 @dataclass
@@ -62,17 +42,6 @@ class Env:
     @property
     def slice(self) -> str:
         return f"/unwindd-test-{self.tag}.slice"
-
-
-def in_cgroup(wl: Workload, cg: Path | None) -> int:
-    """Run the workload moved into ``cg`` before its exec (held at a shell's ``read``, same pid
-    after the exec); its pid once it exited."""
-    p = held(wl.argv)
-    if cg is not None:
-        (cg / "cgroup.procs").write_text(str(p.pid))
-    release(p)
-    assert p.wait(120) == 0
-    return p.pid
 
 
 @pytest.fixture(scope="module")

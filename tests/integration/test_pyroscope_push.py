@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import http.server
 import itertools
+import secrets
 import socket
 import subprocess
 import threading
@@ -23,6 +25,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 import pytest
+from cgrouputil import cgroup2_mount, in_cgroup, rmdir_when_empty
 from daemonutil import DaemonProc, free_port, metric_values
 from pprofcheck import check_valid, decode
 from workloads.build import Workload, build_workloads
@@ -108,13 +111,20 @@ def parse_name(name: str) -> tuple[str, dict[str, str]]:
     return app.strip(), labels
 
 
+# What the daemon adds to the static labels: each process's (procs/cgroups.py), a series each.
+PROCESS_LABELS = {"unit", "cgroup", "container_id"}
+
+
 def check_request(g: Got, app: str, labels: dict[str, str]) -> tuple[int, int]:
-    """Every documented part of one /ingest request; returns its (from, until)."""
+    """Every documented part of one /ingest request, ``labels`` the static ones (a request
+    may add process labels); returns its (from, until)."""
     assert g.method == "POST" and g.path == "/ingest", (g.method, g.path)
     assert set(g.params) == {"name", "from", "until", "format", "sampleRate", "spyName"}, g.params
     assert g.params["format"] == "pprof" and g.params["spyName"] == "unwindd"
     assert g.params["sampleRate"] == str(FREQ)
-    assert parse_name(g.params["name"]) == (app, labels)
+    got_app, got_labels = parse_name(g.params["name"])
+    assert got_app == app and labels.items() <= got_labels.items(), (labels, got_labels)
+    assert set(got_labels) - set(labels) <= PROCESS_LABELS, got_labels
     frm, until = int(g.params["from"]), int(g.params["until"])
     assert frm < until and abs(until - g.at) < 60, (frm, until, g.at)
     # with format=pprof Pyroscope reads the body itself as the profile, never a form
@@ -187,8 +197,9 @@ def test_pushes_follow_the_ingest_api(tmp_path: Path, chain: Workload) -> None:
         assert g.headers["x-scope-orgid"] == "tenant-7"
         assert g.headers["authorization"] == "Basic " + base64.b64encode(b"pusher:s3cret").decode()
     # consecutive windows: each starts where the one before ended (sampling all CPUs, the
-    # daemon and this test always leave samples in every window)
-    for (_, until), (frm, _) in itertools.pairwise(windows):
+    # daemon and this test always leave samples in every window; a window's series, one per
+    # process label set, share its bounds)
+    for (_, until), (frm, _) in itertools.pairwise(sorted(set(windows))):
         assert frm == until, windows
     # each sample once: the pushes hold the workload's samples the store holds, not more
     pushed = pid_samples()
@@ -268,6 +279,10 @@ def test_a_server_that_never_answers_costs_bounded_drops(tmp_path: Path) -> None
             before = d.json("/v1/status")["samples"]
             wait_for(lambda: metric(d, "unwindd_push_dropped_profiles_total", "queue_full") >= 2,
                      "dropped the oldest pending profiles")
+            # (a window is a profile per process label set: the queue may fill before the
+            # first attempt has timed out)
+            wait_for(lambda: metric(d, "unwindd_push_failures_total", "timeout") >= 1,
+                     "timed out an attempt")
             t0 = time.monotonic()
             st = d.json("/v1/status")  # the socket still answers, promptly
             assert time.monotonic() - t0 < 2
@@ -284,3 +299,41 @@ def test_a_server_that_never_answers_costs_bounded_drops(tmp_path: Path) -> None
         for s in held:
             s.close()
         silent.close()
+
+
+def test_pushes_split_by_process_labels(tmp_path: Path, chain: Workload) -> None:
+    """A workload in a cgroup of its own (a transient-unit-shaped scope) is pushed as a series
+    of its own: its requests name its unit and cgroup, and hold only its samples."""
+    tag = secrets.token_hex(4)
+    scope = cgroup2_mount() / f"unwindd-push-{tag}.scope"
+    scope.mkdir()
+    ingest = Ingest()
+    export = f'pyroscope_url = "http://127.0.0.1:{ingest.port}"\ninterval = 1\n'
+    try:
+        with daemon(tmp_path, export) as d:
+            pid = in_cgroup(dataclasses.replace(chain, argv=(*chain.argv, "120")), scope)
+            stored = d.wait_settled(pid)
+
+            def ours() -> list[Got]:
+                return [g for g in ingest.requests()
+                        if parse_name(g.params["name"])[1].get("unit") == scope.name]  # fmt: skip
+
+            wait_for(lambda: sum(sample_count(g, pid) for g in ours()) >= stored * 0.9,
+                     "pushed the scope's series")  # fmt: skip
+    finally:
+        ingest.close()
+        rmdir_when_empty(scope)
+    mine = ours()
+    for g in mine:
+        check_request(g, "unwindd", {"hostname": socket.gethostname()})
+        labels = parse_name(g.params["name"])[1]
+        assert labels["cgroup"] == "/" + scope.name, labels
+        p = decode(g.body)
+        assert {lb.get("pid") for _, _, lb in p.samples} == {pid}  # its samples only
+    others = [g for g in ingest.requests() if g not in mine]
+    assert others and all(sample_count(g, pid) == 0 for g in others)
+
+
+def sample_count(g: Got, pid: int) -> int:
+    return sum(v[0] for _, v, lb in decode(g.body).samples if lb.get("pid") == pid)
+

@@ -303,10 +303,11 @@ class Daemon:
                                f"{cfg.export.basic_auth_password_file}: {why}") from None
 
     def _start_push(self, push: PushConfig) -> None:
-        """The push tasks (pyroscope.py). One series for now: per-process labels, once the
-        store has them, plug in as ``labels_of`` (a stack -> {name: value})."""
+        """The push tasks (pyroscope.py): a series per process label set (unit, cgroup,
+        container_id: the store keeps them per pid, procs/cgroups.py) besides the static ones."""
         self.pusher = Pusher(push, store=lambda: self.profiler.store, flush=self._flush,
-                             offset=clock_offset_ns, labels_of=None)  # fmt: skip
+                             offset=clock_offset_ns,
+                             labels_of=lambda s: self.profiler.store.labels_of(s.pid))  # fmt: skip
         self.push_stats = self.pusher.stats
         self._spawn(self.pusher.ticker(self._stop))
         self._spawn(self.pusher.sender(self._stop))
