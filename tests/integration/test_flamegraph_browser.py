@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from daemonutil import UNWINDCTL, DaemonProc
 from perfutil import record_perf_data
-from unwindd.store.flamegraph import parse_folded
+from unwindd.store.flamegraph import build_tree, folded_page, parse_folded
 from workloads.build import Workload, build_workloads
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
@@ -352,4 +352,52 @@ def test_unwindctl_flamegraph(
     sub = browser.js("document.getElementById('subtitle').textContent")
     assert f"{total} samples" in sub, (sub, total)
     browser.screenshot(tmp_path / "ctl.png")
+    assert browser.errors() == [], browser.errors()
+
+
+def test_hostile_names_stay_inert(browser: Browser, tmp_path: Path) -> None:
+    """Frame names that are markup are shown as text: nothing runs, nothing is parsed."""
+    # (no ";": folded text splits names there)
+    evil = ["</script><script>window.pwned=1</script>", "<img src=x onerror=window.pwned=2>",
+            "<!--", "</SCRIPT >", "&amp&lt"]  # fmt: skip
+    folded = "".join(f"p;main;{name} {i + 1}\n" for i, name in enumerate(evil))
+    page = tmp_path / "evil.html"
+    page.write_text(folded_page(folded, title=evil[0]))
+    browser.open(page)
+    assert browser.js("window.pwned === undefined && document.images.length === 0")
+    drawn = browser.js("[...document.querySelectorAll('#chart .f')].map(e => e.textContent)")
+    assert set(evil) <= set(drawn), drawn
+    assert browser.js("document.title") == evil[0]
+    assert not [e for e in browser.events if e.get("method") == "Page.javascriptDialogOpening"]
+    assert browser.errors() == [], browser.errors()
+
+
+def test_page_responsive_at_the_node_bound(browser: Browser, tmp_path: Path) -> None:
+    """~48k nodes after merging (6000 stacks 8 frames deep, each 1/6000 of the samples, above
+    the 0.01 % share): load, zoom, search and reset each take well under a second."""
+    folded = "".join(
+        f"p;m{i % 50};" + ";".join(f"f{i}_{d}" for d in range(8)) + f" {10 + i % 3}\n"
+        for i in range(6000)
+    )
+    tree = build_tree(parse_folded(folded))
+    assert 45_000 < len(tree) <= 50_000 and tree.merged_nodes == 0
+    page = tmp_path / "big.html"
+    page.write_text(folded_page(folded))
+    t0 = time.monotonic()
+    browser.open(page)
+    loaded = time.monotonic() - t0
+    timings = browser.js("""(() => {
+      const t = [], chart = document.getElementById('chart');
+      const time = (f) => { const s = performance.now(); f(); chart.offsetHeight;
+                            t.push(performance.now() - s); };
+      time(() => chart.querySelector('.f[data-i="2"]').click());
+      const s = document.getElementById('search');
+      time(() => { s.value = 'f1.*_7'; s.dispatchEvent(new Event('input')); });
+      time(() => document.getElementById('reset').click());
+      return {t, drawn: chart.children.length};
+    })()""")
+    print(f"48k nodes: load {loaded:.2f} s, zoom/search/reset {timings['t']} ms, "
+          f"{timings['drawn']} elements drawn")
+    assert loaded < 5 and max(timings["t"]) < 1000, timings
+    assert timings["drawn"] < 20_000
     assert browser.errors() == [], browser.errors()
