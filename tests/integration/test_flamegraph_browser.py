@@ -401,3 +401,43 @@ def test_page_responsive_at_the_node_bound(browser: Browser, tmp_path: Path) -> 
     assert loaded < 5 and max(timings["t"]) < 1000, timings
     assert timings["drawn"] < 20_000
     assert browser.errors() == [], browser.errors()
+
+
+def test_unwindctl_flamegraph_diff_windows(
+    browser: Browser, workloads: dict[str, Workload], tmp_path: Path
+) -> None:
+    """``--diff-since A --since B``: chain ran in the baseline window (A..B seconds ago), the
+    threads workload in the current one (the last B): the threads' frames grew, and the page
+    says every baseline sample is in frames absent now."""
+    (tmp_path / "d").mkdir()
+    d = DaemonProc(tmp_path / "d", extra_toml="[store]\nbucket_seconds = 1\n")
+    try:
+        d.wait_message("READY=1")
+        chain = subprocess.Popen(workloads["c_o2"].argv, stdout=subprocess.DEVNULL)
+        assert chain.wait(60) == 0
+        chain_end = time.monotonic()
+        d.wait_settled(chain.pid)
+        # windows are widened to whole 1 s buckets: 3 s apart keeps the two in their own
+        time.sleep(max(0.0, chain_end + 3 - time.monotonic()))
+        threads = subprocess.Popen(workloads["threads"].argv, stdout=subprocess.DEVNULL)
+        assert threads.wait(60) == 0
+        d.wait_settled(threads.pid)
+        since = time.monotonic() - (chain_end + 1.5)
+        out = tmp_path / "diff.html"
+        res = subprocess.run([*UNWINDCTL, "--socket", str(d.sock), "--json", "flamegraph",
+                              "--pid", str(chain.pid), "--pid", str(threads.pid), "--diff-since",
+                              "600", "--since", f"{since:.3f}", "-o", str(out)],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        meta = json.loads(res.stdout)
+        assert meta["output"] == str(out) and meta["window"] and meta["base_window"], meta
+    finally:
+        assert d.stop() == 0
+    browser.open(out)
+    grew = browser.js("[...document.querySelectorAll('#chart .f.grew')].map(e => e.textContent)")
+    assert {"alpha_leaf", "beta_leaf", "gamma_leaf"} <= set(grew), grew
+    assert frame(browser, "spin") is None  # chain's: baseline only, no width now
+    note = browser.js("document.getElementById('note').textContent")
+    assert "baseline samples are in frames absent now (100.0 % of the baseline)" in note, note
+    browser.screenshot(tmp_path / "ctl-diff.png")
+    assert browser.errors() == [], browser.errors()
