@@ -165,6 +165,9 @@ def test_hostile_names_stay_data() -> None:
     got = json.loads(data.group(1))
     assert EVIL in got["names"] and "\u2028x" in got["names"] and got["title"] == EVIL
     assert "<title>&lt;/script&gt;" in page
+    # a title spelling the template's placeholders is only text
+    odd = render_page(build_tree(stacks), title="{{DATA}} {{TITLE}}")
+    assert "<title>{{DATA}} {{TITLE}}</title>" in odd and odd.count('"names":') == 1
     assert not re.search(r"[<>&]", tree_json(build_tree(stacks), EVIL))
 
 

@@ -245,11 +245,11 @@ def _template() -> str:
 def render_page(tree: Tree, title: str = "unwindd flame graph", subtitle: str = "") -> str:
     """The self-contained HTML page of ``tree``."""
     import html
+    import re
 
-    page = _template()
-    page = page.replace("{{TITLE}}", html.escape(title))
-    # the data last: no later replace can touch what it carries
-    return page.replace("{{DATA}}", tree_json(tree, title, subtitle))
+    values = {"TITLE": html.escape(title), "DATA": tree_json(tree, title, subtitle)}
+    # one pass: what a value carries (a title spelling "{{DATA}}") is never substituted again
+    return re.sub(r"\{\{(TITLE|DATA)\}\}", lambda m: values[m.group(1)], _template())
 
 
 def folded_page(
