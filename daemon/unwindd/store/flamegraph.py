@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 KERNEL_SUFFIX = "_[k]"
 INLINE_SUFFIX = "_[i]"
@@ -67,18 +68,16 @@ def parse_folded(text: str) -> Counter[tuple[str, ...]]:
     return out
 
 
-class _Node:
-    __slots__ = ("b", "children", "name", "v")
-
-    def __init__(self, name: str | None) -> None:
-        self.name = name  # None: an (other) node
-        self.v = 0
-        self.b = 0
-        self.children: dict[str | None, _Node] = {}
+# A trie node is a list [samples, baseline samples, {name: child} or None], keyed by its name
+# in its parent (None: an (other) node): a list per node, not an object, and no dict at a leaf
+# (most nodes are leaves), because building the trie is the cost of the whole page.
+_V, _B, _KIDS = 0, 1, 2
+_Trie = list[Any]
 
 
-def _insert(root: _Node, stacks: Counter[tuple[str, ...]], base: bool, max_depth: int) -> int:
-    """Add the stacks to the trie (into ``b`` when ``base``); returns how many were cut."""
+def _insert(root: _Trie, stacks: Counter[tuple[str, ...]], col: int, max_depth: int) -> int:
+    """Add the stacks' counts to the trie, in column ``col`` (_V or _B); returns how many
+    stacks were cut at ``max_depth``."""
     cut = 0
     for stack, n in stacks.items():
         if n <= 0:
@@ -88,15 +87,16 @@ def _insert(root: _Node, stacks: Counter[tuple[str, ...]], base: bool, max_depth
             names = (*stack[: max_depth + 1], None)
             cut += 1
         node = root
-        node.v += 0 if base else n
-        node.b += n if base else 0
+        node[col] += n
         for name in names:
-            child = node.children.get(name)
+            kids = node[_KIDS]
+            if kids is None:
+                kids = node[_KIDS] = {}
+            child = kids.get(name)
             if child is None:
-                child = node.children[name] = _Node(name)
+                child = kids[name] = [0, 0, None]
+            child[col] += n
             node = child
-            node.v += 0 if base else n
-            node.b += n if base else 0
     return cut
 
 
@@ -145,10 +145,20 @@ def build_tree(
     max_nodes: int = MAX_NODES,
 ) -> Tree:
     """The stacks (and a baseline, for a differential graph) as a merged, flattened tree."""
-    root = _Node("all")
-    cut = _insert(root, stacks, False, max_depth)
-    if base is not None:
-        cut += _insert(root, base, True, max_depth)
+    import gc
+
+    root: _Trie = [0, 0, None]
+    # The trie is acyclic and all of it stays alive until it is flattened: cyclic GC passes
+    # triggered by its allocations would traverse all of it again and again and free nothing.
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        cut = _insert(root, stacks, _V, max_depth)
+        if base is not None:
+            cut += _insert(root, base, _B, max_depth)
+    finally:
+        if gc_was_on:
+            gc.enable()
     share = min_share
     while True:
         tree = _flatten(root, base is not None, share, max_nodes)
@@ -159,10 +169,10 @@ def build_tree(
     return tree
 
 
-def _flatten(root: _Node, diff: bool, share: float, max_nodes: int) -> Tree | None:
+def _flatten(root: _Trie, diff: bool, share: float, max_nodes: int) -> Tree | None:
     """Preorder, children by name, those below ``share`` merged; None past ``max_nodes``."""
-    t = Tree(base=[] if diff else None, total=root.v, base_total=root.b)
-    cut_v, cut_b = share * root.v, share * root.b
+    t = Tree(base=[] if diff else None, total=root[_V], base_total=root[_B])
+    cut_v, cut_b = share * root[_V], share * root[_B]
     ix: dict[str, int] = {}
 
     def emit(name: str | None, depth: int, v: int, b: int, kind: int) -> None:
@@ -178,37 +188,35 @@ def _flatten(root: _Node, diff: bool, share: float, max_nodes: int) -> Tree | No
             t.base.append(b)
         t.kind.append(kind)
 
-    emit(root.name, 0, root.v, root.b, ROOT)
     # An explicit stack: trees may be max_depth deep, past Python's recursion limit.
-    todo: list[tuple[_Node, int]] = [(root, 0)]
+    todo: list[tuple[str | None, _Trie, int]] = [("all", root, 0)]
     while todo:
-        node, depth = todo.pop()
-        kept: list[_Node] = []
-        other_v = other_b = 0
-        for child in node.children.values():
-            if child.v == 0:  # baseline only: no width to draw
-                t.gone += child.b
-            elif child.name is None or (child.v < cut_v and (not diff or child.b < cut_b)):
-                other_v += child.v
-                other_b += child.b
-                if child.name is not None:
-                    t.merged_nodes += 1
-                    t.merged_samples += child.v
-            else:
-                kept.append(child)
-        kept.sort(key=lambda c: c.name or "")
-        if other_v:
-            kept.append(_Node(None))
-            kept[-1].v, kept[-1].b = other_v, other_b
-        # pushed in reverse so they pop (and are emitted) in order; a node is emitted when
-        # popped, so its subtree follows it
-        for child in reversed(kept):
-            todo.append((child, depth + 1))
-        if node is not root:
-            emit(node.name, depth, node.v, node.b,
-                 MERGED if node.name is None else frame_kind(node.name))  # fmt: skip
+        name, node, depth = todo.pop()
+        # emitted when popped, before its children are: its subtree follows it
+        kind = ROOT if depth == 0 else MERGED if name is None else frame_kind(name)
+        emit(name, depth, node[_V], node[_B], kind)
         if len(t.depth) > max_nodes:
             return None
+        if not node[_KIDS]:
+            continue
+        kept: list[tuple[str, _Trie]] = []
+        other_v = other_b = 0
+        for cname, child in node[_KIDS].items():
+            v, b = child[_V], child[_B]
+            if v == 0:  # baseline only: no width to draw
+                t.gone += b
+            elif cname is None or (v < cut_v and (not diff or b < cut_b)):
+                other_v += v
+                other_b += b
+                if cname is not None:
+                    t.merged_nodes += 1
+                    t.merged_samples += v
+            else:
+                kept.append((cname, child))
+        if other_v:
+            todo.append((None, [other_v, other_b, None], depth + 1))  # drawn last
+        kept.sort(key=lambda c: c[0], reverse=True)  # pushed in reverse: popped in order
+        todo.extend((cname, child, depth + 1) for cname, child in kept)
     return t
 
 
