@@ -250,10 +250,16 @@ def test_replay_page_zoom_search_hover(
     drawn = set(browser.js("[...document.querySelectorAll('#chart .f')].map(e => e.textContent)"))
     assert not (outside - inside) & drawn, (outside - inside) & drawn
     browser.screenshot(tmp_path / "chain-zoomed-b.png")
-    # Escape resets: b narrow again
+    # Escape resets: b narrow again; so does a click on the root, after zooming again
     browser.key("Escape")
     b2 = frame(browser, "b")
     assert b2 is not None and abs(b2["w"] - b0["w"]) < 1, (b2, b0)
+    browser.click(b0["x"] + b0["w"] / 2, b0["y"] + b0["h"] / 2)
+    root, zoomed = frame(browser, "all"), frame(browser, "b")
+    assert root is not None and zoomed is not None and abs(zoomed["w"] - chart_w) < 1.5
+    browser.click(root["x"] + 5, root["y"] + root["h"] / 2)
+    b3 = frame(browser, "b")
+    assert b3 is not None and abs(b3["w"] - b0["w"]) < 1, (b3, b0)
 
     # search: matches highlighted; the share shown is the folded output's share
     browser.type_text("#search", "spin")
