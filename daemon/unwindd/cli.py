@@ -114,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
-    _add_output_args(rep)
+    _add_output_args(rep, REPLAY_ONLY_FORMATS)
+    rep.add_argument(
+        "--diff-base",
+        metavar="OLD",
+        default=None,
+        help="with --format html: a differential flame graph, FILE against the baseline OLD "
+        "(red grew, blue shrank, by share of all samples)",
+    )
     rep.add_argument(
         "--cache-dir",
         metavar="DIR",
@@ -214,16 +221,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 FORMATS = ("summary", "records", "jsonl", "folded", "perf-script")
+# html: the folded replay drawn as an interactive flame graph page (store/flamegraph.py)
+REPLAY_ONLY_FORMATS = ("html",)
 
 
-def _add_output_args(p: argparse.ArgumentParser) -> None:
+def _add_output_args(p: argparse.ArgumentParser, extra: tuple[str, ...] = ()) -> None:
     p.add_argument(
         "--format",
-        choices=FORMATS,
+        choices=FORMATS + extra,
         default="summary",
         help="summary: counts per record type, CPU and pid; records: every record as a JSON "
         "line; jsonl: every sample unwound and symbolized as a JSON line; folded: "
-        "flamegraph.pl collapsed stacks; perf-script: perf script's callchain text",
+        "flamegraph.pl collapsed stacks; perf-script: perf script's callchain text"
+        + ("; html: an interactive flame graph page (self-contained)" if extra else ""),
     )
     p.add_argument(
         "--top", type=int, default=20, metavar="N", help="pids listed in the summary (0: all)"
@@ -239,7 +249,9 @@ def fail(msg: str) -> int:
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     """The native replay (filereplay.py) for a file in folded, jsonl or perf-script; the Python
     replay (streamreplay.py) for what it does not take: stdin, a file it finds ``Unsupported``,
-    the summary and records formats."""
+    the summary and records formats. html: the folded replay, drawn (``_replay_html``)."""
+    if args.format == "html" or args.diff_base is not None:
+        return _replay_html(args, out)
     native = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
     mapped = None
     import gc
@@ -294,6 +306,34 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             return fail(f"{args.file}: {e}")
         if not noted:  # a pipe's events are known once its attr records are read
             _note_frames(data, args.file)
+    return 0
+
+
+def _replay_html(args: argparse.Namespace, out: TextIO) -> int:
+    """The flame graph page of FILE (against ``--diff-base``): each file replayed to folded
+    text in memory, as ``--format folded`` writes it, then drawn (store/flamegraph.py)."""
+    import io
+
+    if args.format != "html":
+        return fail("--diff-base needs --format html")
+    texts: list[str | None] = []
+    for path in (args.file, args.diff_base):
+        if path is None:
+            texts.append(None)
+            continue
+        buf = io.StringIO()
+        rc = cmd_replay(argparse.Namespace(**{**vars(args), "file": path, "format": "folded",
+                                              "diff_base": None}), buf)  # fmt: skip
+        if rc != 0:
+            return rc
+        texts.append(buf.getvalue())
+    from .store.flamegraph import folded_page
+
+    name = os.path.basename(args.file)
+    sub = f"{args.file}" + (f" against {args.diff_base}" if args.diff_base else "")
+    assert texts[0] is not None
+    out.write(folded_page(texts[0], texts[1], title=f"{name}: flame graph", subtitle=sub))
+    out.flush()
     return 0
 
 

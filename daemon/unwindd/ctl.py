@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     fo = sub.add_parser("folded", help="folded stacks (flamegraph.pl input)")
     filters(fo)
     fo.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    fg = sub.add_parser("flamegraph", help="write an interactive flame graph page (HTML)")
+    filters(fg)
+    fg.add_argument("-o", "--output", metavar="FILE", default="flamegraph.html",
+                    help="the page (default flamegraph.html; '-' for stdout)")
+    fg.add_argument("--diff-since", type=float, metavar="SECONDS",
+                    help="differential: the baseline is the window from SECONDS ago to the "
+                    "start of the current one (--since, which it needs); red grew, blue shrank")
     pp = sub.add_parser("pprof", help="write a pprof profile (go tool pprof FILE)")
     filters(pp)
     pp.add_argument("-o", "--output", metavar="FILE", default="profile.pb.gz")
@@ -339,6 +346,50 @@ def cmd_folded(c: Client, args: argparse.Namespace, out: TextIO) -> None:
         out.write(body.decode())
 
 
+def cmd_flamegraph(c: Client, args: argparse.Namespace, out: TextIO) -> None:
+    """``folded``'s answer drawn as a page (store/flamegraph.py); with ``--diff-since A``
+    (and ``--since B``) against the baseline window from A to B seconds ago."""
+    from .store.flamegraph import FoldedError, folded_page
+
+    base_params = None
+    if args.diff_since is not None:
+        if args.since is None or not args.diff_since > args.since:
+            raise CtlError("--diff-since A needs --since B with A > B (the baseline is A..B "
+                           "seconds ago, the current window the last B)")  # fmt: skip
+        base_params = {**_filter_params(args), "since": args.diff_since, "until": args.since,
+                       "format": "folded"}  # fmt: skip
+    body, headers = c.get_with_headers("/v1/stacks", {**_filter_params(args), "format": "folded"})
+    window = header_window(headers)
+    base_body = base_window = None
+    if base_params is not None:
+        base_body, base_headers = c.get_with_headers("/v1/stacks", base_params)
+        base_window = header_window(base_headers)
+    what = " ".join(f"{k}={v}" for k, v in _filter_params(args).items()
+                    if v is not None and k not in ("since", "until"))  # fmt: skip
+    sub = (what + "; " if what else "") + (window_line(window) if window else "")
+    if base_window:
+        sub += "; baseline " + window_line(base_window)
+    try:
+        page = folded_page(body.decode(), None if base_body is None else base_body.decode(),
+                           title="unwindd flame graph", subtitle=sub)  # fmt: skip
+    except FoldedError as e:
+        raise CtlError(f"/v1/stacks: {e}") from None
+    if args.output == "-":
+        out.write(page)
+        return
+    data = page.encode()
+    with open(args.output, "wb") as fh:
+        fh.write(data)
+    if args.json:
+        out.write(json.dumps({"output": args.output, "bytes": len(data), "window": window,
+                              "base_window": base_window}) + "\n")  # fmt: skip
+    else:
+        out.write(f"wrote {args.output} ({len(data)} bytes)"
+                  + (f"; {window_line(window)}" if window else "") + "\n")  # fmt: skip
+        if base_window:
+            out.write(f"baseline {window_line(base_window)}\n")
+
+
 def cmd_pprof(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     body, headers = c.get_with_headers("/v1/stacks", {**_filter_params(args), "format": "pprof"})
     window = header_window(headers)
@@ -387,7 +438,7 @@ def _clock(time_ns: int | None, offset_ns: int) -> str:
 
 
 COMMANDS = {"status": cmd_status, "ps": cmd_ps, "top": cmd_top, "folded": cmd_folded,
-            "pprof": cmd_pprof, "watch": cmd_watch}  # fmt: skip
+            "flamegraph": cmd_flamegraph, "pprof": cmd_pprof, "watch": cmd_watch}  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
