@@ -169,6 +169,24 @@ class MetricsSection:
     listen: str = _key("127.0.0.1:9464", live=False, check=_listen)
 
 
+def _listen_or_off(v: Any) -> str | None:
+    return None if v == "" else _listen(v)
+
+
+def _token(v: Any) -> str | None:
+    return None if v == v.strip() and v.isprintable() else "must be printable, without spaces"
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSection:
+    pprof_listen: str = _key("", live=False, check=_listen_or_off,
+                             doc="pull: HOST:PORT of /debug/pprof/profile; \"\" is off")
+    pprof_token: str = _key("", live=False, check=_token)
+    pprof_token_file: str = _key("", live=False, check=lambda v: v and _abs_path(v))
+    pprof_max_seconds: int = _key(300, live=True, check=_positive)
+    pprof_max_concurrent: int = _key(4, live=True, check=_positive)
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonSection:
     tick_ms: int = _key(100, live=True, check=_positive)
@@ -184,6 +202,7 @@ class Config:
     store: StoreSection = field(default_factory=StoreSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    export: ExportSection = field(default_factory=ExportSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
     source: str = field(default=DEFAULTS_SOURCE, compare=False)
 
@@ -205,6 +224,8 @@ def _shown(section: str, name: str, v: Any) -> Any:
         return list(v)
     if section == "api" and name == "mode":
         return format(v, "04o")  # "0660", as _coerce reads it (and chmod(1) spells it)
+    if name == "pprof_token" and v:
+        return "<redacted>"  # /v1/status shows the config to every socket peer
     return v
 
 
@@ -305,6 +326,9 @@ def _cross_check(cfg: Config) -> None:
         raise ConfigError('[sampling] cgroup: target = "cgroup" needs a cgroup directory')
     if cfg.store.retention_seconds < cfg.store.bucket_seconds:
         raise ConfigError("[store] retention_seconds: must be >= bucket_seconds")
+    if cfg.export.pprof_token and cfg.export.pprof_token_file:
+        raise ConfigError("[export] pprof_token_file: set pprof_token or pprof_token_file, "
+                          "not both")
 
 
 def restart_keys(old: Config, new: Config) -> list[str]:
