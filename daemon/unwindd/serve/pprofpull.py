@@ -42,10 +42,10 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 from ..store.pprof import encode_profile
-from ..store.queries import Stack, StackCount
+from ..store.queries import StackCount
 from .api import PARAMS, Api, BadParam, Peer, Source, _float, window_headers, window_json
 from .config import Config, parse_listen
 from .connections import Connections
@@ -68,7 +68,8 @@ PULL_REJECTIONS: Final = (
     "too_many_profiles",  # [export] pprof_max_concurrent (429)
 )
 
-_Key = tuple[int, int, str, Stack]
+_Key = tuple[int, int, str, int]  # pid, tid, comm, id of the interned stack
+_T = TypeVar("_T")
 
 
 def pull_params() -> frozenset[str]:
@@ -214,26 +215,25 @@ class PprofPull:
         return seconds
 
     async def _profile(self, req: Request, seconds: float) -> Response:
-        loop = asyncio.get_running_loop()
         t0 = self._d.now_ns()
         filters = {k: v for k, v in req.query.items() if k != "seconds"}
         query = Request(req.method, req.target, req.path, {**filters, "since_ns": [str(t0)]})
         store = self._d.profiler.store
         evictions = store.stats.evicted_buckets
-        base = await self._counts(query)  # a bad filter is refused here, before the wait
+        # A bad filter is refused here, before the wait.
+        base = await self._off_loop(query, _baseline)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), seconds)
         t1 = self._d.now_ns()
-        final = await self._counts(query)
-        stacks = [StackCount(pid, tid, comm, frames, n - base.get((pid, tid, comm, frames), 0))
-                  for (pid, tid, comm, frames), n in final.items()]  # fmt: skip
-        stacks = [s for s in stacks if s.count > 0]
-        stacks.sort(key=lambda s: -s.count)
-        del stacks[self._d.max_stacks :]
         offset = self._api.clock_offset()
-        body = await loop.run_in_executor(self._worker(), lambda: encode_profile(
-            stacks, period_ns=self._d.period_ns, time_nanos=t0 + offset,
-            duration_nanos=t1 - t0))  # fmt: skip
+        period_ns, max_stacks = self._d.period_ns, self._d.max_stacks
+
+        def encode(stacks: list[StackCount]) -> bytes:
+            delta = _delta(base, stacks)
+            return encode_profile(delta[:max_stacks], period_ns=period_ns,
+                                  time_nanos=t0 + offset, duration_nanos=t1 - t0)  # fmt: skip
+
+        body = await self._off_loop(query, encode)
         held = store.window()
         evicted = store.stats.evicted_buckets != evictions and (
             held is None or held[0] > t0 // store.bucket_ns * store.bucket_ns)
@@ -242,19 +242,20 @@ class PprofPull:
                    ("x-unwindd-evicted", str(evicted).lower()))  # fmt: skip
         return Response(200, body, "application/octet-stream", headers)
 
-    async def _counts(self, query: Request) -> dict[_Key, int]:
-        """Counts per (pid, tid, comm, stack) from ``query``'s since_ns on, as stored now."""
+    async def _off_loop(self, query: Request, then: Callable[[list[StackCount]], _T]) -> _T:
+        """``then(Api.query(query))`` on the worker, against a snapshot of the store as it is
+        now (taken on the loop, after the sampler's held counts are flushed into it)."""
         self._flush()
         snap = self._d.profiler.store.snapshot()
 
-        def run() -> dict[_Key, int]:
+        def run() -> _T:
             self._source._tls.store = snap
             try:
                 stacks, _ = self._api.query(query, Peer(0))
             finally:
                 self._source._tls.store = None
                 snap.close()
-            return {(s.pid, s.tid, s.comm, s.frames): s.count for s in stacks}
+            return then(stacks)
 
         return await asyncio.get_running_loop().run_in_executor(self._worker(), run)
 
@@ -262,6 +263,24 @@ class PprofPull:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-pprof")
         return self._pool
+
+
+def _baseline(stacks: list[StackCount]) -> dict[_Key, StackCount]:
+    # Keyed by the interned stack's identity (hashing a stack's frames is O(depth) of Python):
+    # the StackCount kept holds the stack, so its id is not reused while the baseline lives.
+    return {(s.pid, s.tid, s.comm, id(s.frames)): s for s in stacks}
+
+
+def _delta(base: dict[_Key, StackCount], now: list[StackCount]) -> list[StackCount]:
+    """``now`` minus ``base`` per (pid, tid, comm, stack), the positive ones, largest first."""
+    out = []
+    for s in now:
+        b = base.get((s.pid, s.tid, s.comm, id(s.frames)))
+        n = s.count - (b.count if b is not None else 0)
+        if n > 0:
+            out.append(StackCount(s.pid, s.tid, s.comm, s.frames, n))
+    out.sort(key=lambda s: -s.count)
+    return out
 
 
 class _Unknown(BadParam):
