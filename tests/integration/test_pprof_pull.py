@@ -225,12 +225,26 @@ def test_bearer_token(tmp_path: Path, where: str) -> None:
             assert status == 401 and headers["www-authenticate"].startswith("Bearer"), hdr
             assert http(port, "/debug/pprof/", headers=hdr)[0] == 401
         assert rejected(d)["unauthorized"] == 8
-        status, _, body = http(port, target, headers=f"Authorization: Bearer {token}\r\n")
+        auth = f"Authorization: Bearer {token}\r\n"
+        status, _, body = http(port, target, headers=auth)
         assert status == 200, body
         check_valid(decode(body))
         # /v1/status shows the config to every socket peer: never the token itself.
         shown = d.json("/v1/status")["config"]["export"]
         assert token not in str(shown) and shown[where] == (
             "<redacted>" if where == "pprof_token" else str(tf))
+        # A stop does not wait for a profile in progress: it is answered 503 at once.
+        got: list[int] = []
+        scrape = threading.Thread(target=lambda: got.append(http(
+            port, "/debug/pprof/profile?seconds=60", headers=auth)[0]))  # fmt: skip
+        scrape.start()
+        deadline = time.monotonic() + 10
+        while metric_values(d.metrics(), "unwindd_pprof_profiles_in_progress").get("") != 1:
+            assert time.monotonic() < deadline, "the profile never started"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        assert d.stop() == 0 and time.monotonic() - t0 < 5
+        scrape.join(10)
+        assert got == [503] and "Traceback" not in d.log.read_text(), d.log.read_text()
     finally:
         assert d.stop() == 0

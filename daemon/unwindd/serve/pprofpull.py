@@ -26,7 +26,8 @@ Invariants:
   refusal is counted by reason (``PULL_REJECTIONS``), each request by endpoint.
 - The loop only waits and takes snapshots (O(buckets)); the two store queries of a profile
   (O(entries in the window)) run on this module's one worker thread against snapshots. On
-  shutdown a profile in progress ends early and answers the shorter window it covered.
+  shutdown a profile in progress is answered 503 at once (``close`` waits up to a second for
+  those answers and connections before the worker and the store go away).
 """
 
 from __future__ import annotations
@@ -139,7 +140,13 @@ class PprofPull:
                         exp.pprof_listen)  # fmt: skip
         return srv
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """After ``stop`` is set: let the profiles in progress answer and their connections
+        close (a connection task cancelled when the loop ends logs a traceback), then end the
+        worker."""
+        deadline = asyncio.get_running_loop().time() + 1.0
+        while (self.active or self.conns.open) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -224,6 +231,8 @@ class PprofPull:
         base = await self._off_loop(query, _baseline)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), seconds)
+        if self._stop.is_set():
+            return error_response(503, "the daemon is stopping")
         t1 = self._d.now_ns()
         offset = self._api.clock_offset()
         period_ns, max_stacks = self._d.period_ns, self._d.max_stacks

@@ -355,7 +355,7 @@ class Daemon:
         if self._query_pool is not None:
             self._query_pool.shutdown(wait=False, cancel_futures=True)
         if self.pull is not None:
-            self.pull.close()
+            await self.pull.close()
         if hasattr(self, "profiler"):
             self.profiler.close()
         if self.socket_path:
