@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonutil import DaemonProc, free_port, metric_values, parse_response
+from daemonutil import UNWINDD, DaemonProc, free_port, metric_values, parse_response
 from pprofcheck import check_valid, decode, fields_of, one
 from workloads.build import build_workloads
 
@@ -248,3 +248,20 @@ def test_bearer_token(tmp_path: Path, where: str) -> None:
         assert got == [503] and "Traceback" not in d.log.read_text(), d.log.read_text()
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("export, error", [
+    ('pprof_listen = "6061"', "[export] pprof_listen: must look like '127.0.0.1:9464'"),
+    ('pprof_token = "a"\npprof_token_file = "/etc/t"',
+     "[export] pprof_token_file: set pprof_token or pprof_token_file, not both"),
+    ('pprof_listen = "127.0.0.1:0"\npprof_token_file = "/nonexistent/token"',
+     "[export] pprof_token_file: /nonexistent/token: No such file or directory"),
+])  # fmt: skip
+def test_config_errors_are_one_line(tmp_path: Path, export: str, error: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[api]\nsocket = "{tmp_path}/s.sock"\n[metrics]\nenabled = false\n'
+                   f'[cache]\ndir = "off"\n[export]\n{export}\n')
+    res = subprocess.run([*UNWINDD, "run", "--config", str(cfg)], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and error in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
