@@ -174,7 +174,8 @@ def _listen_or_off(v: Any) -> str | None:
 
 
 def _token(v: Any) -> str | None:
-    return None if v == v.strip() and v.isprintable() else "must be printable, without spaces"
+    ok = v.isprintable() and not any(c.isspace() for c in v)
+    return None if ok else "must be printable, without spaces"
 
 
 @dataclass(frozen=True, slots=True)

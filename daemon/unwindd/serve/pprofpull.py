@@ -25,7 +25,9 @@ Invariants:
   the socket (connections.py with the ``[api]`` limits, counted apart from the socket's). Each
   refusal is counted by reason (``PULL_REJECTIONS``), each request by endpoint.
 - The loop only waits and takes snapshots (O(buckets)); the two store queries of a profile
-  (O(entries in the window)) run on this module's one worker thread against snapshots. On
+  (O(entries from the start of the window's bucket)), the delta, its ranking and the encoding
+  run on this module's one worker thread against snapshots. A client that goes away holds its
+  slot until its window ends (at most ``pprof_max_seconds``). On
   shutdown a profile in progress is answered 503 at once (``close`` waits up to a second for
   those answers and connections before the worker and the store go away).
 """
