@@ -215,7 +215,10 @@ def test_reason_tuples_list_every_reason_counted() -> None:
 
 
 def test_rejections_named_in_serve_are_listed() -> None:
-    """Every refusal reason serve/ counts or hands to ``error_response`` is in REJECTIONS."""
+    """Every refusal reason serve/ counts or hands to ``error_response`` is in REJECTIONS (or,
+    the pprof listener's own, in PULL_REJECTIONS)."""
+    from unwindd.serve.pprofpull import PULL_REJECTIONS
+
     pkg = Path(elfcache.__file__).parent.parent / "serve"
     said: set[str] = set()
     for path in pkg.glob("*.py"):
@@ -223,7 +226,8 @@ def test_rejections_named_in_serve_are_listed() -> None:
         said |= set(re.findall(r'rejected\["(\w+)"\]', text))
         said |= set(re.findall(r'rejected="(\w+)"', text))
         said |= set(re.findall(r'error_response\(\d+, [^\n]*, "(\w+)"\)', text))
-    assert said and said <= set(REJECTIONS), said - set(REJECTIONS)
+    listed = set(REJECTIONS) | set(PULL_REJECTIONS)
+    assert said and said <= listed, said - listed
     assert '"too_many_streams"' not in (pkg / "service.py").read_text()
 
 

@@ -194,8 +194,23 @@ def _push_labels(v: Any) -> str | None:
     return check_labels(v)
 
 
+def _listen_or_off(v: Any) -> str | None:
+    return None if v == "" else _listen(v)
+
+
+def _token(v: Any) -> str | None:
+    ok = v.isprintable() and not any(c.isspace() for c in v)
+    return None if ok else "must be printable, without spaces"
+
+
 @dataclass(frozen=True, slots=True)
 class ExportSection:
+    pprof_listen: str = _key("", live=False, check=_listen_or_off,
+                             doc="pull: HOST:PORT of /debug/pprof/profile; \"\" is off")
+    pprof_token: str = _key("", live=False, check=_token)
+    pprof_token_file: str = _key("", live=False, check=lambda v: v and _abs_path(v))
+    pprof_max_seconds: int = _key(300, live=True, check=_positive)
+    pprof_max_concurrent: int = _key(4, live=True, check=_positive)
     # push (Pyroscope): serve/pyroscope.py; opened at start, so every key waits for a restart
     pyroscope_url: str = _key("", live=False, check=_push_url,
                               doc='push: http(s)://HOST[:PORT] of Pyroscope; "" is off')
@@ -242,7 +257,8 @@ class Config:
         return out
 
 
-SECRETS = frozenset({"basic_auth_password", "bearer_token"})
+# [export] keys whose values are credentials
+SECRETS = frozenset({"basic_auth_password", "bearer_token", "pprof_token"})
 
 
 def _shown(section: str, name: str, v: Any) -> Any:
@@ -368,6 +384,9 @@ def _cross_check(cfg: Config) -> None:
     if e.bearer_token and (e.basic_auth_user or e.basic_auth_password or
                            e.basic_auth_password_file):  # fmt: skip
         raise ConfigError("[export] bearer_token: set basic auth or a bearer token, not both")
+    if cfg.export.pprof_token and cfg.export.pprof_token_file:
+        raise ConfigError("[export] pprof_token_file: set pprof_token or pprof_token_file, "
+                          "not both")
 
 
 def restart_keys(old: Config, new: Config) -> list[str]:

@@ -47,6 +47,8 @@ from ..procs.proctable import DROP_REASONS
 from ..source import decoder
 from ..source.abi import RecordType
 from .httpapi import REJECTIONS
+from .pprofpull import ENDPOINTS as PULL_ENDPOINTS
+from .pprofpull import PULL_REJECTIONS
 from .pyroscope import DROPS as PUSH_DROPS
 from .pyroscope import FAILURES as PUSH_FAILURES
 
@@ -201,6 +203,10 @@ def counter_specs() -> list[Spec]:
              lambda d: d.api.requests, "endpoint", lambda d: d.api.endpoints),
         Spec("unwindd_api_rejected", "Query API connections or requests refused, by reason.",
              lambda d: d.rejected, "reason", lambda d: REJECTIONS),
+        Spec("unwindd_pprof_requests", "pprof export ([export] pprof_listen) requests, by path.",
+             lambda d: d.pull.requests, "endpoint", lambda d: PULL_ENDPOINTS),
+        Spec("unwindd_pprof_rejected", "pprof export connections or requests refused, by reason.",
+             lambda d: d.pull.rejected, "reason", lambda d: PULL_REJECTIONS),
         Spec("unwindd_stream_dropped_samples", "Samples not sent to slow stream clients.",
              lambda d: d.stream_dropped),
         Spec("unwindd_reloads", "Configuration reloads (SIGHUP) whose config was applied.",
@@ -240,6 +246,8 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.profiler.pipeline.orderer.stats.queued),
         Spec("unwindd_api_connections", "Open query API connections.",
              lambda d: d.connections),
+        Spec("unwindd_pprof_profiles_in_progress", "pprof export profiles being collected.",
+             lambda d: d.pull.active),
         Spec("unwindd_last_reload_successful",
              "0 if the latest reload failed (see unwindctl status), else 1.",
              lambda d: float(d.last_reload is None or d.last_reload.ok)),

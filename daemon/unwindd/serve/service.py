@@ -55,6 +55,7 @@ from .config import (
 from .connections import Connections, peer_of
 from .httpapi import TOO_MANY_STREAMS, Request, Response, StreamStart, error_response
 from .metrics import Measurements, UnwinddCollector
+from .pprofpull import PprofPull
 from .pyroscope import PushConfig, Pusher, PushStats
 from .sdnotify import Notifier
 from .startup import (
@@ -144,6 +145,7 @@ class Daemon:
         self._ready = False  # READY=1 sent: a stop is then a shutdown, not a failed start
         self._timer: asyncio.TimerHandle | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.pull: PprofPull | None = None  # [export] pprof_listen
         self._query_pool: ThreadPoolExecutor | None = None
         self._tls = threading.local()  # .store: the snapshot a worker-thread query reads
         self.pusher: Pusher | None = None  # [export] pyroscope_url: pyroscope.py
@@ -362,6 +364,9 @@ class Daemon:
 
             self.registry = CollectorRegistry(auto_describe=False)
             self.registry.register(UnwinddCollector(self, self.m))
+        if cfg.export.pprof_listen:
+            self.pull = PprofPull(self, self._flush, lambda: self.config, self._stop)
+            self._servers.append(await self.pull.listen())
 
     async def _shutdown(self) -> None:
         """Stop (after READY=1: say so, drain, report), or undo a start that failed (quietly:
@@ -381,6 +386,8 @@ class Daemon:
                 t.cancel()
         if self._query_pool is not None:
             self._query_pool.shutdown(wait=False, cancel_futures=True)
+        if self.pull is not None:
+            await self.pull.close()
         if hasattr(self, "profiler"):
             self.profiler.close()
         if self.socket_path:
