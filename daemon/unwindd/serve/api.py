@@ -136,7 +136,7 @@ def _int(req: Request, name: str) -> int | None:
         raise BadParam(f"{name}: not an integer: {v!r}") from None
 
 
-def _float(req: Request, name: str) -> float | None:
+def float_param(req: Request, name: str) -> float | None:
     v = req.arg(name)
     if v is None or v == "":
         return None
@@ -150,7 +150,7 @@ def _float(req: Request, name: str) -> float | None:
 
 
 def parse_filters(req: Request, now_ns: int) -> Filters:
-    since, until = _float(req, "since"), _float(req, "until")
+    since, until = float_param(req, "since"), float_param(req, "until")
     since_ns, until_ns = _int(req, "since_ns"), _int(req, "until_ns")
     if since is not None:
         since_ns = now_ns - int(since * 1e9)
@@ -354,7 +354,7 @@ class Api:
     def stream(self, req: Request, peer: Peer) -> StreamStart:
         f = parse_filters(req, self.source.now_ns())
         limit = _int(req, "limit")
-        seconds = _float(req, "seconds")
+        seconds = float_param(req, "seconds")
         accept = self.stream_filter(peer, f)
         return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds},
                            headers=(("x-unwindd-clock-offset-ns", str(self.clock_offset())),))

@@ -49,7 +49,7 @@ from typing import Any, Final, TypeVar, cast
 
 from ..store.pprof import encode_profile
 from ..store.queries import StackCount
-from .api import PARAMS, Api, BadParam, Peer, Source, _float, window_headers, window_json
+from .api import PARAMS, Api, BadParam, Peer, Source, float_param, window_headers, window_json
 from .config import Config, parse_listen
 from .connections import Connections
 from .httpapi import REJECTIONS, TOO_MANY_STREAMS, Request, Response, error_response
@@ -215,7 +215,7 @@ class PprofPull:
             takes = ", ".join(sorted(pull_params()))
             raise _Unknown(f"unknown parameter{'s' if len(unknown) > 1 else ''}: "
                            f"{', '.join(unknown)} ({PROFILE} takes: {takes})")  # fmt: skip
-        seconds = _float(req, "seconds")
+        seconds = float_param(req, "seconds")
         if seconds is None:
             return DEFAULT_SECONDS if DEFAULT_SECONDS <= cap else float(cap)
         if not 0 < seconds <= cap:
