@@ -22,10 +22,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, TextIO, TypeVar
 
 from .cli import fail
 from .unwind import stackfmt
+
+_Opened = TypeVar("_Opened")  # what record opens: a PerfSession, or a LiveProfiler around one
 
 if TYPE_CHECKING:
     from .pipeline.live import LiveProfiler
@@ -42,24 +44,16 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     from .pipeline.textout import TextOutput
     from .source.capture import StreamPipeline, run_live
     from .source.perfcore import PerfSession
-    from .source.sampling import PerfOpenError
 
     if args.workload and (args.pid or args.all or args.cgroup):
         return fail("record -- CMD samples that command: it takes no --pid, --all or --cgroup")
     if args.format != "records":
         return _record_live(args, out)
     # Raw records need no unwinding: the plain stream pipeline, no process table.
-    try:
-        workload = _fork_workload(args)
-    except OSError as e:
-        return fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
-    target = _target(args, workload)
-    try:
-        session = PerfSession.open(target, _sampling_config(args))
-    except (PerfOpenError, ValueError) as e:
-        if workload is not None:
-            workload.cancel()
-        return fail(str(e))
+    opened = _open(args, PerfSession.open)
+    if isinstance(opened, int):
+        return opened
+    session, workload, _ = opened
     _print_notes(session.notes)
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
@@ -80,6 +74,27 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         session.disable()
     _end_workload(workload)
     return 0
+
+
+def _open(
+    args: argparse.Namespace, opener: Callable[[Target, SamplingConfig], _Opened]
+) -> tuple[_Opened, Workload | None, Target] | int:
+    """The command forked first (``record -- CMD``), then ``opener`` on the target and the
+    sampling flags; an error is one line (``fail``, its status returned), the command made to
+    exit without its exec."""
+    from .source.sampling import PerfOpenError
+
+    try:
+        workload = _fork_workload(args)
+    except OSError as e:
+        return fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
+    target = _target(args, workload)
+    try:
+        return opener(target, _sampling_config(args)), workload, target
+    except (PerfOpenError, ValueError) as e:
+        if workload is not None:
+            workload.cancel()
+        return fail(str(e))
 
 
 def _fork_workload(args: argparse.Namespace) -> Workload | None:
@@ -149,19 +164,11 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     from .pipeline.live import LiveProfiler
     from .pipeline.textout import TextOutput
     from .source.output import render_summary
-    from .source.sampling import PerfOpenError
 
-    try:
-        workload = _fork_workload(args)
-    except OSError as e:
-        return fail(f"cannot start {args.workload[0]!r}: {e.strerror}")
-    target = _target(args, workload)
-    try:
-        prof = LiveProfiler.open(target, _sampling_config(args))
-    except (PerfOpenError, ValueError) as e:
-        if workload is not None:
-            workload.cancel()
-        return fail(str(e))
+    opened = _open(args, LiveProfiler.open)
+    if isinstance(opened, int):
+        return opened
+    prof, workload, target = opened
     _print_notes(prof.session.notes)
     # processes older than the recording have no COMM record: the summary names them from /proc
     prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
