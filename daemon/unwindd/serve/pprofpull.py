@@ -40,7 +40,6 @@ import dataclasses
 import hmac
 import ipaddress
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -50,10 +49,10 @@ from typing import Any, Final, TypeVar, cast
 from ..store.pprof import encode_profile
 from ..store.queries import StackCount
 from .api import PARAMS, Api, BadParam, Peer, Source, float_param, window_headers, window_json
-from .config import Config, parse_listen
+from .config import Config
 from .connections import Connections
 from .httpapi import REJECTIONS, TOO_MANY_STREAMS, Request, Response, error_response
-from .startup import StartupError
+from .startup import StartupError, listen_tcp
 
 log = logging.getLogger("unwindd")
 
@@ -121,22 +120,14 @@ class PprofPull:
     async def listen(self) -> asyncio.AbstractServer:
         exp = self._config().export
         self._token = _read_token(exp.pprof_token, exp.pprof_token_file)
-        host, port = parse_listen(exp.pprof_listen)
-        try:
-            srv = await asyncio.start_server(
-                lambda r, w: self.conns.serve(r, w, self.answer, Peer(0)),
-                host=host, port=port, reuse_address=True,
-            )  # fmt: skip
-        except OSError as e:
-            why = os.strerror(e.errno) if e.errno else str(e)
-            raise StartupError(f"[export] pprof_listen: cannot listen on {exp.pprof_listen}: "
-                               f"{why}") from None  # fmt: skip
-        name = srv.sockets[0].getsockname()
-        self.address = (name[0], name[1])
+        srv, self.address = await listen_tcp(
+            "[export] pprof_listen", exp.pprof_listen,
+            lambda r, w: self.conns.serve(r, w, self.answer, Peer(0)))
+        name = self.address
         shown = f"[{name[0]}]:{name[1]}" if ":" in name[0] else f"{name[0]}:{name[1]}"
         log.info("pprof export: http://%s%s%s", shown, PROFILE,
                  " (bearer token required)" if self._token else "")  # fmt: skip
-        if not self._token and not _loopback(host):
+        if not self._token and not _loopback(name[0]):
             log.warning("[export] pprof_listen %s is not a loopback address and no token is "
                         "set: anyone who can connect can read every process's stacks",
                         exp.pprof_listen)  # fmt: skip

@@ -49,7 +49,6 @@ from .config import (
     changed_keys,
     load_config,
     merge_live,
-    parse_listen,
     restart_keys,
 )
 from .connections import Connections, peer_of
@@ -62,6 +61,7 @@ from .startup import (
     StartupError,
     apply_socket_perms,
     describe_target,
+    listen_tcp,
     open_profiler_for,
     preflight,
     prepare_socket_path,
@@ -346,20 +346,10 @@ class Daemon:
         self.socket_path = path
         apply_socket_perms(self.config.api, self.socket_path)
         if cfg.metrics.enabled:
-            host, port = parse_listen(cfg.metrics.listen)
-            try:
-                msrv = await asyncio.start_server(
-                    lambda r, w: self.conns.serve(r, w, self._metrics_answer, Peer(None)),
-                    host=host, port=port, reuse_address=True,
-                )  # fmt: skip
-            except OSError as e:
-                # uvloop's message repeats the address; the errno's text says it all.
-                why = os.strerror(e.errno) if e.errno else str(e)
-                raise StartupError(f"[metrics] listen: cannot listen on {cfg.metrics.listen}: "
-                                   f"{why}") from None  # fmt: skip
+            msrv, self.metrics_address = await listen_tcp(
+                "[metrics] listen", cfg.metrics.listen,
+                lambda r, w: self.conns.serve(r, w, self._metrics_answer, Peer(None)))
             self._servers.append(msrv)
-            sockname = msrv.sockets[0].getsockname()
-            self.metrics_address = (sockname[0], sockname[1])
             from prometheus_client import CollectorRegistry
 
             self.registry = CollectorRegistry(auto_describe=False)

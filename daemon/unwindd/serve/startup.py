@@ -20,11 +20,13 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import logging
 import os
 import socket
 import stat
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,7 @@ from .config import (
     Config,
     cache_dir,
     fallback_socket,
+    parse_listen,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +53,23 @@ FLUSH_SECONDS = 1.0
 
 class StartupError(Exception):
     """The daemon cannot start for a reason the operator can fix (message says which)."""
+
+
+async def listen_tcp(
+    key: str, listen: str,
+    client: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> tuple[asyncio.AbstractServer, tuple[str, int]]:
+    """A TCP server on ``listen`` (HOST:PORT, the config's ``key``) and the address it got; a
+    failure is one ``StartupError`` naming the key, with the errno's text (uvloop's message
+    repeats the address)."""
+    host, port = parse_listen(listen)
+    try:
+        srv = await asyncio.start_server(client, host=host, port=port, reuse_address=True)
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise StartupError(f"{key}: cannot listen on {listen}: {why}") from None
+    name = srv.sockets[0].getsockname()
+    return srv, (name[0], name[1])
 
 
 def preflight(cfg: Config) -> None:
