@@ -362,3 +362,24 @@ def test_partly_failed_reload_applies_the_rest(tmp_path: Path) -> None:
         assert rejected["too_many_streams"] == 1.0, rejected
     finally:
         assert d.stop() == 0
+
+
+def test_metrics_say_what_the_daemon_costs(env: Env) -> None:
+    """process_cpu_seconds_total and process_resident_memory_bytes (the Prometheus client's
+    process collector) are the daemon's own, as its /proc/PID/stat and status say."""
+    d = env[0]
+    text = d.metrics()
+    cpu = metric_values(text, "process_cpu_seconds_total")[""]
+    rss = metric_values(text, "process_resident_memory_bytes")[""]
+    pid = d.proc.pid
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu_after = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (proc(5))
+    assert 0 < cpu <= cpu_after + 0.01, (cpu, cpu_after)
+    rss_now = int(next(line.split()[1] for line in
+                       Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("VmRSS:"))) << 10  # fmt: skip
+    assert 0.5 * rss_now < rss < 2 * rss_now, (rss, rss_now)
+    for family in ("unwindd_elf_cache_bytes", "unwindd_store_bytes"):
+        assert metric_values(text, family)[""] > 0, family
+

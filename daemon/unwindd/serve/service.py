@@ -350,10 +350,14 @@ class Daemon:
                 "[metrics] listen", cfg.metrics.listen,
                 lambda r, w: self.conns.serve(r, w, self._metrics_answer, Peer(None)))
             self._servers.append(msrv)
-            from prometheus_client import CollectorRegistry
+            from prometheus_client import CollectorRegistry, ProcessCollector
 
             self.registry = CollectorRegistry(auto_describe=False)
             self.registry.register(UnwinddCollector(self, self.m))
+            # What the daemon itself costs, as every Prometheus client exports it:
+            # process_cpu_seconds_total, process_resident_memory_bytes, open fds, start time
+            # (read from /proc/self at each scrape).
+            ProcessCollector(registry=self.registry)
         if cfg.export.pprof_listen:
             self.pull = PprofPull(self, self._flush, lambda: self.config, self._stop)
             self._servers.append(await self.pull.listen())
