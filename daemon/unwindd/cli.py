@@ -3,7 +3,7 @@
 
 Invariants:
 - Errors the user can fix (missing privilege, bad pid, unreadable or corrupt file, bad option)
-  end in one clear line on stderr and exit status 2 (``fail``), never a traceback.
+  end in one clear line on stderr and exit status 2 (``usererror.fail``), never a traceback.
 - With no subcommand (or ``run``), ``unwindd`` is the daemon (service.py): the whole machine by
   default, configured by ``--config`` TOML, queried over its Unix socket; its options are the
   same with or without ``run``. ``check-config [FILE]`` validates a config (and what start
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn, TextIO
 
 from . import __version__
+from .usererror import fail
 
 # Imports are per command: `unwindd replay` (the native replay) must not pay at start-up for the
 # capture, output, config or service stacks it does not run, nor for json/select/signal, which
@@ -238,12 +239,6 @@ def _add_output_args(p: argparse.ArgumentParser, extra: tuple[str, ...] = ()) ->
     p.add_argument(
         "--top", type=int, default=20, metavar="N", help="pids listed in the summary (0: all)"
     )
-
-
-def fail(msg: str) -> int:
-    """An error the user can fix: one line on stderr, exit status 2."""
-    print(f"unwindd: error: {msg}", file=sys.stderr)
-    return 2
 
 
 def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:

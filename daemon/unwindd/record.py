@@ -10,7 +10,7 @@ Invariants:
   exec while the events open on it with enable_on_exec (``source/workload.py``), and ends when
   it exits; its exit status is reported on stderr, ``record``'s own is 0, as perf's.
 - Each fallback the session took to open (user-only sampling, cycles -> cpu-clock) is one line
-  on stderr; an open that fails ends in one line (``cli.fail``), exit status 2.
+  on stderr; an open that fails ends in one line (``usererror.fail``), exit status 2.
 
 Cost: the capture's; printing is O(output). Imported only when ``record`` runs.
 """
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, TextIO, TypeVar
 
-from .cli import fail
 from .unwind import stackfmt
+from .usererror import fail
 
 _Opened = TypeVar("_Opened")  # what record opens: a PerfSession, or a LiveProfiler around one
 
