@@ -222,8 +222,12 @@ class PprofPull:
         evictions = store.stats.evicted_buckets
         # A bad filter is refused here, before the wait.
         base = await self._off_loop(query, _baseline)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+        # The event loop's timers may fire a little early (uvloop rounds to milliseconds): wait
+        # again until the clock has passed the end, so a profile covers at least N seconds.
+        end = t0 + int(seconds * 1e9)
+        while (left := end - self._d.now_ns()) > 0 and not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), left / 1e9 + 0.001)
         if self._stop.is_set():
             return error_response(503, "the daemon is stopping")
         t1 = self._d.now_ns()
