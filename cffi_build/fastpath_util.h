@@ -4,7 +4,7 @@
  * order, as every read of record bytes in the fastpath files. mix: the hash of every
  * open-addressing set of the context and the live groups (spaces, comms, frames, stacks,
  * pairs, symbol tables, groups); SLOT(h, cap) its slot in a table of cap slots, a power of two.
- * O(1) each; no state, no allocation.
+ * CTX_*: the callchain context markers. O(1) each; no state, no allocation.
  */
 #ifndef FASTPATH_UTIL_H
 #define FASTPATH_UTIL_H
@@ -33,5 +33,11 @@ static inline uint64_t mix(uint64_t h, uint64_t v)
 }
 
 #define SLOT(h, cap) ((h) & ((cap) - 1))
+
+/* include/uapi/linux/perf_event.h: callchain context markers as u64 (abi.CONTEXT_*); an entry
+ * >= CTX_MAX is a marker, the entries after it are of that context up to the next one. */
+#define CTX_MAX ((uint64_t)-4095)
+#define CTX_KERNEL ((uint64_t)-128)
+#define CTX_USER ((uint64_t)-512)
 
 #endif

@@ -27,9 +27,7 @@
 
 #include "unwcore.h"
 #include "fastpath.h"
-
-#define CTX_MAX ((uint64_t)-4095)   /* PERF_CONTEXT_MAX as u64 (abi.CONTEXT_MAX) */
-#define CTX_KERNEL ((uint64_t)-128) /* PERF_CONTEXT_KERNEL (abi.CONTEXT_KERNEL) */
+#include "fastpath_util.h" /* CTX_* */
 
 static int cmp_u64(const void *a, const void *b)
 {

@@ -24,11 +24,6 @@
 
 #include "fastpath_int.h"
 
-/* include/uapi/linux/perf_event.h: callchain context markers (abi.CONTEXT_*), as u64 */
-#define CTX_MAX ((uint64_t)-4095)
-#define CTX_KERNEL ((uint64_t)-128)
-#define CTX_USER ((uint64_t)-512)
-
 /* The sets of this file (struct fp_ctx points at them; no other file reads them). */
 struct stack_ent {
     uint64_t woff;      /* its key: words[woff, woff + nwords) */
