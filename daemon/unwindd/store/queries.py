@@ -59,17 +59,37 @@ class FunctionCount:
 
 
 class Queries:
-    """``query`` and ``query_top`` of a StackStore and of its snapshots, over the bucket counts
-    each one sees (``_bucket_counts``)."""
+    """``query``, ``query_top``, ``processes`` and the label lookups of a StackStore and of its
+    snapshots, over the bucket counts and per-pid records each one sees."""
 
     bucket_ns: int
     _stacks: dict[int, Stack]
+    _procs: dict[int, tuple[str, int, int]]  # pid -> (comm, samples held, last ns)
+    _labels: dict[int, Labels | None]  # pid -> its labels (None: unreadable)
 
     def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         raise NotImplementedError
 
     def window(self) -> tuple[int, int] | None:
         raise NotImplementedError
+
+    def processes(self) -> list[ProcessInfo]:
+        """The processes with samples still held (in some bucket), by pid: the last comm seen,
+        the samples held (evicted ones no longer count) and the newest sample's time. A pid
+        whose last sample is evicted is no longer listed."""
+        return process_list(self._procs, self._labels)
+
+    def labels_of(self, pid: int) -> dict[str, str]:
+        """The labels known for ``pid`` (``cgroup``, ``unit``, ``container_id``; those not
+        known are left out), as held with its samples: for a pusher splitting series."""
+        got = self._labels.get(pid)
+        return got.as_dict() if got is not None else {}
+
+    def label_pids(
+        self, unit: str | None = None, container: str | None = None, cgroup: str | None = None,
+    ) -> frozenset[int]:
+        """The pids held whose labels match every filter given (``label_pids``)."""
+        return label_pids(self._labels, unit, container, cgroup)
 
     def covered(self, since_ns: int | None, until_ns: int | None, now_ns: int) -> tuple[int, int]:
         """[from, to) ns a query of [since_ns, until_ns) at ``now_ns`` counts samples from."""

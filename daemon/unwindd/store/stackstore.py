@@ -39,11 +39,8 @@ from ..unwind.stackfmt import UnwoundSample
 from .queries import (
     FunctionCount,
     Key,
-    ProcessInfo,
     Queries,
     Stack,
-    label_pids,
-    process_list,
     top_functions,
 )
 from .querycache import QueryCaches, top_summaries
@@ -385,24 +382,6 @@ class StackStore(Queries):
     def holds_bucket(self, idx: int) -> bool:
         return idx in self._buckets
 
-    def processes(self) -> list[ProcessInfo]:
-        """The processes with samples still held (in some bucket), by pid: the last comm seen,
-        the samples held (evicted ones no longer count) and the newest sample's time. A pid
-        whose last sample is evicted is no longer listed."""
-        return process_list(self._procs, self._labels)
-
-    def labels_of(self, pid: int) -> dict[str, str]:
-        """The labels known for ``pid`` (``cgroup``, ``unit``, ``container_id``; those not
-        known are left out), as held with its samples: for a pusher splitting series."""
-        got = self._labels.get(pid)
-        return got.as_dict() if got is not None else {}
-
-    def label_pids(
-        self, unit: str | None = None, container: str | None = None, cgroup: str | None = None,
-    ) -> frozenset[int]:
-        """The pids held whose labels match every filter given (``queries.label_pids``)."""
-        return label_pids(self._labels, unit, container, cgroup)
-
     def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         return [(idx, b.counts) for idx, b in self._buckets.items()]
 
@@ -462,18 +441,6 @@ class StoreSnapshot(Queries):
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
         store = self._store
         return fn(frames) if store is None else store.caches.render(store, kind, frames, fn)
-
-    def processes(self) -> list[ProcessInfo]:
-        return process_list(self._procs, self._labels)
-
-    def labels_of(self, pid: int) -> dict[str, str]:
-        got = self._labels.get(pid)
-        return got.as_dict() if got is not None else {}
-
-    def label_pids(
-        self, unit: str | None = None, container: str | None = None, cgroup: str | None = None,
-    ) -> frozenset[int]:
-        return label_pids(self._labels, unit, container, cgroup)
 
     def window(self) -> tuple[int, int] | None:
         return self._window

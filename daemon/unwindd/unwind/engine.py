@@ -75,29 +75,28 @@ class EngineStats:
     batches: int = 0
 
 
-def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
-    """The kernel entries of a raw PERF_SAMPLE_CALLCHAIN, in order: those after a
-    PERF_CONTEXT_KERNEL marker (user entries are skipped: we unwind the user stack ourselves).
-    ``kernel_frames`` makes one frame of each, named or not."""
-    in_kernel = False
+def _context_ips(callchain: Iterable[int], context: int, first: bool) -> Iterator[int]:
+    """The entries of a raw PERF_SAMPLE_CALLCHAIN in ``context`` (a PERF_CONTEXT_* marker), in
+    order: those after its marker up to the next one (and, ``first``, those before any
+    marker). perf's add_callchain_ip (tools/perf/util/machine.c) reads them so: a marker sets
+    the cpumode the next entries are looked up in, user to begin with."""
+    inside = first
     for ip in callchain:
         if ip >= abi.CONTEXT_MAX:
-            in_kernel = ip == abi.CONTEXT_KERNEL
-        elif in_kernel:
+            inside = ip == context
+        elif inside:
             yield ip
+
+
+def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
+    """The kernel entries of a raw callchain (user entries are skipped: we unwind the user
+    stack ourselves). ``kernel_frames`` makes one frame of each, named or not."""
+    return _context_ips(callchain, abi.CONTEXT_KERNEL, False)
 
 
 def user_ips(callchain: Iterable[int]) -> Iterator[int]:
-    """The user entries of a raw PERF_SAMPLE_CALLCHAIN, in order (leaf first): those after a
-    PERF_CONTEXT_USER marker or before any marker, as perf's add_callchain_ip takes them
-    (tools/perf/util/machine.c: a marker sets the cpumode the next entries are looked up in,
-    user to begin with)."""
-    in_user = True
-    for ip in callchain:
-        if ip >= abi.CONTEXT_MAX:
-            in_user = ip == abi.CONTEXT_USER
-        elif in_user:
-            yield ip
+    """The user entries of a raw callchain, leaf first, for a sample without a stack copy."""
+    return _context_ips(callchain, abi.CONTEXT_USER, True)
 
 
 def frame_sources(formats: Iterable[tuple[int, int]]) -> tuple[str, ...]:
