@@ -185,7 +185,7 @@ def _local(iso: str, fmt: str) -> str:
 
 
 def window_line(w: Mapping[str, Any]) -> str:
-    """``window: 2026-11-25 18:01:02 .. 18:03:02 (120 s)``, local time: what an answer covers
+    """``window: YYYY-MM-DD HH:MM:SS .. HH:MM:SS (N s)``, local time: what an answer covers
     (the API widens a window to whole store buckets, and narrows it to what it still holds)."""
     day = "%Y-%m-%d %H:%M:%S"
     same_day = _local(w["from"], "%Y-%m-%d") == _local(w["to"], "%Y-%m-%d")
