@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from daemonutil import UNWINDCTL, DaemonProc, held, metric_values, release
+from daemonutil import UNWINDCTL, DaemonProc, metric_values, watch_from_exec
 from workloads.build import Workload, build_workloads
 
 Env = tuple[DaemonProc, int, Workload, str]
@@ -253,16 +253,9 @@ def test_ctl_top_fits_the_terminal(env: Env) -> None:
 
 def test_ctl_watch_header_and_wall_clock(env: Env) -> None:
     d, _, wl, _ = env
-    child = held(wl.argv)
-    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "watch", "--pid",
-                              str(child.pid), "--count", "5", "--seconds", "30"],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
-    release(child)
-    out, _ = watch.communicate(timeout=40)
-    child.wait(60)
+    _, out, rc = watch_from_exec(d, wl.argv, 5)
     lines = out.splitlines()
-    assert watch.returncode == 0 and lines[0].split()[:2] == ["TIME", "COMM"], out
+    assert rc == 0 and lines[0].split()[:2] == ["TIME", "COMM"], out
     assert len(lines) == 6, out
     now = time.time()
     for ln in lines[1:]:

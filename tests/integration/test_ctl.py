@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonutil import UNWINDCTL, DaemonProc, held, release
+from daemonutil import UNWINDCTL, DaemonProc, watch_from_exec
 from pprofcheck import check_valid, decode
 from stacks import CHAIN, all_callers_after_calls, folded, json_addrs, json_syms
 from workloads.build import Workload, build_workloads
@@ -74,18 +74,11 @@ def test_top_folded_pprof(env: tuple[DaemonProc, int, Workload], tmp_path: Path)
 
 def test_watch_streams_live(env: tuple[DaemonProc, int, Workload]) -> None:
     d, _, wl = env
-    child = held(wl.argv)
-    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "--json", "watch", "--pid",
-                              str(child.pid), "--count", "10", "--seconds", "30"],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     # the workload starts once watch has subscribed (its stream is open in the daemon)
-    d.wait_status(lambda st: st["api"]["streams"] == 1, "a stream subscriber")
-    release(child)
-    out, _ = watch.communicate(timeout=40)
-    child.wait(60)
+    pid, out, rc = watch_from_exec(d, wl.argv, 10, "--json")
     lines = [json.loads(ln) for ln in out.splitlines()]
-    assert watch.returncode == 0 and len(lines) == 10
-    assert {x["pid"] for x in lines} == {child.pid}
+    assert rc == 0 and len(lines) == 10
+    assert {x["pid"] for x in lines} == {pid}
     comms = [x["comm"] for x in lines]
     # before its exec: "sh", or this test process's comm (a sample between Popen's fork and
     # its exec of sh, still in a ring when the stream subscribed: seen once in CI)

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonutil import UNWINDCTL, DaemonProc, held, release
+from daemonutil import UNWINDCTL, DaemonProc, held, release, watch_from_exec
 from perfutil import PERF, build_busy, record_perf_data
 from pprofcheck import check_valid, decode
 from procutil import wait_cpu_seconds, wait_perf_fds, wait_stderr_line
@@ -316,15 +316,8 @@ def test_daemon_unknown_frames(daemon: tuple[DaemonProc, int], stripped: Path,
 
 def test_daemon_watch_and_idle(daemon: tuple[DaemonProc, int], stripped: Path) -> None:
     d, _ = daemon
-    child = held([str(stripped), "100"])
-    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), "watch", "--pid",
-                              str(child.pid), "--count", "20", "--seconds", "30"],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
-    release(child)
-    out, _ = watch.communicate(timeout=40)
-    child.wait(60)
-    assert watch.returncode == 0
+    _, out, rc = watch_from_exec(d, [str(stripped), "100"], 20)
+    assert rc == 0
     chains = [ln.split(None, 3)[3].split(" <- ") for ln in out.splitlines()
               if f" {COMM} " in ln]  # fmt: skip
     assert chains, out

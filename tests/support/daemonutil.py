@@ -37,6 +37,22 @@ def release(p: subprocess.Popen[bytes]) -> None:
     p.stdin.close()
 
 
+def watch_from_exec(d: DaemonProc, argv: tuple[str, ...] | list[str], count: int,
+                    *opts: str) -> tuple[int, str, int]:  # fmt: skip
+    """``unwindctl [opts] watch --pid P --count count`` of ``argv`` run held (``held``) until
+    the stream has subscribed, so its first samples are streamed: (pid, watch's stdout, its
+    exit status)."""
+    child = held(argv)
+    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), *opts, "watch", "--pid",
+                              str(child.pid), "--count", str(count), "--seconds", "30"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
+    release(child)
+    out, _ = watch.communicate(timeout=40)
+    child.wait(60)
+    return child.pid, out, watch.returncode
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
