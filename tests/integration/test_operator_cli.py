@@ -5,6 +5,7 @@ verified by ``systemd-analyze`` and run from a clean environment as systemd woul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import json
@@ -73,6 +74,23 @@ def wait_answering(sock: Path, proc: subprocess.Popen[bytes], log: Path) -> dict
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def bare_daemon(cfg: Path, sock: Path, log: Path) -> Iterator[dict[str, object]]:
+    """``unwindd --config CFG`` (no ``run``), its stderr in ``log``: its first /v1/status once
+    it answers; SIGTERM at the end must stop it with status 0 (killed if the test failed)."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([*UNWINDD, "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=fh)  # fmt: skip
+    try:
+        yield wait_answering(sock, proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_daemon_options_without_run_and_a_second_daemon_says_only_why(
     tmp_path: Path, sock_dir: Path
 ) -> None:
@@ -81,11 +99,7 @@ def test_daemon_options_without_run_and_a_second_daemon_says_only_why(
     sock = sock_dir / "unwindd.sock"
     cfg = daemon_config(tmp_path, sock)
     log = tmp_path / "daemon.log"
-    with open(log, "wb") as fh:
-        first = subprocess.Popen([*UNWINDD, "--config", str(cfg)], stdout=subprocess.DEVNULL,
-                                 stderr=fh)  # fmt: skip
-    try:
-        st = wait_answering(sock, first, log)
+    with bare_daemon(cfg, sock, log) as st:
         assert st["config_source"] == str(cfg)
         assert st["config"]["api"]["mode"] == "0660"  # type: ignore[index]
         for argv in (["--config", str(cfg)], ["--config", str(cfg), "run"],
@@ -98,13 +112,7 @@ def test_daemon_options_without_run_and_a_second_daemon_says_only_why(
             ], (argv, res.stderr)
             assert time.monotonic() - t0 < 20
         assert raw_http(sock, "/v1/status")[0] == 200  # the first still listens on its socket
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(15) == 0
-        assert not sock.exists()
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+    assert not sock.exists()
     assert "Traceback" not in log.read_text()
 
 
@@ -118,18 +126,8 @@ def test_daemon_takes_perfs_event_names_and_says_what_it_fell_back_to(
     cfg = daemon_config(tmp_path, sock, '')
     cfg.write_text(cfg.read_text().replace("[sampling]\n", '[sampling]\nevent = "cycles"\n'))
     log = tmp_path / "daemon.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([*UNWINDD, "--config", str(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=fh)  # fmt: skip
-    try:
-        st = wait_answering(sock, proc, log)
+    with bare_daemon(cfg, sock, log) as st:
         assert st["config"]["sampling"]["event"] == "cycles"  # type: ignore[index]
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     warnings = [ln for ln in log.read_text().splitlines() if "WARNING" in ln and "cycles" in ln]
     if has_pmu():
         assert warnings == []
