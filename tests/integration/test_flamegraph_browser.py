@@ -444,6 +444,10 @@ def test_unwindctl_flamegraph_diff_windows(
     assert {"alpha_leaf", "beta_leaf", "gamma_leaf"} <= set(grew), grew
     assert frame(browser, "spin") is None  # chain's: baseline only, no width now
     note = browser.js("document.getElementById('note').textContent")
-    assert "baseline samples are in frames absent now (100.0 % of the baseline)" in note, note
+    # nearly all: the few samples a pid gets between the fork and its exec carry the forking
+    # process's frames, the same for both workloads, so those stay present now
+    m = re.search(r"baseline samples are in frames absent now \(([\d.]+) % of the baseline\)",
+                  note)  # fmt: skip
+    assert m and float(m.group(1)) >= 95.0, note
     browser.screenshot(tmp_path / "ctl-diff.png")
     assert browser.errors() == [], browser.errors()
