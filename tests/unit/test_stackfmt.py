@@ -83,4 +83,6 @@ def test_json_has_every_field() -> None:
         "kernel": False,
         "inlined": False,
         "rel": "0x166cea",
+        "file": None,
+        "line": None,
     }

@@ -50,7 +50,7 @@ KERNEL_DSO = "[kernel.kallsyms]"
 SOURCE_STACK = "user stack copies (DWARF unwind)"
 SOURCE_CALLCHAIN = "the recorded callchain (frame pointers)"
 SOURCE_IP = "the sample ip alone (no call graph recorded)"
-# Frame(ip, dso, sym, offset, kernel, inlined, rel, <hash cache>): every frame of a new
+# Frame(ip, dso, sym, offset, kernel, inlined, rel, file, line, <hash cache>): every frame of a new
 # process is built anew (ASLR), so its constructor is the fast one (records.frozen_maker).
 _new_frame = frozen_maker(Frame)
 # Memory: every per-process cache (snapshots, stacks, frames) is keyed by pid and dropped with
@@ -565,5 +565,5 @@ class StackEngine:
                 self._syms.popitem(last=False)
         if hit is None:
             self.stats.unsymbolized += 1
-            return _new_frame(ip, m.filename, None, None, False, False, rel, None)
-        return _new_frame(ip, m.filename, hit[0], hit[1], False, False, rel, None)
+            return _new_frame(ip, m.filename, None, None, False, False, rel, None, None, None)
+        return _new_frame(ip, m.filename, hit[0], hit[1], False, False, rel, None, None, None)

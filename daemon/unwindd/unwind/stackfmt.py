@@ -24,7 +24,7 @@ Invariants:
   pprof's mapping). The native replay renders frames through these functions too
   (replaytext.py; fold.c only joins the names it is given).
 - Cost: O(frames) per sample. A ``Frame`` hashes its fields once (cached; equality is the
-  dataclass's, over the seven fields only), so interning a new stack costs one call per frame.
+  dataclass's, over the nine fields only), so interning a new stack costs one call per frame.
 """
 
 from __future__ import annotations
@@ -46,9 +46,14 @@ class Frame:
     # What perf script prints for the frame: the address inside the dso as perf's map__map_ip
     # computes it (ip - map start + pgoff) for user frames, ip itself for kernel frames.
     rel: int | None = None
-    # The hash of the seven fields above, computed on first use: the store hashes a new
+    # Where the frame is in the source: the file and line of its pc (for an inlined frame, of
+    # the code inlined there; for the frame an inline chain sits in, of the call site), from
+    # DWARF line tables or an interpreter's own frames; None where nothing says.
+    file: str | None = None
+    line: int | None = None
+    # The hash of the nine fields above, computed on first use: the store hashes a new
     # stack's frames tuple twice (lookup, insert) and a process's stacks share most frames,
-    # so each frame would otherwise hash its 7-tuple many times. Not compared, not shown,
+    # so each frame would otherwise hash its 9-tuple many times. Not compared, not shown,
     # not pickled (str hashes differ between interpreters).
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -56,12 +61,13 @@ class Frame:
         h = self._hash
         if h is None:
             h = hash((self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined,
-                      self.rel))  # fmt: skip
+                      self.rel, self.file, self.line))  # fmt: skip
             object.__setattr__(self, "_hash", h)
         return h
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return (self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined, self.rel)
+        return (self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined, self.rel,
+                self.file, self.line)  # fmt: skip
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         for name, v in zip(_FRAME_FIELDS, state, strict=True):
@@ -74,7 +80,7 @@ class Frame:
         return f"Frame({self.ip:#x} {where or UNKNOWN} in {self.dso or UNKNOWN}{k})"
 
 
-_FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel")
+_FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line")
 
 # The name of a frame without a symbol, and of a frame's binary when no mapping covers it:
 # perf's spelling (util/evsel_fprintf.c sample__fprintf_callchain, scripts/python/
@@ -124,6 +130,8 @@ def to_json(s: UnwoundSample) -> dict[str, Any]:
                 "kernel": f.kernel,
                 "inlined": f.inlined,
                 "rel": hex(f.rel if f.rel is not None else f.ip),
+                "file": f.file,
+                "line": f.line,
             }
             for f in s.frames
         ],
