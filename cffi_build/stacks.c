@@ -206,7 +206,7 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
     if (c->by_code) {
         uint64_t named = exact ? pc : pc - 1;
         const struct unw_module *m = unw_module_find(sp->mods, sp->nmods, named);
-        if (m) {
+        if (m && !(m->flags & UNW_MOD_JIT)) { /* JIT code: one process's, keyed by its pc */
             tag = FRAME_CODE | m->key;
             addr = named - m->bias;
             if (c->by_code == 2) {

@@ -145,12 +145,18 @@ int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule
 /* ------------------------------------------------------------------ unwinder */
 
 /* One executable mapping. [start,end) absolute; ELF vaddr = addr - bias. table NULL = no CFI
- * (frame pointers only). Arrays of these must be sorted by start and non-overlapping. */
+ * (frame pointers only). Arrays of these must be sorted by start and non-overlapping.
+ * flags UNW_MOD_JIT: executable memory without a file (a JIT's code: V8, HotSpot), unwound by
+ * frame pointer like any table-less module; its code belongs to one process, so frames in it
+ * are never aggregated by code (stacks.c intern_frame) and key is unused. */
 struct unw_module {
     uint64_t start, end, bias;
     const uint8_t *table;
     uint64_t key;
+    uint64_t flags;
 };
+
+#define UNW_MOD_JIT 1
 
 /* One sample. regs: nregs perf registers in ascending perf order for regs_mask (as the kernel
  * dumps them). stack: the user stack copy starting at the sampled sp. */

@@ -311,7 +311,13 @@ uint8_t unw_unwind_one(const struct unw_arch_desc *a, const struct unw_item *it,
         if (!have) {
             /* Frame-pointer fallback (System V AMD64 ABI 3.3.2 convention): push rbp; mov rsp,rbp
              * gives [rbp] = caller's rbp, [rbp+8] = return address, caller's rsp = rbp + 16.
-             * Other callee-saved registers keep their values (libunwind does the same). */
+             * Other callee-saved registers keep their values (libunwind does the same).
+             * JIT code (UNW_MOD_JIT: no table at all) is walked so: V8, and HotSpot with
+             * -XX:+PreserveFramePointer, keep rbp chains in compiled code. A JIT leaf sampled
+             * before its prologue's push still has its caller's rbp, so the caller is skipped,
+             * as in perf's frame-pointer callchains; rbp must lie in [sp, end of copy), so a
+             * stale or foreign rbp stops the walk (NO_CFI) rather than reading outside it or
+             * going down. */
             uint64_t fp, v;
             if (!reg_get(f, frameptr_col, &fp)) {
                 st = reg_lost(f, frameptr_col) ? UNW_TRUNCATED : UNW_NO_CFI;

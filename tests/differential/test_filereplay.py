@@ -22,6 +22,7 @@ replay (pipeline/streamreplay.py, through tests/support/refreplay.py) as the ref
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import itertools
 import os
@@ -33,6 +34,7 @@ import struct
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nativebuild import CFI, FASTPATH
 from oracle import Workload
-from perfutil import record_perf_data
+from perfutil import perf_script_samples, record_perf_data
 from refreplay import python_replay, python_replay_bytes
 from texts import assert_same_text
 from unwindd import cli
@@ -63,7 +65,7 @@ FORMATS = ("folded", "jsonl", "perf-script")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("filereplay")
     w: dict[str, Workload] = oracle.build_workloads(tmp / "w")
     out = {}
@@ -94,7 +96,22 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                     str(src / "fpchain.c")], check=True, capture_output=True)  # fmt: skip
     out["fp"] = record_perf_data(tmp, [str(fpchain)], call_graph="fp", name="fp.data")
     out["nocg"] = record_perf_data(tmp, [str(fpchain)], call_graph=None, name="nocg.data")
-    return out
+    # JIT code: V8's, in anonymous executable memory without CFI, walked by frame pointer and
+    # named from the /tmp/perf-<pid>.map node writes (removed when the module is done)
+    js = tmp / "jit.js"
+    js.write_text("function leaf(n) { let s = 0; for (let i = 0; i < n; i++) s = (s + i * i) % 7;"
+                  " return s; }\nfunction mid(n) { return leaf(n) + leaf(n >> 1); }\n"
+                  "let t = 0; const end = process.cpuUsage().user + 4e5;\n"
+                  "while (process.cpuUsage().user < end) t += mid(20000);\n"
+                  "if (t < 0) console.log(t);\n")  # fmt: skip
+    out["node"] = record_perf_data(tmp, ["node", "--perf-basic-prof",
+                                         "--interpreted-frames-native-stack",
+                                         "--no-logfile-per-isolate", f"--logfile={tmp / 'v8.log'}",
+                                         str(js)], name="node.data")  # fmt: skip
+    yield out
+    for pid in perf_script_samples(out["node"]):
+        with contextlib.suppress(OSError):
+            os.unlink(f"/tmp/perf-{pid}.map")
 
 
 def _slow(path: Path, fmt: str) -> tuple[str, dict[str, Any]]:
@@ -142,7 +159,7 @@ def _counts(
 @pytest.mark.parametrize(
     "name",
     ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
-     "fp", "nocg"],
+     "fp", "nocg", "node"],
 )
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
@@ -188,7 +205,7 @@ def test_fast_equals_slow_on_a_cut_file(files: dict[str, Path], tmp_path: Path, 
 @pytest.mark.parametrize(
     "name",
     ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
-     "fp", "nocg"],
+     "fp", "nocg", "node"],
 )
 def test_parallel_unwind_equals_one_thread(files: dict[str, Path], name: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip

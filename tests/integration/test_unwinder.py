@@ -359,6 +359,54 @@ def test_plt_rule(synth: AddressSpace) -> None:
     assert r.pcs[1] == BIAS + 0x1008
 
 
+JIT = 0x7F5500000000  # a JIT's code: anonymous executable memory, no table (UNW_MOD_JIT)
+
+
+@pytest.fixture(scope="module")
+def jitspace(synth: AddressSpace) -> AddressSpace:
+    return AddressSpace([*synth.modules, Module(JIT, JIT + 0x10000, 0, None, 0, jit=True)])
+
+
+def test_jit_frames_walk_by_frame_pointer_into_cfi_code(jitspace: AddressSpace) -> None:
+    # leaf in JIT code, rbp = SP0+16: [rbp] caller's rbp, [rbp+8] return address (another JIT
+    # function); its frame: [SP0+48] rbp, [SP0+56] a return into CFI code (0x1008: CFA sp+16,
+    # RA at CFA-8 = 0): JIT, JIT, CFI, then the end.
+    stack = q(0, 0, SP0 + 48, JIT + 0x2345, 0, 0, SP0 + 96, BIAS + 0x1008, 0, 0)
+    r = run(jitspace, sample(stack, ip=JIT + 0x1234, sp=SP0, bp=SP0 + 16))
+    assert r == UnwindResult((JIT + 0x1234, JIT + 0x2345, BIAS + 0x1008), UnwindStatus.OK, 2)
+    # the same leaf in no module (what JIT code was before it had one) stops at once
+    r = run(AddressSpace(jitspace.modules[:2]), sample(stack, ip=JIT + 0x1234, sp=SP0,
+                                                       bp=SP0 + 16))  # fmt: skip
+    assert r == UnwindResult((JIT + 0x1234,), UnwindStatus.UNMAPPED_PC, 0)
+
+
+def test_jit_frame_pointer_step_bounds(jitspace: AddressSpace) -> None:
+    """Every read inside the stack copy, and the walk only goes up: a bad rbp stops the walk
+    with today's fallback reasons (NO_CFI: rbp outside [sp, end of copy); TRUNCATED: the
+    return address slot past the copy), never a read outside it, never a loop."""
+    stack = q(*range(1, 9))  # 64 bytes at SP0
+
+    def st(bp: int, data: bytes = stack) -> UnwindResult:
+        return run(jitspace, sample(data, ip=JIT + 0x10, sp=SP0, bp=bp))
+
+    assert st(SP0 + 64) == UnwindResult((JIT + 0x10,), UnwindStatus.NO_CFI, 0)  # past the copy
+    assert st(SP0 + (1 << 20)).status == UnwindStatus.NO_CFI  # far above
+    assert st(SP0 - 16) == UnwindResult((JIT + 0x10,), UnwindStatus.NO_CFI, 0)  # below sp
+    assert st((1 << 64) - 8).status == UnwindStatus.NO_CFI  # wraps
+    # rbp in the copy, its return address slot not (the copy's last word)
+    assert st(SP0 + 56) == UnwindResult((JIT + 0x10,), UnwindStatus.TRUNCATED, 0)
+    # a frame whose saved rbp points back down (or at itself): one step, then NO_CFI
+    down = q(0, 0, SP0, JIT + 0x20, 0, 0, 0, 0)
+    assert st(SP0 + 16, down) == UnwindResult((JIT + 0x10, JIT + 0x20), UnwindStatus.NO_CFI, 1)
+    self_loop = q(0, 0, SP0 + 16, JIT + 0x20, 0, 0, 0, 0)
+    r = st(SP0 + 16, self_loop)
+    assert r == UnwindResult((JIT + 0x10, JIT + 0x20), UnwindStatus.NO_CFI, 1)
+    # a long chain of JIT frames ends at the depth cap
+    chain = b"".join(q(SP0 + 16 * (i + 1), JIT + 0x30) for i in range(64))
+    r = run(jitspace, sample(chain, ip=JIT + 0x10, sp=SP0, bp=SP0), depth=8)
+    assert r.status == UnwindStatus.DEPTH_CAP and len(r.pcs) == 8 and r.fpwalk_frames == 8
+
+
 def test_lookup_cache_never_serves_stale_entries() -> None:
     """unwind.c's per-thread lookup cache (pc -> module index, CFI row) is keyed by the module
     array's address: when that array, or a table it points to, changes in place (as when memory

@@ -17,6 +17,7 @@ from unwindd.source.ordering import OrderStats
 from unwindd.source.streamstats import StreamStats
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import EngineStats
+from unwindd.unwind.jitframes import JitStats
 
 
 def fake_daemon(rescans: Counter[str] | None = None) -> Any:
@@ -31,6 +32,8 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
     order.late_buckets.update({1 << 10: 1, 1 << 20: 2})
     eng = EngineStats(samples=10, user_frames=40, kernel_frames=5)
     eng.by_status.update({"ok": 8, "unmapped_pc": 2})
+    jit = JitStats()
+    jit.frames.update({"perf_map": 6})
     cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1, trims=3,
                        negative_hits=5)  # fmt: skip
     table = SimpleNamespace(binaries=SimpleNamespace(stats=cache), spaces={1: 0, 2: 0},
@@ -38,7 +41,7 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
     prof = SimpleNamespace(
         pipeline=SimpleNamespace(stats=ps, decoder=SimpleNamespace(stats=dec),
                                  orderer=SimpleNamespace(stats=order)),
-        engine=SimpleNamespace(stats=eng, table=table),
+        engine=SimpleNamespace(stats=eng, table=table, jit=jit),
         store=StackStore(),
     )  # fmt: skip
     if rescans is not None:  # a LiveProfiler with issue 4's live table
@@ -77,6 +80,9 @@ def test_counters_and_gauges() -> None:
     assert metric_values(text, "unwindd_processes_tracked") == {"": 2.0}
     assert metric_values(text, "unwindd_api_requests_total") == {'{endpoint="/v1/status"}': 4.0}
     assert 'unwindd_build_info{python="' in text and 'version="0.1.0"' in text
+    # JIT frames by kind: both kinds from the first scrape
+    assert metric_values(text, "unwindd_jit_frames_total") == {
+        '{kind="anonymous"}': 0.0, '{kind="perf_map"}': 6.0}
     assert "unwindd_proc_rescans_total" not in text  # the table has no rescan counter yet
 
 
@@ -116,7 +122,8 @@ def test_labels_are_bounded() -> None:
             for kv in labels.split(","):
                 families_by_label.setdefault(kv.split("=")[0], set()).add(line[: line.index("{")])
     assert set(families_by_label) == {"result", "type", "cpu", "reason", "space", "endpoint",
-                                      "le", "version", "python"}, families_by_label  # fmt: skip
+                                      "le", "version", "python", "kind"}, (
+        families_by_label)  # fmt: skip
 
 
 def test_histogram_and_lateness_math() -> None:

@@ -115,6 +115,7 @@ class FakeModule:
     bias: int
     table: object
     key: int
+    jit: bool = False
 
 
 class FakeSpace:
@@ -141,12 +142,15 @@ def test_modules_and_native_space_cached_by_generation() -> None:
     assert isinstance(native, FakeSpace) and sp.native_space() is native
     assert FakeSpace.builds == n + 1
     mods = sp.modules()
-    assert all(isinstance(m, FakeModule) and m.table == "table" for m in mods)
+    assert all(isinstance(m, FakeModule) and m.table == "table" for m in mods if not m.jit)
     libc_mod = next(m for m in mods if sp.find(m.start) and sp.find(m.start).filename == libc)
     assert libc_mod.key == sp.find(libc_mod.start).entry.uid  # type: ignore[union-attr]
     # a change rebuilds once
     t.add_mapping(1234, 0x1000, 0x2000, 0, RX, 2, "//anon")
     assert sp.native_space() is not native and FakeSpace.builds == n + 2
+    # anonymous executable memory (JIT code) is a module without a table: frame pointers only
+    jit = [m for m in sp.modules() if m.start == 0x1000]
+    assert [(m.end, m.table, m.jit) for m in jit] == [(0x2000, None, True)]
     # refs: one per space per binary; fork adds one, exec releases
     e = sp.find(libc_mod.start).entry  # type: ignore[union-attr]
     assert e is not None and e.refcount == 1

@@ -579,6 +579,7 @@ class NativeStep:
             es.by_status[status] += c
             es.kernel_frames += nk * c
             es.user_frames += nu * c
+            self.engine.jit.count(pid, fr, c)
             info.depths[len(fr)] += c
         es.frames = es.kernel_frames + es.user_frames
         self.store.add_counts(out)

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from ..binaries.elfentry import ElfEntry
 from .mapping import Mapping, find_mapping
 
-__all__ = ["AddressSpace", "SpaceOwner", "SpaceState"]
+__all__ = ["AddressSpace", "SpaceOwner", "SpaceState", "is_jit_code", "is_jit_name"]
 
 
 class SpaceOwner(Protocol):
@@ -50,6 +50,20 @@ class SpaceState:
         self.generation = generation
         self.modules: list[Any] | None = None
         self.native: object | None = None
+
+
+def is_jit_name(name: str) -> bool:
+    """Whether an executable mapping of this name is a JIT's code: memory without a file
+    (perf's "//anon" MMAP name, an empty or "[anon:...]" name in /proc/<pid>/maps), or a memfd
+    (what double-mapping JITs execute from). A JIT names its code in /tmp/perf-<pid>.map; the
+    unwinder walks it by frame pointer (V8 and HotSpot keep rbp chains in compiled code).
+    Not "[vdso]", "[vsyscall]", "[stack]" and the like: the kernel's, or not code at all."""
+    return name == "" or name.startswith(("//anon", "[anon:", "/memfd:"))
+
+
+def is_jit_code(m: Mapping) -> bool:
+    """``is_jit_name`` of a mapping without a usable binary."""
+    return (m.entry is None or not m.entry.usable) and is_jit_name(m.filename)
 
 
 _EMPTY = SpaceState((), 0)
@@ -105,8 +119,10 @@ class AddressSpace:
 
     def modules(self, factory: Callable[..., Any] | None = None,
                 state: object | None = None) -> list[Any]:  # fmt: skip
-        """Unwinder modules ``factory(start, end, bias, table, key)`` (``unwinder.Module``),
-        one per mapping with a usable binary; cached until the mapping list changes."""
+        """Unwinder modules ``factory(start, end, bias, table, key[, jit])``
+        (``unwinder.Module``), one per mapping with a usable binary, and one without a table
+        (``jit``: frame pointers only) per mapping of JIT code (``is_jit_code``); cached until
+        the mapping list changes."""
         st = self._state if state is None else state
         assert isinstance(st, SpaceState)
         if st.modules is None:
@@ -114,6 +130,9 @@ class AddressSpace:
             mods = []
             for m in st.mappings:
                 e = m.entry
+                if is_jit_code(m):
+                    mods.append(make(m.start, m.end, 0, None, 0, True))
+                    continue
                 if e is None or not e.usable:
                     continue
                 mods.append(make(m.start, m.end, m.bias, e.cfi(), self._table.code_key(e, m)))

@@ -46,6 +46,7 @@ from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
 from ..procs.proctable import DROP_REASONS
 from ..source import decoder
 from ..source.abi import RecordType
+from ..unwind.jitframes import JIT_KINDS
 from .httpapi import REJECTIONS
 from .pprofpull import ENDPOINTS as PULL_ENDPOINTS
 from .pprofpull import PULL_REJECTIONS
@@ -161,6 +162,10 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_unwound_frames", "Frames produced by unwinding, user and kernel.",
              lambda d: {"user": d.profiler.engine.stats.user_frames,
                         "kernel": d.profiler.engine.stats.kernel_frames}, "space"),
+        Spec("unwindd_jit_frames", "Frames in JIT code (executable memory without a file, "
+             "walked by frame pointer), by kind: perf_map (named from /tmp/perf-<pid>.map) "
+             "or anonymous (unnamed).",
+             lambda d: d.profiler.engine.jit.frames, "kind", lambda d: JIT_KINDS),
         Spec("unwindd_elf_cache_hits", "ELF cache lookups that found the binary.",
              lambda d: d.profiler.engine.table.binaries.stats.hits),
         Spec("unwindd_elf_cache_misses", "ELF cache lookups that had to open the binary.",

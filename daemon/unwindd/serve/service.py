@@ -232,6 +232,7 @@ class Daemon:
             "samples": ps.by_type["SAMPLE"],
             "unwound": p.engine.stats.samples,
             "unwind": dict(p.engine.stats.by_status),
+            "jit": p.engine.jit.status(),
             "lost": ps.lost,
             "lost_samples": ps.lost_samples,
             "throttled": ps.throttled,

@@ -40,6 +40,7 @@ from ..procs.space import SpaceState
 from ..source import abi
 from ..source.comms import default_comm
 from ..source.records import Comm, Fork, Record, Sample, frozen_maker
+from .jitframes import JitStats
 from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
 if TYPE_CHECKING:
@@ -175,6 +176,9 @@ class StackEngine:
         self.cfi_prefetch: CfiPrefetcher | None = None  # set by create(prefetch_cfi=True)
         # the on-disk stores' counters by store ("cfi", "sym"; set by create with a cache dir)
         self.disk_stats: dict[str, dict[str, int]] = {}
+        # JIT frames and the samples through them (jitframes.py), counted by the live paths
+        self.jit = JitStats(self.runtime_of)
+        self._runtimes: dict[int, tuple[int, str | None]] = {}  # pid -> (generation, runtime)
 
     @classmethod
     def create(
@@ -366,6 +370,24 @@ class StackEngine:
             return self._comms[pid]
         return default_comm(pid, tid)
 
+    def runtime_of(self, pid: int | None) -> str | None:
+        """The base name of ``pid``'s executable (the lowest mapping of a file: where the
+        kernel's ELF loader puts it), for counts by runtime; None if the table has no such
+        mapping for it. Cached per address-space generation."""
+        sp = self.table.spaces.get(pid) if pid is not None else None
+        if sp is None:
+            return None
+        hit = self._runtimes.get(sp.pid)
+        if hit is not None and hit[0] == sp.generation:
+            return hit[1]
+        exe = next((m.filename for m in sp.mappings if m.entry is not None
+                    and m.filename.startswith("/")), None)  # fmt: skip
+        name = os.path.basename(exe) if exe else None
+        if len(self._runtimes) >= _MAX_SNAPS:
+            self._runtimes.clear()
+        self._runtimes[sp.pid] = (sp.generation, name)
+        return name
+
     # -- internals
 
     def snapshot(self, pid: int | None) -> Snapshot:
@@ -405,6 +427,7 @@ class StackEngine:
                     status = res.status.name.lower()
                     uframes = self.user_frames(s.pid, snap, res.pcs, res.signal_frames)
                     frames = self._join(kframes, uframes) if kframes else uframes
+            self.jit.count(s.pid, frames)
             stats.samples += 1
             stats.by_status[status] += 1
             stats.kernel_frames += len(kframes)

@@ -54,17 +54,21 @@ assert all(int(v) == i for i, v in enumerate(_STATUS))
 @dataclass(frozen=True, slots=True)
 class Module:
     """One executable mapping: [start, end) absolute; ELF vaddr = address - bias. ``table`` None
-    means no CFI (frame pointers only). ``key`` is the caller's id for the module."""
+    means no CFI (frame pointers only). ``key`` is the caller's id for the module. ``jit``:
+    executable memory without a file (a JIT's code, unwound by frame pointer; UNW_MOD_JIT)."""
 
     start: int
     end: int
     bias: int
     table: CfiTable | None
     key: int
+    jit: bool = False
 
     def __repr__(self) -> str:
         t = f"{self.table.nrows} rows" if self.table is not None else "no CFI"
-        return f"Module({self.start:#x}-{self.end:#x}, bias={self.bias:#x}, key={self.key}, {t})"
+        j = ", jit" if self.jit else ""
+        return (f"Module({self.start:#x}-{self.end:#x}, bias={self.bias:#x}, key={self.key}, "
+                f"{t}{j})")
 
 
 class AddressSpace:
@@ -88,6 +92,7 @@ class AddressSpace:
         for i, m in enumerate(mods):
             c = self._c[i]
             c.start, c.end, c.bias, c.key = m.start, m.end, m.bias % U64, m.key % U64
+            c.flags = lib.UNW_MOD_JIT if m.jit else 0
             if m.table is not None:
                 buf = m.table.cbuf
                 self._blobs.append(m.table)

@@ -362,12 +362,15 @@ static void replay(const struct fp_layout *lay, const uint8_t *buf, uint64_t len
             fx.ends[m][i] = rnd() % 4 ? a + rnd() % 0x3000 : a - rnd() % 2;
         }
     }
-    /* two frame-pointer-only modules; by code, their keys decide which frames are shared */
+    /* two frame-pointer-only modules; by code, their keys decide which frames are shared,
+     * unless the second is JIT code (UNW_MOD_JIT: its frames stay per space) */
     struct unw_module mods[2] = {
-        {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1 + rnd() % 2},
+        {0x400000, 0x400000 + (rnd() % 0x100000), 0x400000, NULL, 1 + rnd() % 2, 0},
         {0x7f0000000000, 0x7f0000000000 + (rnd() % 0x100000), 0x7f0000000000 - 0x1000, NULL,
-         1 + rnd() % 2},
+         1 + rnd() % 2, 0},
     };
+    if (rnd() % 3 == 0)
+        mods[1].flags = UNW_MOD_JIT;
     if (rnd() % 2) { /* wide: the real samples' pcs (PIE and libraries) fall inside */
         mods[0].end = 0x600000000000;
         mods[1].end = 0x800000000000;

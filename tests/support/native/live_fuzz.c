@@ -199,7 +199,7 @@ static uint32_t new_snap(struct step *s)
     uint64_t base = 0x400000;
     for (uint32_t i = 0; i < nm; i++) {
         uint64_t len = (rnd() % 3) ? 0x800000000000ull : 1 + rnd() % 0x1000000;
-        p->mods[i] = (struct unw_module){base, base + len, base, NULL, i + 1};
+        p->mods[i] = (struct unw_module){base, base + len, base, NULL, i + 1, 0};
         base += len;
     }
     return s->nsnaps++;

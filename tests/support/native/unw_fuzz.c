@@ -9,7 +9,10 @@
  *      (with and without the hdr, also fed as .debug_frame): compile + validate must succeed;
  *   3. corrupted blobs: validate either rejects them or they are safe to look up in;
  *   4. random registers and random stacks (some full of pointers into the table's range)
- *      unwound against the real table: bounded counts, known statuses.
+ *      unwound against the real table: bounded counts, known statuses;
+ *   5. JIT code (a UNW_MOD_JIT module, no table: the frame-pointer walk): crafted rbps (past
+ *      the copy, its last word, below sp, a self loop) stop with the expected status, and
+ *      random rbp chains mixing JIT and libc return addresses stay bounded.
  * Prints "ok <checks>"; a failed CHECK exits 1.
  */
 #include <stdint.h>
@@ -94,8 +97,8 @@ static void lookups(const uint8_t *blob, uint64_t base, uint64_t span, int n)
 static void unwind_random(const uint8_t *blob, uint64_t base, uint64_t span, int iters)
 {
     struct unw_module mods[2] = {
-        {0x7f0000000000ull + base, 0x7f0000000000ull + base + span, 0x7f0000000000ull, blob, 1},
-        {0x7f1000000000ull, 0x7f1000001000ull, 0x7f1000000000ull, NULL, 2},
+        {0x7f0000000000ull + base, 0x7f0000000000ull + base + span, 0x7f0000000000ull, blob, 1, 0},
+        {0x7f1000000000ull, 0x7f1000001000ull, 0x7f1000000000ull, NULL, 2, 0},
     };
     enum { DEPTH = 32, N = 16 };
     for (int it = 0; it < iters; it++) {
@@ -135,6 +138,74 @@ static void unwind_random(const uint8_t *blob, uint64_t base, uint64_t span, int
             free(regs[i]);
             free(stacks[i]);
         }
+    }
+}
+
+/* perf regs of mask 0xff0fff, in dump order: rbp at 6, rsp at 7, rip at 8 (20 in all) */
+enum { NREGS_STD = 20, R_BP = 6, R_SP = 7, R_IP = 8 };
+
+static uint8_t unwind_one_jit(const struct unw_module *mods, uint64_t ip, uint64_t sp,
+                              uint64_t bp, const uint8_t *stack, uint64_t slen, uint32_t *count)
+{
+    uint64_t *regs = calloc(NREGS_STD, sizeof *regs);
+    regs[R_BP] = bp;
+    regs[R_SP] = sp;
+    regs[R_IP] = ip;
+    struct unw_item it = {mods, 2, NREGS_STD, 0xff0fffull, regs, stack, slen};
+    enum { DEPTH = 16 };
+    uint64_t pcs[DEPTH];
+    uint8_t kinds[DEPTH], status;
+    uint16_t fp, sig;
+    CHECK(unw_unwind_batch(UNW_ARCH_X86_64, &it, 1, DEPTH, pcs, kinds, count, &status, &fp,
+                           &sig) == 0);
+    CHECK(*count >= 1 && *count <= DEPTH && pcs[0] == ip && fp <= *count);
+    free(regs);
+    return status;
+}
+
+static void unwind_jit(const uint8_t *blob, uint64_t base, uint64_t span, int iters)
+{
+    const uint64_t jit = 0x7f2000000000ull, jlen = 0x10000;
+    struct unw_module mods[2] = {
+        {0x7f0000000000ull + base, 0x7f0000000000ull + base + span, 0x7f0000000000ull, blob, 1, 0},
+        {jit, jit + jlen, 0, NULL, 0, UNW_MOD_JIT},
+    };
+    const uint64_t sp = 0x7ffd00001000ull;
+    uint32_t n;
+    /* crafted: 64-byte copy at sp, exact size */
+    uint8_t *st = malloc(64);
+    uint64_t w[8] = {0, 0, sp + 48, jit + 0x20, 0, 0, 0, 0};
+    memcpy(st, w, 64);
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, sp + 64, st, 64, &n) == UNW_NO_CFI && n == 1);
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, sp + 56, st, 64, &n) == UNW_TRUNCATED && n == 1);
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, sp - 8, st, 64, &n) == UNW_NO_CFI && n == 1);
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, ~0ull - 7, st, 64, &n) == UNW_NO_CFI && n == 1);
+    /* one good step to rbp = sp + 48, whose return slot (sp + 56) is the copy's last word: 0 */
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, sp + 16, st, 64, &n) == UNW_OK && n == 2);
+    w[2] = sp + 16; /* a saved rbp pointing at its own slot: one step, then below the new sp */
+    memcpy(st, w, 64);
+    CHECK(unwind_one_jit(mods, jit + 0x10, sp, sp + 16, st, 64, &n) == UNW_NO_CFI && n == 2);
+    free(st);
+    /* random rbp chains */
+    for (int it = 0; it < iters * 4; it++) {
+        uint64_t slen = (rnd() % 64) * 8 + rnd() % 8;
+        uint8_t *s = malloc(slen ? slen : 1);
+        for (uint64_t k = 0; k + 8 <= slen; k += 8) {
+            uint64_t r = rnd() % 4, v;
+            if (r == 0)
+                v = sp + k + 8 * (rnd() % 8); /* a saved rbp, mostly higher */
+            else if (r == 1)
+                v = jit + rnd() % jlen;
+            else if (r == 2)
+                v = mods[0].start + rnd() % span;
+            else
+                v = rnd();
+            memcpy(s + k, &v, 8);
+        }
+        uint64_t bp = rnd() % 3 ? sp + (rnd() % 72) * 8 - 32 : rnd();
+        uint8_t status = unwind_one_jit(mods, jit + rnd() % jlen, sp, bp, s, slen, &n);
+        CHECK(status <= UNW_NO_REGS);
+        free(s);
     }
 }
 
@@ -206,6 +277,9 @@ int main(int argc, char **argv)
 
     /* 4. unwinding garbage */
     unwind_random(blob, h.base, span, iters);
+
+    /* 5. JIT code: the frame-pointer walk */
+    unwind_jit(blob, h.base, span, iters);
 
     free(blob);
     free(eh);

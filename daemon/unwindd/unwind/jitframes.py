@@ -1,0 +1,107 @@
+"""JIT frames in unwound stacks: which frames are a JIT's code, and what the walks through them
+gave (``JitStats``: the metrics' ``unwindd_jit_frames_total`` and ``/v1/status``'s ``jit``).
+
+A JIT's code lives in executable memory without a file (procs/space.py ``is_jit_name``: perf's
+"//anon", an empty or "[anon:...]" name in /proc/<pid>/maps, a memfd). The unwinder walks it
+by frame pointer (unwind.c's fallback for modules without a table); the engine names its
+frames from /tmp/perf-<pid>.map when the JIT writes one (V8's --perf-basic-prof, HotSpot's
+-XX:+DumpPerfMapAtExit), as perf does (tools/perf/util/map.c map__new: "//anon" maps are
+looked up in /tmp/perf-%d.map).
+
+Invariants:
+- A frame's kind is a function of the frame alone (``jit_kind``): "perf_map" (named from the
+  perf map: its dso is the map's path), "anonymous" (in JIT code, unnamed), else None.
+- A stack is complete when its outermost user frame is a thread's first frame as perf prints
+  it: ``_start`` (the main thread) or ``clone``/``clone3`` (every other one) (``OUTERMOST``).
+- ``JitStats.count`` counts each sample once: its JIT frames by kind, and, when it has any, the
+  sample under its runtime (the base name of its process's executable), complete or not.
+  Runtimes are a bounded label set in practice (one per JIT-running executable); past
+  ``MAX_RUNTIMES`` the rest count under "other".
+- Cost: a stack tuple seen before (profiles repeat stacks, and the engine hands out the same
+  tuple object for the same stack) is one dict lookup by identity; a new one is one pass over
+  its frames. At most ``_MAX_STACKS`` stack tuples are held (then the cache is cleared).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..procs.space import is_jit_name
+from .stackfmt import Frame
+
+__all__ = ["JIT_KINDS", "OUTERMOST", "JitStats", "jit_kind", "stack_jit"]
+
+JIT_KINDS = ("perf_map", "anonymous")
+OUTERMOST = frozenset({"_start", "clone", "clone3"})
+MAX_RUNTIMES = 64
+_MAX_STACKS = 1 << 16
+
+
+def jit_kind(f: Frame) -> str | None:
+    """"perf_map", "anonymous" or None (not a JIT frame): see the module doc."""
+    dso = f.dso
+    if f.kernel or dso is None:
+        return None
+    if dso.startswith("/tmp/perf-") and dso.endswith(".map"):
+        return "perf_map"
+    return "anonymous" if is_jit_name(dso) else None
+
+
+def stack_jit(frames: Sequence[Frame]) -> tuple[int, int, bool]:
+    """(perf-map frames, anonymous frames, complete) of one stack, leaf first."""
+    named = anon = 0
+    last = None
+    for f in frames:
+        if f.kernel:
+            continue
+        last = f
+        k = jit_kind(f)
+        if k == "perf_map":
+            named += 1
+        elif k == "anonymous":
+            anon += 1
+    return named, anon, last is not None and last.sym in OUTERMOST
+
+
+@dataclass
+class JitStats:
+    """Counts of JIT frames and of stacks that crossed them (see the module doc).
+    ``runtime_of(pid)``: the runtime name of a process (None: "unknown")."""
+
+    runtime_of: Callable[[int | None], str | None] = lambda pid: None
+    frames: Counter[str] = field(default_factory=Counter)  # kind -> frames
+    stacks: Counter[str] = field(default_factory=Counter)  # runtime -> samples crossing JIT code
+    complete: Counter[str] = field(default_factory=Counter)  # runtime -> ... reaching OUTERMOST
+    _seen: dict[int, tuple[Sequence[Frame], int, int, bool]] = field(default_factory=dict)
+
+    def count(self, pid: int | None, frames: Sequence[Frame], n: int = 1) -> None:
+        """Count ``n`` samples of ``frames`` taken in process ``pid``."""
+        hit = self._seen.get(id(frames))
+        if hit is None or hit[0] is not frames:
+            if len(self._seen) >= _MAX_STACKS:
+                self._seen.clear()
+            hit = self._seen[id(frames)] = (frames, *stack_jit(frames))  # holds it: id stays
+        _, named, anon, done = hit
+        if not (named or anon):
+            return
+        if named:
+            self.frames["perf_map"] += named * n
+        if anon:
+            self.frames["anonymous"] += anon * n
+        rt = self.runtime_of(pid) or "unknown"
+        if rt not in self.stacks and len(self.stacks) >= MAX_RUNTIMES:
+            rt = "other"
+        self.stacks[rt] += n
+        if done:
+            self.complete[rt] += n
+
+    def status(self) -> dict[str, object]:
+        """``/v1/status``'s ``jit``: frames by kind, and per runtime the samples whose stack
+        crossed JIT code and how many of them reached a thread's first frame."""
+        return {
+            "frames": {k: self.frames[k] for k in JIT_KINDS},
+            "runtimes": {rt: {"samples": n, "complete": self.complete[rt]}
+                         for rt, n in sorted(self.stacks.items())},
+        }  # fmt: skip
