@@ -22,9 +22,11 @@ same file:
   gets a cache dir of its own (``UNWINDD_CACHE_DIR``, warmed by one untimed run), as symbol
   tables on disk are stamped with the code that wrote them.
 
-and prints a Markdown table for BENCHMARKS.md. Every command's stdout goes to /dev/null-like
-capture, so terminal speed is not measured. Times are the median of ``--repeat`` runs (the
-machines are shared: a best-of hides load, a median shows what a user waits), best also shown.
+and prints a Markdown table for BENCHMARKS.md, wall time and CPU (user + system of the child:
+on a loaded machine wall time mostly measures waiting for a CPU). Every command's stdout goes
+to /dev/null-like capture, so terminal speed is not measured. Times are the median of
+``--repeat`` runs (the machines are shared: a best-of hides load, a median shows what a user
+waits), best also shown.
 
 With ``--rss`` it instead checks issue 3's memory target: it records (``perf record -F 999
 --call-graph dwarf,8192`` of a launcher, sampling enabled through ``--control`` only while the
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shutil
 import signal
 import statistics
@@ -80,16 +83,23 @@ def record(path: Path, seconds: float, freq: int) -> None:
 
 def timed(argv: list[str], repeat: int, env: dict[str, str] | None = None
           ) -> tuple[float, float, bytes]:  # fmt: skip
-    """(median, best) wall seconds of ``repeat`` runs, and the last run's stdout."""
+    """(median, best) wall seconds of ``repeat`` runs, and the last run's stdout; the CPU
+    (user + system) of each run is appended to ``LAST_CPU``."""
     times = []
     out = b""
     for _ in range(repeat):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run(argv, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               env=env)  # fmt: skip
         times.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        LAST_CPU.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
         out = proc.stdout
     return statistics.median(times), min(times), out
+
+
+LAST_CPU: list[float] = []  # CPU seconds of every timed run, in order
 
 
 # NPROC python3 processes (each a fresh exec: its own ASLR layout, MMAP2s, COMM, FORK, EXIT)
@@ -242,11 +252,14 @@ def main() -> int:
     # Round-robin (every command once per round), so load changes on the shared machine hit
     # all commands alike.
     runs: dict[str, list[float]] = {name: [] for name, _ in rows}
+    cpus: dict[str, list[float]] = {name: [] for name, _ in rows}
     outs: dict[str, bytes] = {}
     for _ in range(args.repeat):
         for name, argv in rows:
             _med, t, outs[name] = timed(argv, 1, envs.get(name))
             runs[name].append(t)
+            cpus[name].append(LAST_CPU[-1])
+    cpu = {name: statistics.median(ts) for name, ts in cpus.items()}
     times = {name: statistics.median(ts) for name, ts in runs.items()}
     bests = {name: min(ts) for name, ts in runs.items()}
     summary = subprocess.run([*unwindd, "--format", "summary"], check=True, capture_output=True,
@@ -259,13 +272,14 @@ def main() -> int:
     ver = subprocess.run(["perf", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"file: {size_mb:.1f} MB, {samples} samples, {folded_lines} folded stacks; {ver}")
     print()
+    perf_cpu = cpu[rows[2][0]]
     print(f"| command | median of {args.repeat} (s) | best (s) | samples/s | speed-up vs perf "
-          "script (medians) |")
-    print("|---|---:|---:|---:|---:|")
+          "script (medians) | CPU s, user+sys (median) | CPU speed-up vs perf script |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, _ in rows:
         t = times[name]
         print(f"| `{name}` | {t:.3f} | {bests[name]:.3f} | {samples / t:,.0f} | "
-              f"{perf_t / t:.2f}x |")
+              f"{perf_t / t:.2f}x | {cpu[name]:.3f} | {perf_cpu / cpu[name]:.2f}x |")
     if tmp is not None:
         tmp.cleanup()
     return 0

@@ -8,10 +8,18 @@
  *   - Reads go through memcpy (the blob has no alignment guarantee beyond its arrays').
  *   - A lookup hint is only a guess: it is accepted only if it meets exactly the conditions the
  *     search would end on, so any value is safe.
+ *   - unw_map_file maps a cache file read-only and shared (MAP_SHARED, PROT_READ): a table
+ *     read in place from it is page cache the kernel may reclaim and every process mapping
+ *     the file shares, not a private copy. Python's mmap module would also do, but it keeps
+ *     a dup of the fd per mapping (CPython Modules/mmapmodule.c new_mmap_object), one more
+ *     open file per cached table.
  * Cost: validation O(rows + rules); a lookup O(log pages) to find the page only when the row
  * lies before its pc's page, else O(log rows in the page), O(1) with a correct hint.
  */
 #include "cfi_int.h"
+
+#include <errno.h>
+#include <sys/mman.h>
 
 static inline uint32_t rd32(const uint8_t *p)
 {
@@ -196,4 +204,20 @@ int64_t unw_table_lookup_hint(const uint8_t *blob, uint64_t pc, uint32_t hint,
     memcpy(rule, blob + unw_blob_rules_off(npages, nrows, idxw) + (uint64_t)ri * sizeof *rule,
            sizeof *rule);
     return i;
+}
+
+const uint8_t *unw_map_file(int fd, uint64_t len)
+{
+    if (len == 0 || len > (uint64_t)SIZE_MAX) {
+        errno = EINVAL;
+        return NULL;
+    }
+    void *p = mmap(NULL, (size_t)len, PROT_READ, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+void unw_unmap_file(const uint8_t *p, uint64_t len)
+{
+    if (p && len)
+        munmap((void *)p, (size_t)len);
 }

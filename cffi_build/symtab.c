@@ -276,3 +276,19 @@ int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *o
         out[n - 1].end = (out[n - 1].addr + PAGE - 1) / PAGE * PAGE + PAGE;
     return (int64_t)n;
 }
+
+uint32_t unw_symtab_max_offset(const uint8_t *offs, uint64_t n, uint32_t skip, uint64_t *nskip)
+{
+    uint32_t top = 0;
+    uint64_t k = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, offs + 4 * i, 4);
+        if (v == skip)
+            k++;
+        else if (v > top)
+            top = v;
+    }
+    *nskip = k;
+    return top;
+}

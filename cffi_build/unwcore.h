@@ -142,6 +142,13 @@ int64_t unw_table_lookup(const uint8_t *blob, uint64_t pc, struct unw_rule *rule
 /* Decode row i (for tests/debugging). Returns 0, or -1 if i is out of range. */
 int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule *rule);
 
+/* A disk cache file (a CFI or symbol table, binaries/cachefiles.py) mapped read-only and
+ * shared, so its pages are the file's page cache, not private memory: len bytes of fd from
+ * offset 0, or NULL (errno set) when len is 0 or mmap fails. The fd may be closed once this
+ * returns. Release with unw_unmap_file(p, len). */
+const uint8_t *unw_map_file(int fd, uint64_t len);
+void unw_unmap_file(const uint8_t *p, uint64_t len);
+
 /* ------------------------------------------------------------------ unwinder */
 
 /* One executable mapping. [start,end) absolute; ELF vaddr = addr - bias. table NULL = no CFI
@@ -220,6 +227,11 @@ int64_t unw_symtab_scan(const uint8_t *syms, uint64_t nsyms, const uint8_t *strt
 
 /* Drop every symbol whose keep != 1, in place, order kept; returns the new count. O(n). */
 uint64_t unw_symtab_compact(struct unw_sym *syms, uint64_t n);
+
+/* A stored table's name offsets checked in one pass (symstore.py): the largest of the n u32
+ * values at offs other than skip (0 if none), and in *nskip how many equal skip. offs may be
+ * unaligned (read with memcpy). O(n). */
+uint32_t unw_symtab_max_offset(const uint8_t *offs, uint64_t n, uint32_t skip, uint64_t *nskip);
 
 /* One /proc/kallsyms text symbol: name/module = byte ranges of the text (mod_len 0: kernel). */
 struct unw_ksym {

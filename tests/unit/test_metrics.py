@@ -34,8 +34,8 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
     eng.by_status.update({"ok": 8, "unmapped_pc": 2})
     jit = JitStats()
     jit.frames.update({"perf_map": 6})
-    cache = CacheStats(entries=2, bytes=4096, hits=7, misses=2, evictions=1, trims=3,
-                       negative_hits=5)  # fmt: skip
+    cache = CacheStats(entries=2, bytes=4096, mapped_bytes=1024, hits=7, misses=2, evictions=1,
+                       trims=3, negative_hits=5)  # fmt: skip
     table = SimpleNamespace(binaries=SimpleNamespace(stats=cache), spaces={1: 0, 2: 0},
                             stats=SimpleNamespace(records=Counter()))  # fmt: skip
     prof = SimpleNamespace(
@@ -72,6 +72,7 @@ def test_counters_and_gauges() -> None:
     assert counted(text, "unwindd_decode_errors_total") == {'{reason="truncated"}': 1.0}
     assert metric_values(text, "unwindd_elf_cache_entries") == {"": 2.0}
     assert metric_values(text, "unwindd_elf_cache_bytes") == {"": 4096.0}
+    assert metric_values(text, "unwindd_elf_cache_mapped_bytes") == {"": 1024.0}
     assert metric_values(text, "unwindd_elf_cache_hits_total") == {"": 7.0}
     assert metric_values(text, "unwindd_elf_cache_misses_total") == {"": 2.0}
     assert metric_values(text, "unwindd_elf_cache_evictions_total") == {"": 1.0}

@@ -5,6 +5,15 @@ Rules:
 - A file is read whole only if it is a regular file (opened O_NOFOLLOW | O_NONBLOCK) within its
   store's size bound, checked on the open fd; else ``CacheFileError``. What a file holds is
   checked by its store before anything trusts it.
+- ``map_cache_file`` maps a file read-only and shared instead (cffi_build/cfilookup.c
+  ``unw_map_file``, same open checks; the fd is closed once mapped) and hands out a cffi buffer
+  that owns the mapping, never a memoryview (a memoryview kept with an export, e.g. under
+  ``ffi.from_buffer``, cannot be cleared by the cyclic GC; at interpreter exit that crashed
+  the collector once the mapping went first): the stores use a table in
+  place from it, so its bytes are the file's page cache (shared, reclaimable), not private
+  heap. Files are only ever replaced whole (below), never rewritten in place, so a mapping
+  keeps the inode it was checked on; only a file truncated by hand under a running process
+  could fault its reader (SIGBUS), as with any mapped file.
 - A file is written to a temporary name (pid and thread in it; O_EXCL | O_NOFOLLOW: never
   through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
@@ -13,8 +22,9 @@ Rules:
   recently used files, until the total fits. Writes, discards and prunes never raise: they
   return False or skip the file.
 
-Cost: a read is one open, fstat and read; a write one open, write and rename; a prune one
-scandir and a sort of the directory's entries, O(n log n), run at start.
+Cost: a read is one open, fstat and read; a map one open, fstat, mmap and close; a write one
+open, write and rename; a prune one scandir and a sort of the directory's entries, O(n log n),
+run at start.
 """
 
 from __future__ import annotations
@@ -24,11 +34,13 @@ import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "STALE_TMP_SECONDS",
     "CacheFileError",
     "discard_cache_file",
+    "map_cache_file",
     "prune_cache_dir",
     "read_cache_file",
     "user_cache_dir",
@@ -68,6 +80,51 @@ def read_cache_file(path: str, limit: int) -> bytes | None:
         raise CacheFileError(f"read: {e}") from None
     finally:
         os.close(fd)
+
+
+def _open_checked(path: str, limit: int) -> tuple[int, int] | None:
+    """(fd, size) of the regular file at ``path`` of at most ``limit`` bytes; None if there is
+    none; CacheFileError if it cannot be opened or is another kind of file or too large."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CacheFileError(f"open: {e}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise CacheFileError(f"fstat: {e}") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        raise CacheFileError("not a regular file or too large")
+    return fd, st.st_size
+
+
+def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | None:
+    """The file at ``path`` mapped read-only and shared (see the module rules), as (its first
+    ``head`` bytes copied, a cffi buffer over the rest of the mapping); None if there is no
+    file. CacheFileError as ``read_cache_file``, and for a file of ``head`` bytes or fewer
+    or a failed mmap. The buffer owns the mapping (its pointer's finalizer unmaps it), and
+    anything built on it (memoryviews, ``ffi.from_buffer``) keeps it alive. Cost: one open,
+    fstat, mmap, close."""
+    from ..unwcore import ffi, lib
+
+    opened = _open_checked(path, limit)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        p = lib.unw_map_file(fd, size) if size > head else ffi.NULL
+    finally:
+        os.close(fd)
+    if p == ffi.NULL:
+        raise CacheFileError("too short for its header, or mmap failed")
+    # the owner is the body's own pointer: a buffer of it needs no view of the header, and no
+    # memoryview holds an export that the garbage collector could not clear
+    owner: Any = ffi.gc(p + head, lambda _q, base=p, n=size: lib.unw_unmap_file(base, n), size)
+    return ffi.buffer(p, head)[:], ffi.buffer(owner, size - head)
 
 
 STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died

@@ -12,9 +12,14 @@ Invariants:
 - The ELF parse here reads only the ELF header and section headers, every offset/size checked
   against the file size, section count capped; section data are handed to C as offsets into one
   read-only mmap (zero copies; ``.debug_frame`` is copied only when SHF_COMPRESSED).
-- ``CfiStore`` files are ``FILE_HEADER`` + blob: magic, version, arch, blob size, CRC-32. Any
-  mismatch discards the file (counted in ``stats["corrupt"]``) and recompiles; reads and the
-  atomic writes (temporary file + ``os.replace``) are cachefiles' ``read_cache_file`` and
+- ``CfiStore`` files are ``FILE_HEADER`` (64 bytes: magic, version, arch, blob size, CRC-32)
+  + blob. A table loaded from one is used in place: the file is mapped read-only and shared
+  (cachefiles' ``map_cache_file``) and the native unwinder reads the mapped bytes, so the
+  table is page cache (``mapped``), not private heap; a freshly compiled table is written,
+  then mapped back the same way (the heap copy is dropped). Any mismatch (header, size, CRC,
+  ``unw_table_validate``) discards the file (counted in ``stats["corrupt"]``) and recompiles;
+  never a crash. Without a store (no usable cache dir) or without a build-id a table stays a
+  heap ``bytes`` blob. Atomic writes (temporary file + ``os.replace``) are cachefiles'
   ``write_cache_file``, shared with ``symstore.SymbolStore``.
 
 Cost: compiling is O(E log E + R) for E FDEs and R rows (bench/bench_cfi.py measures it);
@@ -33,7 +38,7 @@ from enum import IntEnum
 from typing import Any
 
 from ..unwcore import check, ffi, lib
-from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
+from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
 
 __all__ = [
     "CFI_STORE_RESULTS",
@@ -251,20 +256,24 @@ class _Mapped:
 class CfiTable:
     """A compiled unwind table for one binary (immutable; share it)."""
 
-    __slots__ = ("_blob", "_cbuf", "errors", "nbytes", "nfdes", "nrows")
+    __slots__ = ("_blob", "_cbuf", "errors", "mapped", "nbytes", "nfdes", "nrows")
 
-    _blob: bytes
+    _blob: Any  # bytes, or the cffi buffer over a mapped cache file's table
+    mapped: bool
     nbytes: int
     nrows: int
     nfdes: int
     errors: dict[str, int]
 
-    def __init__(self, blob: bytes) -> None:
-        """Wrap a blob (from the compiler or a cache file); CfiError if it is not a valid table."""
-        rc = lib.unw_table_validate(ffi.from_buffer(blob), len(blob))
+    def __init__(self, blob: Any, *, mapped: bool = False) -> None:
+        """Wrap a blob (from the compiler or a cache file); CfiError if it is not a valid table.
+        ``mapped``: ``blob`` is the cffi buffer over a cache file's mapping
+        (``cachefiles.map_cache_file``), used in place; else it is copied into a ``bytes``."""
+        rc = lib.unw_table_validate(ffi.from_buffer(blob), len(blob)) if len(blob) else -1
         if rc != 0:
             raise CfiError(f"invalid CFI table blob (check {rc})")
-        self._blob = bytes(blob)
+        self.mapped = mapped and not isinstance(blob, (bytes, bytearray, memoryview))
+        self._blob = blob if self.mapped else bytes(blob)
         h = _HDR.unpack_from(self._blob, 0)
         self.nbytes = len(self._blob)
         self.nrows = h[4]
@@ -274,7 +283,8 @@ class CfiTable:
 
     @property
     def blob(self) -> bytes:
-        return self._blob
+        """The table's bytes (a copy, for a mapped table)."""
+        return self._blob if isinstance(self._blob, bytes) else bytes(self._blob)
 
     @property
     def cbuf(self) -> Any:
@@ -421,16 +431,20 @@ class CfiTable:
 
 # --------------------------------------------------------------------------- persistence
 
-# "UWCFI" file header: magic[8], format version u32, arch u32, blob size u64, blob CRC-32 u32.
+# "UWCFI" file header: magic[8], format version u32, arch u32, blob size u64, blob CRC-32 u32,
+# padded to 64 bytes so that the blob, used in place from the mapped file, starts 64-byte
+# aligned (a page-aligned mapping + 64) like a malloc'd one.
 FILE_MAGIC = b"UWCFI\x00\x00\x00"
-FILE_VERSION = 1
-FILE_HEADER = struct.Struct("<8sIIQI")
+FILE_VERSION = 2
+FILE_HEADER = struct.Struct("<8sIIQI36x")
+assert FILE_HEADER.size == 64
 MAX_CACHE_FILE = 1 << 30
 
 
 # ``CfiStore.stats`` keys: loaded from disk, compiled (and written), file discarded, compiled
-# but not persisted (no build-id), write failed.
-CFI_STORE_RESULTS = ("hits", "compiled", "corrupt", "no_build_id", "write_errors")
+# but not persisted (no build-id), write failed, compiled and written but kept on the heap
+# (the file could not be mapped back).
+CFI_STORE_RESULTS = ("hits", "compiled", "corrupt", "no_build_id", "write_errors", "unmapped")
 
 
 class CfiStore:
@@ -472,30 +486,37 @@ class CfiStore:
             return table
         table = CfiTable.from_elf(elf_path, debug_path)
         self.stats["compiled"] += 1
-        self._save(path, table)
+        if self._save(path, table):
+            # use the written file in place; the compiled heap copy goes with this frame
+            mapped = self._load(path)
+            if mapped is not None and mapped._blob == table.blob:
+                return mapped
+            self.stats["unmapped"] += 1
         return table
 
     def _load(self, path: str) -> CfiTable | None:
+        """The table in the file at ``path``, mapped and used in place; None if there is no
+        file, or it was refused (counted in ``corrupt``, removed)."""
         try:
-            data = read_cache_file(path, FILE_HEADER.size + MAX_CACHE_FILE)
-            if data is None:
+            got = map_cache_file(path, FILE_HEADER.size + MAX_CACHE_FILE, FILE_HEADER.size)
+            if got is None:
                 return None
-            if len(data) < FILE_HEADER.size:
-                raise CfiError("short header")
-            magic, version, arch, size, crc = FILE_HEADER.unpack_from(data, 0)
-            blob = data[FILE_HEADER.size :]
+            head, blob = got
+            magic, version, arch, size, crc = FILE_HEADER.unpack_from(head, 0)
             if magic != FILE_MAGIC or version != FILE_VERSION or arch != ARCH_X86_64:
                 raise CfiError("magic/version/arch")
             if size != len(blob) or zlib.crc32(blob) != crc:
                 raise CfiError("size/checksum")
-            return CfiTable(blob)
+            return CfiTable(blob, mapped=True)
         except (CfiError, CacheFileError):
             self.stats["corrupt"] += 1
             discard_cache_file(path)
             return None
 
-    def _save(self, path: str, table: CfiTable) -> None:
+    def _save(self, path: str, table: CfiTable) -> bool:
         blob = table.blob
         head = FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, ARCH_X86_64, len(blob), zlib.crc32(blob))
         if not write_cache_file(path, (head, blob)):
             self.stats["write_errors"] += 1
+            return False
+        return True

@@ -54,6 +54,10 @@ class CacheConfig:
 class CacheStats:
     entries: int = 0
     bytes: int = 0
+    # of ``bytes``, the tables used in place from read-only mappings of the disk cache's files
+    # (cfi.CfiStore, symstore.SymbolStore): shared page cache the kernel can reclaim; the rest
+    # is private heap. Both count toward ``max_bytes``.
+    mapped_bytes: int = 0
     hits: int = 0
     misses: int = 0
     evictions: int = 0
@@ -217,11 +221,13 @@ class ElfCache:
             return self._alias.get(("m", maj, mnr, ino, gen))
         return None
 
-    def _grew(self, entry: ElfEntry, n: int) -> None:
+    def _grew(self, entry: ElfEntry, n: int, mapped: int = 0) -> None:
+        """``entry`` now holds ``n`` bytes more, ``mapped`` of them in file mappings."""
         if entry.key is not None and self._by_key.get(entry.key) is entry:
             self.stats.bytes += n
+            self.stats.mapped_bytes += mapped
             self._evict()
-        self._churned += n
+        self._churned += n - mapped  # only heap is malloc_trim's business
         self._maybe_trim()
 
     def _maybe_trim(self) -> None:
@@ -241,11 +247,12 @@ class ElfCache:
         if entry.key is not None and self._by_key.get(entry.key) is entry:
             del self._by_key[entry.key]
             self.stats.bytes -= entry.nbytes
+            self.stats.mapped_bytes -= entry.mapped
             self.stats.entries = len(self._by_key)
         for k in [k for k, v in self._alias.items() if v is entry]:
             del self._alias[k]
         entry._close()
-        self._churned += entry.nbytes  # trimmed by the caller, once it let go of the entry
+        self._churned += entry.nbytes - entry.mapped  # trimmed by the caller, once it let go
 
     def clear(self) -> None:
         """Drop every entry (referenced ones too: their fds close; for shutdown)."""

@@ -13,7 +13,8 @@ Rules:
   a CFI factory become a count in the owning cache's ``stats.errors`` and an empty result.
 - Tables come from the owner's factories (``symbol_factory``, else elfsyms.load_symbol_table;
   ``cfi_lookup``, then ``cfi_factory``), and every byte they hold is reported to it (``_grew``)
-  for its memory bound. Not thread-safe: the cache's owner calls it.
+  for its memory bound, with the part that lies in read-only file mappings (``mapped``: tables
+  used in place from the disk cache). Not thread-safe: the cache's owner calls it.
 
 Cost: construction and ``bias_for`` are O(segments); each lazy load runs once per entry.
 """
@@ -60,7 +61,7 @@ class EntryOwner(Protocol):
 
     def find_debug_file(self, entry: ElfEntry) -> str | None: ...
 
-    def _grew(self, entry: ElfEntry, n: int) -> None: ...
+    def _grew(self, entry: ElfEntry, n: int, mapped: int = 0) -> None: ...
 
 
 _ENTRY_BASE_BYTES = 1024  # object, dicts, path strings: a coarse per-entry overhead
@@ -76,6 +77,7 @@ class ElfEntry:
         "_cache",
         "_cfi",
         "_debug",
+        "_delta",
         "_symbols",
         "build_id",
         "dev",
@@ -85,6 +87,7 @@ class ElfEntry:
         "filename",
         "ino",
         "key",
+        "mapped",
         "mtime_ns",
         "nbytes",
         "path",
@@ -123,10 +126,14 @@ class ElfEntry:
         self.error = error
         self.refcount = 0
         self.nbytes = _ENTRY_BASE_BYTES + 64 * len(segments) + 2 * len(path)
+        self.mapped = 0  # of nbytes, in read-only mappings of cache files
         self._cache = cache
         self._symbols: SymbolTable | None = None
         self._debug: object = NOT_LOADED
         self._cfi: object = NOT_LOADED
+        # bias_for's segment choice depends on pgoff alone: bias - (start - pgoff) by pgoff,
+        # one entry per distinct mapping offset of this file (a handful)
+        self._delta: dict[int, int] = {}
 
     def __repr__(self) -> str:
         bid = self.build_id.hex() if self.build_id else None
@@ -157,7 +164,15 @@ class ElfEntry:
         range holds ``pgoff`` (the kernel maps each PT_LOAD from ``p_offset`` rounded down to a
         page: fs/binfmt_elf.c elf_map). For ET_EXEC, start - pgoff == S.vaddr - S.offset, so the
         bias is 0. Without a matching segment we fall back to the executable one, then to
-        vaddr == offset (bias = start - pgoff), as perf's map__map_ip does."""
+        vaddr == offset (bias = start - pgoff), as perf's map__map_ip does. The choice depends
+        on ``pgoff`` alone, so it is made once per distinct ``pgoff``."""
+        delta = self._delta.get(pgoff)
+        if delta is None:
+            delta = self._delta[pgoff] = self._segment_delta(pgoff)
+        return start - pgoff + delta
+
+    def _segment_delta(self, pgoff: int) -> int:
+        """``S.offset - S.vaddr`` of the segment ``bias_for`` takes for ``pgoff``; 0 if none."""
         best: Segment | None = None
         for s in self.segments:
             lo = s.offset - s.offset % PAGE
@@ -167,8 +182,8 @@ class ElfEntry:
         if best is None:
             best = next((s for s in self.segments if s.flags & PF_X), None)
         if best is None:
-            return start - pgoff
-        return start - pgoff + best.offset - best.vaddr
+            return 0
+        return best.offset - best.vaddr
 
     # -- lazies
 
@@ -185,7 +200,7 @@ class ElfEntry:
                 except ElfError as e:
                     self._count_error(f"symbols_{e.reason}")
             self._symbols = table
-            self._grow(table.nbytes)
+            self._grow(table.nbytes, table.mapped_bytes)
         return self._symbols
 
     def debug_path(self) -> str | None:
@@ -221,13 +236,15 @@ class ElfEntry:
                     self._count_error(f"cfi_{type(e).__name__}")
             self._cfi = table
             nbytes = getattr(table, "nbytes", 0)
-            self._grow(nbytes if isinstance(nbytes, int) else 0)
+            nbytes = nbytes if isinstance(nbytes, int) else 0
+            self._grow(nbytes, nbytes if getattr(table, "mapped", False) is True else 0)
         return self._cfi
 
-    def _grow(self, n: int) -> None:
+    def _grow(self, n: int, mapped: int = 0) -> None:
         self.nbytes += n
+        self.mapped += mapped
         if self._cache is not None:
-            self._cache._grew(self, n)
+            self._cache._grew(self, n, mapped)
 
     def _count_error(self, reason: str) -> None:
         if self._cache is not None:

@@ -10,10 +10,16 @@ Rules:
   binary's size and debug file (``source_stamp``: stripped copies keep their build-id), name
   offsets in range. Else it is counted, removed, rebuilt and rewritten.
 - Binaries without a build-id are never persisted: nothing else identifies the content.
-- Reads and atomic writes are cachefiles'; a table over the bounds is not written.
+- A table read back is used in place: the file is mapped read-only and shared (cachefiles'
+  ``map_cache_file``), and its starts, ends, name offsets and string table are views of the
+  mapping (u64 columns 8-byte aligned in the file), so they are page cache, not private heap
+  (``SymbolTable.mapped_bytes``); only the few PLT and pre-decoded names are copied. A table
+  just built is written, then mapped back the same way. Writes are cachefiles' atomic ones; a
+  table over the bounds is not written and stays on the heap, as does every table when no
+  cache dir is usable (no store).
 
-Cost: a hit is one open, fstat and read (~20 B a symbol plus the string table), one CRC pass,
-a few ``array.frombytes`` and one ``max``: O(n); a write is O(n) bulk copies + O(PLT).
+Cost: a hit is one open, fstat, mmap (~20 B a symbol plus the string table), one CRC pass,
+one native pass over the name offsets (symtab.c): O(n); a write is O(n) bulk copies + O(PLT).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import zlib
 from array import array
 from collections.abc import Iterable
 
-from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
+from ..unwcore import ffi, lib
+from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
 from .elfentry import ElfEntry
 from .elfsyms import content_modules, load_symbol_table
-from .symtab import NO_NAME, SymbolTable
+from .symtab import NO_NAME, Column, StrTab, SymbolTable
 
 __all__ = [
     "MAX_SYM_FILE",
@@ -40,14 +47,15 @@ __all__ = [
     "source_stamp",
 ]
 
-# A ".sym" file, little-endian: _SYM_FILE, then the build-id, starts (u64 x n), ends (u64 x n),
-# name offsets (u32 x n), extras (u32 x m: symbol index | _EXTRA_RAW if the name is a PLT
-# entry's raw name, demangled on lookup, else the name as printed), the m extras' names (each
-# UTF-8 with surrogateescape, NUL-terminated), the string table.
+# A ".sym" file, little-endian: _SYM_FILE, then the build-id, zeros to an 8-byte boundary,
+# starts (u64 x n), ends (u64 x n), name offsets (u32 x n), extras (u32 x m: symbol index |
+# _EXTRA_RAW if the name is a PLT entry's raw name, demangled on lookup, else the name as
+# printed), the m extras' names (each UTF-8 with surrogateescape, NUL-terminated), the string
+# table.
 SYM_FILE_MAGIC = b"UWSYM\x00\x00\x00"
 # Bump when the file layout changes. Table content (elfsyms' rules, demangle.py's choices,
 # symtab.c) is covered by _code_stamp instead, so a code change never serves an old table.
-SYM_FILE_VERSION = 2
+SYM_FILE_VERSION = 3
 # magic, version, flags (0), stamp (u64: _code_stamp() << 32 | source_stamp(entry)), build-id
 # length, n, m,
 # names length, string table length, CRC-32 of everything after the header, pad
@@ -89,6 +97,11 @@ def _code_stamp() -> int:
                 desc.append(f"{mod.__name__}:?")
         _stamp.append(zlib.crc32(";".join(desc).encode()))
     return _stamp[0]
+
+
+def _pad8(n: int) -> int:
+    """Zero bytes that take offset ``n`` to the next multiple of 8."""
+    return -n % 8
 
 
 def _names_in_range(offs: array[int], plt: Iterable[int], strtab_len: int) -> bool:
@@ -147,12 +160,14 @@ def encode_symbol_table(table: SymbolTable, build_id: bytes, source: int) -> lis
     if blob.count(0) != len(names):
         return None  # a name with a NUL would split in two
     strtab = table._strtab
-    body = [build_id, table.starts.tobytes(), table.ends.tobytes(), offs.tobytes(),
-            extras.tobytes(), blob, strtab]  # fmt: skip
+    pad = bytes(_pad8(_SYM_FILE.size + len(build_id)))
+    body = [build_id, pad, table.starts.tobytes(), table.ends.tobytes(), offs.tobytes(),
+            extras.tobytes(), blob, bytes(strtab)]  # fmt: skip
     if _SYM_FILE.size + sum(map(len, body)) > MAX_SYM_FILE or len(strtab) >= NO_NAME:
         return None
     # what decode_symbol_table will check, so that no file is written only to be refused
-    if not _names_in_range(array("I", offs), (x & ~_EXTRA_RAW for x in extras), len(strtab)):
+    if not _names_in_range(array("I", offs.tobytes()), (x & ~_EXTRA_RAW for x in extras),
+                           len(strtab)):  # fmt: skip
         return None
     crc = 0
     for part in body:
@@ -162,7 +177,7 @@ def encode_symbol_table(table: SymbolTable, build_id: bytes, source: int) -> lis
     return [head, *body]
 
 
-def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTable:
+def decode_symbol_table(data: bytes | memoryview, build_id: bytes, source: int) -> SymbolTable:
     """The table a ``.sym`` file holds, after checking everything a lookup relies on; raises
     ``_BadFile`` ("corrupt": truncated, damaged, another binary's, inconsistent; "stale":
     another layout version, other code, another ``source_stamp``). Checked: header, exact total
@@ -170,8 +185,10 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
     ``NO_NAME``) and every other offset is inside the string table, so ``name`` has a name
     for every index. Not re-checked: the order of starts (a Python pass as costly as the
     load), since a misordered table can only misname (bisect and stacks.c's fp_sym_region
-    stay in bounds on any order) and damage is what the CRC catches. Cost: one CRC pass, four
-    ``array.frombytes``, one ``max`` over the offsets, O(n), and O(PLT) dict inserts."""
+    stay in bounds on any order) and damage is what the CRC catches. ``data`` a memoryview
+    (a mapped file): the table's columns and string table are views of it, used in place;
+    ``bytes``: copies. Cost: one CRC pass, one native pass over the offsets, O(n), and O(PLT)
+    dict inserts."""
     if len(data) < _SYM_FILE.size:
         raise _BadFile("corrupt", "short header")
     (magic, version, _flags, stamp, bid_len, n, m, names_len, strtab_len,
@@ -181,7 +198,7 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
     if version != SYM_FILE_VERSION:
         raise _BadFile("stale", f"version {version}")
     o_bid = _SYM_FILE.size
-    o_starts = o_bid + bid_len
+    o_starts = o_bid + bid_len + _pad8(o_bid + bid_len)
     o_ends = o_starts + 8 * n
     o_offs = o_ends + 8 * n
     o_extras = o_offs + 4 * n
@@ -192,18 +209,27 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
     mv = memoryview(data)
     if zlib.crc32(mv[o_bid:]) != crc:
         raise _BadFile("corrupt", "checksum")
-    if data[o_bid:o_starts] != build_id:
+    if data[o_bid : o_bid + bid_len] != build_id:
         raise _BadFile("corrupt", "build-id")
     if stamp != _stamp_of(source):
         raise _BadFile("stale", "code, binary or debug file")
     if strtab_len >= NO_NAME:
         raise _BadFile("corrupt", "string table size")
-    starts, ends, offs, extras = array("Q"), array("Q"), array("I"), array("I")
-    starts.frombytes(mv[o_starts:o_ends])
-    ends.frombytes(mv[o_ends:o_offs])
-    offs.frombytes(mv[o_offs:o_extras])
+    mapped = isinstance(data, memoryview)
+    starts: Column
+    ends: Column
+    offs: Column
+    if mapped:
+        starts, ends = mv[o_starts:o_ends].cast("Q"), mv[o_ends:o_offs].cast("Q")
+        offs = mv[o_offs:o_extras].cast("I")
+    else:
+        starts, ends, offs = array("Q"), array("Q"), array("I")
+        starts.frombytes(mv[o_starts:o_ends])
+        ends.frombytes(mv[o_ends:o_offs])
+        offs.frombytes(mv[o_offs:o_extras])
+    extras = array("I")
     extras.frombytes(mv[o_extras:o_names])
-    names = data[o_names:o_strtab].split(b"\0")
+    names = bytes(mv[o_names:o_strtab]).split(b"\0")
     if len(names) != m + 1 or names[m]:
         raise _BadFile("corrupt", "extra names")
     named: dict[int, str] = {}
@@ -218,9 +244,15 @@ def decode_symbol_table(data: bytes, build_id: bytes, source: int) -> SymbolTabl
         raise _BadFile("corrupt", "duplicate extra")
     # any other offset >= strtab_len would be a name outside the string table, or a
     # NO_NAME slot without a name
-    if not _names_in_range(offs, slots, strtab_len):
+    # every slot in ``slots`` holds NO_NAME (checked above), so no other may, and every other
+    # offset must be inside the string table: one native pass, the columns read in place
+    nskip = ffi.new("uint64_t *")
+    top = lib.unw_symtab_max_offset(ffi.from_buffer(mv[o_offs:o_extras]), n, NO_NAME, nskip)
+    if nskip[0] != m or (n > m and top >= strtab_len):
         raise _BadFile("corrupt", "name offset")
-    return SymbolTable._columns(starts, ends, offs, data[o_strtab:], named, plt)
+    strtab: StrTab = mv[o_strtab:] if mapped else bytes(mv[o_strtab:])
+    return SymbolTable._columns(starts, ends, offs, strtab, named, plt,
+                                mapped_bytes=len(data) if mapped else 0)  # fmt: skip
 
 
 class SymbolStore:
@@ -256,15 +288,10 @@ class SymbolStore:
             return load_symbol_table(entry)
         source = source_stamp(entry)
         path = self.path_for(build_id)
-        try:
-            data = read_cache_file(path, self.max_file_bytes)
-            if data is not None:
-                table = decode_symbol_table(data, build_id, source)
-                self.stats["hits"] += 1
-                return table
-        except (CacheFileError, _BadFile) as e:
-            self.stats[e.reason if isinstance(e, _BadFile) else "corrupt"] += 1
-            discard_cache_file(path)
+        table = self._load(path, build_id, source)
+        if table is not None:
+            self.stats["hits"] += 1
+            return table
         table = load_symbol_table(entry)
         self.stats["misses"] += 1
         parts = encode_symbol_table(table, build_id, source)
@@ -272,4 +299,20 @@ class SymbolStore:
             self.stats["unsaved"] += 1
         elif not write_cache_file(path, parts):
             self.stats["write_errors"] += 1
+        else:
+            # use the written file in place; the built heap columns go with this frame
+            return self._load(path, build_id, source) or table
         return table
+
+    def _load(self, path: str, build_id: bytes, source: int) -> SymbolTable | None:
+        """The table in the file at ``path``, mapped and used in place; None if there is no
+        file or it was refused (counted by reason, removed)."""
+        try:
+            got = map_cache_file(path, self.max_file_bytes)
+            if got is None:
+                return None
+            return decode_symbol_table(memoryview(got[1]).toreadonly(), build_id, source)
+        except (CacheFileError, _BadFile) as e:
+            self.stats[e.reason if isinstance(e, _BadFile) else "corrupt"] += 1
+            discard_cache_file(path)
+            return None

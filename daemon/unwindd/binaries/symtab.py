@@ -8,9 +8,13 @@ Rules:
   as ``<name>@plt``. It is kept as an offset into the binary's string table (``NO_NAME``: the
   name is in ``_named``, or raw in ``_plt``) until a lookup returns it, then decoded and
   demangled once.
-- ``starts``/``ends`` are ``array("Q")`` columns native code reads too (stacks.c's
-  fp_sym_region); they never change once built, only the cache of decoded names grows.
-- ``nbytes`` estimates the memory held: 20 B a symbol, the string table, the names kept.
+- ``starts``/``ends`` are u64 columns native code reads too (stacks.c's fp_sym_region):
+  ``array("Q")`` for a table built here, or read-only views of a mapped cache file
+  (symstore.SymbolStore) used in place, as is its string table; they never change once
+  built, only the cache of decoded names grows.
+- ``nbytes`` estimates the memory held: 20 B a symbol, the string table, the names kept;
+  ``mapped_bytes`` is the part of it that lies in a file mapping (shared, reclaimable page
+  cache) rather than on the heap.
 
 Cost: a lookup is one bisect, O(log n); names cost O(names used), decoded and demangled once.
 """
@@ -21,10 +25,11 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from .demangle import demangle
 
-__all__ = ["NO_NAME", "Symbol", "SymbolTable"]
+__all__ = ["NO_NAME", "Column", "StrTab", "Symbol", "SymbolTable", "c_string"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +44,27 @@ class Symbol:
 
 NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol named in _named or _plt (PLT entries)
 
+# A u64 or u32 column: an array of its own, or a view cast from a mapped file.
+Column: TypeAlias = "array[int] | memoryview"
+StrTab: TypeAlias = "bytes | memoryview"
+
+
+def c_string(st: StrTab, off: int) -> bytes:
+    """The NUL-terminated string at ``off`` (to the end if unterminated). A mapped table has
+    no ``find``: it is read in growing pieces, so a name costs O(its length)."""
+    if isinstance(st, bytes):
+        end = st.find(b"\0", off)
+        return st[off : end if end >= 0 else len(st)]
+    want = 256
+    while True:
+        piece = bytes(st[off : off + want])
+        end = piece.find(b"\0")
+        if end >= 0:
+            return piece[:end]
+        if off + want >= len(st):
+            return piece
+        want *= 16
+
 
 class SymbolTable:
     """Sorted, non-duplicated symbols of one binary, in ELF vaddr space.
@@ -48,7 +74,13 @@ class SymbolTable:
     ``_named`` caches decoded names by index: O(names used).
     ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too."""
 
-    __slots__ = ("_named", "_offs", "_plt", "_strtab", "ends", "nbytes", "starts")
+    __slots__ = ("_named", "_offs", "_plt", "_strtab", "ends", "mapped_bytes", "nbytes",
+                 "starts")  # fmt: skip
+
+    starts: Column
+    ends: Column
+    _offs: Column
+    _strtab: StrTab
 
     def __init__(self, symbols: Iterable[tuple[int, int, str]]) -> None:
         syms = sorted(symbols)
@@ -59,18 +91,22 @@ class SymbolTable:
         self._named = {i: n for i, (_, _, n) in enumerate(syms)}
         self._plt: dict[int, str] = {}
         self.nbytes = 20 * len(syms) + sum(49 + len(n) for _, _, n in syms)
+        self.mapped_bytes = 0
 
     @classmethod
     def _columns(
-        cls, starts: array[int], ends: array[int], offs: array[int], strtab: bytes,
-        named: dict[int, str], plt: dict[int, str] | None = None,
+        cls, starts: Column, ends: Column, offs: Column, strtab: StrTab,
+        named: dict[int, str], plt: dict[int, str] | None = None, *, mapped_bytes: int = 0,
     ) -> SymbolTable:  # fmt: skip
+        """A table over given columns; ``mapped_bytes``: the size of the file mapping they
+        are views of (then ``nbytes`` is that plus the names held on the heap)."""
         t = cls.__new__(cls)
         t.starts, t.ends, t._offs, t._strtab, t._named = starts, ends, offs, strtab, named
         t._plt = plt or {}
         # names decoded later are not counted: bounded by the string table we count whole
-        t.nbytes = 20 * len(starts) + len(strtab) + sum(
-            49 + len(n) for d in (named, t._plt) for n in d.values())  # fmt: skip
+        names = sum(49 + len(n) for d in (named, t._plt) for n in d.values())
+        t.nbytes = (mapped_bytes or 20 * len(starts) + len(strtab)) + names
+        t.mapped_bytes = mapped_bytes
         return t
 
     @classmethod
@@ -89,8 +125,7 @@ class SymbolTable:
             if off == NO_NAME:
                 n = self._named[i] = f"{demangle(self._plt[i])}@plt"
                 return n
-            end = st.find(b"\0", off)
-            raw = st[off : end if end >= 0 else len(st)].decode("utf-8", "surrogateescape")
+            raw = c_string(st, off).decode("utf-8", "surrogateescape")
             n = self._named[i] = demangle(raw)
         return n
 

@@ -241,6 +241,10 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.profiler.engine.table.binaries.stats.entries),
         Spec("unwindd_elf_cache_bytes", "Estimated bytes held by the ELF cache.",
              lambda d: d.profiler.engine.table.binaries.stats.bytes),
+        Spec("unwindd_elf_cache_mapped_bytes",
+             "Of unwindd_elf_cache_bytes, tables used in place from read-only mappings of the "
+             "disk cache (shared, reclaimable page cache); the rest is private heap.",
+             lambda d: d.profiler.engine.table.binaries.stats.mapped_bytes),
         Spec("unwindd_store_stacks", "Distinct stacks held in the store.",
              lambda d: d.profiler.store.stats.stacks),
         Spec("unwindd_store_entries", "(time bucket, pid, tid, comm, stack) entries held.",

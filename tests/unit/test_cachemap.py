@@ -1,0 +1,250 @@
+"""Tables used in place from mapped disk cache files (cachefiles.map_cache_file, cfi.CfiStore,
+symstore.SymbolStore).
+
+1. Mapped, not copied: a table the stores hand out after a compile or a hit is a read-only
+   view of a shared mapping of its file (listed in /proc/self/maps, no fd kept open), and the
+   ELF cache counts it as ``mapped_bytes``; without a store (no cache dir) a table is heap.
+2. Same answers: a mapped CFI table gives the heap table's rows and lookups; a replay of a
+   real recording unwinds every sample the same with the cache (mapped tables) and without
+   it (heap tables), per sample (``--format jsonl``).
+3. Loader fuzz: damaged files (random truncations, extensions, byte flips, and flips with the
+   CRC recomputed so that only the structural checks can refuse them) are each either
+   refused, counted and removed, or, for the resealed ones the checks cannot tell from a
+   real table, loaded as a table whose lookups stay in bounds; never a crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+from unwindd.binaries import cfi as cfimod
+from unwindd.binaries import symstore
+from unwindd.binaries.cachefiles import CacheFileError, map_cache_file
+from unwindd.binaries.cfi import CfiStore, CfiTable
+from unwindd.binaries.elfcache import CacheConfig, ElfCache
+from unwindd.binaries.symstore import SymbolStore
+
+LIB = "/usr/lib/x86_64-linux-gnu"
+LIBZ = os.path.realpath(f"{LIB}/libz.so.1")
+LIBC = os.path.realpath(f"{LIB}/libc.so.6")
+
+
+def _mapped_paths() -> set[str]:
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6:
+                out.add(parts[5].strip())
+    return out
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# --------------------------------------------------------------------------- 1. mapped
+
+
+def test_map_cache_file_keeps_no_fd_and_unmaps_with_the_last_user(tmp_path: Path) -> None:
+    p = tmp_path / "f"
+    p.write_bytes(b"h" * 16 + b"x" * 10000)
+    fds = _open_fds()
+    got = map_cache_file(str(p), 1 << 20, 16)
+    assert got is not None
+    head, body = got
+    assert head == b"h" * 16 and bytes(body[:3]) == b"xxx" and len(body) == 10000
+    assert _open_fds() == fds and str(p) in _mapped_paths()
+    part = memoryview(body)[104:200].cast("Q")  # a column view keeps the mapping too
+    del body, got
+    gc.collect()
+    assert str(p) in _mapped_paths() and part[0] == int.from_bytes(b"x" * 8, "little")
+    del part
+    gc.collect()
+    assert str(p) not in _mapped_paths()
+    assert map_cache_file(str(tmp_path / "none"), 1 << 20) is None
+    (tmp_path / "empty").write_bytes(b"")
+    for bad, limit, hd in (("empty", 1 << 20, 0), ("f", 10015, 0), ("f", 1 << 20, 10016)):
+        with pytest.raises(CacheFileError):
+            map_cache_file(str(tmp_path / bad), limit, hd)
+    os.mkdir(tmp_path / "dir")
+    with pytest.raises(CacheFileError):
+        map_cache_file(str(tmp_path / "dir"), 1 << 20)
+
+
+def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
+    store = CfiStore(tmp_path / "cfi")
+    syms = SymbolStore(tmp_path / "sym")
+    cache = ElfCache(CacheConfig(), cfi_factory=lambda p, d, b: store.get_or_compile(b, p, d),
+                     symbol_factory=syms, cfi_lookup=store.lookup)  # fmt: skip
+    e = cache.acquire(None, LIBZ)
+    assert e.usable and e.build_id
+    t = e.cfi()
+    s = e.symbols()
+    assert isinstance(t, CfiTable) and t.mapped and not isinstance(t._blob, bytes)
+    assert store.stats["compiled"] == 1 and syms.stats["misses"] == 1
+    assert store.path_for(e.build_id) in _mapped_paths()
+    assert syms.path_for(e.build_id) in _mapped_paths()
+    want = os.path.getsize(store.path_for(e.build_id)) - cfimod.FILE_HEADER.size
+    assert t.nbytes == want
+    assert s.mapped_bytes == os.path.getsize(syms.path_for(e.build_id))
+    assert cache.stats.mapped_bytes == t.nbytes + s.mapped_bytes
+    assert 0 < cache.stats.mapped_bytes < cache.stats.bytes
+    # dropped with the entry
+    cache.release(e)
+    cache.clear()
+    assert cache.stats.mapped_bytes == 0 and cache.stats.bytes == 0
+    # no store: heap tables, nothing mapped
+    plain = ElfCache(CacheConfig(), cfi_factory=lambda p, d, b: CfiTable.from_elf(p, d))
+    h = plain.acquire(None, LIBZ)
+    ht = h.cfi()
+    assert isinstance(ht, CfiTable) and not ht.mapped and isinstance(ht.blob, bytes)
+    assert h.symbols().mapped_bytes == 0 and plain.stats.mapped_bytes == 0
+
+
+# --------------------------------------------------------------------------- 2. same answers
+
+
+def test_mapped_cfi_equals_heap(tmp_path: Path) -> None:
+    store = CfiStore(tmp_path)
+    bid = b"\x11" * 20
+    store.get_or_compile(bid, LIBC)
+    mapped = store.lookup(bid)
+    heap = CfiTable.from_elf(LIBC)
+    assert mapped is not None and mapped.mapped and not heap.mapped
+    rows = heap.rows()
+    assert mapped.rows() == rows and len(rows) > 1000
+    rng = random.Random(1)
+    probes = [r.pc for r in rows[::7]] + [rng.randrange(0, rows[-1].pc + 4096) for _ in range(5000)]
+    for pc in probes:
+        assert mapped.lookup(pc) == heap.lookup(pc), hex(pc)
+
+
+@pytest.fixture(scope="module")
+def perf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from perfutil import record_perf_data
+
+    tmp = tmp_path_factory.mktemp("cachemap")
+    busy = [sys.executable, "-c", "import zlib, json\nx = b'a' * 4096\n"
+            "for i in range(20000): zlib.compress(x + bytes([i % 256])); json.dumps([i] * 9)"]
+    return record_perf_data(tmp, busy)  # fmt: skip
+
+
+def test_replay_unwinds_the_same_mapped_and_heap(perf_file: Path, tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "unwindd.cli", "replay", str(perf_file), "--format", "jsonl"]
+
+    def replay(*extra: str) -> bytes:
+        return subprocess.run([*base, *extra], capture_output=True, check=True).stdout
+
+    cache = str(tmp_path / "cache")
+    first = replay("--cache-dir", cache)  # compiled, written, mapped back
+    second = replay("--cache-dir", cache)  # read from the files, mapped
+    heap = replay("--no-cache")
+    assert len(list((tmp_path / "cache" / "cfi").glob("*.cfi"))) >= 2
+    assert first == second == heap and heap.count(b"\n") > 100
+
+
+# --------------------------------------------------------------------------- 3. loader fuzz
+
+
+def _reseal_cfi(data: bytes) -> bytes:
+    body = data[cfimod.FILE_HEADER.size :]
+    magic, version, arch, _size, _crc = cfimod.FILE_HEADER.unpack_from(data, 0)
+    return cfimod.FILE_HEADER.pack(magic, version, arch, len(body), zlib.crc32(body)) + body
+
+
+def _mutants(data: bytes, rng: random.Random, reseal: object, n: int) -> list[tuple[str, bytes]]:
+    hs = 64
+    out: list[tuple[str, bytes]] = []
+    for _ in range(n):
+        kind = rng.randrange(5)
+        b = bytearray(data)
+        if kind == 0:
+            cut = rng.randrange(len(data))
+            out.append((f"cut {cut}", bytes(b[:cut])))
+            continue
+        if kind == 1:
+            out.append(("extended", bytes(b) + bytes(rng.randrange(1, 64))))
+            continue
+        k = rng.randrange(1, 8)
+        # flips in the header, or in the body's first KiB (table headers, indexes)
+        for _ in range(k):
+            i = rng.randrange(hs + 1024) if kind in (2, 3) else rng.randrange(len(b))
+            b[min(i, len(b) - 1)] ^= 1 << rng.randrange(8)
+        out.append((f"flip {kind}", bytes(b) if kind != 3 else reseal(bytes(b))))  # type: ignore[operator]
+    return out
+
+
+def test_cfi_loader_fuzz(tmp_path: Path) -> None:
+    store = CfiStore(tmp_path)
+    bid = b"\x22" * 20
+    good = store.get_or_compile(bid, LIBZ)
+    path = store.path_for(bid)
+    data = Path(path).read_bytes()
+    good_rows = good.rows()
+    pcs = [r.pc for r in good_rows] + [0, 1 << 63]
+    rng = random.Random(7)
+    for case, bad in _mutants(data, rng, _reseal_cfi, 300):
+        tmp = path + ".new"
+        Path(tmp).write_bytes(bad)
+        os.replace(tmp, path)  # as writers do: never rewritten in place under a mapping
+        corrupt = store.stats["corrupt"]
+        t = store.lookup(bid)
+        if t is None:
+            assert store.stats["corrupt"] == corrupt + 1, case
+            assert not os.path.exists(path), case  # removed, to be recompiled
+            again = store.get_or_compile(bid, LIBZ)
+            assert again.mapped and again.rows() == good_rows, case
+        else:
+            assert bad == data or "flip 3" in case, case
+            for pc in pcs:  # a table that passed validation: lookups stay in bounds
+                t.lookup(pc)
+            t.rows()
+    assert store.stats["corrupt"] > 200
+
+
+def _reseal_sym(data: bytes) -> bytes:
+    hdr = symstore._SYM_FILE
+    f = list(hdr.unpack_from(data, 0))
+    body = data[hdr.size :]
+    f[-1] = zlib.crc32(body)
+    return hdr.pack(*f) + body
+
+
+def test_symbol_loader_fuzz(tmp_path: Path) -> None:
+    store = SymbolStore(tmp_path)
+    cache = ElfCache(CacheConfig(), symbol_factory=store)
+    e = cache.acquire(None, LIBZ)
+    assert e.build_id is not None
+    good = e.symbols()
+    path = store.path_for(e.build_id)
+    data = Path(path).read_bytes()
+    source = symstore.source_stamp(e)
+    probes = [a for s, en in zip(good.starts, good.ends, strict=True) for a in (s, en - 1, en)]
+    want = [good.lookup(a) for a in probes]
+    rng = random.Random(11)
+    refused = 0
+    for case, bad in _mutants(data, rng, _reseal_sym, 300):
+        tmp = path + ".new"
+        Path(tmp).write_bytes(bad)
+        os.replace(tmp, path)
+        t = store._load(path, e.build_id, source)
+        if t is None:
+            refused += 1
+            assert not os.path.exists(path), case
+            continue
+        # accepted: unchanged, or resealed damage the checks cannot see (a misordered start,
+        # another in-range name offset); any lookup stays in bounds and names something
+        got = [t.lookup(a) for a in probes]
+        if bad == data:
+            assert got == want, case
+        for i in range(len(t)):
+            t.name(i)
+    assert refused > 200
