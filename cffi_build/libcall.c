@@ -1,5 +1,6 @@
 /* libcall.c: the libc and libstdc++ functions the Python side would otherwise reach through
- * ctypes: libstdc++'s __cxa_demangle (demangle.py; found with dlopen/dlsym on first use) and
+ * ctypes: libstdc++'s __cxa_demangle (demangle.py; found with dlopen/dlsym on first use),
+ * libiberty's cplus_demangle from a shared library that exports it (demangle.py finds it) and
  * glibc's malloc_trim (elfcache.py).
  *
  * Why: ctypes costs a replay its import, and argument marshalling on every call (demangling
@@ -47,6 +48,48 @@ int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap)
         free(s);
         return -2;
     }
+    size_t n = strlen(s);
+    if (n > cap || n > (size_t)INT64_MAX - 3) {
+        free(s);
+        return -3 - (int64_t)n;
+    }
+    memcpy(out, s, n);
+    free(s);
+    return (int64_t)n;
+}
+
+/* libiberty's cplus_demangle, as exported by a shared library that links libiberty in (GNU
+ * binutils' libbfd): the demangler perf 6.1 calls (tools/perf/util/symbol-elf.c
+ * demangle_sym, through bfd_demangle or cplus_demangle). The path is found by demangle.py;
+ * the library is opened once (the first path given wins) and never unloaded. */
+typedef char *(*cplus_demangle_fn)(const char *, int);
+static cplus_demangle_fn iberty;
+static pthread_mutex_t iberty_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int unw_iberty_open(const char *path)
+{
+    pthread_mutex_lock(&iberty_lock);
+    if (!iberty) {
+        void *h = dlopen(path, RTLD_LAZY | RTLD_LOCAL);
+        cplus_demangle_fn fn = h ? (cplus_demangle_fn)dlsym(h, "cplus_demangle") : NULL;
+        if (fn)
+            __atomic_store_n(&iberty, fn, __ATOMIC_RELEASE);
+        else if (h)
+            dlclose(h);
+    }
+    int ok = iberty ? 0 : -1;
+    pthread_mutex_unlock(&iberty_lock);
+    return ok;
+}
+
+int64_t unw_iberty_demangle(const char *name, int options, char *out, uint64_t cap)
+{
+    cplus_demangle_fn fn = __atomic_load_n(&iberty, __ATOMIC_ACQUIRE);
+    if (!fn)
+        return -1;
+    char *s = fn(name, options);
+    if (!s)
+        return -2;
     size_t n = strlen(s);
     if (n > cap || n > (size_t)INT64_MAX - 3) {
         free(s);

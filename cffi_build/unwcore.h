@@ -251,6 +251,12 @@ int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *o
  * not demangle, -3 - n the result needs n bytes (cap was short). unw_malloc_trim: glibc's
  * malloc_trim(0) (none if dry), 0; -1 without glibc. */
 int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap);
+/* libcall.c: unw_iberty_open dlopens path and takes its cplus_demangle (once per process: later
+ * calls only report), 0 if there is one, else -1. unw_iberty_demangle: cplus_demangle(name,
+ * options) into out[0, cap) like unw_cxa_demangle (-1 no library opened, -2 no demangling,
+ * -3 - n short cap). */
+int unw_iberty_open(const char *path);
+int64_t unw_iberty_demangle(const char *name, int options, char *out, uint64_t cap);
 int unw_malloc_trim(int dry);
 
 /* ------------------------------------------------------------------ side-band (sideband.c) */

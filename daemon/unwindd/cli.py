@@ -167,7 +167,7 @@ def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
     import json
 
     from .serve.config import DEFAULT_PATH, DEFAULTS_SOURCE, ConfigError, load_config
-    from .serve.startup import StartupError, preflight
+    from .serve.startup import StartupError, debuginfod_config, preflight
 
     try:
         cfg = load_config(args.file)
@@ -177,6 +177,10 @@ def cmd_check_config(args: argparse.Namespace, out: TextIO) -> int:
     except StartupError as e:
         return fail(f"{cfg.source}: {e}")
     out.write(json.dumps(cfg.to_json(), indent=2) + "\n")
+    dcfg = debuginfod_config(cfg, os.environ)  # (checked by preflight)
+    if dcfg is not None:
+        print(f"unwindd: debuginfod: {' '.join(dcfg.urls)} (cache {dcfg.cache_dir})",
+              file=sys.stderr)  # fmt: skip
     if args.file is None and cfg.source == DEFAULTS_SOURCE:
         print(f"unwindd: {DEFAULT_PATH} does not exist: the daemon would run on the built-in "
               "defaults (printed)", file=sys.stderr)  # fmt: skip
@@ -245,6 +249,13 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
     """The native replay (filereplay.py) for a file in folded, jsonl or perf-script; the Python
     replay (streamreplay.py) for what it does not take: stdin, a file it finds ``Unsupported``,
     the summary and records formats. html: the folded replay, drawn (``_replay_html``)."""
+    if os.environ.get("DEBUGINFOD_URLS"):
+        from .binaries.debuginfod import parse_urls
+
+        try:
+            parse_urls(os.environ["DEBUGINFOD_URLS"])
+        except ValueError as e:
+            return fail(f"DEBUGINFOD_URLS: {e}")
     if args.format == "html" or args.diff_base is not None:
         return _replay_html(args, out)
     native = args.format in ("folded", "jsonl", "perf-script") and args.file != "-"
@@ -363,13 +374,50 @@ def _native_replay(
         engine = StackEngine.create(cache_dir=cache_dir)
     except OSError:  # a cache dir cannot be made: replay without them
         engine = StackEngine.create()
+    tmp = _replay_debuginfod(engine, cache_dir)
     try:
         replay(data, path, fmt, out, engine=engine, mapped=mapped)
     except Unsupported:
         return False
+    finally:
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     data.close()
     out.flush()
     return True
+
+
+def _replay_debuginfod(engine: object, cache_dir: str | None) -> str | None:
+    """With ``DEBUGINFOD_URLS`` set (checked by ``cmd_replay``), binaries the replay opens
+    that lack debug info are fetched by build-id before their frames are named (on this
+    thread: the replay waits, each fetch bounded by debuginfod's timeout), into
+    ``<cache dir>/debuginfod``; one line on stderr says so. With --no-cache, into a temporary
+    dir: returned, for the caller to remove."""
+    urls = os.environ.get("DEBUGINFOD_URLS", "").split()
+    if not urls:
+        return None
+    from .binaries.debuginfod import DebuginfodConfig
+    from .serve.startup import attach_debuginfod
+    from .unwind.engine import StackEngine
+
+    assert isinstance(engine, StackEngine)
+    tmp = None
+    if cache_dir is None:
+        import tempfile
+
+        d = tmp = tempfile.mkdtemp(prefix="unwindd-debuginfod-")
+    else:
+        d = os.path.join(cache_dir, "debuginfod")
+    dcfg = DebuginfodConfig(tuple(u.rstrip("/") for u in urls), d)
+
+    def note() -> None:
+        print(f"unwindd: debuginfod: fetching missing debug info by build-id from "
+              f"{' '.join(dcfg.urls)} (cache {d})", file=sys.stderr, flush=True)  # fmt: skip
+
+    attach_debuginfod(engine, dcfg, sync=True, on_first_fetch=note)
+    return tmp
 
 
 # Set when a native replay has written and flushed all of its output to stdout: the command

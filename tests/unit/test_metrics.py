@@ -9,6 +9,7 @@ from typing import Any
 
 from daemonutil import metric_values
 from prometheus_client import CollectorRegistry, generate_latest
+from unwindd.binaries.debuginfod import FETCH_RESULTS, DebuginfodStats
 from unwindd.binaries.elfcache import CacheStats
 from unwindd.procs.livetable import LiveTableStats
 from unwindd.serve.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
@@ -94,6 +95,21 @@ def test_new_stage_counters_appear_when_they_exist() -> None:
     assert metric_values(text, "unwindd_proc_rescans_total")['{reason="no_mappings"}'] == 0.0
     assert metric_values(text, "unwindd_proc_held_samples") == {"": 0.0}
     assert metric_values(text, "unwindd_bootstrap_processes") == {"": 0.0}
+
+
+def test_debuginfod_results_known_from_the_first_scrape() -> None:
+    d = fake_daemon()
+    assert "unwindd_debuginfod_fetches_total" not in scrape(d)  # a daemon without the counter
+    d.debuginfod_stats = DebuginfodStats()
+    text = scrape(d)
+    assert metric_values(text, "unwindd_debuginfod_fetches_total") == {
+        f'{{result="{r}"}}': 0.0 for r in FETCH_RESULTS}
+    d.debuginfod_stats.results.update({"ok": 2, "timeout": 1})
+    d.debuginfod_stats.pending = 3
+    text = scrape(d)
+    assert counted(text, "unwindd_debuginfod_fetches_total") == {
+        '{result="ok"}': 2.0, '{result="timeout"}': 1.0}
+    assert metric_values(text, "unwindd_debuginfod_pending") == {"": 3.0}
 
 
 def test_histograms() -> None:

@@ -1,26 +1,31 @@
-"""Symbol demangling the way ``perf script`` prints names (C++ Itanium, Rust legacy).
+"""Symbol demangling the way ``perf script`` prints names (C++ Itanium, Rust legacy, Rust v0).
 
-Rules (perf 6.1 built with libiberty's ``cplus_demangle``):
-- perf demangles with ``DMGL_NO_OPTS`` unless ``-v`` (tools/perf/util/symbol-elf.c
-  demangle_sym): no parameter list, no return type, no ``[clone .cold]`` suffix. So
-  ``_ZN2ns3BoxIlE4spinElRKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE`` prints as
-  ``ns::Box<long>::spin`` while ``c++filt`` prints the full signature. ``demangle_full`` is
-  the c++filt form (libstdc++'s ``__cxa_demangle``, found with dlopen by the native module,
-  or through ctypes where that fails: no new dependency);
-  ``demangle`` derives perf's form from it by removing the top-level function type.
-- Only the *outermost* function type goes: libiberty's d_encoding drops it only at top level,
-  so enclosing functions of local names (``f(int)::{lambda()#1}``) and thunk targets
-  (``non-virtual thunk to A::f()``) keep theirs.
-- Rust legacy symbols ``_ZN<len><ident>...17h<16 hex>E`` print as the path without the hash,
-  with ``$LT$``-style escapes and ``..`` decoded (perf's rust-demangle.c, from rustc-demangle).
+Rules (perf 6.1 as Debian builds it: no libbfd, GNU libiberty linked in statically, so
+tools/perf/util/symbol-elf.c demangle_sym calls libiberty's ``cplus_demangle(name, flags)``):
+- perf passes ``DMGL_NO_OPTS`` (0) unless ``-v``: no parameter list, no return type, no
+  ``[clone .cold]`` suffix, Rust without the legacy hash or v0 crate disambiguators. With the
+  default (auto) style, libiberty tries Rust first (``_R...`` v0, ``_ZN...17h<hash>E`` legacy),
+  then the Itanium C++ ABI (``_Z``, ``_GLOBAL_[._$][ID]_``).
+- The demangler is that same function: libiberty's ``cplus_demangle`` as exported by a shared
+  library that links libiberty in, GNU binutils' libbfd (``libbfd-<version>*.so``, in every
+  Debian/Ubuntu/Fedora binutils, which gcc depends on), opened with dlopen by the native module
+  (cffi_build/libcall.c). Nothing is needed at build time; the output is libiberty's, not a
+  reimplementation's.
+- Without such a library (``engine()`` says which demangler runs) the fallback keeps C++ and
+  Rust legacy right and prints v0 names raw: ``demangle_full`` is the c++filt form (libstdc++'s
+  ``__cxa_demangle``, native or through ctypes) and ``strip_function_type`` removes the
+  top-level function type from it (libiberty's d_encoding drops only that one, so enclosing
+  functions of local names and thunk targets keep theirs); Rust legacy names are decoded by
+  ``demangle_rust_legacy`` (perf's own rust-demangle.c, from rustc-demangle).
 - A name that does not demangle is printed as is (perf too).
 
-Cost: one ``__cxa_demangle`` call per distinct symbol, cached by the caller (symbol tables
-store demangled names once per binary).
+Cost: one demangler call per distinct symbol, cached by the caller (symbol tables store
+demangled names once per binary); finding the library is one directory scan per process.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -28,7 +33,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import ctypes
 
-__all__ = ["demangle", "demangle_full", "demangle_rust_legacy", "strip_function_type"]
+__all__ = [
+    "demangle",
+    "demangle_full",
+    "demangle_iberty",
+    "demangle_rust_legacy",
+    "engine",
+    "strip_function_type",
+]
 
 
 class _Cxx:
@@ -104,6 +116,96 @@ class _Native:
 
 
 _native = _Native()
+
+# The prefixes libiberty's cplus_demangle can demangle in the auto style (rust_demangle: _R,
+# _ZN; cplus_demangle_v3: _Z, _GLOBAL_): every other name comes back NULL, so it is not asked.
+_IBERTY_PREFIXES = ("_Z", "_R", "_GLOBAL_")
+DMGL_NO_OPTS = 0  # include/demangle.h: what perf passes unless -v
+
+
+def _iberty_candidates() -> list[str]:
+    """Shared libraries that export libiberty's cplus_demangle: binutils' libbfd
+    (``libbfd-2.40-system.so`` on Debian, ``libbfd-2.41.so``-like elsewhere), newest version
+    first, in the directories the dynamic linker searches by default."""
+    import sysconfig
+
+    dirs = []
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    if multiarch:
+        dirs += [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"]
+    dirs += ["/usr/lib64", "/lib64", "/usr/lib", "/lib"]
+    found: list[tuple[list[int], str]] = []
+    seen: set[str] = set()
+    for d in dirs:
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if not e.name.startswith("libbfd") or ".so" not in e.name:
+                continue
+            real = os.path.realpath(e.path)
+            if real in seen:
+                continue
+            seen.add(real)
+            version = [int(x) for x in re.findall(r"\d+", e.name.split(".so")[0])]
+            found.append((version, e.path))
+    found.sort(key=lambda f: f[0], reverse=True)
+    return [p for _, p in found]
+
+
+class _Iberty:
+    """libiberty's ``cplus_demangle`` through the native module (cffi_build/libcall.c)."""
+
+    def __init__(self) -> None:
+        self.state: bool | None = None  # None: not looked for yet
+        self.path: str | None = None
+        self.cap = 4096
+        self.buf: object = None
+
+    def available(self) -> bool:
+        if self.state is None:
+            from ..unwcore import lib
+
+            self.state = False
+            for path in _iberty_candidates():
+                if int(lib.unw_iberty_open(path.encode("utf-8", "surrogateescape"))) == 0:
+                    self.state, self.path = True, path
+                    break
+        return self.state
+
+    def __call__(self, raw: bytes, options: int) -> str | None:
+        from ..unwcore import ffi, lib
+
+        while True:
+            if self.buf is None:
+                self.buf = ffi.new("char[]", self.cap)
+            n = int(lib.unw_iberty_demangle(raw, options, self.buf, self.cap))
+            if n >= 0:
+                return bytes(ffi.buffer(self.buf, n)).decode("utf-8", "replace")
+            if n in (-1, -2):
+                return None
+            self.cap, self.buf = -3 - n, None  # a longer name than any before: retry
+
+
+_iberty = _Iberty()
+
+
+def engine() -> str:
+    """Which demangler ``demangle`` uses: ``libiberty (<library path>)`` or ``fallback``."""
+    return f"libiberty ({_iberty.path})" if _iberty.available() else "fallback"
+
+
+def demangle_iberty(name: str, options: int = DMGL_NO_OPTS) -> str | None:
+    """libiberty's ``cplus_demangle(name, options)``, or None if it does not demangle ``name``
+    or no library provides it."""
+    if not _iberty.available():
+        return None
+    try:
+        raw = name.encode("utf-8", "surrogateescape")
+    except UnicodeError:
+        return None
+    return _iberty(raw, options)
 
 
 @lru_cache(maxsize=4096)
@@ -271,6 +373,11 @@ def _rust_unescape(ident: str) -> str:
 @lru_cache(maxsize=65536)
 def demangle(name: str) -> str:
     """The name as ``perf script`` prints it (see the module rules)."""
+    if not name.startswith(_IBERTY_PREFIXES):
+        return name
+    if _iberty.available():
+        got = demangle_iberty(name)
+        return name if got is None else got
     if not name.startswith("_Z"):
         return name
     rust = demangle_rust_legacy(name)

@@ -143,6 +143,9 @@ class ElfCache:
         self._lru: OrderedDict[int, ElfEntry] = OrderedDict()  # unreferenced, oldest first
         self._trim = _malloc_trim() if self.config.trim_bytes > 0 else None
         self._churned = 0  # entry bytes loaded or dropped since the last trim
+        # told of each binary's first symbol table load (debuginfod.Debuginfod.offer): the
+        # binaries whose frames are being named; must not raise
+        self.on_symbols: Callable[[ElfEntry], None] | None = None
 
     def __len__(self) -> int:
         return len(self._by_key)

@@ -59,6 +59,9 @@ class EntryOwner(Protocol):
     @property
     def stats(self) -> _ErrorCounts: ...
 
+    @property
+    def on_symbols(self) -> Callable[[ElfEntry], None] | None: ...
+
     def find_debug_file(self, entry: ElfEntry) -> str | None: ...
 
     def _grew(self, entry: ElfEntry, n: int, mapped: int = 0) -> None: ...
@@ -190,7 +193,20 @@ class ElfEntry:
     def symbols(self) -> SymbolTable:
         """The symbol table (perf's rules, see elfsyms.py); loaded once, empty on error.
         Built by the cache's ``symbol_factory`` if it has one (a ``SymbolStore``: the same
-        table, read from disk by build-id when it was built before)."""
+        table, read from disk by build-id when it was built before). The cache's
+        ``on_symbols`` (debuginfod.Debuginfod.offer) is told of the first load; if it fetched
+        a debug file at once (``forget_debug``), the table is loaded again from it."""
+        if self._symbols is None:
+            self._load_symbols()
+            hook = self._cache.on_symbols if self._cache is not None else None
+            if hook is not None:
+                hook(self)
+                if self._symbols is None:
+                    self._load_symbols()
+        assert self._symbols is not None
+        return self._symbols
+
+    def _load_symbols(self) -> None:
         if self._symbols is None:
             table = SymbolTable.empty()
             factory = self._cache.symbol_factory if self._cache is not None else None
@@ -201,7 +217,6 @@ class ElfEntry:
                     self._count_error(f"symbols_{e.reason}")
             self._symbols = table
             self._grow(table.nbytes, table.mapped_bytes)
-        return self._symbols
 
     def debug_path(self) -> str | None:
         """Separate debug file: build-id dir first, then .gnu_debuglink (validated)."""
@@ -214,6 +229,16 @@ class ElfEntry:
                     self._count_error(f"debug_{e.reason}")
             self._debug = found
         return self._debug if isinstance(self._debug, str) else None
+
+    def forget_debug(self) -> None:
+        """Forget the symbol table and the separate debug file found (one has appeared since:
+        debuginfod.py): both load again on next use. CFI stays (``.eh_frame`` survives
+        strip, and native address spaces hold the table)."""
+        if self._symbols is not None:
+            n, mapped = self._symbols.nbytes, self._symbols.mapped_bytes
+            self._symbols = None
+            self._grow(-n, -mapped)
+        self._debug = NOT_LOADED
 
     def cfi(self) -> object | None:
         """The unwind table from the injected factory (``CfiTable.from_elf``, or a

@@ -287,7 +287,7 @@ def _best_by_name(cands: list[int], u32: memoryview, strtab: bytes) -> int:
     rank: dict[str, tuple[int, int]] = {}
     for key in set(keys):
         name = classes[key]
-        shown = demangle(name) if name.startswith("_Z") else name
+        shown = demangle(name)  # (Rust v0 ``_R`` names demangle too)
         rank[key] = (-_underscores(shown), len(shown))
     best, best_rank = cands[0], rank[keys[0]]
     for j, key in zip(cands[1:], keys[1:], strict=True):

@@ -169,10 +169,16 @@ class NativeStep:
         bounded under process churn."""
         self.nctx = NativeContext(self.engine)
         self.ctx = self.nctx.ctx
+        self._reset = False
         self.contexts += 1
         self._frames: list[Frame] = []  # per frame id
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+
+    def reset_context(self) -> None:
+        """Drop the C context and its mirrors at the next step (as past ``max_stacks``): its
+        frames were named once and a binary's names changed (debuginfod.py)."""
+        self._reset = True
 
     def forget_all(self) -> None:
         self.nctx.forget_all_spaces()
@@ -211,7 +217,8 @@ class NativeStep:
             if round_drained(n, want):
                 break
         flushed = None
-        if len(self._stacks) > self.max_stacks or self.nctx.nspaces > self.max_spaces:
+        if (self._reset or len(self._stacks) > self.max_stacks
+                or self.nctx.nspaces > self.max_spaces):  # fmt: skip
             flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         out, info = self._round(cpus, bounds, False)

@@ -143,6 +143,32 @@ def cache_dir(section: CacheSection, env: Mapping[str, str]) -> str | None:
 
 
 
+def _debuginfod_urls(v: Any) -> str | None:
+    from ..binaries.debuginfod import parse_urls
+
+    if v == "off":
+        return None
+    try:
+        parse_urls(v)
+    except ValueError as e:
+        return f"{e} (space-separated http(s) URLs, \"\" or \"off\")"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SymbolsSection:
+    # debuginfod (binaries/debuginfod.py): servers asked by build-id for the debug info of
+    # binaries that lack it locally; fetched in a worker, kept in debuginfod_cache
+    debuginfod_urls: str = _key("", live=False, check=_debuginfod_urls,
+                                doc='space-separated http(s) URLs; "" = $DEBUGINFOD_URLS, '
+                                    '"off" = none')  # fmt: skip
+    debuginfod_cache: str = _key("", live=False, check=lambda v: v and _abs_path(v),
+                                 doc='"" = <[cache] dir>/debuginfod')  # fmt: skip
+    debuginfod_timeout: float = _key(30.0, live=False, check=_positive)
+    debuginfod_max_bytes: int = _key(1 << 30, live=False, check=_positive)
+    debuginfod_negative_seconds: float = _key(600.0, live=False, check=_non_negative)
+
+
 @dataclass(frozen=True, slots=True)
 class StoreSection:
     bucket_seconds: int = _key(10, live=False, check=_positive)
@@ -239,6 +265,7 @@ class Config:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     unwind: UnwindSection = field(default_factory=UnwindSection)
     cache: CacheSection = field(default_factory=CacheSection)
+    symbols: SymbolsSection = field(default_factory=SymbolsSection)
     store: StoreSection = field(default_factory=StoreSection)
     api: ApiSection = field(default_factory=ApiSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from .. import __version__
 from ..binaries.cfi import CFI_STORE_RESULTS
+from ..binaries.debuginfod import FETCH_RESULTS as DEBUGINFOD_RESULTS
 from ..binaries.elfcache import ERROR_KINDS as ELF_ERRORS
 from ..binaries.symstore import SYM_STORE_RESULTS
 from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
@@ -186,6 +187,9 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_symbol_disk_cache", "Symbol tables on disk ([cache] dir), by result.",
              lambda d: d.profiler.engine.disk_stats.get("sym", {}), "result",
              lambda d: SYM_STORE_RESULTS),
+        Spec("unwindd_debuginfod_fetches",
+             "Debug info asked of debuginfod servers by build-id ([symbols]), by result.",
+             lambda d: d.debuginfod_stats.results, "result", lambda d: DEBUGINFOD_RESULTS),
         Spec("unwindd_proc_rescans", "/proc/<pid>/maps re-reads, by trigger.",
              lambda d: d.profiler.live.stats.rescans, "reason", lambda d: RESCAN_TRIGGERS),
         Spec("unwindd_proc_rescans_override", "Rescans past the churn threshold (/proc won).",
@@ -262,6 +266,8 @@ def gauge_specs() -> list[Spec]:
              lambda d: float(d.last_reload is None or d.last_reload.ok)),
         Spec("unwindd_uptime_seconds", "Seconds since the daemon started.",
              lambda d: d.uptime()),
+        Spec("unwindd_debuginfod_pending", "debuginfod fetches queued or running.",
+             lambda d: d.debuginfod_stats.pending),
         Spec("unwindd_push_pending_profiles", "Profiles waiting to be pushed.",
              lambda d: d.push_stats.pending),
         Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",

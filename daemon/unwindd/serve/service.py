@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
+from ..binaries.debuginfod import Debuginfod, DebuginfodStats
 from ..pipeline.live import LiveProfiler
 from ..pipeline.ringstep import StepInfo
 from .answers import AnswerCache, cacheable
@@ -60,6 +61,8 @@ from .sdnotify import Notifier
 from .startup import (
     StartupError,
     apply_socket_perms,
+    attach_debuginfod,
+    debuginfod_config,
     describe_target,
     listen_tcp,
     open_profiler_for,
@@ -150,6 +153,8 @@ class Daemon:
         self._tls = threading.local()  # .store: the snapshot a worker-thread query reads
         self.pusher: Pusher | None = None  # [export] pyroscope_url: pyroscope.py
         self.push_stats = PushStats()  # the pusher's, once there is one (metrics read it)
+        self.debuginfod: Debuginfod | None = None  # [symbols] debuginfod_urls / DEBUGINFOD_URLS
+        self.debuginfod_stats = DebuginfodStats()  # its, once there is one (metrics read it)
 
     # -- what metrics and status read
 
@@ -272,6 +277,7 @@ class Daemon:
         remove_stale_socket(path)
         self.profiler = self._open_profiler(cfg)
         try:
+            self._start_debuginfod(cfg)  # before the bootstrap opens binaries
             self.profiler.start()
             await self._listen(cfg, path)
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -295,6 +301,36 @@ class Daemon:
         finally:
             await self._shutdown()
         return 0
+
+    def _start_debuginfod(self, cfg: Config) -> None:
+        dcfg = debuginfod_config(cfg, os.environ)
+        if dcfg is None:
+            return
+        self.debuginfod = attach_debuginfod(self.profiler.engine, dcfg)
+        self.debuginfod_stats = self.debuginfod.stats
+        log.info("debuginfod: debug info of binaries that lack it is fetched from %s "
+                 "(cache %s)", " ".join(dcfg.urls), dcfg.cache_dir)  # fmt: skip
+
+    def _debuginfod_arrivals(self) -> None:
+        """Debug files the worker fetched: their binaries' symbols load again from them, and
+        every cached name goes (the engine's, the native step's frames), so frames sampled
+        from now on are named from them."""
+        if self.debuginfod is None:
+            return
+        got = self.debuginfod.finished()
+        if not got:
+            return
+        from ..binaries.elfcache import ElfCache
+
+        engine = self.profiler.engine
+        cache = engine.table.binaries
+        for bid in got:
+            entry = cache.lookup_build_id(bid) if isinstance(cache, ElfCache) else None
+            if entry is not None:
+                entry.forget_debug()
+        engine.forget_names()
+        self.profiler.native_step.reset_context()
+        log.info("debuginfod: debug info of %d binaries arrived", len(got))
 
     def _push_config(self, cfg: Config) -> PushConfig | None:
         if not cfg.export.pyroscope_url:
@@ -386,6 +422,8 @@ class Daemon:
             await self.pull.close()
         if hasattr(self, "profiler"):
             self.profiler.close()
+        if self.debuginfod is not None:
+            self.debuginfod.close()
         if self.socket_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
@@ -451,6 +489,7 @@ class Daemon:
         self._timer = loop.call_later(self.config.daemon.tick_ms / 1000, self._tick)
 
     def _tick(self) -> None:
+        self._debuginfod_arrivals()
         self._step()
         self._set_readers(True)
         if not self._stop.is_set():

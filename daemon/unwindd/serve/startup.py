@@ -16,6 +16,9 @@ Rules:
   the store every ``FLUSH_SECONDS`` and before every read (the daemon flushes first).
 - The on-disk CFI and symbol cache is pruned to its bound once, here (O(files in it)); a cache
   dir that cannot be made is logged and the daemon runs without one.
+- debuginfod (``[symbols]``, else ``DEBUGINFOD_URLS``): its cache dir becomes one of the ELF
+  cache's debug roots and every binary whose symbols load is offered to it, before the
+  bootstrap opens any (``attach_debuginfod``); bad URLs are a ``StartupError`` (``preflight``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -42,6 +45,7 @@ from .config import (
 )
 
 if TYPE_CHECKING:
+    from ..binaries.debuginfod import Debuginfod, DebuginfodConfig
     from ..unwind.engine import StackEngine
 
 log = logging.getLogger("unwindd")
@@ -77,11 +81,58 @@ def preflight(cfg: Config) -> None:
     starting: an ``[api] group`` that does not exist; a configured (not the default, which
     falls back) socket directory that cannot be made or written."""
     group_id(cfg.api)
+    debuginfod_config(cfg, os.environ)
     if cfg.api.socket != DEFAULT_SOCKET:
         d = os.path.dirname(cfg.api.socket)
         why = socket_dir_problem(d)
         if why is not None:
             raise StartupError(f"[api] socket: cannot create {d}: {why}")
+
+
+def debuginfod_config(cfg: Config, env: Mapping[str, str]) -> DebuginfodConfig | None:
+    """The debuginfod client's settings, or None when no server is set (``[symbols]
+    debuginfod_urls``, else ``DEBUGINFOD_URLS``). Its cache: ``[symbols] debuginfod_cache``,
+    else ``debuginfod/`` under the daemon's cache dir (the user's when that is off or not
+    ours)."""
+    from ..binaries.cachefiles import user_cache_dir
+    from ..binaries.debuginfod import DebuginfodConfig, urls_from
+
+    s = cfg.symbols
+    try:
+        urls = urls_from(s.debuginfod_urls, env)
+    except ValueError as e:
+        raise StartupError(f"DEBUGINFOD_URLS: {e}") from None
+    if not urls:
+        return None
+    d = s.debuginfod_cache
+    if not d:
+        root = cache_dir(cfg.cache, env)
+        if root is None or (root == CACHE_DIR_FALLBACK and os.geteuid() != 0):
+            root = user_cache_dir(env)
+        d = os.path.join(root, "debuginfod")
+    return DebuginfodConfig(urls, d, timeout=s.debuginfod_timeout,
+                            max_bytes=s.debuginfod_max_bytes,
+                            negative_seconds=s.debuginfod_negative_seconds)  # fmt: skip
+
+
+def attach_debuginfod(engine: StackEngine, dcfg: DebuginfodConfig, *,
+                      sync: bool = False, on_first_fetch: Callable[[], None] | None = None,
+                      ) -> Debuginfod:  # fmt: skip
+    """A debuginfod client on ``engine``'s ELF cache: its dir searched for debug files, every
+    binary whose symbols are loaded from now on (its frames are being named) offered to it."""
+    from dataclasses import replace
+
+    from ..binaries.debuginfod import Debuginfod
+    from ..binaries.elfcache import ElfCache
+
+    cache = engine.table.binaries
+    assert isinstance(cache, ElfCache)
+    if dcfg.cache_dir not in cache.config.debug_roots:
+        cache.config = replace(cache.config,
+                               debug_roots=(*cache.config.debug_roots, dcfg.cache_dir))
+    dbg = Debuginfod(dcfg, sync=sync, on_first_fetch=on_first_fetch)
+    cache.on_symbols = dbg.offer
+    return dbg
 
 
 def group_id(api: ApiSection) -> int | None:

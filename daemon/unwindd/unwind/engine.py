@@ -355,6 +355,15 @@ class StackEngine:
         self._nstacks -= len(self._stacks.pop(pid, ()))
         self._frames.pop(pid, None)
 
+    def forget_names(self) -> None:
+        """Drop every cached name (frames, stacks, symbol lookups): a binary's symbols changed
+        (a debug file arrived, debuginfod.py), so frames are named again from now on."""
+        self._syms.clear()
+        self._stacks.clear()
+        self._nstacks = 0
+        self._frames.clear()
+        self._joined.clear()
+
     def cache_sizes(self) -> dict[str, int]:
         """Entries per cache, for metrics and the churn benchmark."""
         return {"snapshots": len(self._snaps), "stacks": self._nstacks,
