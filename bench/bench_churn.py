@@ -3,7 +3,7 @@ short-lived processes per second for a minute"): short-lived processes at a fixe
 a LiveProfiler set up like the daemon's samples every CPU under explicit caps.
 
     python bench/bench_churn.py [--rate 500] [--seconds 60] [--cap 256] [--cache-mib 32]
-        [--store-mib 8] [--store-entries 100000] [--work 200000] [--follow-spawner]
+        [--store-mib 8] [--store-entries 100000] [--work 200000] [--follow-spawner] [--breakdown]
 
 ``tests/support/workloads/churn.c`` posix_spawns ``blip`` (main -> a -> b -> c -> spin, ~0.4 ms of
 work, ~1-2 ms of life with exec) on an absolute schedule and reports the rate it achieved and
@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # test_live_procs, and the helpers it imports
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
@@ -44,13 +45,18 @@ def main() -> None:
     ap.add_argument("--warm", type=float, default=5.0, help="seconds before the budget's W")
     ap.add_argument("--follow-spawner", action="store_true",
                     help="sample only the spawner's tree (default: every CPU)")  # fmt: skip
+    ap.add_argument("--breakdown", action="store_true",
+                    help="trace what the ELF cache and the store hold: the cache's bytes in "
+                         "unreferenced (LRU) entries, the store's entries, stacks and frames, "
+                         "and the stacks the native step's mirror holds")  # fmt: skip
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         r = run_churn(build_churn(Path(d)), args.rate, args.seconds, cap_processes=args.cap,
                       cache_bytes=args.cache_mib * MIB, store_bytes=args.store_mib * MIB,
                       store_entries=args.store_entries, work=args.work,
                       frequency=args.frequency, follow_spawner=args.follow_spawner,
-                      trace_every=args.trace_every)  # fmt: skip
+                      trace_every=args.trace_every,
+                      probe=breakdown if args.breakdown else None)  # fmt: skip
     budget, warm = rss_budget(r, args.warm)
     trace = r.pop("trace")
     print(json.dumps({"args": vars(args)}))
@@ -61,11 +67,27 @@ def main() -> None:
     print(f"RSS budget: W {w / MIB:.1f} MiB (at {warm['t']:.1f} s) + caps -> "
           f"{budget / MIB:.1f} MiB; max RSS after warm-up {top / MIB:.1f} MiB: "
           f"{'within' if top <= budget else 'OVER'}")
-    print("trace: t s, RSS / ELF cache / store / malloc used / malloc free MiB, live pids")
+    print("trace: t s, RSS / ELF cache / store / malloc used / malloc free MiB, live pids"
+          + (" | cache unreferenced MiB, store entries / stacks / frames / B per entry, "
+             "native mirror stacks" if args.breakdown else ""))  # fmt: skip
     for t in trace:
+        more = ""
+        if args.breakdown:
+            more = (f" | {t['cache_unref'] / MIB:5.1f} {t['entries']:7.0f} {t['stacks']:7.0f} "
+                    f"{t['frames']:6.0f} {t['store'] / max(1, t['entries']):5.0f} "
+                    f"{t['mirror_stacks']:6.0f}")  # fmt: skip
         print(f"  {t['t']:5.1f} {t['rss'] / MIB:6.1f} {t['cache'] / MIB:5.1f} "
               f"{t['store'] / MIB:5.1f} {t['malloc_used'] / MIB:5.1f} "
-              f"{t['malloc_free'] / MIB:5.1f} {t['live_pids']}")  # fmt: skip
+              f"{t['malloc_free'] / MIB:5.1f} {t['live_pids']}{more}")  # fmt: skip
+
+
+def breakdown(prof: Any) -> dict[str, float]:
+    cache = prof.engine.table.binaries
+    st = prof.store.stats
+    step = prof.native_step
+    return {"cache_unref": sum(e.nbytes for e in cache._lru.values()),
+            "entries": st.entries, "stacks": st.stacks, "frames": st.frames,
+            "mirror_stacks": len(step._stacks) if step is not None else 0}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 samples, without the daemon's sockets or sampling.
 
     python3 bench/bench_query.py --capture /tmp/q.pickle [--seconds 12] [--freq 1000]
-    python3 bench/bench_query.py --load /tmp/q.pickle [--repeat 20]
+    python3 bench/bench_query.py --load /tmp/q.pickle [--repeat 20] [--store-mib N]
 
 ``--capture`` (root) samples the whole machine with the live profiler for the given seconds
 while one ``chain_o2 100`` re-exec loop per CPU runs (the load of bench_daemon.py) and pickles
@@ -109,11 +109,12 @@ class _Source:
         return None
 
 
-def run(path: str, repeat: int) -> None:
+def run(path: str, repeat: int, store_mib: int | None) -> None:
     with open(path, "rb") as f:
         data = pickle.load(f)
     log = data["log"]
-    store = StackStore(bucket_ns=data["bucket_ns"])
+    caps = {} if store_mib is None else {"max_bytes": store_mib << 20}
+    store = StackStore(bucket_ns=data["bucket_ns"], **caps)
     # Keep the last few batches back: added one per repeat, so the store moves between queries.
     head, tail = log[:-repeat], log[-repeat:]
     for _, groups in head:
@@ -164,11 +165,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=12)
     ap.add_argument("--freq", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--store-mib", type=int,
+                    help="the store's max_bytes (default: StackStore's); its query caches get 1/8")
     args = ap.parse_args()
     if args.capture:
         capture(args.capture, args.seconds, args.freq)
     if args.load:
-        run(args.load, args.repeat)
+        run(args.load, args.repeat, args.store_mib)
 
 
 if __name__ == "__main__":

@@ -108,8 +108,13 @@ def api_of(src: Source) -> Api:
 
 
 def cache_sum(store: StackStore) -> int:
-    return (sum(size for _, _, size in store.caches.texts.values())
-            + sum(sm.nbytes for sm in store.caches.summaries.values()))  # fmt: skip
+    c = store.caches
+    rebuilt = sum(120 + 8 * len(fr) for fr in c.stacks.values()) + 320 * len(c.pool)
+    assert c.stack_bytes == rebuilt
+    keys = sum(200 + 72 * len(k[1]) if k else 200 for k in c.func_keys.values())
+    assert c.keys_bytes == keys
+    return (sum(size for _, size in c.texts.values()) + c.stack_bytes + c.keys_bytes
+            + sum(sm.nbytes for sm in c.summaries.values()))  # fmt: skip
 
 
 def get(api: Api, target: str, peer: Peer) -> bytes:
@@ -177,7 +182,7 @@ def test_summary_path_answers_without_ties() -> None:
                          (6 * SEC, 2, 2, "b", (f[4], f[5]), 11)]  # fmt: skip
     store.add_counts(groups)
     snap = store.snapshot()
-    fast = top_summaries(store, snap._buckets, snap._stacks, SEC, None, None, 50)
+    fast = top_summaries(store, snap._buckets, snap._table.keys, SEC, None, None, 50)
     assert fast == (21, top_functions(snap.query(), 50))
     snap.close()
     assert store.caches.summaries and store.stats.cache_bytes > 0
@@ -198,8 +203,8 @@ def test_caches_emptied_with_their_data_and_bounded() -> None:
         assert len(store.caches.texts) <= store.stats.stacks
         assert set(store.caches.summaries) <= set(store._buckets)
     # the rendered stacks and summaries of evicted buckets are gone
-    for frames, _, _ in store.caches.texts.values():
-        assert frames in store._stack_ids
+    for _, sid in store.caches.texts:
+        assert sid in store._table
     store.drop_caches()
     assert store.stats.cache_bytes == 0
     # bounded: a store whose cache share holds two renderings caches at most that much
@@ -249,5 +254,55 @@ def test_queries_on_a_thread_while_adding() -> None:
     assert not errors, errors[0]
     store.add_counts([])  # the last deferred releases
     assert store.stats.cache_bytes == cache_sum(store)
-    for frames, _, _ in store.caches.texts.values():
-        assert frames in store._stack_ids
+    for _, sid in store.caches.texts:
+        assert sid in store._table
+
+
+def test_rebuilt_frames_follow_reused_frame_ids() -> None:
+    """A freed frame's id is reused by another frame at the same ip: queries cache the frames
+    they rebuild (QueryCaches.pool), and must answer the new frame, not the cached old one."""
+    store = StackStore(bucket_ns=SEC, max_buckets=1)
+    for t, sym in enumerate(["old", "mid", "new"]):
+        store.add_counts([(t * SEC, 1, 1, "a", (Frame(0xFFFF_FFFF_8100_0000, "[kernel.kallsyms]",
+                                                      sym, 0, kernel=True),), 1)])
+        assert [s.frames[0].sym for s in store.query()] == [sym]
+        snap = store.snapshot()
+        assert [s.frames[0].sym for s in snap.query()] == [sym]
+        snap.close()
+    assert store._table._ffree or len(store._table._fkeys) == 2  # the id was reused
+
+
+def test_pull_delta_matches_stacks_by_value() -> None:
+    """The pprof pull endpoint subtracts a baseline query from a later one per stack: the two
+    queries rebuild each stack, as the same objects only while the query caches hold them, so
+    the match is by value (here the caches are dropped in between)."""
+    from unwindd.serve.pprofpull import _baseline, _delta
+
+    f = [Frame(0x7F00_0000_1000 + 16 * i, "/lib/x.so", f"fn{i}", 0, rel=0x1000 + 16 * i)
+         for i in range(4)]  # fmt: skip
+    store = StackStore(bucket_ns=SEC)
+    store.add_counts([(0, 1, 1, "a", (f[0], f[1]), 5), (0, 2, 2, "b", (f[2], f[3]), 3)])
+    base = _baseline(store.query())
+    store.drop_caches()
+    store.add_counts([(0, 1, 1, "a", (f[0], f[1]), 2)])
+    now = store.query()
+    assert now[0].frames is not base[(1, 1, "a", (f[0], f[1]))].frames
+    assert [(s.pid, s.count, s.frames) for s in _delta(base, now)] == [(1, 2, (f[0], f[1]))]
+
+
+def test_a_store_at_its_cap_keeps_its_caches() -> None:
+    """Data leaves the caches their share of max_bytes: a store evicting for bytes at every
+    batch (process churn at the cap) still answers repeated queries from its caches."""
+    store = StackStore(bucket_ns=SEC, max_bytes=1 << 20)
+    api = api_of(Source(store, 10**6 * SEC))
+    pid = 1000
+    while store.stats.evicted_buckets < 3:
+        fr = tuple(Frame(0x7F00_0000_0000 + pid * 4096 + 16 * i, "/lib/x.so", f"f{i}", 0,
+                         rel=16 * i) for i in range(12))  # fmt: skip
+        store.add_counts([(pid // 20 * SEC, pid, pid, "c", fr[k:], 1) for k in range(4)])
+        pid += 1
+        get(api, "/v1/stacks?limit=200", Peer(0))
+        get(api, "/v1/top", Peer(0))
+    st = store.stats
+    assert st.cache_bytes > store.caches.max_bytes // 2 and st.bytes_estimate <= 1 << 20
+    assert st.cache_bytes == cache_sum(store)

@@ -7,6 +7,7 @@ import random
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,20 @@ F = {n: Frame(0x1000 + i, "/bin/x", n, 0) for i, n in enumerate("abcdef")}
 def sample(t: int, pid: int, *names: str, tid: int | None = None) -> UnwoundSample:
     frames = tuple(F[n] for n in names)
     return UnwoundSample(t, pid, tid or pid, 0, f"p{pid}", 1, "ok", frames)
+
+
+def check_table(store: StackStore) -> None:
+    """The table's frames are exactly those its stacks hold, counted per slot, and the stats
+    say so (``bytes_estimate``'s parts are the table's own counts)."""
+    t = store._table
+    stacks = [t.frames(sid) for sid in t._enc]
+    assert store.stats.frame_slots == t.slots == sum(map(len, stacks))
+    slots: Counter[int] = Counter()
+    for sid in t._enc:
+        slots.update(t._frame_ids(sid))
+    assert {fid: t._frefs[fid] for fid in slots} == dict(slots)
+    assert set(t._fids.values()) == set(slots) and store.stats.frames == t.nframes == len(slots)
+    assert all(t._fkeys[fid] is None for fid in t._ffree)
 
 
 def test_counts_by_window_and_filters() -> None:
@@ -100,12 +115,10 @@ def test_nothing_lost_uncounted(
     assert held + store.stats.evicted_samples == len(events) == store.stats.samples
     assert store.stats.entries <= max_entries and len(store._buckets) <= max_buckets
     assert store.stats.bytes_estimate <= max_bytes
-    # Interned stacks are exactly those some entry still uses; frames are counted by object.
+    # Interned stacks are exactly those some entry still uses; frames are those they hold.
     used = Counter(key[3] for b in store._buckets.values() for key in b.counts)
-    assert set(used) == set(store._stacks) and store.stats.stacks == len(used)
-    stacks = list(store._stacks.values())
-    assert store.stats.frame_slots == sum(map(len, stacks))
-    assert store.stats.frames == len({id(f) for fr in stacks for f in fr})
+    assert set(used) == set(store._table._enc) and store.stats.stacks == len(used)
+    check_table(store)
     # The per-process summary is exactly the pids with an entry held, with their held samples.
     held_by_pid: Counter[int] = Counter()
     for x in store.query():
@@ -155,31 +168,39 @@ def test_byte_cap_holds_under_churn_and_evictions_are_counted() -> None:
     st_ = store.stats
     assert st_.evicted_buckets > 0 and st_.evicted_samples > 0
     assert sum(x.count for x in store.query()) + st_.evicted_samples == added == st_.samples
-    assert st_.bytes_estimate > cap * 0.9  # evicts only what it must (one bucket at a time)
+    # evicts only what it must (one bucket at a time), and leaves the query caches their share
+    data = st_.bytes_estimate - st_.cache_bytes
+    assert cap * 3 / 4 * 0.9 < data <= cap * 3 / 4
     assert len(store._procs) == st_.pids == len({x.pid for x in store.query()})
-    assert len(store._stacks) == st_.stacks and len(store._by_obj) <= 2 * st_.stacks + 1024
+    assert len(store._table) == st_.stacks and len(store._by_obj) <= 2048
+    check_table(store)
 
 
 def test_byte_estimate_matches_measured_memory() -> None:
-    """The estimate is what the store really retains (tracemalloc), within 20%, for churn
-    (frames new per process) and for a long-lived process (few frames, many stacks/entries)."""
+    """The estimate is what the store really retains (tracemalloc), within 15%, for churn
+    (frames new per process), for a long-lived process (few frames, many stacks/entries) and
+    for groups as the live path hands them (add_counts, new ints per group, threads)."""
 
-    def measure(make: Callable[[], list[list[UnwoundSample]]]) -> tuple[int, int]:
+    def measure(make: Callable[[], list[list[Any]]], counts: bool = False) -> tuple[int, int]:
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
         batches = make()
         store = StackStore(bucket_ns=S, max_buckets=10**6, max_entries=10**9, max_bytes=1 << 40)
         for b in batches:
-            store.add(b)
-        del batches  # the store alone holds the frames now
+            if counts:
+                store.add_counts(b)
+            else:
+                store.add(b)
+        del batches  # the store alone holds what it keeps now
+        store._sweep()  # as the next batches do: the intern fast path lets go of the tuples
         gc.collect()
         used = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         return used, store.stats.bytes_estimate
 
     used, est = measure(lambda: [churn(pid, pid * S) for pid in range(20_000, 22_000)])
-    assert 0.8 < est / used < 1.2, (est, used)
+    assert 0.85 < est / used < 1.15, (est, used)
 
     def steady() -> list[list[UnwoundSample]]:
         frames = [Frame(0x40_0000 + 16 * i, "/usr/bin/app", SYMS[i % 64], i) for i in range(64)]
@@ -189,7 +210,20 @@ def test_byte_estimate_matches_measured_memory() -> None:
                 for t in range(300)]  # fmt: skip
 
     used, est = measure(steady)
-    assert 0.8 < est / used < 1.2, (est, used)
+    assert 0.85 < est / used < 1.15, (est, used)
+
+    def live() -> list[list[Any]]:
+        rnd = random.Random(4)
+        out = []
+        for pid in range(60_000, 61_500):
+            stacks = [tuple(s.frames) for s in aslr_process(pid, 0, rnd)[:3]]
+            # ringstep makes every group's ints anew (int(str(...)): not the same objects)
+            out.append([(int(str((pid + b) * S)), int(str(pid)), int(str(pid + th)), "app",
+                         fr, 1) for b in range(3) for th in range(4) for fr in stacks])
+        return out
+
+    used, est = measure(live, counts=True)
+    assert 0.85 < est / used < 1.15, (est, used)
 
 
 def test_byte_cap_with_a_snapshot_open() -> None:
@@ -210,10 +244,100 @@ def test_byte_cap_with_a_snapshot_open() -> None:
         pid += 1
     assert store.stats.bytes_estimate <= cap
     assert len(store._buckets) >= buckets - 30  # ~20 buckets' worth added, ~20 evicted
-    assert store._deferred and len(store._stacks) > store.stats.stacks  # held for the snapshot
+    assert store._deferred and len(store._table) > store.stats.stacks  # held for the snapshot
     assert sum(x.count for x in snap.query()) == seen  # every stack it sees is still there
     snap.close()
     store.add(churn(pid, (pid // 10) * S))
-    assert not store._deferred and len(store._stacks) == store.stats.stacks
-    stacks = list(store._stacks.values())
-    assert store.stats.frames == len({id(f) for fr in stacks for f in fr})
+    assert not store._deferred and len(store._table) == store.stats.stacks
+    check_table(store)
+
+
+def aslr_process(pid: int, t: int, rnd: random.Random) -> list[UnwoundSample]:
+    """One process's samples as the engine names them: user frames of two binaries loaded at
+    this process's own random bases (``rel`` the address inside the binary), inlined frames
+    with source lines, a frame outside any mapping and kernel frames (absolute ips)."""
+    libc = 0x7F00_0000_0000 + rnd.randrange(1 << 28) * 4096
+    exe = 0x5500_0000_0000 + rnd.randrange(1 << 28) * 4096
+    user = [Frame(libc + 0x2_8000 + 16 * i, "/usr/lib/libc.so.6", SYMS[i], 16 * i,
+                  rel=0x2_8000 + 16 * i) for i in range(8)]  # fmt: skip
+    user += [Frame(exe + 0x1000 + 8 * i, "/usr/bin/app", SYMS[8 + i % 3], 8 * i,
+                   inlined=i % 2 == 1, rel=0x1000 + 8 * i, file="app.c", line=10 + i)
+             for i in range(6)]  # fmt: skip
+    odd = Frame(0x1234_5678 + pid, None, None, None)  # no mapping: the ip is all there is
+    kernel = [Frame(0xFFFF_FFFF_8100_0000 + 64 * i, "[kernel.kallsyms]", SYMS[20 + i], 4,
+                    kernel=True) for i in range(3)]  # fmt: skip
+    stacks = [tuple(kernel + user), tuple(user[3:]), (odd, *user[8:]), tuple(user[::-1] * 2)]
+    return [UnwoundSample(t, pid, pid + k, 0, "app", 1, "ok", fr) for k, fr in enumerate(stacks)]
+
+
+def test_stacks_round_trip_and_share_frames_across_processes() -> None:
+    """Every answer's frames equal (all nine fields) those added, whatever the process's load
+    addresses; the same code in 300 processes is one set of frame entries, not 300."""
+    rnd = random.Random(3)
+    store = StackStore(bucket_ns=S)
+    added: Counter[tuple[int, int, tuple[Frame, ...]]] = Counter()
+    for pid in range(300):
+        batch = aslr_process(1000 + pid, pid * S // 10, rnd)
+        store.add(batch)
+        added.update((s.pid, s.tid, s.frames) for s in batch)
+    got = Counter({(x.pid, x.tid, x.frames): x.count for x in store.query()})
+    assert got == added
+    fields = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line")
+    for x in store.query(pids=[1000]):
+        orig = next(fr for (p, t, fr) in added if p == x.pid and t == x.tid)
+        assert [[getattr(f, n) for n in fields] for f in x.frames] == [
+            [getattr(f, n) for n in fields] for f in orig]  # fmt: skip
+    # 8 libc + 6 app + 3 kernel frames shared by all; one unmapped frame per process
+    assert store.stats.frames == 8 + 6 + 3 + 300
+    check_table(store)
+    # a stack with more distinct load addresses than a stack's delta index can name
+    wide = tuple(Frame(0x10_0000 * (i + 1) + 5, "/lib/x.so", SYMS[i % 64], 0, rel=5)
+                 for i in range(300))  # fmt: skip
+    store.add([UnwoundSample(0, 1, 1, 0, "w", 1, "ok", wide)])
+    assert [x.frames for x in store.query(pids=[1])] == [wide]
+    check_table(store)
+
+
+def test_eviction_returns_the_memory() -> None:
+    """Evicting everything by bytes leaves the table empty and gives back what tracemalloc saw
+    the store take (no frame or stack outlives its entries)."""
+    rnd = random.Random(5)
+    gc.collect()
+    tracemalloc.start()
+    store = StackStore(bucket_ns=S, max_buckets=10**6, max_entries=10**9, max_bytes=1 << 40)
+    base = tracemalloc.get_traced_memory()[0]
+    for pid in range(2000):
+        store.add(aslr_process(5000 + pid, pid * S, rnd))
+    store._sweep()
+    gc.collect()
+    full = tracemalloc.get_traced_memory()[0] - base
+    est = store.stats.bytes_estimate
+    store.max_bytes = 1
+    store.add([UnwoundSample(10**5 * S, 1, 1, 0, "x", 1, "ok", ())])
+    gc.collect()
+    left = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert 0.85 < est / full < 1.15, (est, full)
+    assert store.stats.stacks <= 1 and store.stats.frames == 0 and len(store._table) <= 1
+    assert store.stats.table_bytes == store._table.nbytes < 200  # at most the empty stack
+    assert store.stats.evicted_samples == store.stats.samples == 8001  # the last one too
+    # what remains is the emptied dicts' hash tables (CPython does not shrink them; new stacks
+    # reuse them) and the one entry
+    assert left < full * 0.3, (left, full)
+
+
+def test_intern_fast_path_lets_go_of_dropped_stacks() -> None:
+    """The identity fast path keeps the caller's tuples only while the caller does (within
+    _SWEEP_BATCHES batches of it letting go): the store itself holds no frame objects."""
+    from unwindd.store.stackstore import _SWEEP_BATCHES
+
+    store = StackStore(bucket_ns=S)
+    kept = tuple(F[n] for n in "ab")
+    dropped = (Frame(0x9000, "/bin/y", "gone", 0),)
+    store.add_counts([(0, 1, 1, "p", kept, 1), (0, 1, 1, "p", dropped, 1)])
+    gone = id(dropped)
+    del dropped
+    for _ in range(_SWEEP_BATCHES):
+        store.add_counts([(0, 1, 1, "p", kept, 1)])
+    assert gone not in store._by_obj and store._by_obj[id(kept)][0] is kept
+    assert {x.frames[0].sym: x.count for x in store.query()} == {"a": 17, "gone": 1}

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar, cast
 
 from ..store.pprof import encode_profile
-from ..store.queries import StackCount
+from ..store.queries import Stack, StackCount
 from .api import PARAMS, Api, BadParam, Peer, Source, float_param, window_headers, window_json
 from .config import Config
 from .connections import Connections
@@ -70,7 +70,7 @@ PULL_REJECTIONS: Final = (
     "too_many_profiles",  # [export] pprof_max_concurrent (429)
 )
 
-_Key = tuple[int, int, str, int]  # pid, tid, comm, id of the interned stack
+_Key = tuple[int, int, str, Stack]  # pid, tid, comm, frames
 _T = TypeVar("_T")
 
 
@@ -272,16 +272,16 @@ class PprofPull:
 
 
 def _baseline(stacks: list[StackCount]) -> dict[_Key, StackCount]:
-    # Keyed by the interned stack's identity (hashing a stack's frames is O(depth) of Python):
-    # the StackCount kept holds the stack, so its id is not reused while the baseline lives.
-    return {(s.pid, s.tid, s.comm, id(s.frames)): s for s in stacks}
+    # Keyed by the frames' value: two queries rebuild a stack as equal frames, not always the
+    # same objects (the store keeps frame ids; a Frame caches its hash).
+    return {(s.pid, s.tid, s.comm, s.frames): s for s in stacks}
 
 
 def _delta(base: dict[_Key, StackCount], now: list[StackCount]) -> list[StackCount]:
     """``now`` minus ``base`` per (pid, tid, comm, stack), the positive ones, largest first."""
     out = []
     for s in now:
-        b = base.get((s.pid, s.tid, s.comm, id(s.frames)))
+        b = base.get((s.pid, s.tid, s.comm, s.frames))
         n = s.count - (b.count if b is not None else 0)
         if n > 0:
             out.append(StackCount(s.pid, s.tid, s.comm, s.frames, n))

@@ -1,7 +1,7 @@
 """What the stack store answers, and how: the answer types and the queries over bucket counts.
 
 Rules:
-- A query sees a list of (bucket index, counts) and the interned stacks by id; it never
+- A query sees a list of (bucket index, counts) and the stack table (stacktable.py); it never
   writes them, so the same code serves the store (on its thread) and its snapshots (on the
   query thread).
 - A window [since_ns, until_ns) is resolved to buckets: an edge inside a bucket includes the
@@ -10,26 +10,33 @@ Rules:
   insertion order (``Counter.most_common``'s order).
 - ``top_functions``: self (leaf frame) and total (anywhere in the stack, once per sample) counts
   per function; frames without a symbol are grouped as ``[dso]``.
-- Cost: a query is O(entries in the window) (C-level merges when unfiltered); ``query_top``
-  builds only ``limit`` results; ``top_functions`` is O(distinct stacks * frames) the first
-  time a stack is ranked, O(distinct stacks) after (``func_keys`` is cached per stack object,
-  bounded at ``_KEYS_CACHE_MAX``).
+- Stacks are held compactly and rebuilt as frames for the answers that return them: once per
+  stack per query (the same tuple for every entry of that stack in one answer), equal to the
+  frames added; the same objects across queries only while the store's query cache holds
+  them (compare stacks across answers by value). The view remembers the last answer's
+  (``_last``) so ``render`` can key its cache by stack id.
+- Cost: a query is O(entries in the window) (C-level merges when unfiltered) plus O(frames) per
+  distinct stack returned; ``query_top`` builds only ``limit`` results; ``top_functions`` is
+  O(distinct stacks * frames); a filtered ``top`` ranks stack ids by their frame ids without
+  building frames.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
 from ..procs.cgroups import NO_LABELS, Labels
 from ..unwind.stackfmt import Frame, frame_name
+from .stacktable import FuncKey, StackTable
 
 Stack = tuple[Frame, ...]
 Key = tuple[int, int, str, int]  # pid, tid, comm, stack id
+_Keys = tuple[FuncKey, tuple[FuncKey, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,10 @@ class Queries:
     snapshots, over the bucket counts and per-pid records each one sees."""
 
     bucket_ns: int
-    _stacks: dict[int, Stack]
+    _table: StackTable
+    # id(frames) -> (frames, stack id) of the stacks the last query returned: ``render`` keys
+    # its cache by stack id
+    _last: dict[int, tuple[Stack, int]]
     _procs: dict[int, tuple[str, int, int]]  # pid -> (comm, samples held, last ns)
     _labels: dict[int, Labels | None]  # pid -> its labels (None: unreadable)
 
@@ -119,13 +129,24 @@ class Queries:
         limit: int | None = None,
     ) -> tuple[list[StackCount], int]:
         """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
-        return rank_stacks(self._bucket_counts(), self._stacks, self.bucket_ns, since_ns,
-                           until_ns, pids, tid, comm, limit)  # fmt: skip
+        out, n, built = rank_stacks(self._bucket_counts(), self._frames_of(), self.bucket_ns,
+                                    since_ns, until_ns, pids, tid, comm, limit)  # fmt: skip
+        self._last = {id(fr): (fr, sid) for sid, fr in built.items()}
+        return out, n
+
+    def _frames_of(self) -> Callable[[int], Stack]:
+        """A stack id's frames, as this view rebuilds them (cached by the store)."""
+        return self._table.frames
+
+    def stack_id(self, frames: Stack) -> int | None:
+        """The stack id of ``frames`` if the last query returned this very tuple."""
+        hit = self._last.get(id(frames))
+        return hit[1] if hit is not None and hit[0] is frames else None
 
 
 def rank_stacks(
     buckets: Iterable[tuple[int, Counter[Key]]],
-    stacks: dict[int, Stack],
+    frames_of: Callable[[int], Stack],
     bucket_ns: int,
     since_ns: int | None,
     until_ns: int | None,
@@ -133,15 +154,26 @@ def rank_stacks(
     tid: int | None,
     comm: str | None,
     limit: int | None,
-) -> tuple[list[StackCount], int]:
+) -> tuple[list[StackCount], int, dict[int, Stack]]:
+    """(the ranked stacks, how many there are without the limit, the frames built per stack
+    id)."""
     total = merge_window(buckets, bucket_ns, since_ns, until_ns, pids, tid, comm)
+    ranked = rank_counts(total, limit)
+    built: dict[int, Stack] = {}
+    out = []
+    for (pid, ktid, kcomm, sid), n in ranked:
+        fr = built.get(sid)
+        if fr is None:
+            fr = built[sid] = frames_of(sid)
+        out.append(StackCount(pid, ktid, kcomm, fr, n))
+    return out, len(total), built
+
+
+def rank_counts(total: Counter[Key], limit: int | None) -> list[tuple[Key, int]]:
     # most_common(): sorted by count, descending, stable; nlargest is the same order (ties
     # keep insertion order) without sorting what the limit drops.
-    ranked = (total.most_common() if limit is None or limit >= len(total)
-              else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
-    return [
-        StackCount(pid, ktid, kcomm, stacks[sid], n) for (pid, ktid, kcomm, sid), n in ranked
-    ], len(total)
+    return (total.most_common() if limit is None or limit >= len(total)
+            else heapq.nlargest(limit, total.items(), key=itemgetter(1)))  # fmt: skip
 
 
 def covered_window(
@@ -233,10 +265,8 @@ def label_pids(
 def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[FunctionCount]:
     """Self (leaf frame) and total (anywhere in the stack, once per sample) counts per function;
     frames without a symbol are grouped as ``[dso]``."""
-    self_c: Counter[tuple[str, str | None]] = Counter()
-    total_c: Counter[tuple[str, str | None]] = Counter()
-    # Aggregate by stack first (entries differ by pid/tid/comm, stacks repeat); interned stacks
-    # are the same tuple object, so the first level is an identity lookup.
+    # Aggregate by stack first (entries differ by pid/tid/comm, stacks repeat); a query's
+    # stacks are the same tuple object per stack, so the first level is an identity lookup.
     by_stack: dict[int, list[Any]] = {}
     for sc in stacks:
         hit = by_stack.get(id(sc.frames))
@@ -244,8 +274,32 @@ def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[Functio
             by_stack[id(sc.frames)] = [sc.frames, sc.count]
         else:
             hit[1] += sc.count
-    for frames, count in by_stack.values():
-        keys = func_keys(frames)
+    return rank_functions(((func_keys(fr), n) for fr, n in by_stack.values()), limit)
+
+
+def top_of_counts(
+    total: Counter[Key], keys_of: Callable[[int], _Keys | tuple[()]], limit: int
+) -> tuple[int, list[FunctionCount]]:
+    """(samples, ``top_functions`` of ``rank_stacks``' answer over ``total``), from stack ids
+    (``keys_of``: ``StackTable.keys``) without building frames."""
+    by_sid: dict[int, int] = {}
+    get = by_sid.get
+    samples = 0
+    for key, n in rank_counts(total, None):
+        sid = key[3]
+        by_sid[sid] = get(sid, 0) + n
+        samples += n
+    return samples, rank_functions(((keys_of(sid), n) for sid, n in by_sid.items()), limit)
+
+
+def rank_functions(
+    stacks: Iterable[tuple[_Keys | tuple[()], int]], limit: int
+) -> list[FunctionCount]:
+    """The functions of (``func_keys``, count) per distinct stack, in first-seen order, ranked
+    by self then total count then name (ties: first seen first)."""
+    self_c: Counter[FuncKey] = Counter()
+    total_c: Counter[FuncKey] = Counter()
+    for keys, count in stacks:
         if keys:
             self_c[keys[0]] += count
             for key in keys[1]:
@@ -254,26 +308,10 @@ def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[Functio
     return [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
 
 
-FuncKey = tuple[str, str | None]
-_Keys = tuple[FuncKey, tuple[FuncKey, ...]]
-# id(stack) -> (stack, keys): the entry holds the stack, so its id cannot be reused while cached
-_KEYS_CACHE: dict[int, tuple[Stack, _Keys]] = {}
-_KEYS_CACHE_MAX = 1 << 16
-
-
 def func_keys(frames: Stack) -> _Keys | tuple[()]:
-    """(self key, distinct keys) of a stack; cached (bounded, by identity: the store interns
-    stacks, so hashing 20 frames per lookup is avoided) because a stack is ranked by every top
-    query while it stays in the window."""
+    """(self key, distinct keys) of a stack (``StackTable.keys`` answers the same from ids)."""
     if not frames:
         return ()
-    hit = _KEYS_CACHE.get(id(frames))
-    if hit is not None and hit[0] is frames:
-        return hit[1]
     # a frame without a symbol is UNKNOWN, kept apart per binary by the key's dso
     keys = [(frame_name(f), f.dso) for f in frames]
-    out = (keys[0], tuple(dict.fromkeys(keys)))
-    if len(_KEYS_CACHE) >= _KEYS_CACHE_MAX:
-        _KEYS_CACHE.clear()
-    _KEYS_CACHE[id(frames)] = (frames, out)
-    return out
+    return keys[0], tuple(dict.fromkeys(keys))

@@ -1,19 +1,21 @@
-"""The stack store's query caches: a rendering per interned stack and a top summary per bucket.
+"""The stack store's query caches: the frames and renderings of a stack, and a top summary per
+bucket.
 
 Rules:
 - They serve the query thread (filled under the store's lock, from snapshots) and are emptied
-  by the store's thread when what they describe goes: a rendering with its stack, a summary
-  with its bucket. Answers do not depend on them: ``top_summaries`` equals
-  ``top_functions(query(...))`` (test_query_equiv.py).
+  by the store's thread when what they describe goes: a rendering with its stack (keyed by
+  stack id: ids are never reused), a summary with its bucket. Answers do not depend on them:
+  ``top_summaries`` equals ``top_functions(query(...))`` (test_query_equiv.py).
 - A summary describes one frozen version of a bucket's counts (a snapshot's: the store copies a
   shared bucket before writing it); the next version's summary is the previous one plus what
   changed (counts only grow).
 - Bounded: their bytes (``stats.cache_bytes``, part of the store's ``bytes_estimate``) stay
-  under ``max_bytes`` (the store's ``max_bytes // 8``), are never filled past the store's
-  ``max_bytes``, and are dropped whole before a bucket is evicted for bytes.
-- Cost: a cached rendering is one dict lookup; an unfiltered ``top_summaries`` is
-  O(entries added since the last one + functions); dropping a stack's renderings is
-  O(kinds), a bucket's summary O(1).
+  under ``max_bytes`` (the store's share for them, which its data leaves free), are never
+  filled past the store's ``max_bytes``, and are dropped whole when, with the data, they pass
+  it (the store's cap lowered live).
+- Cost: a cached rendering, rebuilt stack or function keys is one dict lookup; an unfiltered
+  ``top_summaries`` is O(entries added since the last one + functions); dropping a stack's
+  entries is O(kinds), a bucket's summary O(1).
 """
 
 from __future__ import annotations
@@ -23,12 +25,24 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from .queries import FuncKey, FunctionCount, Key, Stack, func_keys, merge_window
+from .queries import FunctionCount, Key, Stack, merge_window
+from .stacktable import FuncKey, Pool, StackTable
+
+# StackTable.keys: a stack id's (leaf function, distinct functions)
+Keys = tuple[FuncKey, tuple[FuncKey, ...]] | tuple[()]
+KeysOf = Callable[[int], Keys]
 
 # A rendered stack costs its characters plus ~150 (str header, dict slot, key tuple); a bucket
 # summary ~100 per function key in its two Counters plus ~50 per entry of the bucket counts it
 # retains (a dict slot: the key tuples are shared with the store's).
 _TEXT_BYTES = 150
+# A rebuilt stack costs its tuple and dict slot plus a pointer per frame; a pooled frame its
+# object, ip int, pool key, entry pair and slot.
+_STACK_TUPLE_BYTES = 120
+_POOL_FRAME_BYTES = 320
+# A stack's function keys: the two tuples and dict slot, and a (name, dso) tuple per function.
+_KEYS_BYTES = 200
+_KEY_BYTES = 72
 _SUMMARY_KEY_BYTES = 100
 _SUMMARY_ENTRY_BYTES = 50
 
@@ -49,30 +63,103 @@ class CacheOwner(Protocol):
     @property
     def max_bytes(self) -> int: ...
 
-    def holds_stack(self, frames: Stack) -> bool: ...
+    def holds_stack(self, sid: int) -> bool: ...
 
     def holds_bucket(self, idx: int) -> bool: ...
 
 
 class QueryCaches:
-    """(kind, id(stack)) -> (stack, its rendering, bytes), and bucket idx -> the top summary of
-    one (frozen) version of that bucket's counts."""
+    """(kind, stack id) -> (its rendering, bytes), and bucket idx -> the top summary of one
+    (frozen) version of that bucket's counts."""
 
     def __init__(self, stats: CacheStats, lock: threading.Lock, max_bytes: int) -> None:
         self.stats = stats
         self.lock = lock  # the store's: it also guards the store's open-snapshot count
         self.max_bytes = max_bytes
-        self.texts: dict[tuple[str, int], tuple[Stack, Any, int]] = {}
+        self.texts: dict[tuple[str, int], tuple[Any, int]] = {}
         self.text_kinds: set[str] = set()
         self.text_refused = 0  # inserts refused since the texts were last dropped (full)
         self.summaries: dict[int, Summary] = {}
+        # stack id -> its frames as queries return them, sharing the frames of ``pool``:
+        # rebuilt once while the stack stays hot (the store keeps only ids)
+        self.stacks: dict[int, Stack] = {}
+        self.pool: Pool = {}
+        self.stack_bytes = 0  # of stacks and pool, in cache_bytes
+        self.stack_refused = 0
+        self.func_keys: dict[int, Keys] = {}  # stack id -> StackTable.keys
+        self.keys_bytes = 0  # in cache_bytes
 
-    def render(self, owner: CacheOwner, kind: str, frames: Stack,
+    def frames(self, owner: CacheOwner, table: StackTable, sid: int,
+               scratch: Pool | None = None) -> Stack:  # fmt: skip
+        """``table.frames(sid)``, cached while it fits (a query ranks its stacks by count, so
+        the hot ones come first); what does not fit shares the frames of ``scratch`` (one
+        query's pool, dropped with its answer)."""
+        hit = self.stacks.get(sid)
+        if hit is not None:
+            return hit
+        st = self.stats
+        with self.lock:
+            hit = self.stacks.get(sid)
+            if hit is not None:
+                return hit
+            n = table.stack_len(sid)
+            size = _STACK_TUPLE_BYTES + 8 * n + _POOL_FRAME_BYTES * n  # at most: pool grows
+            # at most half the share: a rendering saves more per byte than the frames do
+            if (self.stack_bytes + size > self.max_bytes // 2
+                    or st.cache_bytes + size > self.max_bytes
+                    or st.bytes_estimate + size > owner.max_bytes):  # fmt: skip
+                self.stack_refused += 1
+                if self.stack_refused <= 4 * len(self.stacks):
+                    return table.frames(sid, scratch)
+                self._drop_stacks()  # what is asked is no longer what is cached
+                if (size > self.max_bytes // 2 or st.cache_bytes + size > self.max_bytes
+                        or st.bytes_estimate + size > owner.max_bytes):  # fmt: skip
+                    return table.frames(sid, scratch)
+            before = len(self.pool)
+            fr = table.frames(sid, self.pool)
+            size = _POOL_FRAME_BYTES * (len(self.pool) - before)
+            if owner.holds_stack(sid):
+                self.stacks[sid] = fr
+                size += _STACK_TUPLE_BYTES + 8 * n
+            self.stack_bytes += size
+            st.cache_bytes += size
+        return fr
+
+    def keys(self, owner: CacheOwner, table: StackTable, sid: int) -> Keys:
+        """``table.keys(sid)``, cached while it fits (every top query ranks every stack in its
+        window, and stacks stay there for many queries)."""
+        hit = self.func_keys.get(sid)
+        if hit is not None:
+            return hit
+        keys = table.keys(sid)
+        size = _KEYS_BYTES + _KEY_BYTES * len(keys[1]) if keys else _KEYS_BYTES
+        st = self.stats
+        with self.lock:
+            if (sid not in self.func_keys and owner.holds_stack(sid)
+                    and st.cache_bytes + size <= self.max_bytes
+                    and st.bytes_estimate + size <= owner.max_bytes):  # fmt: skip
+                self.func_keys[sid] = keys
+                self.keys_bytes += size
+                st.cache_bytes += size
+        return keys
+
+    def _drop_stacks(self) -> None:
+        self.stacks.clear()
+        self.pool.clear()
+        self.stats.cache_bytes -= self.stack_bytes
+        self.stack_bytes = 0
+        self.stack_refused = 0
+
+    def render(self, owner: CacheOwner, kind: str, sid: int | None, frames: Stack,
                fn: Callable[[Stack], Any]) -> Any:  # fmt: skip
-        key = (kind, id(frames))
+        """``fn(frames)``, cached under ``sid`` (None: ``frames`` is no stack the owner knows
+        the id of: not cached)."""
+        if sid is None:
+            return fn(frames)
+        key = (kind, sid)
         hit = self.texts.get(key)
-        if hit is not None and hit[0] is frames:
-            return hit[1]
+        if hit is not None:
+            return hit[0]
         out = fn(frames)
         size = _TEXT_BYTES + (len(out) if isinstance(out, str)
                               else 8 * len(out) + sum(map(len, out)))  # fmt: skip
@@ -88,16 +175,16 @@ class QueryCaches:
                     return out
                 self.text_refused = 0
                 for k in [k for k in self.texts if k[0] == kind]:
-                    st.cache_bytes -= self.texts.pop(k)[2]
+                    st.cache_bytes -= self.texts.pop(k)[1]
                 if st.cache_bytes + size > self.max_bytes:
                     return out
-            if not owner.holds_stack(frames):
-                return out  # not interned (or no longer): nothing would drop the entry
+            if not owner.holds_stack(sid):
+                return out  # no longer held: nothing would drop the entry
             self.text_kinds.add(kind)
             old = self.texts.get(key)
             if old is not None:
-                st.cache_bytes -= old[2]
-            self.texts[key] = (frames, out, size)
+                st.cache_bytes -= old[1]
+            self.texts[key] = (out, size)
             st.cache_bytes += size
         return out
 
@@ -112,16 +199,30 @@ class QueryCaches:
                 self.summaries[idx] = summ
                 st.cache_bytes += summ.nbytes
 
-    def drop_stack(self, frames: Stack) -> None:
-        """The renderings of a stack the store frees."""
+    def drop_stack(self, sid: int) -> None:
+        """The renderings and frames of a stack the store frees (its pooled frames stay until
+        the pool is dropped whole)."""
+        if sid in self.func_keys:
+            with self.lock:
+                keys = self.func_keys.pop(sid, None)
+                if keys is not None:
+                    size = _KEYS_BYTES + _KEY_BYTES * len(keys[1]) if keys else _KEYS_BYTES
+                    self.keys_bytes -= size
+                    self.stats.cache_bytes -= size
+        if sid in self.stacks:
+            with self.lock:
+                fr = self.stacks.pop(sid, None)
+                if fr is not None:
+                    size = _STACK_TUPLE_BYTES + 8 * len(fr)
+                    self.stack_bytes -= size
+                    self.stats.cache_bytes -= size
         if not self.texts:
             return
         with self.lock:
             for kind in self.text_kinds:
-                hit = self.texts.get((kind, id(frames)))
-                if hit is not None and hit[0] is frames:
-                    del self.texts[(kind, id(frames))]
-                    self.stats.cache_bytes -= hit[2]
+                hit = self.texts.pop((kind, sid), None)
+                if hit is not None:
+                    self.stats.cache_bytes -= hit[1]
 
     def drop_bucket(self, idx: int) -> None:
         """The summary of a bucket the store evicts."""
@@ -136,6 +237,11 @@ class QueryCaches:
         with self.lock:
             self.texts.clear()
             self.summaries.clear()
+            self.stacks.clear()
+            self.pool.clear()
+            self.stack_bytes = 0
+            self.func_keys.clear()
+            self.keys_bytes = 0
             self.stats.cache_bytes = 0
 
 
@@ -151,7 +257,7 @@ class Summary(NamedTuple):
     nbytes: int
 
 
-def summarize(counts: Counter[Key], stacks: dict[int, Stack], base: Summary | None) -> Summary:
+def summarize(counts: Counter[Key], keys_of: KeysOf, base: Summary | None) -> Summary:
     by_sid: dict[int, int] = {}
     get = by_sid.get
     if base is not None:
@@ -187,7 +293,7 @@ def summarize(counts: Counter[Key], stacks: dict[int, Stack], base: Summary | No
         total_c = Counter()
     for sid, n in by_sid.items():
         samples += n
-        keys = func_keys(stacks[sid])
+        keys = keys_of(sid)
         if keys:
             self_c[keys[0]] += n
             for k in keys[1]:
@@ -199,7 +305,7 @@ def summarize(counts: Counter[Key], stacks: dict[int, Stack], base: Summary | No
 def top_summaries(
     store: CacheOwner | None,
     buckets: Sequence[tuple[int, Counter[Key]]],
-    stacks: dict[int, Stack],
+    keys_of: KeysOf,
     bucket_ns: int,
     since_ns: int | None,
     until_ns: int | None,
@@ -216,7 +322,7 @@ def top_summaries(
             continue
         base = cache.get(idx)
         if base is None or base.counts is not counts:
-            base = summarize(counts, stacks, base)
+            base = summarize(counts, keys_of, base)
             if store is not None:
                 store.caches.put_summary(store, idx, base)
         summs.append(base)
@@ -244,7 +350,7 @@ def top_summaries(
             runs.append((i, j))
         i = j
     if runs:
-        first = first_seen({k for i, j in runs for k in ranked[i:j]}, buckets, stacks,
+        first = first_seen({k for i, j in runs for k in ranked[i:j]}, buckets, keys_of,
                            bucket_ns, since_ns, until_ns)  # fmt: skip
         for i, j in runs:
             ranked[i:j] = sorted(ranked[i:j], key=first.__getitem__)
@@ -254,7 +360,7 @@ def top_summaries(
 def first_seen(
     wanted: set[FuncKey],
     buckets: Iterable[tuple[int, Counter[Key]]],
-    stacks: dict[int, Stack],
+    keys_of: KeysOf,
     bucket_ns: int,
     since_ns: int | None,
     until_ns: int | None,
@@ -271,7 +377,7 @@ def first_seen(
         if sid in seen:
             continue
         seen.add(sid)
-        keys = func_keys(stacks[sid])
+        keys = keys_of(sid)
         if not keys:
             continue
         for k in keys[1]:

@@ -5,12 +5,17 @@ Invariants:
   clock, so queries name windows on it); the store never reads a clock. Samples without a time
   go to the newest bucket.
 - A sample is one count in bucket ``time // bucket_ns`` under (pid, tid, comm, stack). Stacks
-  are interned and reference-counted by the entries that use them: stored once, dropped with
-  their last entry.
+  are interned in a compact table (stacktable.py: bytes of frame ids, frames shared across
+  processes) and reference-counted by the entries that use them: stored once, dropped with
+  their last entry. Queries rebuild the frames they return, equal to those added.
 - Bounded: at most ``max_buckets`` buckets, ``max_entries`` entries and ``max_bytes`` of
-  estimated memory (``stats.bytes_estimate``, see ``_ENTRY_BYTES``; what holds under process
-  churn, where every process brings new stacks). Past a bound the query caches go first, then
-  the OLDEST bucket whole, counted in ``stats.evicted_samples``: never silently.
+  memory (``stats.bytes_estimate``: the table's own byte count plus per-entry and per-pid
+  costs, see ``_ENTRY_BYTES``; tests/unit/test_stackstore.py holds it to tracemalloc's
+  measure; it bounds what grows under process churn, where every process brings new stacks).
+  Data stays under ``max_bytes`` less the query caches' share (``_CACHE_SHARE``), so a store
+  at its cap keeps its caches; past a bound the OLDEST bucket goes whole, counted in
+  ``stats.evicted_samples``: never silently (the caches go first only if together they pass
+  ``max_bytes``).
 - ``processes()`` covers exactly the pids with samples still held.
 - Labels (procs/cgroups.py: cgroup, unit, container id) belong to a process, not to its
   entries: ``_labels`` holds them per pid while the pid has a summary, resolved once when the
@@ -20,18 +25,21 @@ Invariants:
 - Subscribers get every added batch through a callback; they must not block.
 - Snapshots are immutable views a worker thread may query while the owner keeps adding:
   buckets are copy-on-write, stacks released while one is open are freed when the last closes.
-- Cost: ``add`` is O(frames) per new stack, O(1) per sample otherwise (``add_counts``: per
-  group); evicting is O(entries evicted); releasing is O(stacks whose count dropped); a snapshot
-  is O(buckets), its first write to a shared bucket O(its entries). Queries: queries.py; the
+- Cost: ``add`` is O(frames) per stack not seen as this very tuple lately, O(1) per sample
+  otherwise (``add_counts``: per group); evicting is O(entries evicted); releasing is
+  O(stacks whose count dropped + their frames); a snapshot is O(buckets), its first write to a
+  shared bucket O(its entries). Queries: queries.py; the
   caches behind ``render`` and ``top``: querycache.py.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..procs.cgroups import CgroupLabels, Labels
@@ -41,23 +49,44 @@ from .queries import (
     Key,
     Queries,
     Stack,
-    top_functions,
+    merge_window,
+    top_of_counts,
 )
 from .querycache import QueryCaches, top_summaries
+from .stacktable import StackTable
 
 # Bytes per unit for ``stats.bytes_estimate`` and the ``max_bytes`` bound: what tracemalloc
-# shows the store retaining per unit (CPython 3, 64-bit; after the samples are dropped):
-# - entry: a bucket Counter slot, a key tuple of 4 and its ints; a pid's summary adds its
-#   _procs tuple and slot and its _pid_entries slot.
-# - stack: fixed (tuple header, _stack_ids/_stacks/_stack_refs/_by_obj slots, the id int)
-#   plus one pointer per frame slot.
-# - frame: per distinct Frame object (the object, its ip/offset/rel ints, the _frame_refs
-#   slot; symbol and dso strings are shared with the ELF cache, so not counted).
-_ENTRY_BYTES = 160
+# shows the store retaining per unit (CPython 3.11+, 64-bit; after the samples are dropped):
+# - entry: a bucket Counter slot and a key tuple of 4 (its pid int is the pid's, its tid too
+#   for a main thread, else one more int); a pid's summary adds its _procs tuple, slot and
+#   ints, its _pid_entries and _pid_obj slots and its pid int.
+# - bucket: its object, its Counter's base and its _buckets slot.
+# - stack: its _stack_refs slot (the table counts its own: ``StackTable.nbytes``).
+_ENTRY_BYTES = 110
 _PID_BYTES = 200
-_STACK_BYTES = 340
-_SLOT_BYTES = 8
-_FRAME_BYTES = 235
+_BUCKET_BYTES = 400
+_STACK_BYTES = 50
+_INT_BYTES = 32  # an int outside CPython's small-int cache
+_CACHE_SHARE = 4  # the query caches get max_bytes / this, which data leaves them
+_SMALL_INT = (-5, 256)
+# The identity fast path of ``_intern`` holds at most this many of the caller's stack tuples
+# (it keeps them alive: a tuple whose id is a key must not be freed while it is one), and
+# every ``_SWEEP_BATCHES`` batches only those the caller still holds (``_sweep``): the store
+# keeps no frames for longer.
+_BY_OBJ_MAX = 2048
+_SWEEP_BATCHES = 16
+
+
+def _probe_refs() -> int:
+    """sys.getrefcount of a tuple only ``_sweep``'s entry (and its loop) refers to (CPython's
+    reference counts: what tells that the caller let go of it)."""
+    d = {0: ((object(),), 0)}
+    for fr, _ in d.values():
+        return sys.getrefcount(fr)
+    raise AssertionError
+
+
+_ONLY_OURS = _probe_refs()
 
 
 @dataclass
@@ -68,17 +97,20 @@ class StoreStats:
     stacks: int = 0  # interned stacks some entry uses
     entries: int = 0
     pids: int = 0  # processes with an entry (the per-process summaries)
+    buckets: int = 0  # time buckets held
+    entry_ints: int = 0  # entries whose tid is an int object of their own (not the pid's)
     frame_slots: int = 0  # sum of the interned stacks' lengths
-    frames: int = 0  # distinct Frame objects in them (by identity)
+    frames: int = 0  # distinct frames in the table (StackTable: process-independent)
+    table_bytes: int = 0  # the stack table's bytes, less stacks only a snapshot holds
     cache_bytes: int = 0  # query caches: rendered stacks, per-bucket top summaries
 
     @property
     def bytes_estimate(self) -> int:
         """Estimated bytes held by what the counts above count (see ``_ENTRY_BYTES``). Stacks
         that only an open snapshot still holds are not in it: they go when it closes."""
-        return (self.entries * _ENTRY_BYTES + self.pids * _PID_BYTES
-                + self.stacks * _STACK_BYTES + self.frame_slots * _SLOT_BYTES
-                + self.frames * _FRAME_BYTES + self.cache_bytes)  # fmt: skip
+        return (self.entries * _ENTRY_BYTES + self.entry_ints * _INT_BYTES
+                + self.pids * _PID_BYTES + self.buckets * _BUCKET_BYTES
+                + self.stacks * _STACK_BYTES + self.table_bytes + self.cache_bytes)  # fmt: skip
 
 
 @dataclass
@@ -98,7 +130,7 @@ class StackStore(Queries):
         bucket_ns: int = 10_000_000_000,
         max_buckets: int = 360,
         max_entries: int = 1_000_000,
-        max_bytes: int = 256 << 20,
+        max_bytes: int = 32 << 20,
     ) -> None:
         if bucket_ns <= 0 or max_buckets <= 0 or max_entries <= 0 or max_bytes <= 0:
             raise ValueError("bucket_ns, max_buckets, max_entries and max_bytes must be > 0")
@@ -108,12 +140,12 @@ class StackStore(Queries):
         self.max_bytes = max_bytes
         self.stats = StoreStats()
         self._buckets: dict[int, _Bucket] = {}  # insertion order == time order (see _bucket)
-        self._stack_ids: dict[Stack, int] = {}
-        self._stacks: dict[int, Stack] = {}
+        self._table = StackTable()
+        self._last: dict[int, tuple[Stack, int]] = {}
         self._stack_refs: Counter[int] = Counter()
-        self._next_stack = 0
         self._procs: dict[int, tuple[str, int, int]] = {}  # pid -> (comm, samples held, last ns)
         self._pid_entries: dict[int, int] = {}  # pid -> its bucket entries: prunes _procs
+        self._pid_obj: dict[int, int] = {}  # pid -> the int object its entries' keys share
         # pid -> its labels (None: unreadable), for pids in _procs once resolved
         self._labels: dict[int, Labels | None] = {}
         self.label_source: Callable[[int], Labels | None] | None = None
@@ -123,16 +155,17 @@ class StackStore(Queries):
         # objects (unwindd record's folded output)
         self.count_subscribers: list[Callable[[Sequence[CountGroup]], None]] = []
         self._by_obj: dict[int, tuple[Stack, int]] = {}  # id(tuple) -> (it, stack id)
+        self._batches = 0  # since the last _sweep
         self._dirty: set[int] = set()  # stack ids whose refcount dropped since the last release
         self._lock = threading.Lock()  # guards _readers/_deferred (snapshots close off-thread)
         self._readers = 0  # open snapshots
         # Stack ids released while a snapshot was open: already out of the stats (evicting
         # more could not free them sooner), freed when the last snapshot closes.
         self._deferred: set[int] = set()
-        self._frame_refs: Counter[int] = Counter()  # id(frame) -> slots of accounted stacks
+        self._deferred_bytes = 0  # their StackTable.stack_bytes
         # Read and filled by the query thread (under _lock), emptied here when what they
         # describe goes.
-        self.caches = QueryCaches(self.stats, self._lock, max_bytes // 8)
+        self.caches = QueryCaches(self.stats, self._lock, max_bytes // _CACHE_SHARE)
 
     # -- writing
 
@@ -150,10 +183,12 @@ class StackStore(Queries):
                 self._labels[pid] = labels
 
     def add(self, samples: Sequence[UnwoundSample]) -> None:
+        self._last = {}  # the last query's frames: only until the store moves on
         for s in samples:
             self._count(s.time_ns, s.pid, s.tid, s.comm, s.frames, 1)
         self._release_unreferenced()
         self._enforce_bounds()
+        self._batch()
         for cb in list(self.subscribers):
             cb(samples)
 
@@ -162,10 +197,12 @@ class StackStore(Queries):
         in it), pid, tid, comm and frames. Same result as ``add`` of those samples, without a
         Python object per sample; subscribers are not called (they need samples), count
         subscribers are."""
+        self._last = {}
         for t, pid, tid, comm, frames, n in groups:
             self._count(t, pid, tid, comm, frames, n)
         self._release_unreferenced()
         self._enforce_bounds()
+        self._batch()
         for cb in list(self.count_subscribers):
             cb(groups)
 
@@ -180,15 +217,23 @@ class StackStore(Queries):
             b.shared = False
         sid = self._intern(frames)
         pid = -1 if pid_ is None else pid_
-        key = (pid, -1 if tid is None else tid, comm, sid)
+        ktid = -1 if tid is None else tid
+        key = (pid, ktid, comm, sid)
         counts = b.counts
         if key in counts:
             counts[key] += n
             self._stack_refs[sid] -= 1  # only the first entry holds the stack
             self._dirty.add(sid)
         else:
-            counts[key] = n
+            # Every entry of a pid holds the same pid int (and a main thread's tid): callers
+            # make a new int per group (ringstep), each would cost its own object.
+            pid = self._pid_obj.setdefault(pid, pid)
+            if ktid == pid:
+                ktid = pid
+            counts[(pid, ktid, comm, sid)] = n
             self.stats.entries += 1
+            if ktid is not pid and not _SMALL_INT[0] <= ktid <= _SMALL_INT[1]:
+                self.stats.entry_ints += 1
             pe = self._pid_entries.get(pid)
             if pe is None:
                 self._pid_entries[pid] = 1
@@ -205,6 +250,7 @@ class StackStore(Queries):
         b = self._buckets.get(idx)
         if b is None:
             b = _Bucket()
+            self.stats.buckets += 1
             if idx >= self._newest or not self._buckets:
                 self._buckets[idx] = b
                 self._newest = max(self._newest, idx)
@@ -216,87 +262,86 @@ class StackStore(Queries):
 
     def _intern(self, frames: Stack) -> int:
         # The engine hands the same tuple object for a stack it has cached: an identity hit
-        # skips hashing every frame (a Python __hash__ per frame).
+        # skips encoding every frame.
         hit = self._by_obj.get(id(frames))
-        if hit is not None and hit[0] is frames and self._stacks.get(hit[1]) is not None:
+        if hit is not None and hit[0] is frames and hit[1] in self._table:
             sid = hit[1]
-            self._stack_refs[sid] += 1
-            if self._deferred and sid in self._deferred:
-                self._undefer(sid)
-            return sid
-        if len(self._by_obj) > 2 * len(self._stacks) + 1024:
-            self._by_obj.clear()  # bounded: stale ids only cost a hashed lookup
-        # One hash of the tuple (a Python __hash__ call per frame) for lookup and insert.
-        sid = self._stack_ids.setdefault(frames, self._next_stack)
-        if sid == self._next_stack:
-            self._next_stack += 1
-            self._stacks[sid] = frames
-            self._account(frames)
-        self._by_obj[id(frames)] = (frames, sid)
+        else:
+            if len(self._by_obj) >= _BY_OBJ_MAX:
+                self._by_obj.clear()  # bounded: a miss only costs an encoding
+            sid, new = self._table.add(frames)
+            self._by_obj[id(frames)] = (frames, sid)
+            if new:
+                self._account(sid, len(frames))
+                self._sync_table()
         self._stack_refs[sid] += 1
         if self._deferred and sid in self._deferred:
-            self._undefer(sid)
+            self._undefer(sid, len(frames))
         return sid
 
-    def _undefer(self, sid: int) -> None:
+    def _batch(self) -> None:
+        self._batches += 1
+        if self._batches >= _SWEEP_BATCHES:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Forget the fast path's tuples no one else holds (freed by the engine: they would
+        otherwise stay alive here with their frames). O(entries), at most ``_BY_OBJ_MAX``."""
+        self._batches = 0
+        by_obj, only = self._by_obj, _ONLY_OURS
+        gone = [k for k, (fr, _) in by_obj.items() if sys.getrefcount(fr) <= only]
+        for k in gone:
+            del by_obj[k]
+
+    def _undefer(self, sid: int, n: int) -> None:
         """A stack waiting for snapshots to close is used again: it is counted again (and
         stays interned: the deferred release finds it referenced)."""
         self._deferred.discard(sid)
-        self._account(self._stacks[sid])
+        self._deferred_bytes -= self._table.stack_bytes(sid)
+        self._account(sid, n)
+        self._sync_table()
 
-    def _account(self, frames: Stack) -> None:
-        st = self.stats
-        st.stacks += 1
-        st.frame_slots += len(frames)
-        refs = self._frame_refs
-        # the stack holds its frames, so their ids are not reused while counted; Counter's
-        # update of an iterable counts in C (a new stack of a new process is ~all new frames)
-        before = len(refs)
-        refs.update(map(id, frames))
-        st.frames += len(refs) - before
+    def _account(self, sid: int, n: int) -> None:
+        self.stats.stacks += 1
+        self.stats.frame_slots += n
 
-    def _unaccount(self, frames: Stack) -> None:
-        st = self.stats
-        st.stacks -= 1
-        st.frame_slots -= len(frames)
-        refs = self._frame_refs
-        for f in frames:
-            i = id(f)
-            n = refs[i] - 1
-            if n:
-                refs[i] = n
-            else:
-                del refs[i]
-                st.frames -= 1
+    def _sync_table(self) -> None:
+        t = self._table
+        self.stats.table_bytes = t.nbytes - self._deferred_bytes
+        self.stats.frames = t.nframes
 
     def _release_unreferenced(self) -> None:
-        refs = self._stack_refs
+        refs, table, st = self._stack_refs, self._table, self.stats
         dead = [sid for sid in self._dirty if refs.get(sid, 1) <= 0]
         self._dirty.clear()
+        if not dead and not self._deferred:
+            return
         with self._lock:
             readers = self._readers
         if readers:
             for sid in dead:  # a snapshot may still look these up: free them later
                 if sid not in self._deferred:
                     self._deferred.add(sid)
-                    self._unaccount(self._stacks[sid])
+                    self._deferred_bytes += table.stack_bytes(sid)
+                    st.stacks -= 1
+                    st.frame_slots -= len_of(table, sid)
+            self._sync_table()
             return
         for sid in dead:
             if sid not in self._deferred:
-                self._unaccount(self._stacks[sid])
+                st.stacks -= 1
+                st.frame_slots -= len_of(table, sid)
         if self._deferred:
             dead += self._deferred  # already unaccounted
             self._deferred = set()
+            self._deferred_bytes = 0
         for sid in dead:
             if sid not in refs or refs[sid] > 0:
                 continue  # deferred, then referenced again (accounted again by _undefer)
             del refs[sid]
-            frames = self._stacks.pop(sid)
-            del self._stack_ids[frames]
-            hit = self._by_obj.get(id(frames))
-            if hit is not None and hit[0] is frames:
-                del self._by_obj[id(frames)]  # or it would keep the stack and its frames alive
-            self.caches.drop_stack(frames)
+            table.free(sid)
+            self.caches.drop_stack(sid)
+        self._sync_table()
 
     def drop_caches(self) -> None:
         """Empty the query caches (they refill on the next queries)."""
@@ -304,21 +349,27 @@ class StackStore(Queries):
 
     def _enforce_bounds(self) -> None:
         st = self.stats
+        # The caches' share is kept free of data: a store at its cap still answers from them
+        # (the cap changes live: service reload).
+        self.caches.max_bytes = share = self.max_bytes // _CACHE_SHARE
         if st.cache_bytes and st.bytes_estimate > self.max_bytes:
             self.drop_caches()  # caches go before data does
         while self._buckets and (
             len(self._buckets) > self.max_buckets
             or st.entries > self.max_entries
-            or st.bytes_estimate > self.max_bytes
+            or st.bytes_estimate - st.cache_bytes > self.max_bytes - share
         ):
             idx = next(iter(self._buckets))
             b = self._buckets.pop(idx)
+            st.buckets -= 1
             st.evicted_buckets += 1
             self.caches.drop_bucket(idx)
             procs, pid_entries, refs, dirty = (self._procs, self._pid_entries, self._stack_refs,
                                                self._dirty)  # fmt: skip
-            for (pid, _, _, sid), n in b.counts.items():
+            for (pid, tid, _, sid), n in b.counts.items():
                 st.evicted_samples += n
+                if tid is not pid and not _SMALL_INT[0] <= tid <= _SMALL_INT[1]:
+                    st.entry_ints -= 1
                 refs[sid] -= 1
                 dirty.add(sid)
                 left = pid_entries[pid] - 1
@@ -329,6 +380,7 @@ class StackStore(Queries):
                         procs[pid] = (p[0], max(0, p[1] - n), p[2])
                 else:  # the pid's last entry: its summary goes too
                     del pid_entries[pid]
+                    del self._pid_obj[pid]
                     procs.pop(pid, None)
                     self._labels.pop(pid, None)
                     st.pids -= 1
@@ -368,16 +420,17 @@ class StackStore(Queries):
             snap.close()
 
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
-        """``fn(frames)``, cached per interned stack (``kind`` names ``fn``): a stack is
-        immutable, and its entry goes when the stack does. ``fn`` must return a str or a tuple
-        of str."""
-        return self.caches.render(self, kind, frames, fn)
+        """``fn(frames)``, cached per stack (``kind`` names ``fn``) when ``frames`` is a stack
+        the last query returned: a stack is immutable, and its entry goes when the stack does.
+        ``fn`` must return a str or a tuple of str."""
+        return self.caches.render(self, kind, self.stack_id(frames), frames, fn)
 
-    def holds_stack(self, frames: Stack) -> bool:
-        """``frames`` is (this very object) an interned stack: the caches may key on it."""
-        interned = self._by_obj.get(id(frames))
-        return (interned is not None and interned[0] is frames) or self._stacks.get(
-            self._stack_ids.get(frames, -1)) is frames  # fmt: skip
+    def _frames_of(self) -> Callable[[int], Stack]:
+        return partial(self.caches.frames, self, self._table, scratch={})
+
+    def holds_stack(self, sid: int) -> bool:
+        """``sid`` is an interned stack: the caches may key on it."""
+        return sid in self._table
 
     def holds_bucket(self, idx: int) -> bool:
         return idx in self._buckets
@@ -413,7 +466,8 @@ class StoreSnapshot(Queries):
         self._store: StackStore | None = store
         self._labels = labels if labels is not None else {}
         self._buckets = buckets
-        self._stacks = store._stacks  # entries we can see are not freed while we are open
+        self._table = store._table  # stacks we can see are not freed while we are open
+        self._last = {}
         self._procs = procs
         self._window = window
         self.bucket_ns = store.bucket_ns
@@ -429,23 +483,40 @@ class StoreSnapshot(Queries):
         comm: str | None = None,
         limit: int = 50,
     ) -> tuple[int, list[FunctionCount]]:
+        store = self._store
+        keys_of = (self._table.keys if store is None
+                   else partial(store.caches.keys, store, self._table))  # fmt: skip
         if pids is None and tid is None and comm is None:
-            return top_summaries(self._store, self._buckets, self._stacks, self.bucket_ns,
-                                 since_ns, until_ns, limit)  # fmt: skip
-        stacks = self.query(since_ns, until_ns, pids=pids, tid=tid, comm=comm)
-        return sum(s.count for s in stacks), top_functions(stacks, limit)
+            return top_summaries(store, self._buckets, keys_of, self.bucket_ns, since_ns,
+                                 until_ns, limit)  # fmt: skip
+        total = merge_window(self._buckets, self.bucket_ns, since_ns, until_ns, pids, tid, comm)
+        return top_of_counts(total, keys_of, limit)
 
     def _bucket_counts(self) -> list[tuple[int, Counter[Key]]]:
         return self._buckets
 
+    def _frames_of(self) -> Callable[[int], Stack]:
+        store = self._store
+        if store is None:
+            return partial(self._table.frames, pool={})
+        return partial(store.caches.frames, store, self._table, scratch={})
+
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
         store = self._store
-        return fn(frames) if store is None else store.caches.render(store, kind, frames, fn)
+        if store is None:
+            return fn(frames)
+        return store.caches.render(store, kind, self.stack_id(frames), frames, fn)
 
     def window(self) -> tuple[int, int] | None:
         return self._window
 
     def close(self) -> None:
+        self._last = {}
         if self._store is not None:
             self._store._close_snapshot()
             self._store = None
+
+
+def len_of(table: StackTable, sid: int) -> int:
+    """The number of frames of stack ``sid``."""
+    return int.from_bytes(table.encoded(sid)[:4], "little")
