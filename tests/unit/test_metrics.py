@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from unwindd.binaries.debuginfod import FETCH_RESULTS, DebuginfodStats
 from unwindd.binaries.elfcache import CacheStats
 from unwindd.procs.livetable import LiveTableStats
+from unwindd.procs.pyframes import FAILURES as PY_FAILURES
+from unwindd.procs.pyreader import PyStats
 from unwindd.serve.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
 from unwindd.source.decoder import DecodeStats
 from unwindd.source.ordering import OrderStats
@@ -44,7 +46,9 @@ def fake_daemon(rescans: Counter[str] | None = None) -> Any:
                                  orderer=SimpleNamespace(stats=order)),
         engine=SimpleNamespace(stats=eng, table=table, jit=jit),
         store=StackStore(),
+        python=SimpleNamespace(stats=PyStats(named=7, reads=3)),
     )  # fmt: skip
+    prof.python.stats.failures.update({"gone": 2})
     if rescans is not None:  # a LiveProfiler with issue 4's live table
         prof.live = SimpleNamespace(stats=LiveTableStats(rescans=rescans))
     return SimpleNamespace(profiler=prof, api=SimpleNamespace(requests=Counter({"/v1/status": 4})),
@@ -139,8 +143,19 @@ def test_labels_are_bounded() -> None:
             for kv in labels.split(","):
                 families_by_label.setdefault(kv.split("=")[0], set()).add(line[: line.index("{")])
     assert set(families_by_label) == {"result", "type", "cpu", "reason", "space", "endpoint",
-                                      "le", "version", "python", "kind"}, (
-        families_by_label)  # fmt: skip
+                                      "le", "version", "python", "kind",
+                                      "runtime"}, families_by_label  # fmt: skip
+
+
+def test_python_frame_families() -> None:
+    """Samples named per runtime, and every reason Python frames can fail for at 0 from the
+    first scrape (label tuples: one label each, values from pyframes.FAILURES)."""
+    text = scrape(fake_daemon())
+    assert metric_values(text, "unwindd_runtime_named_samples_total") == {
+        '{runtime="python"}': 7.0}
+    fails = metric_values(text, "unwindd_python_frame_failures_total")
+    assert fails == {f'{{reason="{r}"}}': 2.0 if r == "gone" else 0.0 for r in PY_FAILURES}
+    assert metric_values(text, "unwindd_python_frame_reads_total") == {"": 3.0}
 
 
 def test_histogram_and_lateness_math() -> None:

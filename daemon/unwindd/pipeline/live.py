@@ -23,6 +23,7 @@ from ..binaries.elfentry import ElfEntry
 from ..procs.livetable import LiveTable, LiveTableConfig
 from ..procs.mapping import PROT_EXEC
 from ..procs.procscan import ProcFS
+from ..procs.pyreader import PythonFrames
 from ..source.capture import StreamPipeline
 from ..source.perfcore import PerfSession
 from ..source.records import Mmap2, Record
@@ -51,6 +52,8 @@ def native_max_spaces(max_processes: int) -> int:
 
 
 class LiveProfiler:
+    python: PythonFrames | None = None  # the Python frame reader, when on
+
     def __init__(
         self,
         session: PerfSession,
@@ -60,6 +63,7 @@ class LiveProfiler:
         live: LiveTable | None = None,
         bootstrap: bool = True,
         flush_interval: float = 0.0,
+        python_frames: str = "off",
     ) -> None:
         fmt = session.event_format
         if not supported(fmt):
@@ -68,8 +72,14 @@ class LiveProfiler:
             raise ValueError(f"the live step needs TID, TIME and CPU in every SAMPLE: {fmt!r}")
         self._join(session, engine, store, live, bootstrap)
         spaces = native_max_spaces(self.live.config.max_processes)
+        # CPython's own frames for interpreter stacks (the daemon's [python] frames,
+        # procs/pyreader.py); off by default: a replayed capture's pids are not live processes,
+        # and ``unwindd record`` matches perf script
+        if python_frames != "off":
+            self.python = PythonFrames(engine.table)
         self.native_step = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
-                                      max_spaces=spaces, flush_interval=flush_interval)  # fmt: skip
+                                      max_spaces=spaces, flush_interval=flush_interval,
+                                      python=self.python, python_mode=python_frames)  # fmt: skip
 
     def _join(self, session: PerfSession, engine: StackEngine, store: StackStore,
               live: LiveTable | None, bootstrap: bool) -> None:  # fmt: skip
@@ -104,6 +114,7 @@ class LiveProfiler:
         proc_root: str = "/proc",
         bootstrap: bool = True,
         flush_interval: float = 0.0,
+        python_frames: str = "off",
     ) -> LiveProfiler:
         session = PerfSession.open(target, config or SamplingConfig())
         try:
@@ -112,7 +123,7 @@ class LiveProfiler:
             if engine.live is None:
                 live = LiveTable(engine.table, ProcFS(proc_root), live_config)
             return cls(session, engine, store or StackStore(), live=live, bootstrap=bootstrap,
-                       flush_interval=flush_interval)  # fmt: skip
+                       flush_interval=flush_interval, python_frames=python_frames)  # fmt: skip
         except BaseException:
             session.close()
             raise
@@ -205,6 +216,8 @@ class LiveProfiler:
         self.session.disable()
         out = self._last_round()
         self._unpin([r for r, _ in list(self._pinned.values())])
+        if self.python is not None:
+            self.python.close()
         self.session.close()
         self.closed = True
         return out

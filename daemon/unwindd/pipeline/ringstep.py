@@ -14,9 +14,17 @@ Invariants:
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``); the counts they name reach the store first,
   and at close (``flush_counts``).
+- Python frames (``python``, procs/pyreader.py): a delivered sample whose stack holds
+  ``_PyEval_EvalFrameDefault`` frames gets its thread's Python frames, the reader thread's
+  read nearest the sample's time, in place of or beside them (``_python_frames``); its stack
+  id then names a merged stack (ids from ``_PY_BASE``). Per (pid, tid) per round the thread is
+  kept wanted and, when the reader lags, read once on the loop (bounded per round). No read
+  near the sample, a failed read, or one that does not line up with the C frames keeps the
+  native stack, counted by reason; samples unwound outside the round (held, deferred) too.
 
 Cost per step: O(records) native; Python O(side-band records + unplaceable samples + new
-frames), plus O(groups) per flush and O(samples) only with stream subscribers.
+frames), plus O(groups) per flush and O(samples) only with stream subscribers or while the
+context holds a stack with interpreter frames (plus one frame-chain read per such thread).
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..procs.livetable import LiveTable
+from ..procs.pyframes import merge
+from ..procs.pyreader import EVAL_SYMBOL, PythonFrames
 from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
@@ -54,6 +64,8 @@ from .deferred import Deferred
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
+_PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C ids stay below)
+PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
 # (time, cpu, flags): computed once, rewritten when the record is carried to the next round.
 _Marked = tuple[Record, tuple[int, int, int]]
@@ -102,8 +114,12 @@ class NativeStep:
         max_spaces: int = 4096,
         max_deferred: int = 4096,
         flush_interval: float = 0.0,
+        python: PythonFrames | None = None,
+        python_mode: str = "replace",
     ) -> None:
         self.pipeline = pipeline
+        self.python = python  # Python frames for interpreter stacks (None: off)
+        self.python_beside = python_mode == "beside"
         self.engine = engine
         self.store = store
         self.pin = pin
@@ -174,6 +190,14 @@ class NativeStep:
         self._frames: list[Frame] = []  # per frame id
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+        self._evals: list[int] = []  # per stack id: its _PyEval_EvalFrameDefault frames
+        self._any_eval = False
+        # stacks merged with Python frames, id _PY_BASE + i, interned by (stack id, segments)
+        self._pystacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+        self._pymerged: dict[tuple[int, object], int] = {}
+
+    def _stack(self, sid: int) -> tuple[tuple[Frame, ...], str, str, int, int]:
+        return self._stacks[sid] if sid < _PY_BASE else self._pystacks[sid - _PY_BASE]
 
     def reset_context(self) -> None:
         """Drop the C context and its mirrors at the next step (as past ``max_stacks``): its
@@ -187,6 +211,8 @@ class NativeStep:
     def _dropped(self, pid: int) -> None:
         self.nctx.forget_space(pid)
         self.nctx.forget_comms()
+        if self.python is not None:
+            self.python.forget(pid)
 
     # -- one step
 
@@ -217,8 +243,8 @@ class NativeStep:
             if round_drained(n, want):
                 break
         flushed = None
-        if (self._reset or len(self._stacks) > self.max_stacks
-                or self.nctx.nspaces > self.max_spaces):  # fmt: skip
+        nst = len(self._stacks) + len(self._pystacks)
+        if self._reset or nst > self.max_stacks or self.nctx.nspaces > self.max_spaces:
             flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         out, info = self._round(cpus, bounds, False)
@@ -287,6 +313,10 @@ class NativeStep:
         self.live.end_batch()
         self.unpin(applied)
         self._carry_round(cbuf, recs, self._keep, nkeep, objs)
+        if self.python is not None and self._any_eval and d:
+            self._python_frames(is_sample, d)
+        if self.python is not None and due_out:
+            self._count_late(due_out)
         # -- aggregate (stored by flush_counts: every round, or every flush_interval seconds)
         if d:
             info.samples += count(lib.fp_live_groups_add(self._acc, cols[0], stack_ids, cols[1],
@@ -408,11 +438,10 @@ class NativeStep:
         ids, s_cpus = view(self._stack_ids, "I", d), view(cols[5], "I", d)
         periods = view(cols[2], "Q", d)
         has_period = self.lay.i_period >= 0
-        stacks = self._stacks
         out: list[UnwoundSample] = []
         for k in range(d):
             if is_sample[k] and ids[k] != _HELD:
-                fr, comm, status, _, _ = stacks[ids[k]]
+                fr, comm, status, _, _ = self._stack(ids[k])
                 period = periods[k] if has_period else None
                 out.append(UnwoundSample(times[k], pids[k], tids[k], s_cpus[k], comm, period,
                                          status, fr))  # fmt: skip
@@ -550,11 +579,17 @@ class NativeStep:
             kframes = kernel_frames(callchain(kc)) if kc else ()
             if regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
+                if self.python is not None:
+                    self._evals.append(0)  # one entry per stack id, in id order
                 continue
             nctx.count_unsymbolized(space, ids)
             uframes = tuple(map(frame_of, ids))
             stacks.append((kframes + uframes if kframes else uframes, comm,
                            STATUS_NAMES[code], len(ids), len(kframes)))  # fmt: skip
+            if self.python is not None:
+                n = _eval_frames(uframes)
+                self._any_eval |= n > 0
+                self._evals.append(n)
         nctx.release_snapshots()
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
@@ -575,10 +610,10 @@ class NativeStep:
         gp, gtid, gs = (ffi.new("uint32_t[]", ng) for _ in range(3))
         lib.fp_live_groups_take(acc, gt, gp, gtid, gs, gc)
         es = self.engine.stats
-        stacks = self._stacks
+        stack = self._stack
         out: list[CountGroup] = []
         for g in range(ng):
-            fr, comm, status, nu, nk = stacks[gs[g]]
+            fr, comm, status, nu, nk = stack(gs[g])
             c = int(gc[g])
             pid = int(gp[g])
             out.append((int(gt[g]), pid, int(gtid[g]), comm, fr, c))
@@ -591,3 +626,97 @@ class NativeStep:
         es.frames = es.kernel_frames + es.user_frames
         self.store.add_counts(out)
         return info
+
+    # -- Python frames
+
+    def _python_frames(self, is_sample: bytes, d: int) -> None:
+        """The round's delivered samples whose stack holds interpreter frames get their
+        thread's Python frames: the reader thread's read nearest the sample's time
+        (pyreader.PythonFrames.nearest), merged into a new stack id that replaces theirs before
+        the round's counts are aggregated. A thread seen here for the first time is read from
+        now on (``want``): its samples until then keep their native frames, counted ``late``.
+        O(samples) Python."""
+        py = self.python
+        assert py is not None
+        cols, sids = self._cols, self._stack_ids
+        ids, pids, tids = view(sids, "I", d), view(cols[3], "I", d), view(cols[4], "I", d)
+        times = view(cols[1], "Q", d)
+        evals, stats = self._evals, py.stats
+        todo = [k for k in range(d) if is_sample[k] and ids[k] < _PY_BASE and evals[ids[k]]]
+        if not todo:  # (side-band, held (_HELD > _PY_BASE) or no interpreter frames)
+            return
+        # once per (pid, tid) per round, busiest first (the loop's reads have a budget): keep
+        # it read, read it now if the reader thread lags, take its reads
+        py.begin_round()
+        hists: dict[tuple[int, int], tuple[list[int], list[Any]] | str] = {}
+        for key, _ in Counter((pids[k], tids[k]) for k in todo).most_common():
+            why = py.want(key[0], key[1])
+            if why is None:
+                py.refresh(key[0], key[1])
+            h = py.history(key[0], key[1])  # (kept after an exit: reads from before it)
+            hists[key] = h if h[0] or why is None else why
+        for k in todo:
+            sid = ids[k]
+            hist = hists[(pids[k], tids[k])]
+            if isinstance(hist, str):
+                stats.failures[hist] += 1
+                continue
+            got = py.nearest(hist, times[k])
+            if got is None:
+                stats.failures["late"] += 1
+                continue
+            if isinstance(got, str):
+                stats.failures[got] += 1
+                continue
+            merged = self._merged(sid, got)
+            if merged < 0:
+                stats.failures["moved"] += 1
+                continue
+            sids[k] = merged
+            stats.named += 1
+
+    def _merged(self, sid: int, segs: object) -> int:
+        """The id of stack ``sid`` merged with Python frame segments ``segs`` (interned), or
+        -1 when they do not line up (pyframes.merge)."""
+        key = (sid, segs)
+        if len(self._pymerged) > self.max_stacks:
+            self._pymerged.clear()  # failed merges only: merged ones also count in max_stacks
+        got = self._pymerged.get(key)
+        if got is not None:
+            return got
+        fr, comm, status, nu, nk = self._stacks[sid]
+        assert isinstance(segs, tuple)
+        out = merge(fr, _is_eval, segs, status == "ok", self.python_beside)
+        if out is None:
+            self._pymerged[key] = -1
+            return -1
+        frames = tuple(out)
+        self._pystacks.append((frames, comm, status, nu + len(frames) - len(fr), nk))
+        got = self._pymerged[key] = _PY_BASE + len(self._pystacks) - 1
+        return got
+
+    def _count_late(self, samples: list[UnwoundSample]) -> None:
+        """Samples unwound after their round (held for a rescan, deferred for a CFI compile)
+        keep their native frames: reading now would name what the thread runs later."""
+        assert self.python is not None
+        n = sum(1 for s in samples if _eval_frames(s.frames))
+        if n:
+            self.python.stats.failures["late"] += n
+
+
+def _is_eval(f: Frame) -> bool:
+    return f.sym == EVAL_SYMBOL and not f.kernel
+
+
+def _eval_frames(frames: tuple[Frame, ...]) -> int:
+    """The interpreter's C frames of a stack, 0 when it also holds perf-map trampoline frames
+    (``py::`` names, 3.12+ ``-X perf``): those already name the Python functions."""
+    n = 0
+    for f in frames:
+        sym = f.sym
+        if sym is not None:
+            if sym == EVAL_SYMBOL:
+                n += 1
+            elif sym.startswith("py::"):
+                return 0
+    return n

@@ -261,6 +261,13 @@ class DaemonSection:
 
 
 @dataclass(frozen=True, slots=True)
+class PythonSection:
+    frames: str = _key("replace", live=False, check=_one_of("replace", "beside", "off"),
+                       doc="CPython 3.11+ functions in place of / beside the interpreter's "
+                           "frames, or off")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     sampling: SamplingSection = field(default_factory=SamplingSection)
     unwind: UnwindSection = field(default_factory=UnwindSection)
@@ -271,6 +278,7 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     export: ExportSection = field(default_factory=ExportSection)
     daemon: DaemonSection = field(default_factory=DaemonSection)
+    python: PythonSection = field(default_factory=PythonSection)
     source: str = field(default=DEFAULTS_SOURCE, compare=False)
 
     def to_json(self) -> dict[str, dict[str, Any]]:

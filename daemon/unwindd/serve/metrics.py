@@ -45,6 +45,8 @@ from ..binaries.symstore import SYM_STORE_RESULTS
 from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
 from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
 from ..procs.proctable import DROP_REASONS
+from ..procs.pyframes import FAILURES as PY_FAILURES
+from ..procs.pyreader import RUNTIME as PY_RUNTIME
 from ..source import decoder
 from ..source.abi import RecordType
 from ..unwind.jitframes import JIT_KINDS
@@ -203,6 +205,15 @@ def counter_specs() -> list[Spec]:
              lambda d: d.profiler.live.stats.give_ups, "reason", lambda d: GIVE_UPS),
         Spec("unwindd_proc_pid_reuse", "Address spaces found to belong to an older process.",
              lambda d: d.profiler.live.stats.pid_reuse),
+        Spec("unwindd_runtime_named_samples",
+             "Samples whose interpreter frames were named by the runtime's own, by runtime.",
+             lambda d: {PY_RUNTIME: d.profiler.python.stats.named}, "runtime",
+             lambda d: (PY_RUNTIME,)),
+        Spec("unwindd_python_frame_failures",
+             "Samples with CPython interpreter frames that kept them, by reason.",
+             lambda d: d.profiler.python.stats.failures, "reason", lambda d: PY_FAILURES),
+        Spec("unwindd_python_frame_reads", "CPython frame chains read (reader thread).",
+             lambda d: d.profiler.python.stats.reads),
         Spec("unwindd_process_drops", "Address spaces dropped from the table, by reason.",
              lambda d: d.profiler.engine.table.stats.drops, "reason",
              lambda d: DROP_REASONS),

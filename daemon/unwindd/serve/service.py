@@ -244,6 +244,7 @@ class Daemon:
             "decode_errors": p.pipeline.decoder.stats.error_count,
             "late": p.pipeline.orderer.stats.late,
             "processes": len(p.engine.table.spaces),
+            "runtimes": _runtimes(p),
             "cache": {"entries": cache.entries, "bytes": cache.bytes, "hits": cache.hits,
                       "misses": cache.misses, "evictions": cache.evictions,
                       "mapped_bytes": cache.mapped_bytes},
@@ -648,3 +649,15 @@ def _stderr() -> Any:
     import sys
 
     return sys.stderr
+
+
+def _runtimes(p: LiveProfiler) -> dict[str, Any]:
+    """Samples named by an interpreter's own frames and why others were not ([python] frames;
+    ``None`` when off)."""
+    py = p.python
+    if py is None:
+        return {"python": None}
+    st = py.stats
+    return {"python": {"named": st.named, "failures": dict(st.failures), "reads": st.reads,
+                       "syscalls": st.syscalls, "bracketed": st.bracketed,
+                       "lateness_ms": dict(st.lateness_ms)}}

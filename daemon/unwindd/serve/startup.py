@@ -278,7 +278,8 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     # every drain: a busy stack's group recurs in most drains of a second, and each store
     # update of it is Python work.
     prof = LiveProfiler.open(target, sampling, engine=engine, store=store,
-                             flush_interval=FLUSH_SECONDS)  # fmt: skip
+                             flush_interval=FLUSH_SECONDS,
+                             python_frames=cfg.python.frames)  # fmt: skip
     for note in prof.session.notes:  # the fallbacks taken to open (sampling.fallback)
         log.warning("%s", note)
     return prof
