@@ -224,13 +224,18 @@ def main() -> int:
         path = Path(tmp.name) / "bench.data"
     if not path.exists():
         record(path, args.seconds, args.freq)
-    unwindd = [sys.executable, "-m", "unwindd.cli", "replay", str(path)]
+    # --no-inline on both sides (perf's inline pass runs addr2line per address); the inline
+    # rows below compare the two with it on
+    unwindd = [sys.executable, "-m", "unwindd.cli", "replay", str(path), "--no-inline"]
     perf = ["perf", "script", "-i", str(path), "-F", "comm,pid,tid,time,ip,sym,dso", "--ns",
             "--no-inline"]  # fmt: skip
     rows = [
         ("unwindd replay --format folded", [*unwindd, "--format", "folded"]),
         ("unwindd replay --format perf-script", [*unwindd, "--format", "perf-script"]),
         ("perf script -F comm,pid,tid,time,ip,sym,dso --ns --no-inline", perf),
+        ("unwindd replay --format perf-script (inline frames)",
+         [*unwindd[:-1], "--format", "perf-script"]),
+        ("perf script -F comm,pid,tid,time,ip,sym,dso --ns (inline frames)", perf[:-1]),
         ("unwindd replay --format folded --no-cache", [*unwindd, "--format", "folded",
                                                        "--no-cache"]),
     ]  # fmt: skip

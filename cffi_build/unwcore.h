@@ -279,3 +279,50 @@ int64_t unw_sb_scan(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx
 uint64_t unw_sb_compact(uint32_t *perm, uint64_t m, uint8_t *cand, const uint32_t *pids,
                         uint64_t ncand, const void *recs, uint32_t *kept, uint64_t *nkept,
                         uint32_t *skipped_cpus);
+
+/* ------------------------------------------------------------------ source lines (dwarfline.c) */
+
+/* A compiled line/inline table (layout at the top of dwarfline.c; srclines.py reads it). */
+#define UNW_SL_MAGIC 0x4c535755 /* "UWSL" */
+#define UNW_SL_VERSION 1
+#define UNW_SL_NONE 0xffffffff    /* no file / no node / no name */
+#define UNW_SL_MAX_ROWS 268435456
+#define UNW_SL_SUBPROGRAM 1      /* node kinds */
+#define UNW_SL_INLINED 2 /* rows, segments, nodes (and array bytes) of one table */
+
+/* Error counters (unw_srcline_hdr.errors[]); names in srclines.py ERROR_NAMES, same order. */
+#define UNW_SL_ERR_UNIT 0         /* bad unit header: that unit (or, for its length, the rest) */
+#define UNW_SL_ERR_ABBREV 1       /* bad abbreviation table: its units skipped                */
+#define UNW_SL_ERR_DIE 2          /* unreadable DIE (unknown form, bad code, too deep)        */
+#define UNW_SL_ERR_LINE 3         /* bad line program header or opcode                        */
+#define UNW_SL_ERR_RANGES 4       /* bad DW_AT_ranges list                                     */
+#define UNW_SL_ERR_REF 5          /* origin reference out of range, cyclic or too long         */
+#define UNW_SL_ERR_CAP 6          /* a size cap hit                                            */
+#define UNW_SL_NERR 8
+
+struct unw_srcline_hdr {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t pad;
+    uint32_t nlines, nsegs, nnodes, nfiles, strtab_len;
+    uint32_t errors[UNW_SL_NERR];
+    uint32_t pad2;
+};
+
+/* The DWARF sections of one binary or its debug file, inflated (NULL/0 = absent). */
+struct unw_dwarf_sections {
+    const uint8_t *info; uint64_t info_len;
+    const uint8_t *abbrev; uint64_t abbrev_len;
+    const uint8_t *line; uint64_t line_len;
+    const uint8_t *str; uint64_t str_len;
+    const uint8_t *line_str; uint64_t line_str_len;
+    const uint8_t *str_offsets; uint64_t str_offsets_len;
+    const uint8_t *addr; uint64_t addr_len;
+    const uint8_t *ranges; uint64_t ranges_len;
+    const uint8_t *rnglists; uint64_t rnglists_len;
+};
+
+/* Compile the sections into a table: *out is malloc'd (unw_free), *out_len bytes. Returns 0,
+ * or -1 on allocation failure (*out NULL). Bad DWARF never fails the call: it is counted in
+ * the header's errors[]. Cost: O(input + R log R) for R line rows and inline ranges. */
+int unw_srcline_compile(const struct unw_dwarf_sections *s, uint8_t **out, uint64_t *out_len);

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop after S seconds (default: until SIGINT/SIGTERM)",
     )
     _add_sampling_args(rec)
+    _add_inline_arg(rec)
     _add_output_args(rec)
     rec.add_argument(
         "--status-interval",
@@ -132,7 +133,17 @@ def build_parser() -> argparse.ArgumentParser:
         "$XDG_CACHE_HOME/unwindd or ~/.cache/unwindd)",
     )
     rep.add_argument("--no-cache", action="store_true", help="do not read or write --cache-dir")
+    _add_inline_arg(rep)
     return p
+
+
+def _add_inline_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-inline",
+        action="store_true",
+        help="do not show inlined functions as frames of their own (DWARF inline info; on by "
+        "default, as in perf script)",
+    )
 
 
 def _replay_cache_dir(args: argparse.Namespace) -> str | None:
@@ -455,6 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_daemon(getattr(args, "config", None))
     out = sys.stdout
+    if args.command in ("replay", "record"):
+        from .unwind.engine import DEFAULT_INLINE
+
+        DEFAULT_INLINE[0] = not args.no_inline
     try:
         if args.command == "check-config":
             return cmd_check_config(args, out)

@@ -292,7 +292,7 @@ def test_record_unwinds_whole_stacks_in_every_format(chain_exe: str, fmt: str,
         with out_file.open("w") as out:
             rec = subprocess.Popen(
                 [*UNWINDD, "record", "--pid", str(chain.pid), "-F", "499", "--format", fmt,
-                 "--status-interval", "0.5"],
+                 "--status-interval", "0.5", "--no-inline"],
                 stdout=out, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             wait_perf_fds(rec.pid, len(online_cpus()), rec)

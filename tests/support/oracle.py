@@ -323,8 +323,8 @@ def record(
 
 def unwindd_stacks(path: Path, timeout: float = 300) -> list[dict[str, Any]]:
     """``python -m unwindd.cli replay path --format jsonl``: one dict per SAMPLE."""
-    out = _run([sys.executable, "-m", "unwindd.cli", "replay", str(path), "--format", "jsonl"],
-               timeout=timeout)  # fmt: skip
+    out = _run([sys.executable, "-m", "unwindd.cli", "replay", str(path), "--format", "jsonl",
+                "--no-inline"], timeout=timeout)  # fmt: skip
     got: list[dict[str, Any]] = []
     for n, line in enumerate(out.splitlines(), 1):
         if not line.strip():

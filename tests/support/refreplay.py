@@ -18,24 +18,35 @@ from pathlib import Path
 
 from unwindd.pipeline.streamreplay import StreamReplay, replay_records
 from unwindd.source.perfdata import PerfData
+from unwindd.unwind.engine import DEFAULT_INLINE
 
 
-def python_replay(path: str | Path, fmt: str) -> tuple[str, PerfData, StreamReplay]:
+def python_replay(path: str | Path, fmt: str, inline: bool = False
+                  ) -> tuple[str, PerfData, StreamReplay]:  # fmt: skip
     """The output of replaying ``path`` in ``fmt``, the file it read (closed; its decoder and
-    file error counts) and the replay's pipeline and engine (their counts)."""
+    file error counts) and the replay's pipeline and engine (their counts). ``inline``: with
+    inline frames (engine.DEFAULT_INLINE for its engine), as ``unwindd replay`` shows them
+    unless ``--no-inline``; off, as an engine made directly (the in-process native replay)."""
     out = io.StringIO()
-    with PerfData.open(path) as data:
-        res = replay_records(data, fmt, out, name=str(path))
+    was = DEFAULT_INLINE[0]
+    DEFAULT_INLINE[0] = inline
+    try:
+        with PerfData.open(path) as data:
+            res = replay_records(data, fmt, out, name=str(path))
+    finally:
+        DEFAULT_INLINE[0] = was
     return out.getvalue(), data, res
 
 
-def python_replay_bytes(path: str | Path, fmt: str) -> bytes:
-    """``python_replay``'s output encoded as the command's UTF-8 stdout writes it."""
-    return python_replay(path, fmt)[0].encode("utf-8", "surrogateescape")
+def python_replay_bytes(path: str | Path, fmt: str, inline: bool = True) -> bytes:
+    """``python_replay``'s output encoded as the command's UTF-8 stdout writes it (inline
+    frames on, as the command's default)."""
+    return python_replay(path, fmt, inline)[0].encode("utf-8", "surrogateescape")
 
 
 def main(argv: list[str]) -> int:
     path, fmt = argv
+    DEFAULT_INLINE[0] = True  # as ``unwindd replay``
     with PerfData.open(path) as data:
         replay_records(data, fmt, sys.stdout, name=path)
     sys.stdout.flush()

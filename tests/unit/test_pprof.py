@@ -78,3 +78,25 @@ def test_any_stacks_encode_to_a_valid_profile(stacks: list[StackCount]) -> None:
         assert values == [sc.count, sc.count * 1_000_000]
         assert labels.get("comm", "") == sc.comm
         assert [p.locations[lid][1] for lid in lids] == [f.ip for f in sc.frames]
+
+
+def test_inline_chain_is_one_location_with_lines() -> None:
+    """Frames of one pc (inlined ones, then the frame they sit in) are one Location with a Line
+    per level, innermost first (pprof's inline model); functions carry the source file."""
+    leaf = Frame(0x1010, "/bin/w", "leaf", None, inlined=True, rel=0x10, file="/s/w.h", line=3)
+    mid = Frame(0x1010, "/bin/w", "mid", None, inlined=True, rel=0x10, file="/s/w.h", line=9)
+    outer = Frame(0x1010, "/bin/w", "outer", 0x10, rel=0x10, file="/s/w.c", line=20)
+    main = Frame(0x2000, "/bin/w", "main", 0x5, rel=0x1000, file="/s/w.c", line=30)
+    p = decode(encode_profile([StackCount(1, 1, "w", (leaf, mid, outer, main), 2)],
+                              period_ns=1000))  # fmt: skip
+    check_valid(p)
+    lids = p.samples[0][0]
+    assert len(lids) == 2
+    assert p.stack_names(0) == ["leaf", "mid", "outer", "main"]
+    fids = p.locations[lids[0]][2]
+    assert [p.functions[f][0] for f in fids] == ["leaf", "mid", "outer"]
+    assert [p.functions[f][2] for f in fids] == ["/s/w.h", "/s/w.h", "/s/w.c"]
+    raw = gzip.decompress(encode_profile([StackCount(1, 1, "w", (leaf, mid, outer), 1)],
+                                         period_ns=1))  # fmt: skip
+    loc = fields_of(fields_of(raw)[4][0])
+    assert [fields_of(ln)[2][0] for ln in loc[4]] == [3, 9, 20]  # Line.line per level

@@ -145,6 +145,7 @@ class NativeContext:
         self._sid_refs: Counter[int] = Counter()
         self._unheld: set[int] = set()  # space ids whose last pid let go since the last naming
         self.unsym = bytearray()  # per frame id: 1 if it has no symbol
+        self.plain: list[Frame] = []  # per frame id: its frame, not expanded (new_frames)
         self.nunsym_frames = 0  # the frame ids flagged in unsym
         self.nstacks = 0  # stacks exported (new_stacks) or counted (count_code_stacks)
         self._seen: set[bytes] = set()  # (space, frames) keys whose unnamed frames are counted
@@ -225,23 +226,27 @@ class NativeContext:
 
     # -- naming what a run added
 
-    def new_frames(self) -> list[Frame]:
-        """Name the frames the last runs added, each once, with the engine's own ``frame_at``
-        (the table is in the state the reference path names them in); flags the unnamed ones
-        in ``unsym``. ``frame_at`` counts an unnamed frame each time; the reference path
-        counts per new (snapshot, frames) key: that is ``count_unsymbolized``'s, so the count
-        is taken back here."""
+    def new_frames(self) -> list[tuple[Frame, ...]]:
+        """Name the frames the last runs added, each once, with the engine's own ``frames_at``
+        (the table is in the state the reference path names them in): per frame id its
+        frames, one or, with inline expansion, one per inline level innermost first (the
+        frame unexpanded, for stacks of recorded callchains, goes to ``plain``); flags
+        the unnamed ones in ``unsym``. ``frames_at`` counts an unnamed frame each time; the
+        reference path counts per new (snapshot, frames) key: that is
+        ``count_unsymbolized``'s, so the count is taken back here."""
         engine, ctx, unsym = self.engine, self.ctx, self.unsym
         first, nfr = len(unsym), int(lib.fp_nframes(ctx))
-        out: list[Frame] = []
+        out: list[tuple[Frame, ...]] = []
         if nfr > first:
             sp, pc, ex = self._frame_out
-            snaps, frame_at = self._snaps, engine.frame_at
+            snaps, frame_at, expand, plain = self._snaps, engine.frame_at, engine.expand, self.plain
             for fid in range(first, nfr):
                 lib.fp_frame(ctx, fid, sp, pc, ex)
                 snap = snaps[sp[0]]
-                f = frame_at(snap.key[0], snap, pc[0] if ex[0] else pc[0] - 1)
-                out.append(f)
+                ip = pc[0] if ex[0] else pc[0] - 1
+                f = frame_at(snap.key[0], snap, ip)
+                plain.append(f)
+                out.append(expand(snap, ip, f))
                 unsym.append(f.sym is None)
             counted = sum(unsym[first:])
             self.nunsym_frames += counted

@@ -42,7 +42,7 @@ from ..source.records import FinishedRound, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
 from ..unwcore import check, count, ffi, lib
 from ..unwind.engine import StackEngine
-from ..unwind.stackfmt import STATUS_IP_ONLY, Frame
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame
 from .context import (
     END_ERRORS,
     STATUS_NAMES,
@@ -53,7 +53,7 @@ from .context import (
     record_marks,
     view,
 )
-from .replaytext import emitter, ip_only_text, render_frame, write_folded
+from .replaytext import emitter, ip_only_text, render_frame, render_frames, write_folded
 
 __all__ = ["FastResult", "Unsupported", "replay"]
 
@@ -162,6 +162,12 @@ class _Replay:
         self.fmt = fmt
         self.out = out
         self.engine = engine or StackEngine.create()
+        if not lay.regs_mask:
+            # no stack copies to unwind: every stack is a recorded callchain or a lone ip, which
+            # are never expanded (engine.expand), so no line table is wanted; and folded's frame
+            # ids by code would be shared by stacks of every kind (the native path takes only
+            # files whose events all lay samples out alike: never a mix)
+            self.engine.srclines = None
         self.sstats = stream_stats if stream_stats is not None else StreamStats()
         self.ostats = order_stats if order_stats is not None else OrderStats()
         self.max_queued = max_queued
@@ -176,8 +182,11 @@ class _Replay:
         # Folded output prints no addresses, only function names: aggregate frames and stacks
         # by function (binary, symbol), so the same code run by many processes, and every
         # address of one function, is named and stored once (fp_ctx_by_code, on = 2).
+        # With inline chains, by code address (on = 1): the chain depends on the address, not
+        # only on the function.
         self.by_code = fmt == "folded"
-        self.nctx = NativeContext(self.engine, by_code=2 if self.by_code else 0,
+        mode = (1 if self.engine.srclines is not None else 2) if self.by_code else 0
+        self.nctx = NativeContext(self.engine, by_code=mode,
                                   par_min=PAR_MIN, par_stress=PAR_STRESS)  # fmt: skip
         self.ctx = self.nctx.ctx
         # by function: the symbol tables whose arrays C searches, by module key (held here:
@@ -196,6 +205,8 @@ class _Replay:
         self._texts: dict[str, str] = {}
         # perf-script, per frame id: its absolute ip (an ip_only stack prints it, not rel)
         self._frame_ip: list[int] = []
+        self._frame_n: list[int] = []  # per frame id: the frames it stands for (inline chain)
+        self._frame_plain: list[str] = []  # per frame id: its text unexpanded (with srclines)
         # kernel callchain (raw u64s) -> its frames' renderings in self.fmt, leaf first; bounded
         # by the distinct callchains of the file
         self._ktext: dict[bytes, list[str]] = {}
@@ -507,11 +518,19 @@ class _Replay:
         fp_ctx_by_code) is named once (``NativeContext.new_frames``) and rendered once, so a
         stack costs one list lookup per frame."""
         text, texts, fmt = self._frame_text, self._texts, self.fmt
-        for f in self.nctx.new_frames():
-            t = render_frame(fmt, f)
+        for fs in self.nctx.new_frames():
+            if len(fs) == 1:
+                t = render_frame(fmt, fs[0])
+            else:  # an inline chain (engine.inline_frames), innermost first: its frames' text
+                t = render_frames(fmt, fs)
             text.append(texts.setdefault(t, t))
+            self._frame_n.append(len(fs))
             if fmt == "perf-script":
-                self._frame_ip.append(f.ip)
+                self._frame_ip.append(fs[0].ip)
+        if self.engine.srclines is not None:
+            # the frames unexpanded: how stacks of recorded callchains and lone ips show them
+            plain, first = self.nctx.plain, len(self._frame_plain)
+            self._frame_plain += [render_frame(fmt, f) for f in plain[first:]]
         if self.by_code:
             self.nctx.count_code_stacks()
         else:
@@ -524,6 +543,7 @@ class _Replay:
         engine, nctx, fmt = self.engine, self.nctx, self.fmt
         text_of, ktexts = self._frame_text.__getitem__, self._ktext
         stacks, rendered = self._stacks, self._rendered
+        plain_of = self._frame_plain.__getitem__ if engine.srclines is not None else text_of
         for comm, space, code, regs_none, ids, kkey in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
@@ -535,16 +555,23 @@ class _Replay:
             else:
                 status = STATUS_NAMES[code]
                 nctx.count_unsymbolized(space, ids)
-            stacks.append((comm, status, len(ids), nk))
+            # recorded callchains and lone ips as they are (engine.expand); unwound stacks with
+            # their inline chains
+            fixed = status in (STATUS_CALLCHAIN, STATUS_IP_ONLY)
+            show = plain_of if fixed else text_of
+            nu = len(ids)
+            if not fixed and engine.srclines is not None:
+                nu = sum(map(self._frame_n.__getitem__, ids))
+            stacks.append((comm, status, nu, nk))
             if fmt == "jsonl":
-                rendered.append("[" + ",".join([*krendered, *map(text_of, ids)]) + "]")
+                rendered.append("[" + ",".join([*krendered, *map(show, ids)]) + "]")
             elif status == STATUS_IP_ONLY and nk + len(ids) == 1:  # (stackfmt.perf_script)
                 if ids:
-                    rendered.append(ip_only_text(text_of(ids[0]), self._frame_ip[ids[0]]))
+                    rendered.append(ip_only_text(show(ids[0]), self._frame_ip[ids[0]]))
                 else:  # a kernel ip: the callchain intern_sample made, {CONTEXT_KERNEL, ip}
                     rendered.append(ip_only_text(krendered[0], callchain(kkey)[-1]))
             else:
-                rendered.append("".join([*krendered, *map(text_of, ids)]) + "\n")
+                rendered.append("".join([*krendered, *map(show, ids)]) + "\n")
 
     def _render_kernel(self, f: Frame) -> str:
         """render_frame of a kernel frame, once per distinct frame: callchains share most of theirs
@@ -553,6 +580,27 @@ class _Replay:
         if t is None:
             t = self._kframe_text[f] = render_frame(self.fmt, f)
         return t
+
+    def _inline_extra(self) -> int:
+        """By code: the user frames inline chains add to C's count of frame ids (each id of n
+        frames adds n - 1 to every sample of every stack it is in), counted in C over one flag
+        column per inline depth (fp_stacks_unsym): O(stacks x depth)."""
+        fn = self._frame_n
+        deepest = max(fn, default=1)
+        if deepest <= 1:
+            return 0
+        ctx = self.ctx
+        nst = int(lib.fp_nstacks(ctx))
+        counts = ffi.new("uint64_t[]", max(1, nst))
+        lib.fp_stack_counts(ctx, counts)
+        per = ffi.new("uint32_t[]", max(1, nst))
+        extra = 0
+        for j in range(1, deepest):
+            flags = bytes(n > j for n in fn)
+            lib.fp_stacks_unsym(ctx, 0, nst, flags, len(flags), per)
+            extra += sum(c * e for c, e in zip(view(counts, "Q", nst), view(per, "I", nst),
+                                                strict=True) if e)  # fmt: skip
+        return extra
 
     def _finish(self) -> None:
         """Final per-stack counts: engine stats, and the folded output."""
@@ -567,7 +615,7 @@ class _Replay:
             for _, k in sorted((first[k], k) for k in range(len(names)) if by[k]):
                 es.samples += by[k]
                 es.by_status[names[k]] += by[k]
-            es.user_frames += uf[0]
+            es.user_frames += uf[0] + self._inline_extra()
             es.kernel_frames += kf[0]
         else:
             nst = len(self._stacks)

@@ -28,7 +28,7 @@ from ..unwind import stackfmt
 from ..unwind.stackfmt import STATUS_IP_ONLY, Frame, UnwoundSample
 from .context import NativeContext, view
 
-__all__ = ["emitter", "ip_only_text", "render_frame", "write_folded"]
+__all__ = ["emitter", "ip_only_text", "render_frame", "render_frames", "write_folded"]
 
 Emit = Callable[[int, int], None]
 
@@ -43,6 +43,17 @@ def render_frame(fmt: str, f: Frame) -> str:
         u = UnwoundSample(None, None, None, None, "", None, "", (f,))
         return json.dumps(stackfmt.to_json(u)["frames"][0], separators=(",", ":"))
     return stackfmt.perf_script_frame(f, f.rel if f.rel is not None else f.ip)
+
+
+def render_frames(fmt: str, fs: tuple[Frame, ...]) -> str:
+    """The text of several frames one frame id stands for (an inline chain, innermost first)
+    in ``fmt``, joined as the stack's frames are: perf-script lines in order, jsonl objects
+    with commas, folded names outermost first with ``;``."""
+    if fmt == "folded":
+        return ";".join(render_frame(fmt, f) for f in reversed(fs))
+    if fmt == "jsonl":
+        return ",".join(render_frame(fmt, f) for f in fs)
+    return "".join(render_frame(fmt, f) for f in fs)
 
 
 def ip_only_text(frame_line: str, ip: int) -> str:
@@ -106,6 +117,29 @@ def emitter(
     return emit_script
 
 
+def _inline_order(
+    nctx: NativeContext,
+    kernel_frame: Callable[[int], Frame],
+    frame_text: list[str],
+    write: Callable[[str], Any],
+) -> None:
+    """``write_folded`` where some frame ids stand for several names (an inline chain's
+    ``render_frames``, joined by ``;``, which no single folded name holds: folded_names maps
+    it to ``:``): fold.c orders stacks by one rank per frame id, which is not the order of
+    their names one by one, so its lines are sorted again here as ``stackfmt.render_folded``
+    sorts them (NUL-joined names). O(lines log lines)."""
+    parts: list[str] = []
+    write_folded(nctx, kernel_frame, [t.replace(";", "\x01") for t in frame_text],
+                 parts.append)  # fmt: skip
+    lines = "".join(parts).splitlines()
+    keyed = []
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        keyed.append((stack.replace(";", "\0").replace("\x01", "\0"), n))
+    keyed.sort()
+    write("".join(f"{k.replace(chr(0), ';')} {n}\n" for k, n in keyed))
+
+
 def write_folded(
     nctx: NativeContext,
     kernel_frame: Callable[[int], Frame],
@@ -115,7 +149,10 @@ def write_folded(
     """The folded text of every stack of ``nctx`` (by code), made in C (fold.c) from the names
     ranked here: comms, ``frame_text`` (per frame id) and kernel frames, named now once per
     ip by ``kernel_frame``. Written in pieces of 256 KiB (one buffer reused: a text built
-    whole would page-fault fresh memory for every page of it)."""
+    whole would page-fault fresh memory for every page of it); with inline chains, whole
+    (``_inline_order``)."""
+    if any(";" in t for t in frame_text):
+        return _inline_order(nctx, kernel_frame, frame_text, write)
     ctx = nctx.ctx
     cap = 4096
     while True:

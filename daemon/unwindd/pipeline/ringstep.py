@@ -47,7 +47,7 @@ from ..source.records import Comm, Fork, Lost, Record
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
-from ..unwind.stackfmt import Frame, UnwoundSample
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 from .context import (
     END_ERRORS,
     HAS_CPU,
@@ -61,6 +61,8 @@ from .context import (
 )
 from .deferred import Deferred
 
+# status codes of stacks shown as recorded, without inline chains (engine.expand)
+_FIXED = frozenset(STATUS_NAMES.index(x) for x in (STATUS_CALLCHAIN, STATUS_IP_ONLY))
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
@@ -187,7 +189,7 @@ class NativeStep:
         self.ctx = self.nctx.ctx
         self._reset = False
         self.contexts += 1
-        self._frames: list[Frame] = []  # per frame id
+        self._frames: list[tuple[Frame, ...]] = []  # per frame id (several: an inline chain)
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._evals: list[int] = []  # per stack id: its _PyEval_EvalFrameDefault frames
@@ -583,9 +585,12 @@ class NativeStep:
                     self._evals.append(0)  # one entry per stack id, in id order
                 continue
             nctx.count_unsymbolized(space, ids)
-            uframes = tuple(map(frame_of, ids))
+            if code in _FIXED:  # a recorded callchain or a lone ip: as recorded (engine.expand)
+                uframes = tuple(map(nctx.plain.__getitem__, ids))
+            else:
+                uframes = tuple([f for i in ids for f in frame_of(i)])
             stacks.append((kframes + uframes if kframes else uframes, comm,
-                           STATUS_NAMES[code], len(ids), len(kframes)))  # fmt: skip
+                           STATUS_NAMES[code], len(uframes), len(kframes)))  # fmt: skip
             if self.python is not None:
                 n = _eval_frames(uframes)
                 self._any_eval |= n > 0

@@ -14,14 +14,16 @@ Invariants:
       Sample    1 location_id (packed uint64, leaf first)  2 value (packed int64)  3 label
       Label     1 key  2 str  3 num (string indices except num)
       Mapping   1 id  5 filename  7 has_functions
-      Location  1 id  2 mapping_id  3 address  4 line: Line
-      Line      1 function_id
+      Location  1 id  2 mapping_id  3 address  4 line: Line (several: an inline chain)
+      Line      1 function_id  2 line
       Function  1 id  2 name  3 system_name  4 filename
 
 - ``string_table[0]`` is ``""``; ids start at 1 (0 means "none" in pprof); every location_id,
   mapping_id and function_id a message names is defined in the same profile.
-- One Location per distinct (dso, address, symbol), one Function per (name, dso), one Mapping
-  per dso: a profile's size is O(distinct frames + samples), not O(samples * depth).
+- One Location per distinct (dso, address, names and lines of its frames: an inline chain is
+  one Location with a Line per level), one Function per (name, source file, or dso when the
+  frame has none), one Mapping per dso: a profile's size is O(distinct frames + samples),
+  not O(samples * depth).
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
   sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
   (``labels_of(pid)``: ``cgroup``, ``unit``, ``container_id``; procs/cgroups.py) when known:
@@ -84,7 +86,7 @@ def encode_profile(
     strings = _Strings()
     mappings: dict[str, int] = {}
     functions: dict[tuple[str, str], int] = {}
-    locations: dict[tuple[str, int, str], int] = {}
+    locations: dict[tuple[str, int, tuple[tuple[str, int | None], ...]], int] = {}
     out: list[bytes] = []
     tail: list[bytes] = []  # mapping/location/function messages, written after the samples
 
@@ -94,10 +96,25 @@ def encode_profile(
     out.append(_bytes(1, vtype("samples", "count")))
     out.append(_bytes(1, vtype("cpu", "nanoseconds")))
 
-    def location(f: Frame) -> int:
-        dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
+    def function(f: Frame, dso: str) -> int:
         name = frame_name(f)  # the binary is the location's mapping
-        key = (dso, f.ip, name)
+        src = f.file or dso  # the source file when line info names it, else the binary
+        fid = functions.get((name, src))
+        if fid is None:
+            fid = functions[(name, src)] = len(functions) + 1
+            n = strings(name)
+            body = _uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, strings(src))
+            tail.append(_bytes(5, body))
+        return fid
+
+    def location(fs: list[Frame]) -> int:
+        """One Location for the frames of one pc: an inline chain (innermost first, the frame
+        it sits in last) is one Location with one Line per level, pprof's inline model
+        (profile.proto: "the last entry represents the caller into which the preceding
+        entries were inlined")."""
+        f = fs[-1]
+        dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
+        key = (dso, f.ip, tuple((frame_name(g), g.line) for g in fs))
         lid = locations.get(key)
         if lid is not None:
             return lid
@@ -105,16 +122,25 @@ def encode_profile(
         if mid is None:
             mid = mappings[dso] = len(mappings) + 1
             tail.append(_bytes(3, _uint(1, mid) + _uint(5, strings(dso)) + _uint(7, 1)))
-        fid = functions.get((name, dso))
-        if fid is None:
-            fid = functions[(name, dso)] = len(functions) + 1
-            n = strings(name)
-            body = _uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, strings(dso))
-            tail.append(_bytes(5, body))
+        lines = b"".join(_bytes(4, _uint(1, function(g, dso)) + (_uint(2, g.line) if g.line
+                                                                    else b""))
+                         for g in fs)  # fmt: skip
         lid = locations[key] = len(locations) + 1
-        line = _bytes(4, _uint(1, fid))
-        tail.append(_bytes(4, _uint(1, lid) + _uint(2, mid) + _uint(3, f.ip) + line))
+        tail.append(_bytes(4, _uint(1, lid) + _uint(2, mid) + _uint(3, f.ip) + lines))
         return lid
+
+    def location_ids(frames: tuple[Frame, ...]) -> list[int]:
+        ids: list[int] = []
+        run: list[Frame] = []
+        for i, f in enumerate(frames):
+            run.append(f)
+            nxt = frames[i + 1] if i + 1 < len(frames) else None
+            # an inlined frame joins the next one when that is at the same pc
+            if f.inlined and nxt is not None and nxt.ip == f.ip and nxt.dso == f.dso:
+                continue
+            ids.append(location(run))
+            run = []
+        return ids
 
     k_comm, k_pid, k_tid = strings("comm"), strings("pid"), strings("tid")
     by_pid: dict[int, bytes] = {}  # the encoded cgroup labels of each pid
@@ -128,7 +154,7 @@ def encode_profile(
         return got
 
     for sc in stacks:
-        ids = [location(f) for f in sc.frames]
+        ids = location_ids(sc.frames)
         # An empty comm would be string index 0, which proto3 omits: leave the label out.
         labels = _bytes(3, _uint(1, k_comm) + _uint(2, strings(sc.comm))) if sc.comm else b""
         if sc.pid >= 0:

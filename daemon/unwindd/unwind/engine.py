@@ -44,6 +44,7 @@ from .jitframes import JitStats
 from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
 if TYPE_CHECKING:
+    from ..binaries.srclines import SrcLineCache
     from ..procs.livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
@@ -87,6 +88,28 @@ def _context_ips(callchain: Iterable[int], context: int, first: bool) -> Iterato
             inside = ip == context
         elif inside:
             yield ip
+
+
+def inline_frames(f: Frame, levels: tuple[tuple[str | None, str | None, int], ...]
+                  ) -> tuple[Frame, ...]:  # fmt: skip
+    """The frames perf script shows for frame ``f`` whose pc has the ``levels``
+    (``SrcLineTable.lookup``: innermost first), as perf 6.1 builds them (tools/perf/util/
+    machine.c append_inlines, srcline.c addr2inlines and new_inline_sym): one per level, up to
+    the first without a file (addr2line's ``??:0`` ends its list); a level whose demangled
+    name is the frame's symbol is the frame itself (with that level's file and line), any
+    other is an inlined frame named so (perf prints it ``name (inlined)``, without the dso).
+    A level without a DWARF function is named from the symbol table, as addr2line names it.
+    No level with a file: ``(f,)``."""
+    out = []
+    for name, file, line in levels:
+        if file is None:
+            break
+        if name is None or name == f.sym:
+            out.append(_new_frame(f.ip, f.dso, f.sym, f.offset, False, False, f.rel, file, line,
+                                  None))  # fmt: skip
+        else:
+            out.append(_new_frame(f.ip, f.dso, name, None, False, True, f.rel, file, line, None))
+    return tuple(out) if out else (f,)
 
 
 def kernel_ips(callchain: Iterable[int]) -> Iterator[int]:
@@ -141,6 +164,11 @@ class Snapshot:
 
 # StackEngine.create(cache_dir=): where in it the CFI and the symbol tables are kept
 CACHE_SUBDIRS = ("cfi", "sym")
+SRCLINE_SUBDIR = "srcline"  # ... and the compiled line/inline tables (srclines.SrcLineStore)
+# Whether engines made by ``create`` expand inlined frames: the CLI's ``replay`` and ``record``
+# set it (on, perf script's default, unless ``--no-inline``) for every engine their command
+# makes; engines made otherwise (the daemon's) do not expand.
+DEFAULT_INLINE = [False]
 
 
 class StackEngine:
@@ -165,7 +193,8 @@ class StackEngine:
         # pid -> {(generation, pcs): frames}; pid -> {(generation, named ip): frame}
         self._stacks: dict[int, dict[tuple[int, tuple[int, ...]], tuple[Frame, ...]]] = {}
         self._nstacks = 0
-        self._frames: dict[int, dict[tuple[int, int], Frame]] = {}
+        # pid -> {(2 * generation + exact, named ip): its frames (one, or one per inline level)}
+        self._frames: dict[int, dict[tuple[int, int], tuple[Frame, ...]]] = {}
         self._joined: dict[tuple[int, int], tuple[tuple[Frame, ...], ...]] = {}
         self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
         self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (kernel_frame)
@@ -179,6 +208,8 @@ class StackEngine:
         # JIT frames and the samples through them (jitframes.py), counted by the live paths
         self.jit = JitStats(self.runtime_of)
         self._runtimes: dict[int, tuple[int, str | None]] = {}  # pid -> (generation, runtime)
+        # line/inline tables by binary (create(inline=True)); None: frames are not expanded
+        self.srclines: SrcLineCache | None = None
 
     @classmethod
     def create(
@@ -193,6 +224,7 @@ class StackEngine:
         prefetch_cfi: bool = False,
         cfi_inline_max_bytes: int = CFI_INLINE_MAX_BYTES,
         cache_dir: str | None = None,
+        inline: bool | None = None,
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. ``cache_dir``
         (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``. With
@@ -200,7 +232,10 @@ class StackEngine:
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
-        (``CfiPrefetcher``). OSError if a directory cannot be made."""
+        (``CfiPrefetcher``). With ``inline`` (default ``DEFAULT_INLINE``), a frame whose pc
+        DWARF places in inlined code becomes one frame per inline level (``frames_at``), from
+        tables kept in ``cache_dir``'s ``SRCLINE_SUBDIR``. OSError if a directory cannot be
+        made."""
         from ..binaries.cfi import CfiStore, CfiTable
         from ..binaries.symstore import SymbolStore
         from . import unwinder as unw
@@ -229,6 +264,13 @@ class StackEngine:
         engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
                      batch_size=batch_size)  # fmt: skip
         engine.cfi_prefetch = pre
+        if DEFAULT_INLINE[0] if inline is None else inline:
+            from ..binaries.srclines import SrcLineCache, SrcLineStore
+
+            src = SrcLineStore(os.path.join(cache_dir, SRCLINE_SUBDIR)
+                               if cache_dir is not None else None)  # fmt: skip
+            engine.srclines = SrcLineCache(src)
+            engine.disk_stats["srcline"] = src.stats
         if store is not None:
             engine.disk_stats["cfi"] = store.stats
         if symbols is not None:
@@ -464,7 +506,8 @@ class StackEngine:
             return "no_regs", (), ()
         if s.cpumode == abi.MISC_KERNEL:
             return STATUS_IP_ONLY, self.kernel_frames((abi.CONTEXT_KERNEL, s.ip)), ()
-        return STATUS_IP_ONLY, (), self.user_frames(s.pid, snap, (s.ip,))
+        # its symbol alone, as perf prints it (builtin-script.c sample__fprintf_sym: no inline)
+        return STATUS_IP_ONLY, (), self.user_frames(s.pid, snap, (s.ip,), exact=True)
 
     def _join(self, kframes: tuple[Frame, ...], uframes: tuple[Frame, ...]) -> tuple[Frame, ...]:
         """``kframes + uframes``, the same tuple object each time for the same two cached
@@ -518,15 +561,20 @@ class StackEngine:
         unsym = 0
         for i, pc in enumerate(pcs):
             ip = pc if exact_bits >> i & 1 else pc - 1
-            f = fcache.get((gen, ip))
-            if f is None:
+            fkey = (key[0], ip)  # a recorded callchain's frames are not expanded (expand)
+            fs = fcache.get(fkey)
+            if fs is None:
                 f = self._user_frame(pid, snap, ip)
+                fs = (f,) if exact else self.expand(snap, ip, f)
                 self.stats.unsymbolized -= f.sym is None  # counted below, once per stack
                 if len(fcache) >= _PID_FRAMES:
                     fcache.clear()
-                fcache[(gen, ip)] = f
-            unsym += f.sym is None
-            frames.append(f)
+                fcache[fkey] = fs
+            unsym += fs[-1].sym is None
+            if len(fs) == 1:
+                frames.append(fs[0])
+            else:
+                frames += fs
         self.stats.unsymbolized += unsym
         out = tuple(frames)
         if len(per) >= _PID_STACKS:
@@ -571,6 +619,28 @@ class StackEngine:
         """One symbolized user frame for ``ip`` as named (already adjusted: a caller frame's
         return address - 1); counts ``unsymbolized`` like ``user_frames`` does per frame."""
         return self._user_frame(pid, snap, ip)
+
+    def frames_at(self, pid: int | None, snap: Snapshot, ip: int) -> tuple[Frame, ...]:
+        """``frame_at``'s frame expanded by ``expand``."""
+        return self.expand(snap, ip, self._user_frame(pid, snap, ip))
+
+    def expand(self, snap: Snapshot, ip: int, f: Frame) -> tuple[Frame, ...]:
+        """User frame ``f`` named at ``ip``, or with ``srclines`` and a pc DWARF places in
+        inlined code, one frame per level as perf script shows them (``inline_frames``),
+        innermost first. Only frames of a DWARF unwind are expanded: perf script shows a
+        recorded callchain's entries and a sample's lone ip as they are. Cost: one mapping
+        bisect and the table's two (its table compiled or read once per binary)."""
+        src = self.srclines
+        if src is None or f.sym is None:
+            return (f,)
+        m = snap.find(ip)
+        e = m.entry if m is not None else None
+        if m is None or e is None or not e.usable:
+            return (f,)
+        table = src.table(e)
+        if table is None:
+            return (f,)
+        return inline_frames(f, table.lookup(m.vaddr(ip)))
 
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)

@@ -154,7 +154,11 @@ def perf_script(s: UnwoundSample) -> str:
 
 
 def perf_script_frame(f: Frame, addr: int) -> str:
-    """One callchain line of perf script: ``\t%16x sym (dso)`` at ``addr``."""
+    """One callchain line of perf script: ``\t%16x sym (dso)`` at ``addr``; an inlined frame
+    ``\t%16x sym (inlined)`` (util/evsel_fprintf.c sample__fprintf_callchain prints the dso
+    only for a symbol that is not inlined, then `` (inlined)``)."""
+    if f.inlined:
+        return f"\t{addr:16x} {frame_name(f)} (inlined)\n"
     return f"\t{addr:16x} {frame_name(f)} ({f.dso or UNKNOWN})\n"
 
 
@@ -176,6 +180,8 @@ def folded_names(frames: tuple[Frame, ...]) -> tuple[str, ...]:
         name = f.sym or UNKNOWN  # frame_name, inlined: called per frame of every stack
         if f.kernel:
             name += "_[k]"
+        elif f.inlined:  # stackcollapse-perf.pl --inline's mark of an inlined call
+            name += "_[i]"
         names.append(name.replace(";", ":"))
     return tuple(names)
 

@@ -1,0 +1,190 @@
+"""Inlined frames and source lines judged against perf and addr2line on the same perf.data.
+
+Workloads (tests/support/workloads/): inline.c (two levels of always-inline helpers in two
+callers, and qsort, whose inlined helpers come from libc's own DWARF in libc6-dbg) and
+inline_cxx.cpp (member functions, a function template and a lambda through std::accumulate
+inlined into loops), built ``-O2 -g`` and recorded with ``perf record --call-graph dwarf``.
+
+- Frames: every sample's user frames, inlined ones included, as ``unwindd replay --format
+  perf-script`` prints them (native and Python replays), equal ``perf script -F
+  comm,pid,tid,time,ip,sym,dso --ns`` (perf's default: inline frames on) on >= 99 % of the
+  samples, and the run must have shown inlined frames of the workload and of libc; with
+  ``--no-inline`` they equal ``perf script ... --no-inline`` likewise.
+- Lines: every frame's file and line from ``--format jsonl`` equal, as basename:line, what
+  ``llvm-addr2line -i`` says for its binary and address at that inline level on >= 99 % of
+  frames. llvm's addr2line, not binutils': binutils 2.40 (Debian 12's, which perf's
+  ``-F +srcline`` runs) resolves DWARF 5 line-table file numbers one entry off (it names
+  csu/libc-start.c where the line table says libc_start_call_main.h), so its files would be
+  the wrong oracle; lines and function names it gets right, and perf's names are compared
+  above.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import oracle
+import pytest
+from perfutil import PERF
+from workloads.build import SRC
+
+MIN_MATCH = 0.99
+CLI = [sys.executable, "-m", "unwindd.cli", "replay"]
+SCRIPT = [PERF, "script", "-F", "comm,pid,tid,time,ip,sym,dso", "--ns"]
+KERNEL_MIN = 0xFFFF800000000000
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each workload built -O2 -g and recorded with DWARF call graphs."""
+    d = tmp_path_factory.mktemp("inline")
+    out = {}
+    for name, cc, src in (("c", "gcc", "inline.c"), ("cxx", "g++", "inline_cxx.cpp")):
+        exe = d / f"inline_{name}"
+        subprocess.run([cc, "-O2", "-g", "-Wall", "-Werror", "-o", str(exe), str(SRC / src)],
+                       check=True, capture_output=True)  # fmt: skip
+        out[name] = oracle.record([str(exe)], d, freq=999, name=f"inline_{name}")
+    return out
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """perf-script text as {header line: its user frame lines}: kernel frames (addresses in
+    the kernel half) are left out, as the unwind oracle leaves them out."""
+    out: dict[str, str] = {}
+    for block in text.split("\n\n"):
+        lines = block.strip("\n").split("\n")
+        if not lines or not lines[0]:
+            continue
+        user = [ln for ln in lines[1:] if int(ln.split()[0], 16) < KERNEL_MIN]
+        out[lines[0]] = "\n".join(user)
+    return out
+
+
+def _ours(path: Path, fmt: str, *extra: str, pipe: bool = False) -> str:
+    if pipe:
+        with path.open("rb") as f:
+            return subprocess.run([*CLI, "-", "--format", fmt, *extra], stdin=f, check=True,
+                                  capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+    return subprocess.run([*CLI, str(path), "--format", fmt, *extra], check=True,
+                          capture_output=True, text=True, timeout=300).stdout  # fmt: skip
+
+
+def _perf(path: Path, *extra: str) -> str:
+    return subprocess.run([*SCRIPT, "-i", str(path), *extra], check=True, capture_output=True,
+                          text=True, timeout=300).stdout  # fmt: skip
+
+
+@pytest.mark.parametrize("pipe", [False, True], ids=["native", "python"])
+@pytest.mark.parametrize("name", ["c", "cxx"])
+def test_inline_frames_are_perfs(recorded: dict[str, Path], name: str, pipe: bool) -> None:
+    path = recorded[name]
+    theirs = _blocks(_perf(path))
+    ours = _blocks(_ours(path, "perf-script", pipe=pipe))
+    assert len(theirs) > 50 and set(ours) == set(theirs), (len(theirs), len(ours))
+    same = [k for k in theirs if ours[k] == theirs[k]]
+    bad = [(theirs[k], ours[k]) for k in theirs if ours[k] != theirs[k]]
+    assert len(same) >= MIN_MATCH * len(theirs), f"{len(same)}/{len(theirs)}: {bad[:2]}"
+    inl = [t for t in theirs.values() if "(inlined)" in t]
+    # the workload's own inlining, and libc's (its debug file's DWARF)
+    want = {"c": ("step (inlined)", "msort_with_tmp (inlined)"),
+            "cxx": ("shapes::Acc::add (inlined)", "shapes::scale<double> (inlined)")}[name]
+    for w in want:
+        assert sum(w in t for t in inl) > 5, (w, len(inl))
+
+
+@pytest.mark.parametrize("fmt", ["folded", "jsonl"])
+@pytest.mark.parametrize("name", ["c", "cxx"])
+def test_native_equals_python(recorded: dict[str, Path], name: str, fmt: str) -> None:
+    """The native replay's inline frames (folded: by code address, its lines re-sorted) are
+    the Python replay's, byte for byte."""
+    native = _ours(recorded[name], fmt)
+    assert native == _ours(recorded[name], fmt, pipe=True)
+    assert ("_[i]" if fmt == "folded" else '"inlined":true') in native
+
+
+@pytest.mark.parametrize("name", ["c", "cxx"])
+def test_no_inline_is_perfs(recorded: dict[str, Path], name: str) -> None:
+    path = recorded[name]
+    theirs = _blocks(_perf(path, "--no-inline"))
+    ours = _blocks(_ours(path, "perf-script", "--no-inline"))
+    assert set(ours) == set(theirs)
+    same = sum(ours[k] == theirs[k] for k in theirs)
+    assert same >= MIN_MATCH * len(theirs), f"{same}/{len(theirs)}"
+    assert not any("(inlined)" in t for t in ours.values())
+
+
+def _llvm_levels(dso: str, rels: list[int]) -> dict[int, list[str]]:
+    """llvm-addr2line -i's locations (basename:line, innermost first) at each address."""
+    out = subprocess.run(["llvm-addr2line", "-a", "-i", "-e", dso, *map(hex, rels)],
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    got: dict[int, list[str]] = {}
+    cur: list[str] = []
+    for line in out.splitlines():
+        if line.startswith("0x"):
+            cur = got.setdefault(int(line, 16), [])
+        elif line:
+            file, _, num = line.rpartition(":")
+            cur.append(f"{os.path.basename(file)}:{num.split()[0] if num else '0'}")
+    return got
+
+
+@pytest.mark.parametrize("name", ["c", "cxx"])
+def test_source_lines_are_addr2lines(recorded: dict[str, Path], name: str) -> None:
+    """Each user frame's file:line is llvm-addr2line -i's at that inline level."""
+    import json
+
+    samples = [json.loads(x) for x in _ours(recorded[name], "jsonl").splitlines() if x]
+    # per (dso, rel): the frames of one pc, innermost first, as one sample shows them
+    chains: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    count: defaultdict[tuple[str, int], int] = defaultdict(int)
+    def close(run: list[dict[str, Any]]) -> None:
+        if run:
+            k0 = (run[0]["dso"], int(run[0]["rel"], 16))
+            chains.setdefault(k0, run)
+            count[k0] += len(run)
+
+    for s in samples:
+        # one pc's frames: its inlined ones, then the frame itself (perf's rule: a level not
+        # named as the symbol stays inlined, so a chain may also end where the pc changes)
+        run: list[dict[str, Any]] = []
+        for f in s["frames"]:
+            if f["kernel"] or not f["dso"] or not f["dso"].startswith("/"):
+                continue
+            key = (f["dso"], int(f["rel"], 16))
+            if run and (run[0]["dso"], int(run[0]["rel"], 16)) != key:
+                close(run)
+                run = []
+            run.append(f)
+            if not f["inlined"]:
+                close(run)
+                run = []
+        close(run)
+    by_dso: defaultdict[str, list[int]] = defaultdict(list)
+    for dso, rel in chains:
+        by_dso[dso].append(rel)
+    total = good = with_line = 0
+    bad = []
+    for dso, rels in by_dso.items():
+        want = _llvm_levels(dso, rels)
+        for rel in rels:
+            chain = chains[(dso, rel)]
+            theirs = [w for w in want.get(rel, []) if not w.startswith("??:")]
+            mine = [f"{os.path.basename(f['file'])}:{f['line']}" if f["file"] else None
+                    for f in chain]  # fmt: skip
+            n = count[(dso, rel)]
+            total += n
+            with_line += n * any(mine)
+            # a recursive call at one pc whose levels are all inlined-named repeats its chain
+            reps = len(mine) // len(theirs) if theirs else 1
+            ok = mine == theirs * reps if any(mine) else not theirs
+            good += n * ok
+            if not ok:
+                bad.append((dso, hex(rel), mine, theirs))
+    print(f"\n[{name}] frames with the oracle's lines: {good}/{total}")
+    assert total > 500 and with_line > 0.5 * total, (total, with_line)
+    assert good >= MIN_MATCH * total, f"{good}/{total}: {bad[:4]}"
