@@ -36,8 +36,10 @@ class ReferenceProfiler(LiveProfiler):
         live: LiveTable | None = None,
         bootstrap: bool = True,
         flush_interval: float = 0.0,
+        python_frames: str = "off",
     ) -> None:
-        # flush_interval is LiveProfiler.open's: this step stores every sample in its round
+        # flush_interval and python_frames are LiveProfiler.open's: this step stores every
+        # sample in its round, with the native frames the oracle compares (no Python frames)
         self._join(session, engine, store, live, bootstrap)
         self.native_step = None  # type: ignore[assignment]
 
