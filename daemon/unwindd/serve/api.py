@@ -9,6 +9,7 @@ Endpoints (GET only; JSON unless a format says otherwise)::
     /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
     /v1/top?FILTERS&limit=N         functions by self and total samples
     /v1/stream?pid=&comm=&tid=&limit=&seconds=    chunked JSON lines, one per unwound sample
+    /v1/openapi.json                this API as OpenAPI 3.0 (openapi.py, generated from PARAMS)
     FILTERS: since=SECONDS (ago) | since_ns=NS, until=SECONDS (ago) | until_ns=NS
              (CLOCK_MONOTONIC), pid=P[,P..] (repeatable), comm=NAME, tid=T,
              unit=UNIT, container=ID-PREFIX, cgroup=PATH (it or below it): the processes
@@ -42,6 +43,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -55,7 +57,14 @@ from ..store.queries import Stack, StackCount
 from ..store.stackstore import StackStore
 from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
-from .httpapi import Request, Response, StreamStart, error_response, json_response
+from .httpapi import (
+    ALLOW_GET,
+    Request,
+    Response,
+    StreamStart,
+    error_response,
+    json_response,
+)
 
 FILTER_PARAMS: Final = ("since", "until", "since_ns", "until_ns", "pid", "comm", "tid", "unit",
                         "container", "cgroup")
@@ -68,6 +77,7 @@ PARAMS: Final[dict[str, frozenset[str]]] = {
     "/v1/stacks": frozenset({*FILTER_PARAMS, "format", "limit"}),
     "/v1/top": frozenset({*FILTER_PARAMS, "limit"}),
     "/v1/stream": frozenset({"pid", "comm", "tid", "limit", "seconds"}),
+    "/v1/openapi.json": frozenset(),
 }
 
 
@@ -126,24 +136,32 @@ class Filters:
         return self.unit is not None or self.container is not None or self.cgroup is not None
 
 
+# Decimal ASCII only: Python's int() and float() also take "1_000", " 5" and other scripts'
+# digits, which no client means as a number.
+_INT_RE: Final = re.compile(r"[+-]?[0-9]+")
+_FLOAT_RE: Final = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _int(req: Request, name: str) -> int | None:
     v = req.arg(name)
     if v is None or v == "":
         return None
-    try:
-        return int(v)
-    except ValueError:
-        raise BadParam(f"{name}: not an integer: {v!r}") from None
+    return _as_int(name, v)
+
+
+def _as_int(name: str, v: str) -> int:
+    if not _INT_RE.fullmatch(v):
+        raise BadParam(f"{name}: not an integer: {v!r}")
+    return int(v)
 
 
 def float_param(req: Request, name: str) -> float | None:
     v = req.arg(name)
     if v is None or v == "":
         return None
-    try:
-        f = float(v)
-    except ValueError:
-        raise BadParam(f"{name}: not a number: {v!r}") from None
+    if not _FLOAT_RE.fullmatch(v):
+        raise BadParam(f"{name}: not a number: {v!r}")
+    f = float(v)
     if not f >= 0 or f == float("inf"):
         raise BadParam(f"{name}: must be a finite number >= 0, got {v!r}")
     return f
@@ -153,17 +171,14 @@ def parse_filters(req: Request, now_ns: int) -> Filters:
     since, until = float_param(req, "since"), float_param(req, "until")
     since_ns, until_ns = _int(req, "since_ns"), _int(req, "until_ns")
     if since is not None:
-        since_ns = now_ns - int(since * 1e9)
+        since_ns = now_ns - _ago_ns(since)
     if until is not None:
-        until_ns = now_ns - int(until * 1e9)
+        until_ns = now_ns - _ago_ns(until)
     if since_ns is not None and until_ns is not None and until_ns <= since_ns:
         raise BadParam("until: the window must end after it starts (until < since)")
     pids: set[int] = set()
     for p in req.args("pid"):
-        try:
-            pids.add(int(p))
-        except ValueError:
-            raise BadParam(f"pid: not an integer: {p!r}") from None
+        pids.add(_as_int("pid", p))
     comm = req.arg("comm")
     container = req.arg("container") or None
     if container is not None and not (container.isascii() and container.isalnum()):
@@ -174,6 +189,13 @@ def parse_filters(req: Request, now_ns: int) -> Filters:
     return Filters(since_ns, until_ns, frozenset(pids) if pids else None, _int(req, "tid"),
                    comm or None, req.arg("unit") or None, container and container.lower(),
                    cgroup)  # fmt: skip
+
+
+def _ago_ns(seconds: float) -> int:
+    """``seconds`` (finite, >= 0) in ns. Past ~1.8e299 s, ``seconds * 1e9`` is inf as a
+    float, which ``int`` refuses; such a float is a whole number, so its int is exact."""
+    ns = seconds * 1e9
+    return int(ns) if ns != float("inf") else int(seconds) * 1_000_000_000
 
 
 def _limit(req: Request, default: int, cap: int) -> int:
@@ -214,6 +236,7 @@ class Api:
             "/v1/stacks": self.stacks,
             "/v1/top": self.top,
             "/v1/stream": self.stream,
+            "/v1/openapi.json": self.openapi,
         }
         assert set(self.routes) == set(PARAMS)
         self.requests: Counter[str] = Counter()  # by endpoint (bounded: the route names)
@@ -230,8 +253,8 @@ class Api:
         if route is None:
             return error_response(404, f"no such endpoint: {req.path}", "no_such_endpoint")
         if req.method != "GET":
-            return Response(405, b'{"error":"only GET"}\n', headers=(("allow", "GET"),),
-                            rejected="method_not_allowed")  # fmt: skip
+            return error_response(405, "only GET", headers=ALLOW_GET,
+                                  rejected="method_not_allowed")
         unknown = sorted(set(req.query) - PARAMS[path])
         if unknown:
             takes = ", ".join(sorted(PARAMS[path])) or "none"
@@ -247,6 +270,9 @@ class Api:
         """``window_json`` of what a store query with ``f`` covers."""
         now = self.source.now_ns()
         lo, hi = self.source.store.covered(f.since_ns, f.until_ns, now)
+        # A window wholly before boot or after now covers nothing: shown as its nearest end
+        # (CLOCK_MONOTONIC starts at 0; far-out ns are no date datetime can show).
+        lo, hi = min(max(lo, 0), now), min(max(hi, 0), now)
         return window_json(lo, hi, self.clock_offset())
 
     # -- visibility
@@ -284,6 +310,11 @@ class Api:
 
     def status(self, req: Request, peer: Peer) -> Response:
         return json_response(self.source.status())
+
+    def openapi(self, req: Request, peer: Peer) -> Response:
+        from .openapi import spec_bytes  # it imports this module (PARAMS)
+
+        return Response(200, spec_bytes())
 
     def processes(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 1000, 100_000)
@@ -354,6 +385,8 @@ class Api:
     def stream(self, req: Request, peer: Peer) -> StreamStart:
         f = parse_filters(req, self.source.now_ns())
         limit = _int(req, "limit")
+        if limit is not None and limit <= 0:
+            raise BadParam(f"limit: must be > 0, got {limit}")
         seconds = float_param(req, "seconds")
         accept = self.stream_filter(peer, f)
         return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds},

@@ -101,9 +101,15 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(status, json.dumps(obj, separators=(",", ":")).encode() + b"\n")
 
 
-def error_response(status: int, message: str, rejected: str | None = None) -> Response:
+# The head of a 405 (RFC 9110 15.5.6: it lists the methods the target supports).
+ALLOW_GET: Final = (("allow", "GET"),)
+
+
+def error_response(status: int, message: str, rejected: str | None = None,
+                   headers: tuple[tuple[str, str], ...] = ()) -> Response:  # fmt: skip
+    """Every error's body: ``{"error": message, "status": status}`` (openapi.py's Error)."""
     body = json.dumps({"error": message, "status": status}, separators=(",", ":")).encode()
-    return Response(status, body + b"\n", rejected=rejected)
+    return Response(status, body + b"\n", headers=headers, rejected=rejected)
 
 
 class NeedData:

@@ -51,7 +51,14 @@ from ..store.queries import Stack, StackCount
 from .api import PARAMS, Api, BadParam, Peer, Source, float_param, window_headers, window_json
 from .config import Config
 from .connections import Connections
-from .httpapi import REJECTIONS, TOO_MANY_STREAMS, Request, Response, error_response
+from .httpapi import (
+    ALLOW_GET,
+    REJECTIONS,
+    TOO_MANY_STREAMS,
+    Request,
+    Response,
+    error_response,
+)
 from .startup import StartupError, listen_tcp
 
 log = logging.getLogger("unwindd")
@@ -153,8 +160,8 @@ class PprofPull:
                                   "no_such_endpoint")  # fmt: skip
         self.requests[path] += 1
         if req.method != "GET":
-            return Response(405, b'{"error":"only GET"}\n', headers=(("allow", "GET"),),
-                            rejected="method_not_allowed")  # fmt: skip
+            return error_response(405, "only GET", headers=ALLOW_GET,
+                                  rejected="method_not_allowed")
         if self._token and not self._authorized(req):
             return dataclasses.replace(
                 error_response(401, "a bearer token is required", "unauthorized"),

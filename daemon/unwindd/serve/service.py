@@ -53,7 +53,14 @@ from .config import (
     restart_keys,
 )
 from .connections import Connections, peer_of
-from .httpapi import TOO_MANY_STREAMS, Request, Response, StreamStart, error_response
+from .httpapi import (
+    ALLOW_GET,
+    TOO_MANY_STREAMS,
+    Request,
+    Response,
+    StreamStart,
+    error_response,
+)
 from .metrics import Measurements, UnwinddCollector
 from .pprofpull import PprofPull
 from .pyroscope import PushConfig, Pusher, PushStats
@@ -602,7 +609,7 @@ class Daemon:
 
     def _metrics_request(self, req: Request, peer: Peer) -> Response | StreamStart:
         if req.method != "GET":
-            return error_response(405, "only GET")
+            return error_response(405, "only GET", headers=ALLOW_GET)
         if req.path not in ("/metrics", "/"):
             return error_response(404, "try /metrics")
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
