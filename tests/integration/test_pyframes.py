@@ -154,7 +154,10 @@ def test_exit_while_read_is_counted_never_wrong(daemon: DaemonProc) -> None:
     before = daemon.json("/v1/status")["runtimes"]["python"]["failures"]
     _, samples = stream_run(daemon, [sys.executable, "-c", code], 120)
     after = daemon.json("/v1/status")["runtimes"]["python"]["failures"]
-    assert after["gone"] > before["gone"], (before, after)
+    # Which reason its last samples end with depends on where the exit falls against the
+    # reader's 10 ms reads: ``gone`` (a read after the exit), ``moved`` or ``late`` (no read
+    # near enough the sample); each is counted, none names a frame
+    assert sum(after.values()) > sum(before.values()), (before, after)
     named = [s for s in samples if py_frames(s)]
     script = [s for s in named if any(f["file"] == "<string>" for f in py_frames(s))]
     assert script, "the script's frames never named"
@@ -169,7 +172,7 @@ def test_exit_while_read_is_counted_never_wrong(daemon: DaemonProc) -> None:
     kept = [s for s in samples if not py_frames(s)]
     assert any(f["sym"] == "_PyEval_EvalFrameDefault" for s in kept for f in s["frames"])
     m = metric_values(daemon.metrics(), "unwindd_python_frame_failures_total")
-    assert m['{reason="gone"}'] >= after["gone"] and '{reason="unknown_version"}' in m
+    assert all(m[f'{{reason="{r}"}}'] >= n for r, n in after.items()), (m, after)
 
 
 @pytest.mark.skipif(not PY310, reason="no CPython 3.10 on this machine")
