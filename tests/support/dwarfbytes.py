@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from cfibytes import sleb, uleb  # the LEB128 encodings (DWARF 5 section 7.6)
+
 # DW_TAG_*, DW_AT_*, DW_FORM_*
 TAG_CU, TAG_SUB, TAG_INL, TAG_BLOCK = 0x11, 0x2E, 0x1D, 0x0B
 AT_NAME, AT_STMT, AT_LOW, AT_HIGH, AT_COMP_DIR = 0x03, 0x10, 0x11, 0x12, 0x1B
@@ -20,28 +22,6 @@ AT_STR_OFF_BASE, AT_ADDR_BASE, AT_RNG_BASE = 0x72, 0x73, 0x74
 F_ADDR, F_DATA1, F_DATA2, F_DATA4, F_DATA8, F_STRING = 0x01, 0x0B, 0x05, 0x06, 0x07, 0x08
 F_STRP, F_UDATA, F_REF4, F_SEC, F_FLAG_PRESENT, F_STRX1 = 0x0E, 0x0F, 0x13, 0x17, 0x19, 0x25
 F_LINE_STRP, F_IMPLICIT, F_RNGLISTX, F_ADDRX, F_SDATA = 0x1F, 0x21, 0x23, 0x1B, 0x0D
-
-
-def uleb(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def sleb(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        done = (v == 0 and not b & 0x40) or (v == -1 and b & 0x40)
-        out.append(b | (0 if done else 0x80))
-        if done:
-            return bytes(out)
-
 
 @dataclass
 class Die:

@@ -57,18 +57,13 @@ def read_cache_file(path: str, limit: int) -> bytes | None:
     """The whole file at ``path``; None if there is none. CacheFileError if it cannot be read
     or is not a regular file of at most ``limit`` bytes (checked on the open fd before reading,
     so a huge or special file costs one fstat). Cost: one open, fstat, read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    opened = _open_checked(path, limit)
+    if opened is None:
         return None
-    except OSError as e:
-        raise CacheFileError(f"open: {e}") from None
+    fd, size = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CacheFileError("not a regular file or too large")
         chunks: list[bytes] = []
-        want = st.st_size + 1  # +1: a file that grew since the fstat reads long (refused)
+        want = size + 1  # +1: a file that grew since the fstat reads long (refused)
         while want > 0 and (chunk := os.read(fd, want)):
             chunks.append(chunk)
             want -= len(chunk)
