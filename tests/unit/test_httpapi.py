@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pprofcheck import check_valid, decode
 from unwindd.serve.api import Api, Peer
 from unwindd.serve.httpapi import CLOSED, NEED_DATA, HttpSession, Request, Response, StreamStart
+from unwindd.serve.openapi import spec_bytes
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
@@ -56,7 +57,7 @@ def api_with_data() -> tuple[Api, FakeSource]:
     src = FakeSource()
     src.store.add([sample(10, 50.5)] * 3 + [sample(10, 95.5, CHAIN[1:])] +
                   [sample(20, 96.5, (frame("idle"),), comm="root")] * 2)
-    return Api(src), src
+    return Api(src, describe=spec_bytes), src
 
 
 ROOT = Peer(0)

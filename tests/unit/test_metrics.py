@@ -13,7 +13,6 @@ from unwindd.binaries.debuginfod import FETCH_RESULTS, DebuginfodStats
 from unwindd.binaries.elfcache import CacheStats
 from unwindd.procs.livetable import LiveTableStats
 from unwindd.procs.pyframes import FAILURES as PY_FAILURES
-from unwindd.procs.pyreader import PyStats
 from unwindd.serve.metrics import Histogram, Measurements, UnwinddCollector, lateness_histogram
 from unwindd.source.decoder import DecodeStats
 from unwindd.source.ordering import OrderStats
@@ -21,6 +20,7 @@ from unwindd.source.streamstats import StreamStats
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import EngineStats
 from unwindd.unwind.jitframes import JitStats
+from unwindd.unwind.pyreader import PyStats
 
 
 def fake_daemon(rescans: Counter[str] | None = None) -> Any:

@@ -2,7 +2,7 @@
 here with the 3.11 and 3.12 layouts (runtime -> interpreter -> thread states -> frames -> code
 objects -> str/bytes), line tables of code objects this interpreter compiled, the 3.13 debug
 offsets of a real 3.13 process this test starts, and the merge and time matching the live step
-uses (pyreader.py)."""
+uses (unwind/pyreader.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from unwindd.procs.pyframes import (
     line_of,
     merge,
 )
-from unwindd.procs.pyreader import PythonFrames, elf_symbols
+from unwindd.unwind.pyreader import PythonFrames, elf_symbols
 from unwindd.unwind.stackfmt import Frame
 
 

@@ -23,13 +23,13 @@ from ..binaries.elfentry import ElfEntry
 from ..procs.livetable import LiveTable, LiveTableConfig
 from ..procs.mapping import PROT_EXEC
 from ..procs.procscan import ProcFS
-from ..procs.pyreader import PythonFrames
 from ..source.capture import StreamPipeline
 from ..source.perfcore import PerfSession
 from ..source.records import Mmap2, Record
 from ..source.sampling import SamplingConfig, Target
 from ..store.stackstore import StackStore
 from ..unwind.engine import StackEngine
+from ..unwind.pyreader import PythonFrames
 from ..unwind.stackfmt import UnwoundSample
 from .ringstep import NativeStep, StepInfo, supported
 
@@ -73,7 +73,7 @@ class LiveProfiler:
         self._join(session, engine, store, live, bootstrap)
         spaces = native_max_spaces(self.live.config.max_processes)
         # CPython's own frames for interpreter stacks (the daemon's [python] frames,
-        # procs/pyreader.py); off by default: a replayed capture's pids are not live processes,
+        # unwind/pyreader.py); off by default: a replayed capture's pids are not live processes,
         # and ``unwindd record`` matches perf script
         if python_frames != "off":
             self.python = PythonFrames(engine.table)

@@ -14,7 +14,7 @@ Invariants:
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``); the counts they name reach the store first,
   and at close (``flush_counts``).
-- Python frames (``python``, procs/pyreader.py): a delivered sample whose stack holds
+- Python frames (``python``, unwind/pyreader.py): a delivered sample whose stack holds
   ``_PyEval_EvalFrameDefault`` frames gets its thread's Python frames, the reader thread's
   read nearest the sample's time, in place of or beside them (``_python_frames``); its stack
   id then names a merged stack (ids from ``_PY_BASE``). Per (pid, tid) per round the thread is
@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 from ..procs.livetable import LiveTable
 from ..procs.pyframes import merge
-from ..procs.pyreader import EVAL_SYMBOL, PythonFrames
 from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
@@ -47,6 +46,7 @@ from ..source.records import Comm, Fork, Lost, Record
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
+from ..unwind.pyreader import EVAL_SYMBOL, PythonFrames
 from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 from .context import (
     END_ERRORS,

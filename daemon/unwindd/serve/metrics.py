@@ -46,10 +46,10 @@ from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
 from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
 from ..procs.proctable import DROP_REASONS
 from ..procs.pyframes import FAILURES as PY_FAILURES
-from ..procs.pyreader import RUNTIME as PY_RUNTIME
 from ..source import decoder
 from ..source.abi import RecordType
 from ..unwind.jitframes import JIT_KINDS
+from ..unwind.pyreader import RUNTIME as PY_RUNTIME
 from .httpapi import REJECTIONS
 from .pprofpull import ENDPOINTS as PULL_ENDPOINTS
 from .pprofpull import PULL_REJECTIONS

@@ -62,6 +62,7 @@ from .httpapi import (
     error_response,
 )
 from .metrics import Measurements, UnwinddCollector
+from .openapi import spec_bytes
 from .pprofpull import PprofPull
 from .pyroscope import PushConfig, Pusher, PushStats
 from .sdnotify import Notifier
@@ -132,7 +133,7 @@ class Daemon:
         self.proc_root = proc_root
         self._open_profiler = open_profiler or open_profiler_for
         self.profiler: LiveProfiler
-        self.api = Api(self)
+        self.api = Api(self, describe=spec_bytes)
         self.m = Measurements.create()
         self.started_mono = time.monotonic()
         self.started_wall = time.time()

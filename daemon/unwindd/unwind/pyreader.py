@@ -44,9 +44,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ..binaries.elf import ElfError, ElfReader
-from ..unwind.stackfmt import Frame
-from .proctable import ProcessTable
-from .pyframes import FAILURES, Interpreter, ProcessMemory, ReadFailed, find_interpreter
+from ..procs.proctable import ProcessTable
+from ..procs.pyframes import FAILURES, Interpreter, ProcessMemory, ReadFailed, find_interpreter
+from .stackfmt import Frame
 
 RUNTIME = "python"
 DSO = "[python]"  # the dso of every Python frame; the source file is in Frame.file
