@@ -44,8 +44,8 @@ ffibuilder.set_source(
     # -pthread: parallel.c's unwind runs a worker thread (pthreads)
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
     extra_link_args=["-pthread", "-ldl"],  # (-ldl: libcall.c's dlopen before glibc 2.34)
-    depends=[str(HERE / h) for h in ("unwcore.h", "unwcore_int.h", "cfi_int.h", "fastpath.h",
-                                      "fastpath_int.h", "fastpath_util.h")],
+    depends=[str(HERE / h) for h in ("unwcore.h", "unwcore_int.h", "cfi_int.h", "dwread.h",
+                                      "fastpath.h", "fastpath_int.h", "fastpath_util.h")],
 )
 
 if __name__ == "__main__":

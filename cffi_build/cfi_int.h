@@ -15,8 +15,8 @@
  *     (UNW_ERR_*, stored in the table header), never fatal to the rest of the section.
  *   - Functions one file lends another are CFI_INTERNAL (hidden): the module exports the
  *     unwcore.h interface only.
- *   - LEB128 (DWARF 5 section 7.6) and the bounded reader are inline here: both the section
- *     reader and the CFA interpreter decode them in their inner loops.
+ *   - LEB128 (DWARF 5 section 7.6) and the bounded reader are inline (dwread.h): both the
+ *     section reader and the CFA interpreter decode them in their inner loops.
  */
 #ifndef CFI_INT_H
 #define CFI_INT_H
@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dwread.h"
 #include "unwcore_int.h"
 
 #define CFI_INTERNAL __attribute__((visibility("hidden")))
@@ -33,72 +34,6 @@
 #define UNW_MAX_ROWS (1u << 26)       /* rows in one table (~400 MB of CFI: never real) */
 #define UNW_MAX_STATE 64              /* DW_CFA_remember_state nesting */
 #define UNW_MAX_ENTRIES (1u << 24)    /* CIE/FDE entries walked per section */
-
-/* ------------------------------------------------------------------ bounded reader */
-
-struct rd {
-    const uint8_t *p, *end;
-    int err;
-};
-
-static inline int rd_need(struct rd *r, uint64_t n)
-{
-    if (r->err || (uint64_t)(r->end - r->p) < n) {
-        r->err = 1;
-        return 0;
-    }
-    return 1;
-}
-
-static inline uint64_t rd_le(struct rd *r, unsigned n)
-{
-    if (!rd_need(r, n))
-        return 0;
-    uint64_t v = 0;
-    for (unsigned i = 0; i < n; i++)
-        v |= (uint64_t)r->p[i] << (8 * i);
-    r->p += n;
-    return v;
-}
-
-static inline uint8_t rd_u8(struct rd *r) { return (uint8_t)rd_le(r, 1); }
-
-/* LEB128 (DWARF 5 section 7.6); more than 10 bytes cannot be a 64-bit value: error. */
-static inline uint64_t rd_uleb(struct rd *r)
-{
-    uint64_t v = 0;
-    for (unsigned shift = 0; shift < 70; shift += 7) {
-        if (!rd_need(r, 1))
-            return 0;
-        uint8_t b = *r->p++;
-        if (shift < 64)
-            v |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80))
-            return v;
-    }
-    r->err = 1;
-    return 0;
-}
-
-static inline int64_t rd_sleb(struct rd *r)
-{
-    uint64_t v = 0;
-    unsigned shift = 0;
-    uint8_t b = 0;
-    do {
-        if (shift >= 70 || !rd_need(r, 1)) {
-            r->err = 1;
-            return 0;
-        }
-        b = *r->p++;
-        if (shift < 64)
-            v |= (uint64_t)(b & 0x7f) << shift;
-        shift += 7;
-    } while (b & 0x80);
-    if (shift < 64 && (b & 0x40))
-        v |= ~(uint64_t)0 << shift;
-    return (int64_t)v;
-}
 
 /* ------------------------------------------------------------------ pointer encodings */
 

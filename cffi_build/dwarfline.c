@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dwread.h"
 #include "unwcore.h"
 
 #define SL_MAX_HOPS 16
@@ -70,68 +71,9 @@ enum {
 
 /* ------------------------------------------------------------------ bounded reader */
 
-struct rd {
-    const uint8_t *p, *end;
-    int err;
-};
-
-static int need(struct rd *r, uint64_t n)
-{
-    if (r->err || (uint64_t)(r->end - r->p) < n) {
-        r->err = 1;
-        r->p = r->end;
-        return 0;
-    }
-    return 1;
-}
-
-static uint64_t le(struct rd *r, unsigned n)
-{
-    if (!need(r, n))
-        return 0;
-    uint64_t v = 0;
-    for (unsigned i = 0; i < n; i++)
-        v |= (uint64_t)r->p[i] << (8 * i);
-    r->p += n;
-    return v;
-}
-
-static uint64_t uleb(struct rd *r)
-{
-    uint64_t v = 0;
-    unsigned shift = 0;
-    while (need(r, 1)) {
-        uint8_t b = *r->p++;
-        if (shift < 64)
-            v |= (uint64_t)(b & 0x7f) << shift;
-        shift += 7;
-        if (!(b & 0x80))
-            return v;
-    }
-    return 0;
-}
-
-static int64_t sleb(struct rd *r)
-{
-    uint64_t v = 0;
-    unsigned shift = 0;
-    uint8_t b = 0;
-    while (need(r, 1)) {
-        b = *r->p++;
-        if (shift < 64)
-            v |= (uint64_t)(b & 0x7f) << shift;
-        shift += 7;
-        if (!(b & 0x80))
-            break;
-    }
-    if (shift < 64 && (b & 0x40))
-        v |= ~(uint64_t)0 << shift;
-    return (int64_t)v;
-}
-
 static void skip(struct rd *r, uint64_t n)
 {
-    if (need(r, n))
+    if (rd_need(r, n))
         r->p += n;
 }
 
@@ -294,18 +236,18 @@ static int load_abbrevs(struct ctx *c, struct unit *u)
     u->ab_first = (uint32_t)c->abbrevs.n;
     u->ab_dense = 1;
     for (;;) {
-        uint64_t code = uleb(&r);
+        uint64_t code = rd_uleb(&r);
         if (r.err)
             return -1;
         if (code == 0)
             break;
-        struct abbrev a = {code, (uint32_t)uleb(&r), (uint32_t)c->specs.n, 0, 0};
-        if (!need(&r, 1))
+        struct abbrev a = {code, (uint32_t)rd_uleb(&r), (uint32_t)c->specs.n, 0, 0};
+        if (!rd_need(&r, 1))
             return -1;
         a.children = *r.p++;
         for (;;) {
-            uint32_t at = (uint32_t)uleb(&r), form = (uint32_t)uleb(&r);
-            int64_t ic = form == F_implicit_const ? sleb(&r) : 0;
+            uint32_t at = (uint32_t)rd_uleb(&r), form = (uint32_t)rd_uleb(&r);
+            int64_t ic = form == F_implicit_const ? rd_sleb(&r) : 0;
             if (r.err || a.nattr > SL_MAX_ATTRS)
                 return -1;
             if (at == 0 && form == 0)
@@ -367,7 +309,7 @@ static uint64_t addr_at(struct ctx *c, const struct unit *u, uint64_t idx, int *
         return 0;
     }
     struct rd r = {s->addr + off, s->addr + s->addr_len, 0};
-    return le(&r, u->addr_size);
+    return rd_le(&r, u->addr_size);
 }
 
 static const char *strx_at(struct ctx *c, const struct unit *u, uint64_t idx)
@@ -377,7 +319,7 @@ static const char *strx_at(struct ctx *c, const struct unit *u, uint64_t idx)
     if (idx > s->str_offsets_len || off + u->offset_size > s->str_offsets_len)
         return NULL;
     struct rd r = {s->str_offsets + off, s->str_offsets + s->str_offsets_len, 0};
-    return sec_str(s->str, s->str_len, le(&r, u->offset_size));
+    return sec_str(s->str, s->str_len, rd_le(&r, u->offset_size));
 }
 
 /* Read one attribute of form `form` at r. Unknown forms set r->err (the DIE cannot be
@@ -389,36 +331,36 @@ static void read_form(struct ctx *c, const struct unit *u, struct rd *r, uint32_
     memset(v, 0, sizeof *v);
     int ok = 1;
     for (int ind = 0; form == F_indirect && ind < 4; ind++)
-        form = (uint32_t)uleb(r);
+        form = (uint32_t)rd_uleb(r);
     switch (form) {
-    case F_addr: v->u = le(r, u->addr_size); v->is_addr = 1; break;
+    case F_addr: v->u = rd_le(r, u->addr_size); v->is_addr = 1; break;
     case F_addrx: case F_GNU_addr_index:
-        v->u = addr_at(c, u, uleb(r), &ok); v->is_addr = 1; v->bad = !ok; break;
+        v->u = addr_at(c, u, rd_uleb(r), &ok); v->is_addr = 1; v->bad = !ok; break;
     case F_addrx1: case F_addrx2: case F_addrx3: case F_addrx4:
-        v->u = addr_at(c, u, le(r, form - F_addrx1 + 1), &ok); v->is_addr = 1; v->bad = !ok;
+        v->u = addr_at(c, u, rd_le(r, form - F_addrx1 + 1), &ok); v->is_addr = 1; v->bad = !ok;
         break;
-    case F_block1: skip(r, le(r, 1)); break;
-    case F_block2: skip(r, le(r, 2)); break;
-    case F_block4: skip(r, le(r, 4)); break;
-    case F_block: case F_exprloc: skip(r, uleb(r)); break;
+    case F_block1: skip(r, rd_le(r, 1)); break;
+    case F_block2: skip(r, rd_le(r, 2)); break;
+    case F_block4: skip(r, rd_le(r, 4)); break;
+    case F_block: case F_exprloc: skip(r, rd_uleb(r)); break;
     case F_data1: case F_ref1: case F_flag: case F_strx1:
-        v->u = le(r, 1); break;
-    case F_data2: case F_ref2: case F_strx2: v->u = le(r, 2); break;
-    case F_strx3: v->u = le(r, 3); break;
-    case F_data4: case F_ref4: case F_ref_sup4: case F_strx4: v->u = le(r, 4); break;
-    case F_data8: case F_ref8: case F_ref_sig8: case F_ref_sup8: v->u = le(r, 8); break;
+        v->u = rd_le(r, 1); break;
+    case F_data2: case F_ref2: case F_strx2: v->u = rd_le(r, 2); break;
+    case F_strx3: v->u = rd_le(r, 3); break;
+    case F_data4: case F_ref4: case F_ref_sup4: case F_strx4: v->u = rd_le(r, 4); break;
+    case F_data8: case F_ref8: case F_ref_sig8: case F_ref_sup8: v->u = rd_le(r, 8); break;
     case F_data16: skip(r, 16); break;
-    case F_sdata: v->u = (uint64_t)sleb(r); break;
+    case F_sdata: v->u = (uint64_t)rd_sleb(r); break;
     case F_udata: case F_ref_udata: case F_strx: case F_GNU_str_index: case F_loclistx:
     case F_rnglistx:
-        v->u = uleb(r); break;
+        v->u = rd_uleb(r); break;
     case F_implicit_const: v->u = (uint64_t)implicit; break;
     case F_flag_present: v->u = 1; break;
     case F_string: v->str = cstr(r); v->is_str = v->str != NULL; break;
     case F_strp: case F_line_strp: case F_sec_offset: case F_strp_sup: case F_GNU_strp_alt:
     case F_GNU_ref_alt:
-        v->u = le(r, u->offset_size); break;
-    case F_ref_addr: v->u = le(r, u->version <= 2 ? u->addr_size : u->offset_size); break;
+        v->u = rd_le(r, u->offset_size); break;
+    case F_ref_addr: v->u = rd_le(r, u->version <= 2 ? u->addr_size : u->offset_size); break;
     default: r->err = 1; return;
     }
     switch (form) {
@@ -451,7 +393,7 @@ struct die {
  * error. */
 static int read_die(struct ctx *c, const struct unit *u, struct rd *r, struct die *d)
 {
-    uint64_t code = uleb(r);
+    uint64_t code = rd_uleb(r);
     if (r->err)
         return -1;
     if (code == 0)
@@ -662,55 +604,55 @@ static int line_program(struct ctx *c, const struct unit *u, uint64_t off, const
     if (off >= s->line_len)
         return -1;
     struct rd r = {s->line + off, s->line + s->line_len, 0};
-    uint64_t len = le(&r, 4);
+    uint64_t len = rd_le(&r, 4);
     unsigned osz = 4;
     if (len == 0xffffffff) {
-        len = le(&r, 8);
+        len = rd_le(&r, 8);
         osz = 8;
     }
     if (r.err || len > (uint64_t)(r.end - r.p))
         return -1;
     const uint8_t *end = r.p + len;
     r.end = end;
-    uint16_t ver = (uint16_t)le(&r, 2);
+    uint16_t ver = (uint16_t)rd_le(&r, 2);
     if (ver < 2 || ver > 5)
         return -1;
     struct unit lu = *u; /* forms inside the header use the line table's sizes */
     lu.offset_size = (uint8_t)osz;
     if (ver >= 5) {
-        lu.addr_size = (uint8_t)le(&r, 1);
-        le(&r, 1); /* segment selector size */
+        lu.addr_size = (uint8_t)rd_le(&r, 1);
+        rd_le(&r, 1); /* segment selector size */
     }
-    uint64_t hlen = le(&r, osz);
+    uint64_t hlen = rd_le(&r, osz);
     if (r.err || hlen > (uint64_t)(end - r.p))
         return -1;
     const uint8_t *prog = r.p + hlen;
-    unsigned min_inst = (unsigned)le(&r, 1);
+    unsigned min_inst = (unsigned)rd_le(&r, 1);
     if (ver >= 4)
-        le(&r, 1); /* maximum_operations_per_instruction: VLIW only */
-    le(&r, 1);     /* default_is_stmt */
-    int line_base = (int8_t)le(&r, 1);
-    unsigned line_range = (unsigned)le(&r, 1);
-    unsigned opbase = (unsigned)le(&r, 1);
+        rd_le(&r, 1); /* maximum_operations_per_instruction: VLIW only */
+    rd_le(&r, 1);     /* default_is_stmt */
+    int line_base = (int8_t)rd_le(&r, 1);
+    unsigned line_range = (unsigned)rd_le(&r, 1);
+    unsigned opbase = (unsigned)rd_le(&r, 1);
     if (r.err || line_range == 0 || opbase == 0)
         return -1;
     uint8_t oplen[256] = {0};
     for (unsigned i = 1; i < opbase; i++)
-        oplen[i] = (uint8_t)le(&r, 1);
+        oplen[i] = (uint8_t)rd_le(&r, 1);
     const char *dirs_small[256];
     const char **dirs = dirs_small;
     uint64_t ndirs = 0;
     int rc = -1;
     if (ver >= 5) {
         struct lfmt df[32], ff[32];
-        uint32_t ndf = (uint32_t)le(&r, 1);
+        uint32_t ndf = (uint32_t)rd_le(&r, 1);
         if (ndf > 32)
             return -1;
         for (uint32_t i = 0; i < ndf; i++) {
-            df[i].type = (uint32_t)uleb(&r);
-            df[i].form = (uint32_t)uleb(&r);
+            df[i].type = (uint32_t)rd_uleb(&r);
+            df[i].form = (uint32_t)rd_uleb(&r);
         }
-        ndirs = uleb(&r);
+        ndirs = rd_uleb(&r);
         if (r.err || ndirs > MAX_DIRS)
             return -1;
         if (ndirs > 256 && !(dirs = malloc(ndirs * sizeof *dirs))) {
@@ -722,14 +664,14 @@ static int line_program(struct ctx *c, const struct unit *u, uint64_t off, const
             if (read_entry(c, &lu, &r, df, ndf, &dirs[i], &dummy) != 0)
                 goto out;
         }
-        uint32_t nff = (uint32_t)le(&r, 1);
+        uint32_t nff = (uint32_t)rd_le(&r, 1);
         if (nff > 32)
             goto out;
         for (uint32_t i = 0; i < nff; i++) {
-            ff[i].type = (uint32_t)uleb(&r);
-            ff[i].form = (uint32_t)uleb(&r);
+            ff[i].type = (uint32_t)rd_uleb(&r);
+            ff[i].form = (uint32_t)rd_uleb(&r);
         }
-        uint64_t nfiles = uleb(&r);
+        uint64_t nfiles = rd_uleb(&r);
         if (r.err || nfiles > (uint64_t)(end - r.p))
             goto out;
         for (uint64_t i = 0; i < nfiles; i++) {
@@ -770,9 +712,9 @@ static int line_program(struct ctx *c, const struct unit *u, uint64_t off, const
                 goto out;
             if (!f[0])
                 break;
-            uint64_t d = uleb(&r);
-            uleb(&r);
-            uleb(&r);
+            uint64_t d = rd_uleb(&r);
+            rd_uleb(&r);
+            rd_uleb(&r);
             VPUSH(c, c->cufiles, add_file(c, d < ndirs ? dirs[d] : NULL, comp_dir, f));
         }
     }
@@ -791,8 +733,8 @@ static int line_program(struct ctx *c, const struct unit *u, uint64_t off, const
             line += (int64_t)line_base + (int64_t)(adj % line_range);
             emit = 1;
         } else if (op == 0) {
-            uint64_t n = uleb(&r);
-            if (n == 0 || !need(&r, n))
+            uint64_t n = rd_uleb(&r);
+            if (n == 0 || !rd_need(&r, n))
                 break;
             const uint8_t *next = r.p + n;
             unsigned sub = *r.p++;
@@ -800,20 +742,20 @@ static int line_program(struct ctx *c, const struct unit *u, uint64_t off, const
                 emit = endseq = 1;
             } else if (sub == 2) {
                 struct rd a = {r.p, next, 0};
-                addr = le(&a, n - 1 > 8 ? 8 : (unsigned)(n - 1));
+                addr = rd_le(&a, n - 1 > 8 ? 8 : (unsigned)(n - 1));
             }
             r.p = next;
         } else {
             switch (op) {
             case 1: emit = 1; break;
-            case 2: addr += uleb(&r) * min_inst; break;
-            case 3: line += (uint64_t)sleb(&r); break;
-            case 4: file = uleb(&r); break;
+            case 2: addr += rd_uleb(&r) * min_inst; break;
+            case 3: line += (uint64_t)rd_sleb(&r); break;
+            case 4: file = rd_uleb(&r); break;
             case 8: addr += (uint64_t)((255 - opbase) / line_range) * min_inst; break;
-            case 9: addr += le(&r, 2); break;
+            case 9: addr += rd_le(&r, 2); break;
             default:
                 for (unsigned i = 0; i < oplen[op]; i++)
-                    uleb(&r);
+                    rd_uleb(&r);
             }
         }
         if (emit) {
@@ -869,7 +811,7 @@ static int die_ranges(struct ctx *c, const struct unit *u, const struct die *d, 
         struct rd r = {s->ranges + d->ranges, s->ranges + s->ranges_len, 0};
         uint64_t maxa = as == 8 ? UINT64_MAX : (1ULL << (8 * as)) - 1;
         for (uint32_t k = 0; k < (1u << 20); k++) {
-            uint64_t a = le(&r, as), b = le(&r, as);
+            uint64_t a = rd_le(&r, as), b = rd_le(&r, as);
             if (r.err)
                 return -1;
             if (a == 0 && b == 0)
@@ -887,26 +829,26 @@ static int die_ranges(struct ctx *c, const struct unit *u, const struct die *d, 
         if (d->ranges > s->rnglists_len || at + u->offset_size > s->rnglists_len)
             return -1;
         struct rd r = {s->rnglists + at, s->rnglists + s->rnglists_len, 0};
-        off = u->rnglists_base + le(&r, u->offset_size);
+        off = u->rnglists_base + rd_le(&r, u->offset_size);
     }
     if (off >= s->rnglists_len)
         return -1;
     struct rd r = {s->rnglists + off, s->rnglists + s->rnglists_len, 0};
     int ok = 1;
     for (uint32_t k = 0; k < (1u << 20) && !r.err && ok; k++) {
-        unsigned kind = (unsigned)le(&r, 1);
+        unsigned kind = (unsigned)rd_le(&r, 1);
         uint64_t a, b;
         switch (kind) {
         case 0: return r.err ? -1 : 0; /* DW_RLE_end_of_list */
-        case 1: base = addr_at(c, u, uleb(&r), &ok); break;
-        case 2: a = addr_at(c, u, uleb(&r), &ok); b = addr_at(c, u, uleb(&r), &ok);
+        case 1: base = addr_at(c, u, rd_uleb(&r), &ok); break;
+        case 2: a = addr_at(c, u, rd_uleb(&r), &ok); b = addr_at(c, u, rd_uleb(&r), &ok);
             add_range(c, a, b, node, depth); break;
-        case 3: a = addr_at(c, u, uleb(&r), &ok); b = uleb(&r);
+        case 3: a = addr_at(c, u, rd_uleb(&r), &ok); b = rd_uleb(&r);
             add_range(c, a, a + b, node, depth); break;
-        case 4: a = uleb(&r); b = uleb(&r); add_range(c, base + a, base + b, node, depth); break;
-        case 5: base = le(&r, as); break;
-        case 6: a = le(&r, as); b = le(&r, as); add_range(c, a, b, node, depth); break;
-        case 7: a = le(&r, as); b = uleb(&r); add_range(c, a, a + b, node, depth); break;
+        case 4: a = rd_uleb(&r); b = rd_uleb(&r); add_range(c, base + a, base + b, node, depth); break;
+        case 5: base = rd_le(&r, as); break;
+        case 6: a = rd_le(&r, as); b = rd_le(&r, as); add_range(c, a, b, node, depth); break;
+        case 7: a = rd_le(&r, as); b = rd_uleb(&r); add_range(c, a, a + b, node, depth); break;
         default: return -1;
         }
     }
@@ -929,7 +871,7 @@ static void walk_unit(struct ctx *c, struct unit *u)
     /* the root's stmt_list (read again raw: read_die keeps only what inlines need) */
     {
         struct rd r0 = {s->info + u->die_off, s->info + u->end, 0};
-        const struct abbrev *a = find_abbrev(c, u, uleb(&r0));
+        const struct abbrev *a = find_abbrev(c, u, rd_uleb(&r0));
         const char *comp_dir = NULL;
         uint64_t stmt = UINT64_MAX;
         for (uint32_t i = 0; a && i < a->nattr && !r0.err; i++) {
@@ -1014,7 +956,7 @@ static void read_bases(struct ctx *c, struct unit *u)
      * in references into it from other units) are resolved through them */
     const struct unw_dwarf_sections *s = c->s;
     struct rd r = {s->info + u->die_off, s->info + u->end, 0};
-    const struct abbrev *a = find_abbrev(c, u, uleb(&r));
+    const struct abbrev *a = find_abbrev(c, u, rd_uleb(&r));
     for (uint32_t i = 0; a && i < a->nattr && !r.err; i++) {
         const struct attrspec *sp = &c->specs.v[a->first + i];
         struct val v;
@@ -1037,10 +979,10 @@ static void read_units(struct ctx *c)
         struct unit u;
         memset(&u, 0, sizeof u);
         u.off = off;
-        uint64_t len = le(&r, 4);
+        uint64_t len = rd_le(&r, 4);
         u.offset_size = 4;
         if (len == 0xffffffff) {
-            len = le(&r, 8);
+            len = rd_le(&r, 8);
             u.offset_size = 8;
         }
         if (r.err || len < 2 || len > (uint64_t)(r.end - r.p)) {
@@ -1048,21 +990,21 @@ static void read_units(struct ctx *c)
             return; /* nothing after a bad length can be found */
         }
         u.end = (uint64_t)(r.p - s->info) + len;
-        u.version = (uint8_t)le(&r, 2);
+        u.version = (uint8_t)rd_le(&r, 2);
         unsigned ut = 1; /* DW_UT_compile */
         if (u.version >= 5) {
-            ut = (unsigned)le(&r, 1);
-            u.addr_size = (uint8_t)le(&r, 1);
-            u.abbrev_off = le(&r, u.offset_size);
+            ut = (unsigned)rd_le(&r, 1);
+            u.addr_size = (uint8_t)rd_le(&r, 1);
+            u.abbrev_off = rd_le(&r, u.offset_size);
             if (ut == 4 || ut == 5) /* DW_UT_skeleton, DW_UT_split_compile: dwo_id */
-                le(&r, 8);
+                rd_le(&r, 8);
             else if (ut == 2 || ut == 6) { /* type units: signature, type offset */
-                le(&r, 8);
-                le(&r, u.offset_size);
+                rd_le(&r, 8);
+                rd_le(&r, u.offset_size);
             }
         } else {
-            u.abbrev_off = le(&r, u.offset_size);
-            u.addr_size = (uint8_t)le(&r, 1);
+            u.abbrev_off = rd_le(&r, u.offset_size);
+            u.addr_size = (uint8_t)rd_le(&r, 1);
         }
         u.die_off = (uint64_t)(r.p - s->info);
         if (r.err || u.version < 2 || u.version > 5 || (u.addr_size != 4 && u.addr_size != 8)
