@@ -35,6 +35,20 @@ static void cxa_load(void)
         cxa = (cxa_demangle_fn)dlsym(h, "__cxa_demangle");
 }
 
+/* A demangler's malloc'd answer s copied to out (cap bytes, no NUL) and freed: its length, or
+ * -3 - length when it does not fit (the caller retries with that much room). */
+static int64_t take_name(char *s, char *out, uint64_t cap)
+{
+    size_t n = strlen(s);
+    if (n > cap || n > (size_t)INT64_MAX - 3) {
+        free(s);
+        return -3 - (int64_t)n;
+    }
+    memcpy(out, s, n);
+    free(s);
+    return (int64_t)n;
+}
+
 int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap)
 {
     pthread_once(&cxa_once, cxa_load);
@@ -48,14 +62,7 @@ int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap)
         free(s);
         return -2;
     }
-    size_t n = strlen(s);
-    if (n > cap || n > (size_t)INT64_MAX - 3) {
-        free(s);
-        return -3 - (int64_t)n;
-    }
-    memcpy(out, s, n);
-    free(s);
-    return (int64_t)n;
+    return take_name(s, out, cap);
 }
 
 /* libiberty's cplus_demangle, as exported by a shared library that links libiberty in (GNU
@@ -90,14 +97,7 @@ int64_t unw_iberty_demangle(const char *name, int options, char *out, uint64_t c
     char *s = fn(name, options);
     if (!s)
         return -2;
-    size_t n = strlen(s);
-    if (n > cap || n > (size_t)INT64_MAX - 3) {
-        free(s);
-        return -3 - (int64_t)n;
-    }
-    memcpy(out, s, n);
-    free(s);
-    return (int64_t)n;
+    return take_name(s, out, cap);
 }
 
 int unw_malloc_trim(int dry)
