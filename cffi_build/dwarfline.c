@@ -9,7 +9,14 @@
  * .debug_ranges or .debug_rnglists, addrx through .debug_addr), its call_file/call_line and the
  * name of what was inlined, followed through DW_AT_abstract_origin / DW_AT_specification to a
  * DW_AT_linkage_name (preferred, as binutils' dwarf2.c find_abstract_instance does) or
- * DW_AT_name. Compressed sections are inflated by the caller (srclines.py): no zlib here.
+ * DW_AT_name. Each function's DW_AT_decl_file/DW_AT_decl_line (where its source starts: pprof's
+ * Function.filename and start_line) are taken from the first DIE of that same chain that has
+ * them, starting at the subprogram or inlined subroutine itself (gcc puts them on an
+ * out-of-class C++ definition, on the abstract instance an inlined or out-of-line copy points
+ * to, or on the declaration a definition's DW_AT_specification names); a decl_file is an index
+ * into the line program of the unit that holds its DIE, so one found in another unit
+ * (DW_FORM_ref_addr) keeps its line and loses its file.
+ * Compressed sections are inflated by the caller (srclines.py): no zlib here.
  *
  * Invariants:
  * - Every read is bounds-checked (struct rd latches an error); bad input is counted in the
@@ -26,11 +33,13 @@
  *         means no line there (an end of sequence)
  *     u64 seg_addr[nsegs]; u32 seg_node[nsegs]
  *         the innermost inline node from seg_addr_i on (UNW_SL_NONE: none)
- *     u32 node_name[nnodes], node_file[], node_line[], node_parent[], node_kind[]
+ *     u32 node_name[nnodes], node_file[], node_line[], node_parent[], node_kind[],
+ *         node_decl_file[], node_decl_line[]
  *         a DW_TAG_subprogram with code (kind UNW_SL_SUBPROGRAM) or a DW_TAG_inlined_subroutine
  *         (UNW_SL_INLINED); name: string offset (UNW_SL_NONE: unknown); file/line: an inlined
  *         one's call site; parent: the node the call site is in, a lower index, or
- *         UNW_SL_NONE
+ *         UNW_SL_NONE; decl_file/decl_line: where the function's source starts (file
+ *         UNW_SL_NONE, line 0: unknown)
  *     u32 file_name[nfiles]: string offsets of full paths
  *     strtab (NUL-terminated strings)
  */
@@ -62,7 +71,8 @@ enum {
 /* DW_AT_* / DW_TAG_* used */
 enum {
     AT_name = 0x03, AT_stmt_list = 0x10, AT_low_pc = 0x11, AT_high_pc = 0x12,
-    AT_comp_dir = 0x1b, AT_abstract_origin = 0x31, AT_specification = 0x47, AT_ranges = 0x55,
+    AT_comp_dir = 0x1b, AT_decl_file = 0x3a, AT_decl_line = 0x3b, AT_abstract_origin = 0x31,
+    AT_specification = 0x47, AT_ranges = 0x55,
     AT_call_file = 0x58, AT_call_line = 0x59, AT_linkage_name = 0x6e,
     AT_str_offsets_base = 0x72, AT_addr_base = 0x73, AT_rnglists_base = 0x74,
     AT_MIPS_linkage_name = 0x2007, AT_GNU_addr_base = 0x2133,
@@ -129,10 +139,13 @@ static int grow(void **p, uint64_t *cap, size_t elt)
 
 struct row { uint64_t addr; uint32_t file, line, idx; uint8_t end; };
 struct rng { uint64_t lo, hi; uint32_t node, depth; };
-struct node { uint32_t name, file, line, parent, kind; };
+struct node { uint32_t name, file, line, parent, kind, decl_file, decl_line; };
 struct attrspec { uint32_t at, form; int64_t implicit; };
 struct abbrev { uint64_t code; uint32_t tag, first, nattr; uint8_t children; };
-struct memo { uint64_t off; uint32_t name; uint32_t used; };
+/* what an origin chain resolves to: the name, and the decl line and file (a file index of the
+ * line program of unit number decl_unit, UINT32_MAX: none) */
+struct origin { uint32_t name, decl_line, decl_file, decl_unit; };
+struct memo { uint64_t off; struct origin o; uint32_t used; };
 
 struct unit {
     uint64_t off, end, die_off;     /* unit start, end, first DIE */
@@ -159,7 +172,7 @@ struct ctx {
     /* string interning: open addressing over strtab offsets (0 = empty; strtab[0] is "") */
     uint32_t *sh;
     uint64_t shcap, shn;
-    /* origin DIE offset -> name string (memo of resolve_name) */
+    /* DIE offset -> what its origin chain resolves to (memo of resolve) */
     struct memo *mh;
     uint64_t mhcap, mhn;
 };
@@ -384,8 +397,8 @@ static void read_form(struct ctx *c, const struct unit *u, struct rd *r, uint32_
 struct die {
     uint32_t tag;
     uint8_t children, has_lo, has_hi, hi_is_off, has_ranges, ranges_index;
-    uint64_t lo, hi, ranges, origin, spec, call_file, call_line;
-    uint8_t has_origin, has_spec;
+    uint64_t lo, hi, ranges, origin, spec, call_file, call_line, decl_file, decl_line;
+    uint8_t has_origin, has_spec, has_decl;
     const char *name, *linkage;
 };
 
@@ -427,6 +440,8 @@ static int read_die(struct ctx *c, const struct unit *u, struct rd *r, struct di
         case AT_linkage_name: case AT_MIPS_linkage_name: if (v.is_str) d->linkage = v.str; break;
         case AT_call_file: d->call_file = v.u; break;
         case AT_call_line: d->call_line = v.u; break;
+        case AT_decl_file: if (v.is_const) d->decl_file = v.u; break;
+        case AT_decl_line: if (v.is_const) { d->decl_line = v.u; d->has_decl = 1; } break;
         default: break;
         }
     }
@@ -435,7 +450,7 @@ static int read_die(struct ctx *c, const struct unit *u, struct rd *r, struct di
 
 /* ------------------------------------------------------------------ names */
 
-static uint32_t *memo_slot(struct ctx *c, uint64_t off, int insert)
+static struct origin *memo_slot(struct ctx *c, uint64_t off, int insert)
 {
     if (insert && c->mhn * 2 >= c->mhcap) {
         uint64_t nc = c->mhcap ? c->mhcap * 2 : 1024;
@@ -461,34 +476,45 @@ static uint32_t *memo_slot(struct ctx *c, uint64_t off, int insert)
     uint64_t j = (off * 0x9E3779B97F4A7C15ULL >> 20) & (c->mhcap - 1);
     while (c->mh[j].used) {
         if (c->mh[j].off == off)
-            return &c->mh[j].name;
+            return &c->mh[j].o;
         j = (j + 1) & (c->mhcap - 1);
     }
     if (!insert)
         return NULL;
     c->mh[j].used = 1;
     c->mh[j].off = off;
-    c->mh[j].name = UNW_SL_NONE;
+    c->mh[j].o.name = UNW_SL_NONE;
+    c->mh[j].o.decl_line = 0;
+    c->mh[j].o.decl_file = c->mh[j].o.decl_unit = UINT32_MAX;
     c->mhn++;
-    return &c->mh[j].name;
+    return &c->mh[j].o;
 }
 
 /* The name of the function the DIE at .debug_info offset off stands for: its linkage name,
  * else its name, else its origin's or specification's, at most SL_MAX_HOPS DIEs deep (a cycle
- * or a longer chain is a counted UNW_SL_ERR_REF). Memoised by offset. */
-static uint32_t resolve_name(struct ctx *c, uint64_t off)
+ * or a longer chain is a counted UNW_SL_ERR_REF); and the decl line and file of the first DIE
+ * on that chain that has a decl line. Memoised by offset. */
+static struct origin resolve(struct ctx *c, uint64_t off)
 {
-    uint32_t *m = memo_slot(c, off, 0);
+    struct origin *m = memo_slot(c, off, 0);
     if (m)
         return *m;
     uint64_t chain[SL_MAX_HOPS];
-    uint32_t nchain = 0, name = UNW_SL_NONE;
+    uint32_t nchain = 0;
+    struct origin o = {UNW_SL_NONE, 0, UINT32_MAX, UINT32_MAX};
+    int named = 0;
     const char *plain = NULL;
     uint64_t cur = off;
     for (;;) {
-        uint32_t *hit = memo_slot(c, cur, 0);
+        struct origin *hit = memo_slot(c, cur, 0);
         if (hit && nchain) {
-            name = *hit;
+            if (!named)
+                o.name = hit->name;
+            if (!o.decl_line) {
+                o.decl_line = hit->decl_line;
+                o.decl_file = hit->decl_file;
+                o.decl_unit = hit->decl_unit;
+            }
             break;
         }
         if (nchain == SL_MAX_HOPS) {
@@ -507,12 +533,19 @@ static uint32_t resolve_name(struct ctx *c, uint64_t off)
             err(c, UNW_SL_ERR_REF);
             break;
         }
-        if (d.linkage) {
-            name = intern(c, d.linkage, strlen(d.linkage));
-            break;
+        if (d.has_decl && !o.decl_line && d.decl_line && d.decl_line < UINT32_MAX) {
+            o.decl_line = (uint32_t)d.decl_line;
+            o.decl_file = d.decl_file < UINT32_MAX ? (uint32_t)d.decl_file : UINT32_MAX;
+            o.decl_unit = (uint32_t)(u - c->units.v);
+        }
+        if (d.linkage && !named) {
+            o.name = intern(c, d.linkage, strlen(d.linkage));
+            named = 1;
         }
         if (d.name && !plain)
             plain = d.name;
+        if (named && o.decl_line)
+            break;
         if (d.has_origin)
             cur = d.origin;
         else if (d.has_spec)
@@ -527,12 +560,12 @@ static uint32_t resolve_name(struct ctx *c, uint64_t off)
             break;
         }
     }
-    if (name == UNW_SL_NONE && plain)
-        name = intern(c, plain, strlen(plain));
+    if (o.name == UNW_SL_NONE && plain)
+        o.name = intern(c, plain, strlen(plain));
     m = memo_slot(c, off, 1);
     if (m)
-        *m = name;
-    return name;
+        *m = o;
+    return o;
 }
 
 /* ------------------------------------------------------------------ line programs */
@@ -915,15 +948,29 @@ static void walk_unit(struct ctx *c, struct unit *u)
                 return;
             }
             struct node n = {UNW_SL_NONE, UNW_SL_NONE, 0, sub ? UNW_SL_NONE : parent,
-                             sub ? UNW_SL_SUBPROGRAM : UNW_SL_INLINED};
+                             sub ? UNW_SL_SUBPROGRAM : UNW_SL_INLINED, UNW_SL_NONE, 0};
             /* the name: the DIE's own linkage name, else its origin's or specification's
-             * chain (resolve_name, from the DIE itself), else its own name */
+             * chain (resolve, from the DIE itself), else its own name; the decl line and
+             * file likewise from the first DIE of the chain that has them */
+            struct origin o = {UNW_SL_NONE, 0, UINT32_MAX, UINT32_MAX};
+            if (d.has_origin || d.has_spec) {
+                o = resolve(c, die_off);
+            } else if (d.has_decl && d.decl_line < UINT32_MAX) {
+                o.decl_line = (uint32_t)d.decl_line;
+                o.decl_file = d.decl_file < UINT32_MAX ? (uint32_t)d.decl_file : UINT32_MAX;
+                o.decl_unit = (uint32_t)(u - c->units.v);
+            }
             if (d.linkage)
                 n.name = intern(c, d.linkage, strlen(d.linkage));
             else if (d.has_origin || d.has_spec)
-                n.name = resolve_name(c, die_off);
+                n.name = o.name;
             else if (d.name)
                 n.name = intern(c, d.name, strlen(d.name));
+            n.decl_line = o.decl_line;
+            /* a decl_file indexes the line program of the unit its DIE is in: only this
+             * unit's is at hand (ctx.cufiles) */
+            if (o.decl_unit == (uint32_t)(u - c->units.v) && o.decl_file < c->cufiles.n)
+                n.decl_file = c->cufiles.v[o.decl_file];
             if (!sub) {
                 n.line = (uint32_t)d.call_line;
                 if (d.call_file < c->cufiles.n)
@@ -1146,7 +1193,7 @@ int unw_srcline_compile(const struct unw_dwarf_sections *s, uint8_t **out, uint6
     h.nnodes = (uint32_t)c.nodes.n;
     h.nfiles = (uint32_t)c.files.n;
     h.strtab_len = (uint32_t)c.strtab.n;
-    uint64_t total = sizeof h + c.rows.n * 16 + nsegs * 12 + c.nodes.n * 20 + c.files.n * 4 +
+    uint64_t total = sizeof h + c.rows.n * 16 + nsegs * 12 + c.nodes.n * 28 + c.files.n * 4 +
                      c.strtab.n;
     if (c.rows.n > UNW_SL_MAX_ROWS || nsegs > UNW_SL_MAX_ROWS) {
         err(&c, UNW_SL_ERR_CAP);
@@ -1180,6 +1227,10 @@ int unw_srcline_compile(const struct unw_dwarf_sections *s, uint8_t **out, uint6
         put(&p, &c.nodes.v[i].parent, 4);
     for (uint64_t i = 0; i < c.nodes.n; i++)
         put(&p, &c.nodes.v[i].kind, 4);
+    for (uint64_t i = 0; i < c.nodes.n; i++)
+        put(&p, &c.nodes.v[i].decl_file, 4);
+    for (uint64_t i = 0; i < c.nodes.n; i++)
+        put(&p, &c.nodes.v[i].decl_line, 4);
     put(&p, c.files.v ? (const void *)c.files.v : (const void *)"", c.files.n * 4);
     put(&p, c.strtab.v, c.strtab.n);
     *out = blob;

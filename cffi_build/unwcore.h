@@ -284,7 +284,7 @@ uint64_t unw_sb_compact(uint32_t *perm, uint64_t m, uint8_t *cand, const uint32_
 
 /* A compiled line/inline table (layout at the top of dwarfline.c; srclines.py reads it). */
 #define UNW_SL_MAGIC 0x4c535755 /* "UWSL" */
-#define UNW_SL_VERSION 1
+#define UNW_SL_VERSION 2
 #define UNW_SL_NONE 0xffffffff    /* no file / no node / no name */
 #define UNW_SL_MAX_ROWS 268435456
 #define UNW_SL_SUBPROGRAM 1      /* node kinds */

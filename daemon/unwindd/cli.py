@@ -27,6 +27,7 @@ from .usererror import fail
 # only the other commands and formats use.
 if TYPE_CHECKING:
     from .source.mapfile import MappedFile
+    from .unwind.engine import StackEngine
 
 # config.DEFAULT_PATH, spelled here so building the parser does not import config/tomllib
 # (test_filereplay.py checks they agree).
@@ -238,7 +239,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 FORMATS = ("summary", "records", "jsonl", "folded", "perf-script")
 # html: the folded replay drawn as an interactive flame graph page (store/flamegraph.py)
-REPLAY_ONLY_FORMATS = ("html",)
+REPLAY_ONLY_FORMATS = ("html", "pprof")  # pprof: gzipped profile.proto (store/pprof.py)
 
 
 def _add_output_args(p: argparse.ArgumentParser, extra: tuple[str, ...] = ()) -> None:
@@ -249,7 +250,8 @@ def _add_output_args(p: argparse.ArgumentParser, extra: tuple[str, ...] = ()) ->
         help="summary: counts per record type, CPU and pid; records: every record as a JSON "
         "line; jsonl: every sample unwound and symbolized as a JSON line; folded: "
         "flamegraph.pl collapsed stacks; perf-script: perf script's callchain text"
-        + ("; html: an interactive flame graph page (self-contained)" if extra else ""),
+        + ("; html: an interactive flame graph page (self-contained); pprof: a gzipped "
+           "profile for go tool pprof (binary, on stdout)" if extra else ""),
     )
     p.add_argument(
         "--top", type=int, default=20, metavar="N", help="pids listed in the summary (0: all)"
@@ -316,11 +318,21 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
             mapped.close()
     from .pipeline.streamreplay import replay_records
 
+    # the engine the native replay would have had: cache dir and debuginfod alike
+    cache = None if args.format == "records" else _replay_cache_dir(args)
+    engine, tmp = (None, None) if args.format == "records" else _replay_engine(cache)
     with data:
         try:
-            replay_records(data, args.format, out, name=args.file, top_pids=args.top or 1 << 30)
+            replay_records(data, args.format, out, name=args.file, top_pids=args.top or 1 << 30,
+                           engine=engine)  # fmt: skip
         except PerfDataError as e:
             return fail(f"{args.file}: {e}")
+        finally:
+            if tmp is not None:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+        _bound_cache(cache)
         if not noted:  # a pipe's events are known once its attr records are read
             _note_frames(data, args.file)
     return 0
@@ -378,14 +390,9 @@ def _native_replay(
     """The native replay; False (nothing done) when the file needs the Python replay."""
     from .pipeline.filereplay import Unsupported, replay
     from .source.perfdata import PerfData
-    from .unwind.engine import StackEngine
 
     assert isinstance(data, PerfData)
-    try:
-        engine = StackEngine.create(cache_dir=cache_dir)
-    except OSError:  # a cache dir cannot be made: replay without them
-        engine = StackEngine.create()
-    tmp = _replay_debuginfod(engine, cache_dir)
+    engine, tmp = _replay_engine(cache_dir)
     try:
         replay(data, path, fmt, out, engine=engine, mapped=mapped)
     except Unsupported:
@@ -397,7 +404,33 @@ def _native_replay(
             shutil.rmtree(tmp, ignore_errors=True)
     data.close()
     out.flush()
+    _bound_cache(cache_dir)
     return True
+
+
+def _bound_cache(cache_dir: str | None) -> None:
+    """A replay's cache dir bounded as the daemon bounds its own at start (every store
+    together, least recently used first: cachefiles.bound_cache_dir), to the default
+    ``[cache] dir_max_bytes``, at most once per ``REPLAY_PRUNE_SECONDS``. Run once the output
+    is written: the files this replay used are the most recently used."""
+    if cache_dir is None:
+        return
+    from .binaries.cachefiles import DIR_MAX_BYTES, REPLAY_PRUNE_SECONDS, bound_cache_dir
+
+    bound_cache_dir(cache_dir, DIR_MAX_BYTES, every=REPLAY_PRUNE_SECONDS)
+
+
+def _replay_engine(cache_dir: str | None) -> tuple[StackEngine, str | None]:
+    """The engine a replay (native or Python) unwinds and names with: its stores in
+    ``cache_dir`` (none if that cannot be made), and with ``DEBUGINFOD_URLS`` a debuginfod
+    client (``_replay_debuginfod``); and the temporary dir the caller removes, or None."""
+    from .unwind.engine import StackEngine
+
+    try:
+        engine = StackEngine.create(cache_dir=cache_dir)
+    except OSError:  # a cache dir cannot be made: replay without them
+        engine = StackEngine.create()
+    return engine, _replay_debuginfod(engine, cache_dir)
 
 
 def _replay_debuginfod(engine: object, cache_dir: str | None) -> str | None:
@@ -409,7 +442,7 @@ def _replay_debuginfod(engine: object, cache_dir: str | None) -> str | None:
     urls = os.environ.get("DEBUGINFOD_URLS", "").split()
     if not urls:
         return None
-    from .binaries.debuginfod import DebuginfodConfig
+    from .binaries.debuginfod import DEBUGINFOD_SUBDIR, DebuginfodConfig
     from .serve.startup import attach_debuginfod
     from .unwind.engine import StackEngine
 
@@ -420,7 +453,7 @@ def _replay_debuginfod(engine: object, cache_dir: str | None) -> str | None:
 
         d = tmp = tempfile.mkdtemp(prefix="unwindd-debuginfod-")
     else:
-        d = os.path.join(cache_dir, "debuginfod")
+        d = os.path.join(cache_dir, DEBUGINFOD_SUBDIR)
     dcfg = DebuginfodConfig(tuple(u.rstrip("/") for u in urls), d)
 
     def note() -> None:

@@ -1,9 +1,10 @@
 """debuginfod end to end against elfutils' real ``debuginfod`` on loopback
 (tests/support/debuginfodsrv.py): a stripped binary's frames are ``[unknown]`` without a server
-and named from the fetched debug file with one, in ``unwindd replay`` (DEBUGINFOD_URLS) and in
-the live daemon (``[symbols] debuginfod_urls``); a server that answers 404 leaves a negative
-result on disk that the next run honours (counted); a server that never answers costs one
-counted timeout and nothing else (the daemon keeps sampling and answering meanwhile).
+and named from the fetched debug file with one, in ``unwindd replay`` (DEBUGINFOD_URLS; the
+native replay of a file and the Python one of a pipe alike) and in the live daemon (``[symbols]
+debuginfod_urls``); a server that answers 404 leaves a negative result on disk that the next run
+honours (counted); a server that never answers costs one counted timeout and nothing else (the
+daemon keeps sampling and answering meanwhile).
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     w.empty.stop()
 
 
-def replay(w: World, urls: str | None, cache: Path) -> tuple[list[dict[str, Any]], str]:
+def replay(w: World, urls: str | None, cache: Path, *, pipe: bool = False
+           ) -> tuple[list[dict[str, Any]], str]:  # fmt: skip
+    """The stripped binary's frames as ``unwindd replay`` writes them: the native replay of
+    the file, or (``pipe``) the Python replay of it on stdin."""
     env = {k: v for k, v in os.environ.items() if k != "DEBUGINFOD_URLS"}
     if urls is not None:
         env["DEBUGINFOD_URLS"] = urls
-    p = subprocess.run([*CLI, "replay", str(w.data), "--format", "jsonl", "--cache-dir",
-                        str(cache)], capture_output=True, text=True, env=env, timeout=120)
+    with open(w.data, "rb") as f:
+        p = subprocess.run([*CLI, "replay", "-" if pipe else str(w.data), "--format", "jsonl",
+                            "--cache-dir", str(cache)], stdin=f if pipe else subprocess.DEVNULL,
+                           capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr
     frames = [f for line in p.stdout.splitlines() for f in json.loads(line)["frames"]
               if f.get("dso") == str(w.exe)]  # fmt: skip
@@ -76,12 +82,13 @@ def test_replay_without_server_leaves_frames_unknown(world: World, tmp_path: Pat
     assert "debuginfod" not in err
 
 
-def test_replay_fetches_and_names(world: World, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipe", [False, True], ids=["native", "python"])
+def test_replay_fetches_and_names(world: World, tmp_path: Path, pipe: bool) -> None:
     """Every frame in the stripped binary is named after the fetch, with the function the
     debug file puts at its address; the file is cached where find_debug_file looks, so a
-    second replay asks nothing."""
+    second replay asks nothing. The Python replay (a pipe) fetches as the native one does."""
     before = len(world.server.requests(world.bid))
-    frames, err = replay(world, world.server.url, tmp_path / "c")
+    frames, err = replay(world, world.server.url, tmp_path / "c", pipe=pipe)
     assert err.count("unwindd: debuginfod: fetching") == 1, err
     assert len(world.server.requests(world.bid)) == before + 1
     funcs = world.functions_at()
@@ -92,20 +99,25 @@ def test_replay_fetches_and_names(world: World, tmp_path: Path) -> None:
     assert {f["sym"] for f in frames} >= FUNCTIONS
     cached = tmp_path / "c" / "debuginfod" / ".build-id" / world.bid[:2] / f"{world.bid[2:]}.debug"
     assert cached.read_bytes() == world.debug.read_bytes()
-    frames2, err2 = replay(world, world.server.url, tmp_path / "c")
+    frames2, err2 = replay(world, world.server.url, tmp_path / "c", pipe=pipe)
     assert "debuginfod" not in err2 and frames2 == frames
+    assert len(world.server.requests(world.bid)) == before + 1
+    # the other replay, on the same cache dir: the same names, nothing asked
+    frames3, err3 = replay(world, world.server.url, tmp_path / "c", pipe=not pipe)
+    assert "debuginfod" not in err3 and frames3 == frames
     assert len(world.server.requests(world.bid)) == before + 1
 
 
-def test_replay_not_found_is_cached(world: World, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pipe", [False, True], ids=["native", "python"])
+def test_replay_not_found_is_cached(world: World, tmp_path: Path, pipe: bool) -> None:
     before = len(world.empty.requests(world.bid))
-    frames, err = replay(world, world.empty.url, tmp_path / "c")
+    frames, err = replay(world, world.empty.url, tmp_path / "c", pipe=pipe)
     assert all(f["sym"] is None for f in frames) and "fetching" in err
     asked = world.empty.requests(world.bid)[before:]
     assert len(asked) == 2 and "/debuginfo 404" in asked[0] and "/executable 404" in asked[1]
     miss = tmp_path / "c" / "debuginfod" / ".build-id" / world.bid[:2] / f"{world.bid[2:]}.miss"
     assert miss.exists()
-    replay(world, world.empty.url, tmp_path / "c")
+    replay(world, world.empty.url, tmp_path / "c", pipe=pipe)
     assert len(world.empty.requests(world.bid)) == before + 2  # the negative result stood
 
 

@@ -84,6 +84,7 @@ class Profile:
     mappings: dict[int, str] = field(default_factory=dict)  # id -> filename
     period: int = 0
     period_type: tuple[str, str] = ("", "")
+    starts: dict[int, int] = field(default_factory=dict)  # function id -> start_line
 
     def stack_names(self, sample: int) -> list[str]:
         return [self.functions[fid][0] for lid in self.samples[sample][0]
@@ -123,12 +124,14 @@ def decode(data: bytes) -> Profile:
         fids = [one(fields_of(ln), 1) for ln in f.get(4, [])]
         locations[one(f, 1)] = (one(f, 2), one(f, 3), fids)
     functions = {}
+    starts = {}
     for b in top.get(5, []):
         f = fields_of(b)
         functions[one(f, 1)] = (s(one(f, 2)), s(one(f, 3)), s(one(f, 4)))
+        starts[one(f, 1)] = one(f, 5)
     period_type = vt(top[11][-1]) if 11 in top else ("", "")
     return Profile(strings, sample_types, samples, locations, functions, mappings,
-                   one(top, 12), period_type)  # fmt: skip
+                   one(top, 12), period_type, starts)  # fmt: skip
 
 
 def check_valid(p: Profile) -> None:

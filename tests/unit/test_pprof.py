@@ -100,3 +100,22 @@ def test_inline_chain_is_one_location_with_lines() -> None:
                                          period_ns=1))  # fmt: skip
     loc = fields_of(fields_of(raw)[4][0])
     assert [fields_of(ln)[2][0] for ln in loc[4]] == [3, 9, 20]  # Line.line per level
+
+
+def test_functions_carry_their_declaration() -> None:
+    """A Function's filename is the file DWARF declares it in and its start_line the line
+    (Frame.decl_file/decl_line); without them the frame's own file, and no start line. Two
+    functions of one name declared apart are two Functions."""
+    leaf = Frame(0x1010, "/bin/w", "leaf", None, inlined=True, rel=0x10, file="/s/w.c",
+                 line=3, decl_file="/s/w.h", decl_line=2)  # fmt: skip
+    outer = Frame(0x1010, "/bin/w", "outer", 0x10, rel=0x10, file="/s/w.c", line=20,
+                  decl_file="/s/w.c", decl_line=17)  # fmt: skip
+    other = Frame(0x2010, "/bin/w", "leaf", None, inlined=True, rel=0x1010, file="/s/v.c",
+                  line=8, decl_file="/s/v.c", decl_line=6)  # fmt: skip
+    bare = Frame(0x2010, "/bin/w", "main", 0x10, rel=0x1010, file="/s/v.c", line=30)
+    p = decode(encode_profile([StackCount(1, 1, "w", (leaf, outer), 1),
+                               StackCount(1, 1, "w", (other, bare), 1)], period_ns=1))
+    check_valid(p)
+    got = sorted((name, file, p.starts[fid]) for fid, (name, _, file) in p.functions.items())
+    assert got == [("leaf", "/s/v.c", 6), ("leaf", "/s/w.h", 2), ("main", "/s/v.c", 0),
+                   ("outer", "/s/w.c", 17)]  # fmt: skip

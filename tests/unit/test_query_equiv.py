@@ -109,7 +109,7 @@ def api_of(src: Source) -> Api:
 
 def cache_sum(store: StackStore) -> int:
     c = store.caches
-    rebuilt = sum(120 + 8 * len(fr) for fr in c.stacks.values()) + 320 * len(c.pool)
+    rebuilt = sum(120 + 8 * len(fr) for fr in c.stacks.values()) + 336 * len(c.pool)
     assert c.stack_bytes == rebuilt
     keys = sum(200 + 72 * len(k[1]) if k else 200 for k in c.func_keys.values())
     assert c.keys_bytes == keys

@@ -40,6 +40,7 @@ from dwarfbytes import (
     AT_STR_OFF_BASE,
     F_ADDR,
     F_ADDRX,
+    F_DATA1,
     F_DATA4,
     F_DATA8,
     F_IMPLICIT,
@@ -69,6 +70,7 @@ from dwarfbytes import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from unwindd.binaries.srclines import (
+    FILE_VERSION,
     SrcLineStore,
     SrcLineTable,
     _BadTable,
@@ -78,6 +80,8 @@ from unwindd.binaries.srclines import (
 )
 from unwindd.unwind.engine import inline_frames
 from unwindd.unwind.stackfmt import Frame
+
+AT_DECL_FILE, AT_DECL_LINE = 0x3A, 0x3B
 
 
 def _v4_sections(inline_ranges: bool) -> dict[str, bytes]:
@@ -96,8 +100,11 @@ def _v4_sections(inline_ranges: bool) -> dict[str, bytes]:
     root = Die(TAG_CU, [(AT_NAME, F_STRP, "a.c"), (AT_COMP_DIR, F_STRP, "/src"),
                         (AT_STMT, F_SEC, 0), (AT_LOW, F_ADDR, 0x1000),
                         (AT_HIGH, F_DATA8, 0x40)], [
-        Die(TAG_SUB, [(AT_NAME, F_STRP, "helper")], label="helper"),
+        # where each function starts: helper in inl.h (file 2) at 2, outer in a.c at 9
+        Die(TAG_SUB, [(AT_NAME, F_STRP, "helper"), (AT_DECL_FILE, F_DATA4, 2),
+                      (AT_DECL_LINE, F_UDATA, 2)], label="helper"),
         Die(TAG_SUB, [(AT_LINKAGE, F_STRP, "_Z5outeri"), (AT_NAME, F_STRP, "outer"),
+                      (AT_DECL_FILE, F_DATA4, 1), (AT_DECL_LINE, F_DATA4, 9),
                       (AT_LOW, F_ADDR, 0x1000), (AT_HIGH, F_DATA4, 0x40)],
             [Die(TAG_BLOCK, [], [inl])]),  # a lexical block between: transparent
     ])
@@ -123,6 +130,10 @@ def test_dwarf4_lines_and_inlines(inline_ranges: bool) -> None:
         assert t.lookup(0x102A) == (("outer", "/src/a.c", 13),)
     assert t.lookup(0x103F) == (("outer", "/src/a.c", 13),)
     assert t.lookup(0x1040) == ()  # the end of the sequence, and of the function
+    # each level's function's start: an inlined one's through its abstract origin
+    assert t.chain(0x1015) == (("helper", "/src/inc/inl.h", 3, "/src/inc/inl.h", 2),
+                               ("outer", "/src/a.c", 11, "/src/a.c", 9))  # fmt: skip
+    assert t.chain(0x1000) == (("outer", "/src/a.c", 10, "/src/a.c", 9),)
 
 
 def _v5_sections() -> dict[str, bytes]:
@@ -143,13 +154,16 @@ def _v5_sections() -> dict[str, bytes]:
     # rnglists: one list, reached by rnglistx 0: base_addressx 2 (0x2004), offset_pair 0..4
     lst = b"\x01" + uleb(2) + b"\x04" + uleb(0) + uleb(4) + b"\x00"
     rng = struct.pack("<IHBBI", 8 + 4 + len(lst), 5, 8, 0, 1) + struct.pack("<I", 4) + lst
-    decl = Die(TAG_SUB, [(AT_LINKAGE, F_STRX1, 3)], label="decl")
+    # the declaration (in t.h at 7) a definition's DW_AT_specification names
+    decl = Die(TAG_SUB, [(AT_LINKAGE, F_STRX1, 3), (AT_DECL_FILE, F_UDATA, 1),
+                         (AT_DECL_LINE, F_UDATA, 7)], label="decl")  # fmt: skip
     root = Die(TAG_CU, [(AT_STR_OFF_BASE, F_SEC, 8), (AT_ADDR_BASE, F_SEC, 8),
                         (AT_RNG_BASE, F_SEC, 12), (AT_NAME, F_STRX1, 0),
                         (AT_COMP_DIR, F_STRX1, 1), (AT_STMT, F_SEC, 0),
                         (AT_LOW, F_ADDRX, 0), (AT_HIGH, F_DATA4, 0x10)], [
         decl,
-        Die(TAG_SUB, [(AT_NAME, F_STRX1, 2)], label="leafy"),
+        Die(TAG_SUB, [(AT_NAME, F_STRX1, 2), (AT_DECL_FILE, F_IMPLICIT, 1),
+                      (AT_DECL_LINE, F_UDATA, 18)], label="leafy"),
         # an out-of-line definition: its name through DW_AT_specification's linkage name
         Die(TAG_SUB, [(AT_SPEC, F_REF4, "decl"), (AT_LOW, F_ADDRX, 0), (AT_HIGH, F_ADDRX, 1)], [
             Die(TAG_INL, [(AT_ORIGIN, F_REF4, "leafy"), (AT_RANGES, F_RNGLISTX, 0),
@@ -171,6 +185,35 @@ def test_dwarf5_forms_and_file_table() -> None:
     assert t.lookup(0x2005) == (("leafy", "/w/include/t.h", 20), ("ns::work", "/w/main.c", 4))
     assert t.lookup(0x2008) == (("ns::work", "/w/main.c", 5),)
     assert t.lookup(0x2010) == ()
+    # the definition has no decl of its own: its specification's; leafy's own (file 1)
+    assert t.chain(0x2005) == (("leafy", "/w/include/t.h", 20, "/w/include/t.h", 18),
+                               ("ns::work", "/w/main.c", 4, "/w/include/t.h", 7))  # fmt: skip
+
+
+def test_own_decl_before_the_specifications() -> None:
+    """A definition's own DW_AT_decl_line (gcc writes one for an out-of-class C++ definition)
+    comes before its declaration's; a decl line without a file keeps the line."""
+    secs = _v5_sections()
+    t = compile_sections(secs)
+    assert t.chain(0x2000)[-1][3:] == ("/w/include/t.h", 7)
+    # the same unit with the definition given its own decl (main.c: file 0, line 3)
+    root = Die(TAG_CU, [(AT_STMT, F_SEC, 0), (AT_COMP_DIR, F_STRP, "/w")], [
+        Die(TAG_SUB, [(AT_NAME, F_STRP, "d"), (AT_DECL_FILE, F_DATA1, 1),
+                      (AT_DECL_LINE, F_DATA1, 7)], label="d"),
+        Die(TAG_SUB, [(AT_SPEC, F_REF4, "d"), (AT_DECL_FILE, F_DATA1, 0),
+                      (AT_DECL_LINE, F_DATA1, 3), (AT_LOW, F_ADDR, 0x2000),
+                      (AT_HIGH, F_DATA4, 0x10)]),
+        Die(TAG_SUB, [(AT_NAME, F_STRP, "nofile"), (AT_DECL_LINE, F_DATA1, 30),
+                      (AT_DECL_FILE, F_DATA1, 9), (AT_LOW, F_ADDR, 0x2010),
+                      (AT_HIGH, F_DATA4, 0x8)]),
+    ])  # fmt: skip
+    info, abbrev, strs = info_unit(root, version=5)
+    own = compile_sections({**secs, ".debug_info": info, ".debug_abbrev": abbrev,
+                            ".debug_str": bytes(strs.data)})  # fmt: skip
+    assert own.errors == {}
+    assert own.chain(0x2000) == (("d", "/w/main.c", 1, "/w/main.c", 3),)
+    # file 9 is not in the line table: the start line stays, the file is unknown
+    assert own.chain(0x2010)[-1][0] == "nofile" and own.chain(0x2010)[-1][3:] == (None, 30)
 
 
 def test_cyclic_and_long_origin_chains_are_counted() -> None:
@@ -333,6 +376,14 @@ def test_store_roundtrip_and_corruption(programs: dict[str, str], tmp_path: path
     f.write_bytes(bytes(data))
     t3 = store.get(e)
     assert t3 is not None and t3.blob == t1.blob and store.stats["corrupt"] == 1
+    # a file of the previous format (tables without decl lines) is refused and rebuilt
+    data = bytearray(f.read_bytes())
+    assert struct.unpack_from("<I", data, 8)[0] == FILE_VERSION == 2
+    struct.pack_into("<I", data, 8, FILE_VERSION - 1)
+    f.write_bytes(bytes(data))
+    t4 = store.get(e)
+    assert t4 is not None and t4.blob == t1.blob and store.stats["corrupt"] == 2
+    assert struct.unpack_from("<I", f.read_bytes(), 8)[0] == FILE_VERSION
     assert store.get(_Entry(path, None, 0)) is not None and store.stats["no_build_id"] == 1
     assert store.get(_Entry("/nonexistent", b"\1", 0)) is None and store.stats["errors"] == 1
 

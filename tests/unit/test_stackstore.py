@@ -261,7 +261,8 @@ def aslr_process(pid: int, t: int, rnd: random.Random) -> list[UnwoundSample]:
     user = [Frame(libc + 0x2_8000 + 16 * i, "/usr/lib/libc.so.6", SYMS[i], 16 * i,
                   rel=0x2_8000 + 16 * i) for i in range(8)]  # fmt: skip
     user += [Frame(exe + 0x1000 + 8 * i, "/usr/bin/app", SYMS[8 + i % 3], 8 * i,
-                   inlined=i % 2 == 1, rel=0x1000 + 8 * i, file="app.c", line=10 + i)
+                   inlined=i % 2 == 1, rel=0x1000 + 8 * i, file="app.c", line=10 + i,
+                   decl_file="app.h" if i % 2 else "app.c", decl_line=5 + i % 3)
              for i in range(6)]  # fmt: skip
     odd = Frame(0x1234_5678 + pid, None, None, None)  # no mapping: the ip is all there is
     kernel = [Frame(0xFFFF_FFFF_8100_0000 + 64 * i, "[kernel.kallsyms]", SYMS[20 + i], 4,
@@ -271,7 +272,7 @@ def aslr_process(pid: int, t: int, rnd: random.Random) -> list[UnwoundSample]:
 
 
 def test_stacks_round_trip_and_share_frames_across_processes() -> None:
-    """Every answer's frames equal (all nine fields) those added, whatever the process's load
+    """Every answer's frames equal (all eleven fields) those added, whatever the process's load
     addresses; the same code in 300 processes is one set of frame entries, not 300."""
     rnd = random.Random(3)
     store = StackStore(bucket_ns=S)
@@ -282,7 +283,8 @@ def test_stacks_round_trip_and_share_frames_across_processes() -> None:
         added.update((s.pid, s.tid, s.frames) for s in batch)
     got = Counter({(x.pid, x.tid, x.frames): x.count for x in store.query()})
     assert got == added
-    fields = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line")
+    fields = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line",
+              "decl_file", "decl_line")  # fmt: skip
     for x in store.query(pids=[1000]):
         orig = next(fr for (p, t, fr) in added if p == x.pid and t == x.tid)
         assert [[getattr(f, n) for n in fields] for f in x.frames] == [

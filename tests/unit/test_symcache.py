@@ -407,11 +407,11 @@ def test_cache_writes_never_follow_planted_links(tmp_path: Path) -> None:
         read_cache_file(str(tmp_path / "y.sym"), 1 << 20)
 
 
-def test_prune_cache_dir(tmp_path: Path) -> None:
-    """The daemon bounds each cache dir at start: temporaries older than STALE_TMP_SECONDS go,
-    then the least recently used files (max of atime, mtime) until the rest fits; links,
-    directories and fresh temporaries are left alone."""
-    from unwindd.binaries.cachefiles import STALE_TMP_SECONDS, prune_cache_dir
+def test_prune_cache_dirs(tmp_path: Path) -> None:
+    """The daemon bounds its cache dir's stores at start: temporaries older than
+    STALE_TMP_SECONDS go, then the least recently used files (max of atime, mtime) until the
+    rest fits; links, directories and fresh temporaries are left alone."""
+    from unwindd.binaries.cachefiles import STALE_TMP_SECONDS, prune_cache_dirs
 
     now = 1_000_000.0
     for i in range(5):  # a.sym (oldest use) .. e.sym (newest), 100 bytes each
@@ -424,8 +424,8 @@ def test_prune_cache_dir(tmp_path: Path) -> None:
         os.utime(f, (now - age, now - age))
     (tmp_path / "sub").mkdir()
     os.symlink(tmp_path / "a.sym", tmp_path / "link.sym")
-    assert prune_cache_dir(str(tmp_path), 250, now) == (1 + 3, 7 + 300)
+    assert prune_cache_dirs([str(tmp_path)], 250, now) == (1 + 3, 7 + 300)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["d.sym", "e.sym", "link.sym", "sub", "y.sym.1.3.tmp"]
-    assert prune_cache_dir(str(tmp_path), 250, now) == (0, 0)
-    assert prune_cache_dir(str(tmp_path / "missing"), 0, now) == (0, 0)
+    assert prune_cache_dirs([str(tmp_path)], 250, now) == (0, 0)
+    assert prune_cache_dirs([str(tmp_path / "missing")], 0, now) == (0, 0)

@@ -1,5 +1,6 @@
-"""On-disk cache files: one flat directory per store (``cfi.CfiStore``, ``symstore.SymbolStore``),
-one file per build-id, under the daemon's cache dir or ``user_cache_dir``.
+"""On-disk cache files: one flat directory per store (``cfi.CfiStore``, ``symstore.SymbolStore``,
+``srclines.SrcLineStore``), one file per build-id, under the daemon's cache dir or
+``user_cache_dir``; beside them the debuginfod downloads (debuginfod.py, ``.build-id/xx/``).
 
 Rules:
 - A file is read whole only if it is a regular file (opened O_NOFOLLOW | O_NONBLOCK) within its
@@ -18,9 +19,15 @@ Rules:
   through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
   bytes; the last replace wins.
-- ``prune_cache_dir`` bounds a directory: temporaries a dead writer left, then the least
-  recently used files, until the total fits. Writes, discards and prunes never raise: they
-  return False or skip the file.
+- ``prune_cache_dirs`` bounds a cache dir's stores together, one policy and one bound for all
+  of them (``CACHE_STORES``: CFI, symbol and line tables and debuginfod downloads):
+  temporaries a dead writer left (``*.tmp``), then the least recently used files of all the
+  stores, until the total fits. A file removed while a process uses it keeps working for that
+  process (its mapping or open fd holds the inode); the next to want it rebuilds or fetches
+  it. ``bound_cache_dir`` applies it to a cache dir: the daemon at start, ``unwindd replay``
+  after its output is written and at most once per ``REPLAY_PRUNE_SECONDS`` (the stamp file
+  ``.pruned`` in the cache dir: a replay costs one stat, not a walk). Writes, discards and
+  prunes never raise: they return False or skip the file.
 
 Cost: a read is one open, fstat and read; a map one open, fstat, mmap and close; a write one
 open, write and rename; a prune one scandir and a sort of the directory's entries, O(n log n),
@@ -37,11 +44,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "CACHE_STORES",
+    "DIR_MAX_BYTES",
+    "REPLAY_PRUNE_SECONDS",
     "STALE_TMP_SECONDS",
     "CacheFileError",
+    "bound_cache_dir",
     "discard_cache_file",
     "map_cache_file",
-    "prune_cache_dir",
+    "prune_cache_dirs",
     "read_cache_file",
     "user_cache_dir",
     "write_cache_file",
@@ -123,6 +134,15 @@ def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | 
 
 
 STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
+# The stores under a cache dir that ``prune_cache_dirs`` bounds together: compiled CFI
+# (cfi.CfiStore), symbol tables (symstore.SymbolStore), line/inline tables
+# (srclines.SrcLineStore), debuginfod downloads (debuginfod.py). unwind/engine.py and
+# serve/startup.py name their directories from this tuple.
+CACHE_STORES = ("cfi", "sym", "srcline", "debuginfod")
+DIR_MAX_BYTES = 1 << 30  # their bound by default ([cache] dir_max_bytes; unwindd replay's)
+REPLAY_PRUNE_SECONDS = 3600  # how often unwindd replay walks its cache dir to bound it
+_STAMP = ".pruned"  # in the cache dir, beside the stores: when it was last bounded
+_MAX_DEPTH = 3  # the deepest store: debuginfod's .build-id/xx/file
 
 
 def user_cache_dir(env: Mapping[str, str]) -> str:
@@ -132,32 +152,40 @@ def user_cache_dir(env: Mapping[str, str]) -> str:
     return os.path.join(base, "unwindd")
 
 
-def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tuple[int, int]:
-    """Bound one cache directory (CfiStore's or SymbolStore's, flat): remove temporaries a
-    crashed writer left (older than ``STALE_TMP_SECONDS``), then, while the files total more
-    than ``max_bytes``, the least recently used (by max(atime, mtime): a hit reads the file,
-    and relatime still moves atime past mtime once a day). Only regular files directly in
-    ``path`` are considered; errors skip a file. Returns (files removed, bytes removed).
-    Cost: one scandir and a sort of the directory's entries; run at start."""
+def prune_cache_dirs(paths: Iterable[str], max_bytes: int,
+                     now: float | None = None) -> tuple[int, int]:  # fmt: skip
+    """Bound a cache dir's stores (``paths``: each store's directory) together: remove
+    temporaries a crashed writer left (``*.tmp`` older than ``STALE_TMP_SECONDS``), then,
+    while the files of all of them total more than ``max_bytes``, the least recently used
+    (by max(atime, mtime): a hit reads the file, and relatime still moves atime past mtime
+    once a day), whichever store holds them. Only regular files are considered, in each
+    directory and its subdirectories (at most ``_MAX_DEPTH`` deep, never through a symlink);
+    errors skip a file. Returns (files removed, bytes removed). Cost: a scandir per directory
+    and one sort of all the files, O(n log n); run at start."""
     now = time.time() if now is None else now
     files: list[tuple[float, int, str]] = []
     removed = freed = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0, 0
-    for de in entries:
+    todo = [(p, 0) for p in paths]
+    while todo:
+        path, depth = todo.pop()
         try:
-            st = de.stat(follow_symlinks=False)
+            entries = list(os.scandir(path))
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode):
-            continue
-        if de.name.endswith(".tmp"):
-            if now - st.st_mtime > STALE_TMP_SECONDS and discard_cache_file(de.path):
-                removed, freed = removed + 1, freed + st.st_size
-            continue
-        files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
+        for de in entries:
+            try:
+                st = de.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and depth < _MAX_DEPTH:
+                todo.append((de.path, depth + 1))
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if de.name.endswith(".tmp"):
+                if now - st.st_mtime > STALE_TMP_SECONDS and discard_cache_file(de.path):
+                    removed, freed = removed + 1, freed + st.st_size
+                continue
+            files.append((max(st.st_atime, st.st_mtime), st.st_size, de.path))
     total = sum(size for _, size, _ in files)
     for _, size, p in sorted(files):
         if total <= max_bytes:
@@ -165,6 +193,29 @@ def prune_cache_dir(path: str, max_bytes: int, now: float | None = None) -> tupl
         if discard_cache_file(p):
             removed, freed, total = removed + 1, freed + size, total - size
     return removed, freed
+
+
+def bound_cache_dir(root: str, max_bytes: int, every: float | None = None,
+                    now: float | None = None) -> tuple[int, int] | None:  # fmt: skip
+    """``prune_cache_dirs`` over the stores of cache dir ``root`` (``CACHE_STORES``); with
+    ``every``, only if the last such prune of ``root`` (its ``.pruned`` stamp) is at least
+    that many seconds old, else None. Never raises."""
+    now = time.time() if now is None else now
+    stamp = os.path.join(root, _STAMP)
+    if every is not None:
+        try:
+            if now - os.stat(stamp).st_mtime < every:
+                return None
+        except OSError:
+            pass
+    got = prune_cache_dirs([os.path.join(root, s) for s in CACHE_STORES], max_bytes, now)
+    try:
+        with open(stamp, "wb"):
+            pass
+        os.utime(stamp, (now, now))
+    except OSError:
+        pass
+    return got
 
 
 def discard_cache_file(path: str) -> bool:

@@ -10,7 +10,9 @@ Rules:
   debug roots, and no ``.symtab`` or no DWARF (``.debug_info``/``.debug_line``) of its own.
 - Cache: ``<dir>/.build-id/xx/rest.debug`` (what elf.find_debug_file looks for in each debug
   root, so ``<dir>`` is one of the ELF cache's ``debug_roots``), written to a temporary file
-  and renamed into place once checked: a reader never sees half a file. A ``not_found`` leaves
+  (``*.tmp``) and renamed into place once checked: a reader never sees half a file. The
+  default ``<dir>``, ``DEBUGINFOD_SUBDIR`` of the cache dir, is bounded with the cache dir's
+  other stores (cachefiles.prune_cache_dirs). A ``not_found`` leaves
   ``rest.miss`` beside it, honoured for ``negative_seconds`` (across restarts); other failures
   are remembered in memory for as long.
 - Bounds: one fetch (every server, both kinds) takes at most ``timeout`` seconds (the socket
@@ -45,12 +47,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from .cachefiles import CACHE_STORES
 from .elf import ElfError, ElfReader
 
 if TYPE_CHECKING:
     from .elfentry import ElfEntry
 
 __all__ = [
+    "DEBUGINFOD_SUBDIR",
     "FETCH_RESULTS",
     "Debuginfod",
     "DebuginfodConfig",
@@ -69,6 +73,7 @@ __all__ = [
 FETCH_RESULTS = ("ok", "not_found", "error", "timeout", "too_big", "bad_file",
                  "negative_cached", "dropped")  # fmt: skip
 KINDS = ("debuginfo", "executable")
+DEBUGINFOD_SUBDIR = CACHE_STORES[3]  # the downloads' default dir under the cache dir
 _CHUNK = 1 << 16
 _REMEMBERED = 4096  # build-ids offered or failed, remembered per process
 
@@ -195,7 +200,8 @@ def _store(cfg: DebuginfodConfig, resp: Any, build_id: bytes, dest: str,
         raise _Answer("too_big")
     try:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".fetch-", dir=os.path.dirname(dest))
+        # *.tmp: what prune_cache_dirs takes for a temporary (removed once stale)
+        fd, tmp = tempfile.mkstemp(prefix=".fetch-", suffix=".tmp", dir=os.path.dirname(dest))
     except OSError:
         raise _Answer("error") from None
     try:

@@ -10,7 +10,9 @@ Invariants:
   (function name or None, file or None, line); the first is the code at the pc, each next the
   call site of the one before, the last the function the chain sits in (its DWARF name; the
   frame's symbol comes from the symbol table). Empty when neither a line nor a function
-  covers the pc. Names are demangled as ``demangle.py`` demangles symbols.
+  covers the pc. Names are demangled as ``demangle.py`` demangles symbols. ``chain(vaddr)``
+  is the same with each level's function's DW_AT_decl_file and DW_AT_decl_line (where its
+  source starts: pprof's Function.filename and start_line; None and 0 when DWARF says not).
 - The DWARF is the separate debug file's when it has ``.debug_info``, else the binary's own
   (perf and addr2line read the same); SHF_COMPRESSED sections are inflated here (zlib; other
   types, or sizes past ``MAX_SECTION``, count ``compressed`` and read as absent).
@@ -40,6 +42,7 @@ __all__ = [
     "ERROR_NAMES",
     "MAX_LEVELS",
     "SRC_STORE_RESULTS",
+    "DeclLevel",
     "Level",
     "SrcLineCache",
     "SrcLineStore",
@@ -67,6 +70,8 @@ SUBPROGRAM = 1
 
 # (function name or None, file or None, line); line 0: unknown
 Level = tuple[str | None, str | None, int]
+# ... and the level's function's decl file (or None) and decl line (0: unknown)
+DeclLevel = tuple[str | None, str | None, int, str | None, int]
 
 
 class _BadTable(Exception):
@@ -165,9 +170,9 @@ class SrcLineTable:
     """One binary's compiled line/inline table (immutable; share it). ``lookup(vaddr)``: the
     levels at an ELF vaddr, innermost first (see the module's invariants)."""
 
-    __slots__ = ("_files", "_kind", "_laddr", "_lfile", "_lno", "_names", "_nfile",
-                 "_nline", "_nname", "_nparent", "_saddr", "_snode", "_strtab", "blob",
-                 "errors", "nbytes")  # fmt: skip
+    __slots__ = ("_files", "_kind", "_laddr", "_lfile", "_lno", "_names", "_ndfile",
+                 "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr", "_snode",
+                 "_strtab", "blob", "errors", "nbytes")  # fmt: skip
 
     def __init__(self, blob: bytes) -> None:
         if len(blob) < _HDR.size:
@@ -178,13 +183,13 @@ class SrcLineTable:
         if magic != lib.UNW_SL_MAGIC or version != lib.UNW_SL_VERSION:
             raise _BadTable("magic/version")
         sizes = (8 * nl, 4 * nl, 4 * nl, 8 * ns, 4 * ns, 4 * nn, 4 * nn, 4 * nn, 4 * nn,
-                 4 * nn, 4 * nf, strlen)  # fmt: skip
+                 4 * nn, 4 * nn, 4 * nn, 4 * nf, strlen)  # fmt: skip
         if _HDR.size + sum(sizes) != len(blob):
             raise _BadTable("size")
         cols: list[array[int]] = []
         o = _HDR.size
         mv = memoryview(blob)
-        for size, code in zip(sizes[:-1], "QIIQIIIIIII", strict=True):
+        for size, code in zip(sizes[:-1], "QIIQIIIIIIIII", strict=True):
             a = array(code)
             a.frombytes(mv[o : o + size])
             cols.append(a)
@@ -192,11 +197,14 @@ class SrcLineTable:
         self.blob = blob
         self._strtab = blob[o:]
         (self._laddr, self._lfile, self._lno, self._saddr, self._snode, self._nname,
-         self._nfile, self._nline, self._nparent, self._kind, self._files) = cols  # fmt: skip
+         self._nfile, self._nline, self._nparent, self._kind, self._ndfile, self._ndline,
+         self._files) = cols  # fmt: skip
         # every index a lookup follows is checked here once; the order of addresses is not
         # (a Python pass as costly as the load): bisect stays in bounds on any order, so a
         # misordered table can only misplace a line, and damage is what the file's CRC catches
         if _out_of(self._lfile, nf) or _out_of(self._nfile, nf) or _out_of(self._snode, nn):
+            raise _BadTable("file or node index")
+        if _out_of(self._ndfile, nf):
             raise _BadTable("file or node index")
         if _out_of(self._nparent, nn) or _out_of(self._nname, strlen):
             raise _BadTable("parent or name index")
@@ -231,6 +239,10 @@ class SrcLineTable:
 
     def lookup(self, vaddr: int) -> tuple[Level, ...]:
         """The levels at ``vaddr``, innermost first; () when nothing covers it."""
+        return tuple(lv[:3] for lv in self.chain(vaddr))
+
+    def chain(self, vaddr: int) -> tuple[DeclLevel, ...]:
+        """``lookup``'s levels, each with its function's decl file and line."""
         i = bisect_right(self._laddr, vaddr) - 1
         fid, line = (self._lfile[i], self._lno[i]) if i >= 0 else (NONE, 0)
         j = bisect_right(self._saddr, vaddr) - 1
@@ -238,19 +250,23 @@ class SrcLineTable:
         if fid == NONE and node == NONE:
             return ()
         file = self._file(fid)
-        levels: list[Level] = []
+        levels: list[DeclLevel] = []
         outer: str | None = None
+        dfile: str | None = None
+        dline = 0
         kind, parent, nname = self._kind, self._nparent, self._nname
         for _ in range(MAX_LEVELS):
             if node == NONE:
                 break
             if kind[node] == SUBPROGRAM:
                 outer = self._name(nname[node])
+                dfile, dline = self._file(self._ndfile[node]), self._ndline[node]
                 break
-            levels.append((self._name(nname[node]), file, line))
+            levels.append((self._name(nname[node]), file, line, self._file(self._ndfile[node]),
+                           self._ndline[node]))  # fmt: skip
             file, line = self._file(self._nfile[node]), self._nline[node]
             node = parent[node]
-        levels.append((outer, file, line))
+        levels.append((outer, file, line, dfile, dline))
         return tuple(levels)
 
     def __repr__(self) -> str:
@@ -274,7 +290,7 @@ def _out_of(col: array[int], n: int) -> bool:
 # ".srcl" file: magic, version, stamp (symstore's code stamp << 32 | source stamp), blob
 # length, CRC-32 of the blob, then the blob.
 FILE_MAGIC = b"UWSRCL\x00\x00"
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: nodes carry their function's decl file and line
 _FILE = struct.Struct("<8sIQQI4x")
 MAX_FILE = 1 << 31
 # ``SrcLineStore.stats`` keys

@@ -42,13 +42,16 @@ class StreamReplay:
 
 
 def replay_records(
-    data: PerfData, fmt: str, out: TextIO, *, name: str = "-", top_pids: int = 20
+    data: PerfData, fmt: str, out: TextIO, *, name: str = "-", top_pids: int = 20,
+    engine: StackEngine | None = None,
 ) -> StreamReplay:
     """Replay ``data`` (opened, left open) to ``out`` in ``fmt`` (cli.FORMATS); ``name`` is the
-    file the summary names, ``top_pids`` how many pids it lists."""
-    sink = TextOutput(fmt, out)
+    file the summary names, ``top_pids`` how many pids it lists. ``engine``: what unwinds and
+    names the samples (the CLI's, made as for the native replay: its cache dir and debuginfod
+    client); a default ``StackEngine.create()`` if None."""
+    sink = TextOutput(fmt, out, engine=engine)
     if fmt == "summary":  # samples unwound, for the counts only (the sink writes none)
-        sink.engine = StackEngine.create()
+        sink.engine = engine if engine is not None else StackEngine.create()
     pipeline = StreamPipeline(data.decoder)
     batch: list[Record] = []
     for rec in pipeline.replay(data.records()):

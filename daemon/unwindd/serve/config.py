@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..binaries.cachefiles import DIR_MAX_BYTES
 from ..source.sampling import EVENTS
 
 DEFAULT_PATH = "/etc/unwindd/config.toml"
@@ -125,7 +126,7 @@ class UnwindSection:
 class CacheSection:
     max_bytes: int = _key(512 << 20, live=False, check=_positive)
     dir: str = _key("", live=False, check=_cache_dir)
-    dir_max_bytes: int = _key(1 << 30, live=False, check=_positive)
+    dir_max_bytes: int = _key(DIR_MAX_BYTES, live=False, check=_positive)
 
 
 CACHE_DIR_FALLBACK = "/var/cache/unwindd"

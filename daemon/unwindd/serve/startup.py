@@ -95,7 +95,7 @@ def debuginfod_config(cfg: Config, env: Mapping[str, str]) -> DebuginfodConfig |
     else ``debuginfod/`` under the daemon's cache dir (the user's when that is off or not
     ours)."""
     from ..binaries.cachefiles import user_cache_dir
-    from ..binaries.debuginfod import DebuginfodConfig, urls_from
+    from ..binaries.debuginfod import DEBUGINFOD_SUBDIR, DebuginfodConfig, urls_from
 
     s = cfg.symbols
     try:
@@ -109,7 +109,7 @@ def debuginfod_config(cfg: Config, env: Mapping[str, str]) -> DebuginfodConfig |
         root = cache_dir(cfg.cache, env)
         if root is None or (root == CACHE_DIR_FALLBACK and os.geteuid() != 0):
             root = user_cache_dir(env)
-        d = os.path.join(root, "debuginfod")
+        d = os.path.join(root, DEBUGINFOD_SUBDIR)
     return DebuginfodConfig(urls, d, timeout=s.debuginfod_timeout,
                             max_bytes=s.debuginfod_max_bytes,
                             negative_seconds=s.debuginfod_negative_seconds)  # fmt: skip
@@ -228,12 +228,13 @@ def engine_with_disk_cache(cfg: Config) -> StackEngine:
     """The daemon's engine. Compiled CFI and symbol tables persist by build-id under the
     cache dir (``config.cache_dir``): a restart loads them (a read and a check per binary)
     instead of compiling and re-reading symbols. The dir is bounded at start
-    (``prune_cache_dir``: ``dir_max_bytes`` split over cfi/ and sym/, LRU). Not root and the
+    (``bound_cache_dir``: ``dir_max_bytes`` over all its stores together, ``CACHE_STORES``,
+    the debuginfod downloads among them; least recently used first). Not root and the
     default dir not writable: the user's cache dir; a dir that cannot be made is logged and
     the daemon runs without one."""
-    from ..binaries.cachefiles import prune_cache_dir, user_cache_dir
+    from ..binaries.cachefiles import bound_cache_dir, user_cache_dir
     from ..binaries.elfcache import CacheConfig
-    from ..unwind.engine import CACHE_SUBDIRS, StackEngine
+    from ..unwind.engine import StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
                    max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
@@ -242,13 +243,11 @@ def engine_with_disk_cache(cfg: Config) -> StackEngine:
         return make()
     if root == CACHE_DIR_FALLBACK and os.geteuid() != 0:
         root = user_cache_dir(os.environ)  # not root, not under systemd: /var/cache is not ours
-    # CFI files take more of the dir than symbol files for the same binaries: split the bound
-    # 60 / 40
-    for sub, share in zip(CACHE_SUBDIRS, (0.6, 0.4), strict=True):
-        n, freed = prune_cache_dir(os.path.join(root, sub), int(cfg.cache.dir_max_bytes * share))
-        if n:
-            log.info("cache dir %s/%s: removed %d files (%d bytes) past its bound", root, sub, n,
-                     freed)  # fmt: skip
+    # one bound over every store: the least recently used file goes first, whichever store
+    # holds it (a configured [symbols] debuginfod_cache elsewhere is not the dir's to prune)
+    n, freed = bound_cache_dir(root, cfg.cache.dir_max_bytes) or (0, 0)
+    if n:
+        log.info("cache dir %s: removed %d files (%d bytes) past its bound", root, n, freed)
     try:
         return make(cache_dir=root)
     except OSError as e:  # the directory cannot be made: run without it, and say so

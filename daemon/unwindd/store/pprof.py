@@ -16,18 +16,22 @@ Invariants:
       Mapping   1 id  5 filename  7 has_functions
       Location  1 id  2 mapping_id  3 address  4 line: Line (several: an inline chain)
       Line      1 function_id  2 line
-      Function  1 id  2 name  3 system_name  4 filename
+      Function  1 id  2 name  3 system_name  4 filename  5 start_line
 
 - ``string_table[0]`` is ``""``; ids start at 1 (0 means "none" in pprof); every location_id,
   mapping_id and function_id a message names is defined in the same profile.
 - One Location per distinct (dso, address, names and lines of its frames: an inline chain is
-  one Location with a Line per level), one Function per (name, source file, or dso when the
-  frame has none), one Mapping per dso: a profile's size is O(distinct frames + samples),
+  one Location with a Line per level), one Function per (name, source file, start line), one
+  Mapping per dso: a profile's size is O(distinct frames + samples),
   not O(samples * depth).
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
   sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
   (``labels_of(pid)``: ``cgroup``, ``unit``, ``container_id``; procs/cgroups.py) when known:
   string labels, each key and value interned once in the string table.
+- A Function's filename is the file its DWARF declaration names (``Frame.decl_file``), else
+  the file of the frame's line, else the dso; its start_line is the declaration's line
+  (``Frame.decl_line``: DW_AT_decl_line, what ``go tool pprof -list`` starts a listing at),
+  absent when unknown.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def encode_profile(
 ) -> bytes:
     strings = _Strings()
     mappings: dict[str, int] = {}
-    functions: dict[tuple[str, str], int] = {}
+    functions: dict[tuple[str, str, int], int] = {}
     locations: dict[tuple[str, int, tuple[tuple[str, int | None], ...]], int] = {}
     out: list[bytes] = []
     tail: list[bytes] = []  # mapping/location/function messages, written after the samples
@@ -98,12 +102,16 @@ def encode_profile(
 
     def function(f: Frame, dso: str) -> int:
         name = frame_name(f)  # the binary is the location's mapping
-        src = f.file or dso  # the source file when line info names it, else the binary
-        fid = functions.get((name, src))
+        # the file the function is declared in, else the source file when line info names
+        # it, else the binary
+        src = f.decl_file or f.file or dso
+        start = f.decl_line or 0
+        fid = functions.get((name, src, start))
         if fid is None:
-            fid = functions[(name, src)] = len(functions) + 1
+            fid = functions[(name, src, start)] = len(functions) + 1
             n = strings(name)
-            body = _uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, strings(src))
+            body = (_uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, strings(src))
+                    + _uint(5, start))  # fmt: skip
             tail.append(_bytes(5, body))
         return fid
 

@@ -39,7 +39,7 @@ _TEXT_BYTES = 150
 # A rebuilt stack costs its tuple and dict slot plus a pointer per frame; a pooled frame its
 # object, ip int, pool key, entry pair and slot.
 _STACK_TUPLE_BYTES = 120
-_POOL_FRAME_BYTES = 320
+_POOL_FRAME_BYTES = 336
 # A stack's function keys: the two tuples and dict slot, and a (name, dso) tuple per function.
 _KEYS_BYTES = 200
 _KEY_BYTES = 72

@@ -3,12 +3,12 @@ once, independent of the process where possible.
 
 Invariants:
 - A frame is interned by what it is, not where it ran: its key is (dso, sym, offset, kernel,
-  inlined, rel, file, line), and its ip after them where the stack keeps no delta for it. Under
-  ASLR the same code has another absolute ip in every process, but ``ip - rel`` is constant
-  per mapping (perf's map__map_ip: rel = ip - map start + pgoff), so a frame with a ``rel``
-  keys without its ip and the stack keeps the delta ``ip - rel``; a frame without one
-  (kernel, unmapped) keys with its ip. Every frame is rebuilt equal (all nine fields) to the
-  one that was added: answers do not change.
+  inlined, rel, file, line, decl_file, decl_line), and its ip after them where the stack keeps
+  no delta for it. Under ASLR the same code has another absolute ip in every process, but
+  ``ip - rel`` is constant per mapping (perf's map__map_ip: rel = ip - map start + pgoff), so
+  a frame with a ``rel`` keys without its ip and the stack keeps the delta ``ip - rel``; a
+  frame without one (kernel, unmapped) keys with its ip. Every frame is rebuilt equal (all
+  eleven fields) to the one that was added: answers do not change.
 - A stack is one ``bytes`` (``_encode``): a header (frames n, distinct deltas d), n uint32 frame
   ids, d int64 deltas, n uint8 delta indices (``NO_DELTA``: the ip is in the frame's key). The
   same frames in two processes loaded at the same addresses are one stack; the bytes are the
@@ -36,7 +36,7 @@ from ..source.records import frozen_maker
 from ..unwind.stackfmt import UNKNOWN, Frame
 
 Stack = tuple[Frame, ...]
-FrameKey = tuple[Any, ...]  # dso, sym, offset, kernel, inlined, rel, file, line[, ip]
+FrameKey = tuple[Any, ...]  # dso, sym, offset, kernel, inlined, rel, file, line, decl_*[, ip]
 FuncKey = tuple[str, str | None]
 Pool = dict[tuple[int, int], tuple[FrameKey, Frame]]  # (id(frame key), ip) -> (key, frame)
 _Keys = tuple[FuncKey, tuple[FuncKey, ...]]
@@ -45,15 +45,16 @@ NO_DELTA = 255  # delta index of a frame whose ip is in its key
 _HEAD = struct.Struct("<II")
 _DELTA_MIN, _DELTA_MAX = -(1 << 63), (1 << 63) - 1
 _new_frame = frozen_maker(Frame)
-_FIELDS = ("dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line")
+_FIELDS = ("dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line", "decl_file",
+           "decl_line")  # fmt: skip
 _key = attrgetter(*_FIELDS)
 _key_ip = attrgetter(*_FIELDS, "ip")
 
 # Bytes beyond the bytes objects' own size, as tracemalloc shows them retained (CPython 3.11+,
 # 64-bit): per stack, its slots in the table's two dicts and its id int; per frame, its key
-# tuple of 9 with its ints, its dict slot and its list slots.
+# tuple of 11 with its ints, its dict slot and its list slots.
 STACK_OVERHEAD = 100
-FRAME_BYTES = 250
+FRAME_BYTES = 266
 
 
 def _size(b: bytes) -> int:
@@ -148,8 +149,8 @@ class StackTable:
                 di = deltas.get(delta, NO_DELTA)
                 if di == NO_DELTA and len(deltas) < NO_DELTA and _DELTA_MIN <= delta <= _DELTA_MAX:
                     di = deltas[delta] = len(deltas)
-                # without the ip: one key per line of code in every process (a key of 8 never
-                # equals one of 9)
+                # without the ip: one key per line of code in every process (a key of 10 never
+                # equals one of 11)
                 key = _key(f) if di != NO_DELTA else _key_ip(f)
             fid = fids.get(key)
             if fid is None:
@@ -193,17 +194,18 @@ class StackTable:
             k = keys[fid]
             assert k is not None  # a stack's frames live while it does
             if di == NO_DELTA:
-                dso, sym, offset, kernel, inlined, rel, file, line, ip = k
+                dso, sym, offset, kernel, inlined, rel, file, line, dfile, dline, ip = k
             else:
-                dso, sym, offset, kernel, inlined, rel, file, line = k
+                dso, sym, offset, kernel, inlined, rel, file, line, dfile, dline = k
                 ip = rel + deltas[di]
             if pool is None:
-                out.append(make(ip, dso, sym, offset, kernel, inlined, rel, file, line, None))
+                out.append(make(ip, dso, sym, offset, kernel, inlined, rel, file, line, dfile,
+                                dline, None))  # fmt: skip
                 continue
             hit = pool.get((id(k), ip))
             if hit is None or hit[0] is not k:
                 hit = pool[(id(k), ip)] = (k, make(ip, dso, sym, offset, kernel, inlined, rel,
-                                                   file, line, None))  # fmt: skip
+                                                   file, line, dfile, dline, None))  # fmt: skip
             out.append(hit[1])
         return tuple(out)
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..binaries.cachefiles import CACHE_STORES
 from ..binaries.cfiprefetch import CFI_INLINE_MAX_BYTES, CfiPrefetcher
 from ..binaries.elfcache import CacheConfig, ElfCache
 from ..binaries.symbolize import Symbolizer
@@ -90,8 +91,7 @@ def _context_ips(callchain: Iterable[int], context: int, first: bool) -> Iterato
             yield ip
 
 
-def inline_frames(f: Frame, levels: tuple[tuple[str | None, str | None, int], ...]
-                  ) -> tuple[Frame, ...]:  # fmt: skip
+def inline_frames(f: Frame, levels: tuple[tuple[Any, ...], ...]) -> tuple[Frame, ...]:
     """The frames perf script shows for frame ``f`` whose pc has the ``levels``
     (``SrcLineTable.lookup``: innermost first), as perf 6.1 builds them (tools/perf/util/
     machine.c append_inlines, srcline.c addr2inlines and new_inline_sym): one per level, up to
@@ -99,16 +99,20 @@ def inline_frames(f: Frame, levels: tuple[tuple[str | None, str | None, int], ..
     name is the frame's symbol is the frame itself (with that level's file and line), any
     other is an inlined frame named so (perf prints it ``name (inlined)``, without the dso).
     A level without a DWARF function is named from the symbol table, as addr2line names it.
-    No level with a file: ``(f,)``."""
+    Levels of ``SrcLineTable.chain`` (five fields) also give each frame its function's decl
+    file and line. No level with a file: ``(f,)``."""
     out = []
-    for name, file, line in levels:
+    for lv in levels:
+        name, file, line = lv[0], lv[1], lv[2]
         if file is None:
             break
+        dfile, dline = (lv[3], lv[4] or None) if len(lv) > 3 else (None, None)
         if name is None or name == f.sym:
             out.append(_new_frame(f.ip, f.dso, f.sym, f.offset, False, False, f.rel, file, line,
-                                  None))  # fmt: skip
+                                  dfile, dline, None))  # fmt: skip
         else:
-            out.append(_new_frame(f.ip, f.dso, name, None, False, True, f.rel, file, line, None))
+            out.append(_new_frame(f.ip, f.dso, name, None, False, True, f.rel, file, line, dfile,
+                                  dline, None))  # fmt: skip
     return tuple(out) if out else (f,)
 
 
@@ -163,8 +167,8 @@ class Snapshot:
 
 
 # StackEngine.create(cache_dir=): where in it the CFI and the symbol tables are kept
-CACHE_SUBDIRS = ("cfi", "sym")
-SRCLINE_SUBDIR = "srcline"  # ... and the compiled line/inline tables (srclines.SrcLineStore)
+CACHE_SUBDIRS = CACHE_STORES[:2]
+SRCLINE_SUBDIR = CACHE_STORES[2]  # ... and the compiled line/inline tables (srclines.py)
 # Whether engines made by ``create`` expand inlined frames: the CLI's ``replay`` and ``record``
 # set it (on, perf script's default, unless ``--no-inline``) for every engine their command
 # makes; engines made otherwise (the daemon's) do not expand.
@@ -640,7 +644,7 @@ class StackEngine:
         table = src.table(e)
         if table is None:
             return (f,)
-        return inline_frames(f, table.lookup(m.vaddr(ip)))
+        return inline_frames(f, table.chain(m.vaddr(ip)))
 
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)
@@ -667,5 +671,7 @@ class StackEngine:
                 self._syms.popitem(last=False)
         if hit is None:
             self.stats.unsymbolized += 1
-            return _new_frame(ip, m.filename, None, None, False, False, rel, None, None, None)
-        return _new_frame(ip, m.filename, hit[0], hit[1], False, False, rel, None, None, None)
+            return _new_frame(ip, m.filename, None, None, False, False, rel, None, None, None,
+                              None, None)  # fmt: skip
+        return _new_frame(ip, m.filename, hit[0], hit[1], False, False, rel, None, None, None,
+                          None, None)  # fmt: skip

@@ -24,7 +24,7 @@ Invariants:
   pprof's mapping). The native replay renders frames through these functions too
   (replaytext.py; fold.c only joins the names it is given).
 - Cost: O(frames) per sample. A ``Frame`` hashes its fields once (cached; equality is the
-  dataclass's, over the nine fields only), so interning a new stack costs one call per frame.
+  dataclass's, over the eleven fields only), so interning a new stack costs one call per frame.
 """
 
 from __future__ import annotations
@@ -51,9 +51,14 @@ class Frame:
     # DWARF line tables or an interpreter's own frames; None where nothing says.
     file: str | None = None
     line: int | None = None
-    # The hash of the nine fields above, computed on first use: the store hashes a new
+    # Where the frame's function starts in the source (DWARF DW_AT_decl_file and
+    # DW_AT_decl_line of its subprogram, or of what an inlined frame inlined): pprof's
+    # Function.filename and start_line. None where nothing says.
+    decl_file: str | None = None
+    decl_line: int | None = None
+    # The hash of the eleven fields above, computed on first use: the store hashes a new
     # stack's frames tuple twice (lookup, insert) and a process's stacks share most frames,
-    # so each frame would otherwise hash its 9-tuple many times. Not compared, not shown,
+    # so each frame would otherwise hash its 11-tuple many times. Not compared, not shown,
     # not pickled (str hashes differ between interpreters).
     _hash: int | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -61,13 +66,13 @@ class Frame:
         h = self._hash
         if h is None:
             h = hash((self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined,
-                      self.rel, self.file, self.line))  # fmt: skip
+                      self.rel, self.file, self.line, self.decl_file, self.decl_line))  # fmt: skip
             object.__setattr__(self, "_hash", h)
         return h
 
     def __getstate__(self) -> tuple[Any, ...]:
         return (self.ip, self.dso, self.sym, self.offset, self.kernel, self.inlined, self.rel,
-                self.file, self.line)  # fmt: skip
+                self.file, self.line, self.decl_file, self.decl_line)  # fmt: skip
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         for name, v in zip(_FRAME_FIELDS, state, strict=True):
@@ -80,7 +85,8 @@ class Frame:
         return f"Frame({self.ip:#x} {where or UNKNOWN} in {self.dso or UNKNOWN}{k})"
 
 
-_FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line")
+_FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line",
+                 "decl_file", "decl_line")  # fmt: skip
 
 # The name of a frame without a symbol, and of a frame's binary when no mapping covers it:
 # perf's spelling (util/evsel_fprintf.c sample__fprintf_callchain, scripts/python/

@@ -23,7 +23,7 @@ static void check_blob(const uint8_t *b, uint64_t len)
     memcpy(&h, b, sizeof h);
     CHECK(h.magic == UNW_SL_MAGIC && h.version == UNW_SL_VERSION);
     uint64_t want = sizeof h + (uint64_t)h.nlines * 16 + (uint64_t)h.nsegs * 12 +
-                    (uint64_t)h.nnodes * 20 + (uint64_t)h.nfiles * 4 + h.strtab_len;
+                    (uint64_t)h.nnodes * 28 + (uint64_t)h.nfiles * 4 + h.strtab_len;
     CHECK(want == len);
     const uint8_t *lfile = b + sizeof h + (uint64_t)h.nlines * 8;
     for (uint32_t i = 0; i < h.nlines; i++) {
@@ -43,14 +43,16 @@ static void check_blob(const uint8_t *b, uint64_t len)
         }
     }
     const uint8_t *nodes = snode + (uint64_t)h.nsegs * 4;
-    const uint8_t *files = nodes + (uint64_t)h.nnodes * 20;
+    const uint8_t *files = nodes + (uint64_t)h.nnodes * 28;
     const uint8_t *strtab = files + (uint64_t)h.nfiles * 4;
     for (uint32_t i = 0; i < h.nnodes; i++) {
         uint32_t name = rd32(nodes + 4 * i), file = rd32(nodes + 4 * (h.nnodes + i));
         uint32_t parent = rd32(nodes + 4 * (3 * (uint64_t)h.nnodes + i));
         uint32_t kind = rd32(nodes + 4 * (4 * (uint64_t)h.nnodes + i));
+        uint32_t dfile = rd32(nodes + 4 * (5 * (uint64_t)h.nnodes + i));
         CHECK(name == UNW_SL_NONE || name < h.strtab_len);
         CHECK(file == UNW_SL_NONE || file < h.nfiles);
+        CHECK(dfile == UNW_SL_NONE || dfile < h.nfiles);
         CHECK(parent == UNW_SL_NONE || parent < i);
         CHECK(kind == UNW_SL_SUBPROGRAM || kind == UNW_SL_INLINED);
     }
