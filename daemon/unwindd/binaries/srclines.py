@@ -274,15 +274,16 @@ class SrcLineTable:
 
 
 def _out_of(col: array[int], n: int) -> bool:
-    """Whether some value of ``col`` other than NONE is >= n (one sort-free pass in C)."""
+    """Whether some value of ``col`` other than NONE is >= n: one native pass over the column
+    in place (symtab.c's max-offset scan, which skips one value), as a table can hold
+    millions of entries and a Python pass over them costs as much as the rest of the load."""
     if not col:
         return False
-    top = max(col)
-    if top < n:
-        return False
-    if top != NONE:
-        return True
-    return any(v >= n and v != NONE for v in col)
+    from ..unwcore import ffi, lib
+
+    nskip = ffi.new("uint64_t *")
+    top = lib.unw_symtab_max_offset(ffi.from_buffer(col), len(col), NONE, nskip)
+    return bool(nskip[0] < len(col) and top >= n)
 
 
 # ---------------------------------------------------------------------------- persistence
