@@ -86,9 +86,9 @@ def test_counters_and_gauges() -> None:
     assert metric_values(text, "unwindd_processes_tracked") == {"": 2.0}
     assert metric_values(text, "unwindd_api_requests_total") == {'{endpoint="/v1/status"}': 4.0}
     assert 'unwindd_build_info{python="' in text and 'version="0.1.0"' in text
-    # JIT frames by kind: both kinds from the first scrape
+    # JIT frames by kind: every kind from the first scrape
     assert metric_values(text, "unwindd_jit_frames_total") == {
-        '{kind="anonymous"}': 0.0, '{kind="perf_map"}': 6.0}
+        '{kind="anonymous"}': 0.0, '{kind="perf_map"}': 6.0, '{kind="jitdump"}': 0.0}
     assert "unwindd_proc_rescans_total" not in text  # the table has no rescan counter yet
 
 

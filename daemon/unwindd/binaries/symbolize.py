@@ -1,5 +1,5 @@
 """Names for frames (``Symbolizer``): user frames through their binary's symbol table, kernel
-frames through kallsyms, JIT frames through the pid's perf map.
+frames through kallsyms, JIT frames through the pid's perf map or its jitdump.
 
 Rules:
 - A user frame is named by (ELF cache entry, ELF vaddr): the entry's table, built once per
@@ -7,18 +7,23 @@ Rules:
 - Kernel symbols are loaded once: on first use, or ahead of it in a thread
   (``preload_kernel``) that the first use waits for; a failed preload is retried there, where
   any error surfaces. Unreadable kallsyms name nothing.
-- A pid's perf map is kept until ``forget_pid``.
+- A pid's perf map and jitdumps are kept until ``forget_pid``; a jitdump's counts (records,
+  errors, files) outlive it (``jitdump_counts``).
 - Not thread-safe apart from that preload: one owner calls it.
 
-Cost: a user lookup is one bisect; a JIT lookup one stat and one bisect; a kernel lookup one
-bisect after one kallsyms parse per Symbolizer.
+Cost: a user lookup is one bisect; a JIT lookup one stat and one bisect (a jitdump's: one open
+and fstat, and the walk jitdump.JitCodeTable.lookup describes); a kernel lookup one bisect
+after one kallsyms parse per Symbolizer.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections import Counter
 
 from .elfentry import ElfEntry
+from .jitdump import Jitdump
 from .kallsyms import Kallsyms, KernelSymbol
 from .perfmaps import PerfMap
 from .symtab import SymbolTable
@@ -37,6 +42,11 @@ class Symbolizer:
         self._kallsyms_loading: threading.Thread | None = None
         self._kallsyms_loaded: list[Kallsyms] = []
         self._perf_maps: dict[int, PerfMap] = {}
+        self._jitdumps: dict[int, dict[str, Jitdump]] = {}  # pid -> path -> its dump
+        self._jitdump_retired: Counter[str] = Counter()  # counts of dumps forgotten
+        self._bounds_key: tuple[tuple[int, str, int], ...] = ()
+        self._bounds: list[tuple[int, int]] = []
+        self.jit_boundary_pids: frozenset[int] = frozenset()  # the pids in all_jit_boundaries
 
     def preload_kernel(self) -> None:
         """Start reading and parsing kallsyms in a thread, for a caller that will name kernel
@@ -87,5 +97,83 @@ class Symbolizer:
             pm = self._perf_maps[pid] = PerfMap(f"{self.tmp_dir}/perf-{pid}.map")
         return pm.lookup(addr)
 
+    def open_jitdump(self, pid: int, path: str) -> Jitdump:
+        """The jitdump ``path`` that ``pid`` maps (opened and read on first use). The path is
+        the mapping's: read as it is, else through ``<proc_root>/<pid>/root`` (the process's
+        own mount namespace)."""
+        per = self._jitdumps.get(pid)
+        if per is None:
+            per = self._jitdumps[pid] = {}
+        jd = per.get(path)
+        if jd is None:
+            local = path
+            if not os.path.exists(path):
+                local = f"{self.proc_root}/{pid}/root{path}"
+            jd = per[path] = Jitdump(local)
+            jd.refresh()
+        return jd
+
+    def jitdump(self, pid: int, path: str, addr: int, time: int | None
+                ) -> tuple[str, int] | None:  # fmt: skip
+        """``addr`` named from the jitdump ``path`` that ``pid`` maps, as of sample time
+        ``time`` (jitdump.JitCodeTable.lookup)."""
+        return self.open_jitdump(pid, path).lookup(addr, time)
+
+    def has_jitdump(self, pid: int | None) -> bool:
+        return pid in self._jitdumps
+
+    def jit_boundaries(self, pid: int) -> list[int]:
+        """The replacement times of ``pid``'s jitdumps (JitCodeTable.boundaries), sorted."""
+        per = self._jitdumps.get(pid)
+        if not per:
+            return []
+        if len(per) == 1:
+            return next(iter(per.values())).table.boundaries()
+        return sorted(t for jd in per.values() for t in jd.table.boundaries())
+
+    def all_jit_boundaries(self) -> list[tuple[int, int]]:
+        """(time, pid) of every replacement in every jitdump open, sorted; cached until a
+        dump changes."""
+        key = tuple((pid, path, jd.version) for pid, per in self._jitdumps.items()
+                    for path, jd in per.items())  # fmt: skip
+        if key != self._bounds_key:
+            self._bounds_key = key
+            self._bounds = sorted((t, pid) for pid in self._jitdumps
+                                  for t in self.jit_boundaries(pid))  # fmt: skip
+            self.jit_boundary_pids = frozenset(pid for _, pid in self._bounds)
+        return self._bounds
+
+    def refresh_jitdumps(self) -> list[int]:
+        """Read on every jitdump open; the pids whose dump changed since the last call (here
+        or in a lookup)."""
+        out = []
+        for pid, per in self._jitdumps.items():
+            grew = False
+            for jd in per.values():
+                jd.refresh()
+                grew |= jd.changed
+                jd.changed = False
+            if grew:
+                out.append(pid)
+        return out
+
+    def jitdump_counts(self) -> dict[str, int]:
+        """Jitdump files opened, their records by kind ("record_<kind>") and their errors
+        by kind ("error_<kind>"), over every dump read so far."""
+        c = Counter(self._jitdump_retired)
+        for per in list(self._jitdumps.values()):
+            for jd in list(per.values()):
+                c.update(_dump_counts(jd))
+        return dict(c)
+
     def forget_pid(self, pid: int) -> None:
         self._perf_maps.pop(pid, None)
+        for jd in self._jitdumps.pop(pid, {}).values():
+            self._jitdump_retired.update(_dump_counts(jd))
+
+
+def _dump_counts(jd: Jitdump) -> Counter[str]:
+    c: Counter[str] = Counter(files=1, dropped=jd.table.dropped)
+    c.update({f"record_{k}": n for k, n in jd.parser.records.items()})
+    c.update({f"error_{k}": n for k, n in jd.parser.errors.items()})
+    return c

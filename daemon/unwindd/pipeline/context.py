@@ -23,7 +23,9 @@ Invariants:
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from ..binaries.cfi import ARCH_X86_64
@@ -42,6 +44,7 @@ __all__ = [
     "NativeContext",
     "callchain",
     "count_flagged",
+    "jit_parts",
     "mark_record",
     "record_marks",
     "view",
@@ -55,6 +58,7 @@ STATUS_NAMES = (*(s.name.lower() for s in sorted(UnwindStatus)), STATUS_CALLCHAI
 assert STATUS_NAMES.index(STATUS_CALLCHAIN) == lib.FP_STATUS_CALLCHAIN
 assert STATUS_NAMES.index(STATUS_IP_ONLY) == lib.FP_STATUS_IP_ONLY
 TIMED, HAS_CPU = int(lib.FP_TIMED), int(lib.FP_HAS_CPU)
+_U64_MAX = (1 << 64) - 1
 
 
 def view(buf: Any, fmt: str, n: int | None = None) -> memoryview:
@@ -88,6 +92,39 @@ def mark_record(r: Any, marks: tuple[int, int, int]) -> None:
     if flags & HAS_CPU:
         r.cpu = cpu
     r.flags = flags
+
+
+def jit_parts(nctx: NativeContext, recs: Any, perm: Any, a: int, b: int
+              ) -> Iterator[tuple[int, int]]:  # fmt: skip
+    """The run of samples perm[a, b) (time order) as parts (k, m) cut at the times a jitdump
+    replaced code (``StackEngine.jit_time``); before each part, every pid with such a dump is
+    moved to the part's first time, and a pid whose frames must be named again is forgotten
+    by C (a new space id: new frames). The caller names each part's new frames as of the
+    part's newest sample (``name_time``), so a pc is named as the code it ran. Without
+    replacements: (a, b). Cost: O(pids with replacements + log(b - a)) per part."""
+    engine = nctx.engine
+    bounds = engine.symbolizer.all_jit_boundaries()
+    if not bounds:
+        yield a, b
+        return
+
+    def time_at(i: int) -> int:
+        return int(recs[perm[i]].time)
+
+    pids = engine.symbolizer.jit_boundary_pids
+    k = a
+    while k < b:
+        t0 = time_at(k)
+        for pid in pids:
+            if engine.jit_time(pid, t0):
+                nctx.forget_space(pid)
+        nxt = bisect_right(bounds, (t0, _U64_MAX))  # the first boundary after t0
+        m = b
+        if nxt < len(bounds):
+            # (at least one sample: a late record's time may be out of order)
+            m = max(k + 1, bisect_left(range(k, b), bounds[nxt][0], key=time_at) + k)
+        yield k, m
+        k = m
 
 
 def callchain(kc: bytes) -> tuple[int, ...]:
@@ -135,7 +172,8 @@ class NativeContext:
             check(lib.fp_ctx_by_code(self.ctx, by_code), "fp_ctx_by_code")
         self.comms: list[str] = []
         self._comm_ids: dict[str, int] = {}
-        self._space_ids: dict[tuple[int, int], int] = {}
+        # (pid, generation, engine.name_epoch) -> space id: a new epoch names frames anew
+        self._space_ids: dict[tuple[int, int, int], int] = {}
         self._snaps: dict[int, Snapshot] = {}  # space id -> snapshot, while held
         # space id -> its mappings as C [start, end) pairs, kept for the context's life (not
         # released with the snapshot): a live pid's space is forgotten at each of its side-band
@@ -176,9 +214,10 @@ class NativeContext:
     def set_space(self, pid: int, snap: Snapshot, *, ranges: bool = False) -> int:
         """Give C ``snap`` as pid's space (``ranges``: with its mappings, for the live
         placement check, fp_set_live_space); its space id."""
-        sid = self._space_ids.get(snap.key)
+        key = (*snap.key, self.engine.name_epoch(pid))
+        sid = self._space_ids.get(key)
         if sid is None:
-            sid = self._space_ids[snap.key] = len(self._space_ids)
+            sid = self._space_ids[key] = len(self._space_ids)
         self._snaps[sid] = snap  # keeps snap.native (the modules C points at) alive
         native = snap.native
         if ranges:

@@ -49,6 +49,7 @@ from .context import (
     NativeContext,
     callchain,
     count_flagged,
+    jit_parts,
     mark_record,
     record_marks,
     view,
@@ -380,6 +381,7 @@ class _Replay:
                 continue
             if engine.note_comm(rec):
                 nctx.forget_comms()
+            engine.note_jitdump(rec)
             engine.table.apply(rec)
             rpid = getattr(rec, "pid", None)
             if isinstance(rpid, int):
@@ -470,6 +472,13 @@ class _Replay:
     # -- native runs
 
     def _run(self, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
+        """``_run_part`` over perm[a, b) cut where a jitdump replaced code (its boundaries,
+        ``StackEngine.jit_time``): the frames of each part are named as of its newest
+        sample, so a pc whose code was replaced is named as the code it ran."""
+        for k, m in jit_parts(self.nctx, recs, perm, a, b):
+            self._run_part(recs, perm, k, m, stack_ids)
+
+    def _run_part(self, recs: Any, perm: Any, a: int, b: int, stack_ids: Any) -> None:
         """Unwind the samples perm[a, b), a run between two side-band records, answering
         the run's stops (space, comm, symbols). A long run's samples are unwound by the
         calling thread and a worker thread the C context owns while the machine has a CPU to
@@ -493,6 +502,8 @@ class _Replay:
                 self.nctx.set_comm(int(need_pid[0]), int(need_tid[0]))
             else:
                 raise RuntimeError(f"fp_unwind_run failed at {k} ({rc})")
+        # JIT frames are named as of the run's newest sample (the frames are new in the run)
+        self.engine.name_time = int(recs[perm[b - 1]].time) if b > a else None
         self._symbolize_new()
 
     def _set_symbols(self, pid: int, index: int) -> None:

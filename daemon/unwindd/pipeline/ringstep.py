@@ -56,6 +56,7 @@ from .context import (
     NativeContext,
     callchain,
     count_flagged,
+    jit_parts,
     record_marks,
     view,
 )
@@ -249,6 +250,8 @@ class NativeStep:
         if self._reset or nst > self.max_stacks or self.nctx.nspaces > self.max_spaces:
             flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
+        for pid in self.engine.refresh_jit_names():  # its JIT frames are named again
+            self.nctx.forget_space(pid)
         out, info = self._round(cpus, bounds, False)
         if flushed is not None:
             info.depths.update(flushed.depths)
@@ -423,7 +426,8 @@ class NativeStep:
             p = is_sample.find(b"\0", pos)
             end = d if p < 0 else p
             if end > pos:
-                self._run(mv, size, cbuf, recs, perm, pos, end, stack_ids)
+                for k, m in jit_parts(self.nctx, recs, perm, pos, end):  # usually one part
+                    self._run(mv, size, cbuf, recs, perm, k, m, stack_ids)
             if p < 0:
                 break
             rec = objs.pop(perm[p])[0]
@@ -567,6 +571,7 @@ class NativeStep:
                 nctx.set_comm(int(need_pid[0]), int(need_tid[0]))
                 continue  # force stays: k is still the sample the caller placed
             raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
+        engine.name_time = int(recs[perm[b - 1]].time)  # JIT frames: as of the newest sample
         self._name_new()
 
     def _name_new(self) -> None:

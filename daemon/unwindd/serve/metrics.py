@@ -166,8 +166,8 @@ def counter_specs() -> list[Spec]:
              lambda d: {"user": d.profiler.engine.stats.user_frames,
                         "kernel": d.profiler.engine.stats.kernel_frames}, "space"),
         Spec("unwindd_jit_frames", "Frames in JIT code (executable memory without a file, "
-             "walked by frame pointer), by kind: perf_map (named from /tmp/perf-<pid>.map) "
-             "or anonymous (unnamed).",
+             "walked by frame pointer), by kind: perf_map (named from /tmp/perf-<pid>.map), "
+             "jitdump (named from the jit-<pid>.dump the process maps) or anonymous (unnamed).",
              lambda d: d.profiler.engine.jit.frames, "kind", lambda d: JIT_KINDS),
         Spec("unwindd_elf_cache_hits", "ELF cache lookups that found the binary.",
              lambda d: d.profiler.engine.table.binaries.stats.hits),

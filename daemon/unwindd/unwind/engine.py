@@ -17,6 +17,9 @@ Invariants:
   layout samples no user registers: ``perf record -g`` or no call graph) gets the frames perf
   shows for it (``recorded_frames``): its callchain as recorded (status ``callchain``), else
   its ip alone (``ip_only``); ``frame_sources`` says which a file's events get.
+- A JIT frame named from a jitdump is named as of its sample's time (``name_time``,
+  ``jit_time``; the native paths: the newest sample of a run part, context.jit_parts), so
+  code a JIT replaced at an address is named as the code that ran.
 - Cost: one native unwinder call per ``batch_size`` samples; a stack already seen in an
   address-space generation is one dict lookup (``user_frames``).
 - Memory: every cache is bounded, and per-process ones are dropped with the pid
@@ -26,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,13 +38,14 @@ from typing import TYPE_CHECKING, Any
 from ..binaries.cachefiles import CACHE_STORES
 from ..binaries.cfiprefetch import CFI_INLINE_MAX_BYTES, CfiPrefetcher
 from ..binaries.elfcache import CacheConfig, ElfCache
+from ..binaries.jitdump import is_jitdump_path
 from ..binaries.symbolize import Symbolizer
-from ..procs.mapping import Mapping, find_mapping
+from ..procs.mapping import PROT_EXEC, Mapping, find_mapping
 from ..procs.proctable import ProcessTable
 from ..procs.space import SpaceState
 from ..source import abi
 from ..source.comms import default_comm
-from ..source.records import Comm, Fork, Record, Sample, frozen_maker
+from ..source.records import Comm, Fork, Mmap, Mmap2, Record, Sample, frozen_maker
 from .jitframes import JitStats
 from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
@@ -212,6 +217,12 @@ class StackEngine:
         # JIT frames and the samples through them (jitframes.py), counted by the live paths
         self.jit = JitStats(self.runtime_of)
         self._runtimes: dict[int, tuple[int, str | None]] = {}  # pid -> (generation, runtime)
+        # The time JIT frames are named as of (a jitdump's code loads up to it: jitdump.py):
+        # the sample's own in ``_unwind``, the newest of a run's in the native paths.
+        self.name_time: int | None = None
+        self._dumps: dict[tuple[int, int], str | None] = {}  # snapshot key -> jitdump path
+        self._name_epochs: dict[int, int] = {}  # pid -> times its frames were renamed
+        self._jit_at: dict[int, int] = {}  # pid -> its jitdump boundaries crossed (jit_time)
         # line/inline tables by binary (create(inline=True)); None: frames are not expanded
         self.srclines: SrcLineCache | None = None
 
@@ -295,6 +306,7 @@ class StackEngine:
         pending: list[tuple[Snapshot, Sample]] = []
         live = self.live
         if live is not None:
+            self.refresh_jit_names()
             pending = [(self.snapshot(s.pid), s) for s in live.due()]
         for rec in recs:
             if isinstance(rec, Sample):
@@ -320,6 +332,7 @@ class StackEngine:
         """A non-SAMPLE record, in time order (``feed``; the native live step calls it
         between its runs of samples)."""
         self.note_comm(rec)
+        self.note_jitdump(rec)
         self.table.apply(rec)
         if self.live is not None:
             self.live.observe(rec)
@@ -390,6 +403,8 @@ class StackEngine:
         for tid in self._tids.pop(pid, ()):
             self._comms.pop(tid, None)
         self.symbolizer.forget_pid(pid)
+        self._name_epochs.pop(pid, None)
+        self._jit_at.pop(pid, None)
         if self.live is not None:
             self.live.forget(pid)
         for cb in self.drop_listeners:
@@ -398,8 +413,55 @@ class StackEngine:
     def forget_pid(self, pid: int) -> None:
         """Drop ``pid``'s snapshot, stacks and frames (the table dropped its space)."""
         self._snaps.pop(pid, None)
+        self._forget_frames(pid)
+
+    def _forget_frames(self, pid: int) -> None:
         self._nstacks -= len(self._stacks.pop(pid, ()))
         self._frames.pop(pid, None)
+
+    def refresh_jit_names(self) -> list[int]:
+        """Live: read on the jitdumps of the processes seen so far; a pid whose dump gained
+        code (a JIT writes it through a buffer, so a load can land after the code first ran)
+        has its cached frames dropped and its ``name_epoch`` bumped, so its frames, unnamed
+        ones too, are named again from then on (the native contexts key their spaces by the
+        epoch). Cost: an open and fstat per dump, and reading what it gained."""
+        pids = self.symbolizer.refresh_jitdumps()
+        for pid in pids:
+            self._rename(pid)
+        return pids
+
+    def name_epoch(self, pid: int) -> int:
+        """How many times ``refresh_jit_names`` or ``jit_time`` renamed ``pid``'s frames."""
+        return self._name_epochs.get(pid, 0)
+
+    def _rename(self, pid: int) -> None:
+        self._name_epochs[pid] = self._name_epochs.get(pid, 0) + 1
+        self._forget_frames(pid)
+
+    def jit_time(self, pid: int, t: int) -> bool:
+        """Samples of ``pid`` are named at time ``t`` from now on (time order): if its jitdump
+        replaced code since the last call (``JitCodeTable.boundaries``: a boundary crossed),
+        its cached frames go and its ``name_epoch`` is bumped (True), so a pc is named again
+        as the code there was then. Cost: one bisect."""
+        i = bisect_right(self.symbolizer.jit_boundaries(pid), t)
+        if i == self._jit_at.get(pid, 0):
+            return False
+        self._jit_at[pid] = i
+        self._rename(pid)
+        return True
+
+    def note_jitdump(self, rec: Record) -> None:
+        """A side-band record: an executable mapping of a jitdump (what a JIT maps so that perf
+        records it, perf's jit_detect) is opened and read now, so its replacement times are
+        known before its frames are named (the native file replay splits runs at them)."""
+        if isinstance(rec, Mmap2):
+            exe = bool(rec.prot & PROT_EXEC)
+        elif isinstance(rec, Mmap):  # no prot: an executable mapping unless flagged as data
+            exe = not rec.misc & abi.MISC_MMAP_DATA
+        else:
+            return
+        if exe and is_jitdump_path(rec.filename):
+            self.symbolizer.open_jitdump(rec.pid, rec.filename)
 
     def forget_names(self) -> None:
         """Drop every cached name (frames, stacks, symbol lookups): a binary's symbols changed
@@ -469,7 +531,11 @@ class StackEngine:
         results = self.unwinder.unwind_batch([(snap.native, s) for snap, s in pending])
         out = []
         stats = self.stats
+        has_dump = self.symbolizer.has_jitdump
         for i, ((snap, s), res) in enumerate(zip(pending, results, strict=True)):
+            self.name_time = s.time
+            if s.time is not None and has_dump(s.pid):
+                self.jit_time(s.pid, s.time)  # type: ignore[arg-type]
             if not s.regs_mask:  # nothing to unwind (the unwinder said no_regs)
                 status, kframes, uframes = self.recorded_frames(snap, s)
                 frames = self._join(kframes, uframes) if kframes else uframes
@@ -646,6 +712,19 @@ class StackEngine:
             return (f,)
         return inline_frames(f, table.chain(m.vaddr(ip)))
 
+    def _jitdump_of(self, snap: Snapshot) -> str | None:
+        """The path of the jitdump ``snap``'s process maps (a JIT maps its ``jit-<pid>.dump``
+        executable so that perf records the mapping: tools/perf/util/jitdump.c jit_detect),
+        else None. Cached per snapshot."""
+        key = snap.key
+        if key in self._dumps:
+            return self._dumps[key]
+        path = next((m.filename for m in snap.mappings if is_jitdump_path(m.filename)), None)
+        if len(self._dumps) >= _MAX_SNAPS:
+            self._dumps.clear()
+        self._dumps[key] = path
+        return path
+
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)
         if m is None:
@@ -658,6 +737,11 @@ class StackEngine:
                 jit = self.symbolizer.jit(pid, ip)
                 if jit is not None:
                     return Frame(ip, f"/tmp/perf-{pid}.map", jit[0], jit[1], rel=ip)
+                dump = self._jitdump_of(snap)
+                if dump is not None:
+                    jit = self.symbolizer.jitdump(pid, dump, ip, self.name_time)
+                    if jit is not None:
+                        return Frame(ip, dump, jit[0], jit[1], rel=ip)
             self.stats.unsymbolized += 1
             return Frame(ip, m.filename, None, None, rel=rel)
         vaddr = m.vaddr(ip)

@@ -6,11 +6,13 @@ A JIT's code lives in executable memory without a file (procs/space.py ``is_jit_
 by frame pointer (unwind.c's fallback for modules without a table); the engine names its
 frames from /tmp/perf-<pid>.map when the JIT writes one (V8's --perf-basic-prof, HotSpot's
 -XX:+DumpPerfMapAtExit), as perf does (tools/perf/util/map.c map__new: "//anon" maps are
-looked up in /tmp/perf-%d.map).
+looked up in /tmp/perf-%d.map), else from the jitdump the process maps (V8's --perf-prof:
+binaries/jitdump.py; perf reads it in perf inject --jit).
 
 Invariants:
 - A frame's kind is a function of the frame alone (``jit_kind``): "perf_map" (named from the
-  perf map: its dso is the map's path), "anonymous" (in JIT code, unnamed), else None.
+  perf map: its dso is the map's path), "jitdump" (named from a jitdump: its dso is the
+  dump's path), "anonymous" (in JIT code, unnamed), else None.
 - A stack is complete when its outermost user frame is a thread's first frame as perf prints
   it: ``_start`` (the main thread) or ``clone``/``clone3`` (every other one) (``OUTERMOST``).
 - ``JitStats.count`` counts each sample once: its JIT frames by kind, and, when it has any, the
@@ -28,41 +30,43 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..binaries.jitdump import is_jitdump_path
 from ..procs.space import is_jit_name
 from .stackfmt import Frame
 
 __all__ = ["JIT_KINDS", "OUTERMOST", "JitStats", "jit_kind", "stack_jit"]
 
-JIT_KINDS = ("perf_map", "anonymous")
+JIT_KINDS = ("perf_map", "jitdump", "anonymous")
 OUTERMOST = frozenset({"_start", "clone", "clone3"})
+_KIND_INDEX = {k: i for i, k in enumerate(JIT_KINDS)}
 MAX_RUNTIMES = 64
 _MAX_STACKS = 1 << 16
 
 
 def jit_kind(f: Frame) -> str | None:
-    """"perf_map", "anonymous" or None (not a JIT frame): see the module doc."""
+    """"perf_map", "jitdump", "anonymous" or None (not a JIT frame): see the module doc."""
     dso = f.dso
     if f.kernel or dso is None:
         return None
     if dso.startswith("/tmp/perf-") and dso.endswith(".map"):
         return "perf_map"
+    if f.sym is not None and is_jitdump_path(dso):
+        return "jitdump"
     return "anonymous" if is_jit_name(dso) else None
 
 
-def stack_jit(frames: Sequence[Frame]) -> tuple[int, int, bool]:
-    """(perf-map frames, anonymous frames, complete) of one stack, leaf first."""
-    named = anon = 0
+def stack_jit(frames: Sequence[Frame]) -> tuple[tuple[int, ...], bool]:
+    """(JIT frames per kind in ``JIT_KINDS`` order, complete) of one stack, leaf first."""
+    counts = [0] * len(JIT_KINDS)
     last = None
     for f in frames:
         if f.kernel:
             continue
         last = f
         k = jit_kind(f)
-        if k == "perf_map":
-            named += 1
-        elif k == "anonymous":
-            anon += 1
-    return named, anon, last is not None and last.sym in OUTERMOST
+        if k is not None:
+            counts[_KIND_INDEX[k]] += 1
+    return tuple(counts), last is not None and last.sym in OUTERMOST
 
 
 @dataclass
@@ -74,7 +78,7 @@ class JitStats:
     frames: Counter[str] = field(default_factory=Counter)  # kind -> frames
     stacks: Counter[str] = field(default_factory=Counter)  # runtime -> samples crossing JIT code
     complete: Counter[str] = field(default_factory=Counter)  # runtime -> ... reaching OUTERMOST
-    _seen: dict[int, tuple[Sequence[Frame], int, int, bool]] = field(default_factory=dict)
+    _seen: dict[int, tuple[Sequence[Frame], tuple[int, ...], bool]] = field(default_factory=dict)
 
     def count(self, pid: int | None, frames: Sequence[Frame], n: int = 1) -> None:
         """Count ``n`` samples of ``frames`` taken in process ``pid``."""
@@ -83,13 +87,12 @@ class JitStats:
             if len(self._seen) >= _MAX_STACKS:
                 self._seen.clear()
             hit = self._seen[id(frames)] = (frames, *stack_jit(frames))  # holds it: id stays
-        _, named, anon, done = hit
-        if not (named or anon):
+        _, counts, done = hit
+        if not any(counts):
             return
-        if named:
-            self.frames["perf_map"] += named * n
-        if anon:
-            self.frames["anonymous"] += anon * n
+        for k, c in zip(JIT_KINDS, counts, strict=True):
+            if c:
+                self.frames[k] += c * n
         rt = self.runtime_of(pid) or "unknown"
         if rt not in self.stacks and len(self.stacks) >= MAX_RUNTIMES:
             rt = "other"
