@@ -26,7 +26,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TextIO
 from urllib.parse import urlencode
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--pid", type=int, action="append", default=[], help="repeatable")
         sp.add_argument("--comm")
         sp.add_argument("--tid", type=int)
+        sp.add_argument("--no-inline", action="store_true",
+                        help="do not show inlined functions as frames of their own (as "
+                        "unwindd replay --no-inline)")
         if window:  # the live stream has no window: it sends samples from now on
             sp.add_argument("--since", type=float, metavar="SECONDS",
                             help="only the last SECONDS (default: everything retained)")
@@ -143,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser("top", help="functions by self and total samples")
     filters(top)
     top.add_argument("--limit", type=int, default=20)
+    top.add_argument("--by", choices=("function", "line"), default="function",
+                     help="count per function, or per source file:line (with its function)")
     top.add_argument("--wide", action="store_true",
                      help="do not truncate lines to the terminal's width")
     top.add_argument("--full-paths", action="store_true",
@@ -177,6 +182,7 @@ def _filter_params(args: argparse.Namespace) -> dict[str, Any]:
         "unit": getattr(args, "unit", None),
         "container": getattr(args, "container", None),
         "cgroup": getattr(args, "cgroup", None),
+        "inline": 0 if getattr(args, "no_inline", False) else None,
     }
 
 
@@ -289,7 +295,9 @@ def cmd_ps(c: Client, args: argparse.Namespace, out: TextIO) -> None:
 
 
 def cmd_top(c: Client, args: argparse.Namespace, out: TextIO) -> None:
-    res = c.json("/v1/top", {**_filter_params(args), "limit": args.limit})
+    by_line = args.by == "line"
+    res = c.json("/v1/top", {**_filter_params(args), "limit": args.limit,
+                             "by": "line" if by_line else None})  # fmt: skip
     if args.json:
         out.write(json.dumps(res) + "\n")
         return
@@ -300,6 +308,9 @@ def cmd_top(c: Client, args: argparse.Namespace, out: TextIO) -> None:
             return "-"
         return path if args.full_paths or path.startswith("[") else os.path.basename(path)
 
+    if by_line:
+        _top_lines(res, n, dso, args, out)
+        return
     rows = [
         [f"{f['self'] * 100 / n:.1f}%", f["self"], f"{f['total'] * 100 / n:.1f}%", f["total"],
          f["sym"], dso(f["dso"])]
@@ -311,6 +322,31 @@ def cmd_top(c: Client, args: argparse.Namespace, out: TextIO) -> None:
     if not args.wide and out.isatty():
         fit = (4, shutil.get_terminal_size().columns)
     _table(rows, ["SELF%", "SELF", "TOTAL%", "TOTAL", "FUNCTION", "DSO"], out, {0, 1, 2, 3}, fit)
+    out.write(f"{res['samples']} samples\n")
+
+
+def _top_lines(res: dict[str, Any], n: int, dso: Callable[[str | None], str],
+               args: argparse.Namespace, out: TextIO) -> None:  # fmt: skip
+    """``top --by line``: one row per source line (FILE:LINE, its function, its dso); a line
+    without line info is shown as "-"."""
+    def where(f: dict[str, Any]) -> str:
+        if not f["file"]:
+            return "-"
+        path = f["file"] if args.full_paths else os.path.basename(f["file"])
+        return f"{path}:{f['line']}"
+
+    rows = [
+        [f"{f['self'] * 100 / n:.1f}%", f["self"], f"{f['total'] * 100 / n:.1f}%", f["total"],
+         where(f), f["sym"], dso(f["dso"])]
+        for f in res["lines"]
+    ]  # fmt: skip
+    if "window" in res:
+        out.write(window_line(res["window"]) + "\n")
+    fit = None
+    if not args.wide and out.isatty():
+        fit = (5, shutil.get_terminal_size().columns)
+    _table(rows, ["SELF%", "SELF", "TOTAL%", "TOTAL", "LINE", "FUNCTION", "DSO"], out,
+           {0, 1, 2, 3}, fit)  # fmt: skip
     out.write(f"{res['samples']} samples\n")
 
 

@@ -74,7 +74,8 @@ def test_ready_and_watchdog(daemon: DaemonProc) -> None:
 
 
 def test_stacks_of_the_workload_over_raw_http(daemon: DaemonProc, workload_pid: int) -> None:
-    out = daemon.json(f"/v1/stacks?pid={workload_pid}")
+    # inline=0: CHAIN is the stack as perf shows it without inline frames (stacks.py)
+    out = daemon.json(f"/v1/stacks?pid={workload_pid}&inline=0")
     total = out["samples"]
     assert total >= 50, out
     spin = [s for s in out["stacks"] if json_syms(s["frames"])[:1] == ("spin",)]
@@ -84,7 +85,7 @@ def test_stacks_of_the_workload_over_raw_http(daemon: DaemonProc, workload_pid: 
     procs = {p["pid"]: p for p in daemon.json("/v1/processes")["processes"]}
     assert procs[workload_pid]["comm"] == "chain_o2"
     assert procs[workload_pid]["samples"] == total
-    status, headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=folded")
+    status, headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=folded&inline=0")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     whole = folded("chain_o2", CHAIN)
     assert whole in {ln.rsplit(" ", 1)[0] for ln in body.decode().splitlines()}, body[:500]
@@ -137,7 +138,7 @@ def test_rings_sized_from_the_frequency_by_default(tmp_path: Path) -> None:
 
 
 def test_pprof_parses(daemon: DaemonProc, workload_pid: int) -> None:
-    status, _headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=pprof")
+    status, _headers, body = daemon.get(f"/v1/stacks?pid={workload_pid}&format=pprof&inline=0")
     assert status == 200 and body[:2] == b"\x1f\x8b"
     p = decode(body)
     check_valid(p)
@@ -181,7 +182,8 @@ def test_stream_is_live(
     s.connect(str(daemon.sock))
     started = time.monotonic_ns()
     child = held(workloads["c_o3"].argv)
-    s.sendall(f"GET /v1/stream?pid={child.pid}&limit=20 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    s.sendall(f"GET /v1/stream?pid={child.pid}&limit=20&inline=0 HTTP/1.1\r\nHost: x\r\n\r\n"
+              .encode())  # (inline=0: CHAIN is perf's stack without inline frames, stacks.py)
     # The daemon subscribes the stream before it sends the response head (streams.py,
     # StreamFanout.serve): once the head is in, the workload starts, and every line is a live
     # sample of it.
@@ -232,7 +234,7 @@ def test_threads_are_sampled_under_their_pid_with_their_tids(
     pid = proc.pid
     tids = thread_ids(tids_file)
     daemon.wait_settled(pid)
-    stacks = daemon.json(f"/v1/stacks?pid={pid}")["stacks"]
+    stacks = daemon.json(f"/v1/stacks?pid={pid}&inline=0")["stacks"]  # (mix inlined: stacks.py)
     check_thread_samples(((s["pid"], s["tid"], s["comm"], json_syms(s["frames"]), s["count"])
                           for s in stacks), pid, tids)  # fmt: skip
 

@@ -37,14 +37,14 @@ def release(p: subprocess.Popen[bytes]) -> None:
     p.stdin.close()
 
 
-def watch_from_exec(d: DaemonProc, argv: tuple[str, ...] | list[str], count: int,
-                    *opts: str) -> tuple[int, str, int]:  # fmt: skip
-    """``unwindctl [opts] watch --pid P --count count`` of ``argv`` run held (``held``) until
-    the stream has subscribed, so its first samples are streamed: (pid, watch's stdout, its
-    exit status)."""
+def watch_from_exec(d: DaemonProc, argv: tuple[str, ...] | list[str], count: int, *opts: str,
+                    watch_opts: tuple[str, ...] = ()) -> tuple[int, str, int]:  # fmt: skip
+    """``unwindctl [opts] watch [watch_opts] --pid P --count count`` of ``argv`` run held
+    (``held``) until the stream has subscribed, so its first samples are streamed: (pid,
+    watch's stdout, its exit status)."""
     child = held(argv)
-    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), *opts, "watch", "--pid",
-                              str(child.pid), "--count", str(count), "--seconds", "30"],
+    watch = subprocess.Popen([*UNWINDCTL, "--socket", str(d.sock), *opts, "watch", *watch_opts,
+                              "--pid", str(child.pid), "--count", str(count), "--seconds", "30"],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     d.wait_status(lambda st: st["api"]["streams"] >= 1, "a stream subscriber")
     release(child)

@@ -1,13 +1,17 @@
-"""Compiling CFI ahead of use: the ELF cache's CFI factory for the daemon (``CfiPrefetcher``),
-which compiles a new big binary's table in one worker thread so that the event loop does not
-stall on it while the rings fill.
+"""Compiling ahead of use, off the event loop: ``KeyedWorker`` (jobs by key in one worker thread)
+and, over it, the ELF cache's CFI factory for the daemon (``CfiPrefetcher``), which compiles a
+new big binary's table in the worker so that the event loop does not stall on it while the
+rings fill. srclines.SrcLineCache compiles line/inline tables in a ``KeyedWorker`` of its own.
 
 Rules:
-- The worker runs only the pure ``compile(path, debug, build_id)``; the ElfCache and its
+- A worker runs only pure jobs (``compile(path, debug, build_id)``); the ElfCache and its
   entries are touched only on the owner's thread (elfcache.py's rule).
 - A result is used only for the same arguments and the same opened file (dev, inode, size,
   mtime): ``fd_path`` names an fd, and fd numbers are reused.
 - Small binaries (``inline_max_bytes``) and tables already stored are left to the loop.
+
+- ``KeyedWorker``: one job per key under way or done and not taken; at most ``max_pending``
+  kept (oldest dropped: they only cost a redo); one thread, started by the first job.
 
 Cost: ``ready`` is a dict hit for an entry asked before, else one ``os.stat`` (and a debug-file
 lookup); at most ``max_pending`` results and remembered answers are held (oldest dropped: they
@@ -18,18 +22,64 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from .elfentry import NOT_LOADED
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
 
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
 # With prefetch_cfi, binaries up to this size are compiled on the loop all the same: the
 # compile is O(file size), and at this size it takes a small part of the ring's headroom
 # (source.sampling._HEADROOM_S).
 CFI_INLINE_MAX_BYTES = 4 << 20
+
+
+class KeyedWorker(Generic[K, T]):
+    """Jobs run in one worker thread (named ``name``), one per key: ``submit`` starts a job for
+    a key none is held for, ``get`` answers the one held, ``pop`` takes it. At most
+    ``max_pending`` are held (oldest dropped, still running if they started: a dropped result
+    only costs a redo). The thread is started by the first job; ``close`` cancels the jobs not
+    started and waits for the running one. Owner's thread only (the futures are the only
+    things the worker touches)."""
+
+    def __init__(self, name: str, max_pending: int = 256) -> None:
+        self.name = name
+        self.max_pending = max_pending
+        self.futures: OrderedDict[K, Future[T]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        self.started = 0  # jobs submitted
+
+    def get(self, key: K) -> Future[T] | None:
+        return self.futures.get(key)
+
+    def pop(self, key: K) -> Future[T] | None:
+        return self.futures.pop(key, None)
+
+    def submit(self, key: K, fn: Callable[..., T], *args: Any) -> Future[T]:
+        f = self.futures.get(key)
+        if f is not None:
+            return f
+        if self._pool is None:
+            # imported here: concurrent.futures (with logging) would add to a replay's
+            # start-up, and only the daemon compiles ahead
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        f = self.futures[key] = self._pool.submit(fn, *args)
+        self.started += 1
+        while len(self.futures) > self.max_pending:
+            self.futures.popitem(last=False)
+        return f
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.futures.clear()
 
 
 class CfiPrefetcher:
@@ -60,22 +110,21 @@ class CfiPrefetcher:
         self._compile = compile
         self.inline_max_bytes = inline_max_bytes
         self._cached = cached
-        self._futures: OrderedDict[tuple[object, ...], Future[object]] = OrderedDict()
+        self._jobs: KeyedWorker[tuple[object, ...], object] = KeyedWorker("unwindd-cfi",
+                                                                        max_pending)
         # entry uid -> (its key, its future; None if left to the loop): ready() asked again for
         # an entry still compiling (every sample of a process waiting for its binaries asks for
         # each of them) costs a dict hit, not an os.stat and a debug-file lookup; at most
         # max_pending, oldest dropped
         self._asked: OrderedDict[int, tuple[tuple[object, ...], Future[object] | None]]
         self._asked = OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None
         self.max_pending = max_pending
-        self.started = 0  # compiles run in the worker
         self.inline = 0  # binaries left to the loop: small, or their table stored
         self.used = 0  # of which picked up by the factory
 
     def __call__(self, path: str, debug: str | None, build_id: bytes | None) -> object:
         key = _file_key(path, debug, build_id)
-        f = self._futures.pop(key, None) if key is not None else None
+        f = self._jobs.pop(key) if key is not None else None
         if f is not None:
             self.used += 1
             return f.result()  # done when ready() said so; else waits for the worker
@@ -89,7 +138,7 @@ class CfiPrefetcher:
         if asked is not None:  # uids are never reused
             if asked[1] is None:
                 return True  # answered "on the loop" before; cfi() has not been asked yet
-            if self._futures.get(asked[0]) is asked[1]:
+            if self._jobs.get(asked[0]) is asked[1]:
                 return asked[1].done()  # the key is still the live one
         path, debug, bid = entry.fd_path, entry.debug_path(), entry.build_id
         key = _file_key(path, debug, bid)
@@ -103,18 +152,7 @@ class CfiPrefetcher:
             self.inline += 1
             self._remember(entry.uid, key, None)
             return True
-        f = self._futures.get(key)
-        if f is None:
-            if self._pool is None:
-                # imported here: concurrent.futures (with logging) would add to a replay's
-                # start-up, and only the daemon prefetches
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-cfi")
-            f = self._futures[key] = self._pool.submit(self._compile, path, debug, bid)
-            self.started += 1
-            while len(self._futures) > self.max_pending:
-                self._futures.popitem(last=False)
+        f = self._jobs.submit(key, self._compile, path, debug, bid)
         self._remember(entry.uid, key, f)
         return f.done()
 
@@ -123,10 +161,13 @@ class CfiPrefetcher:
         while len(self._asked) > self.max_pending:
             self._asked.popitem(last=False)
 
+    @property
+    def started(self) -> int:
+        """Compiles run in the worker."""
+        return self._jobs.started
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self._futures.clear()
+        self._jobs.close()
         self._asked.clear()
 
 

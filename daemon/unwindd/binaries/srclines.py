@@ -18,6 +18,9 @@ Invariants:
   types, or sizes past ``MAX_SECTION``, count ``compressed`` and read as absent).
 - ``SrcLineStore`` persists tables by build-id like ``symstore.SymbolStore`` (stamped with
   the code and the binary/debug-file sizes, CRC-checked, atomic writes through cachefiles).
+- ``SrcLineCache`` with a worker (the daemon's) never reads or compiles on its caller's
+  thread: a table not held yet answers None until the worker has it (``collect``), so a frame
+  named meanwhile has no inline levels; ``collect`` says when such frames exist.
 
 Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well under a second);
 a load from disk is one read, one CRC and a few ``array.frombytes``; a lookup two bisects and a
@@ -31,19 +34,26 @@ import struct
 import zlib
 from array import array
 from bisect import bisect_right
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
 from .demangle import demangle
 from .elf import ElfError, ElfReader
 
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from .cfiprefetch import KeyedWorker
+
 __all__ = [
     "DWARF_SECTIONS",
     "ERROR_NAMES",
     "MAX_LEVELS",
+    "PENDING_STATS",
     "SRC_STORE_RESULTS",
     "DeclLevel",
     "Level",
+    "Source",
     "SrcLineCache",
     "SrcLineStore",
     "SrcLineTable",
@@ -298,6 +308,16 @@ MAX_FILE = 1 << 31
 SRC_STORE_RESULTS = ("hits", "compiled", "corrupt", "no_build_id", "write_errors", "errors")
 
 
+class Source(NamedTuple):
+    """What a table is read or compiled from: the binary (a path, ``/proc/self/fd/N`` of an
+    fd the reader owns), its debug file, its build-id and the store's stamp for it."""
+
+    path: str
+    debug: str | None
+    build_id: bytes | None
+    stamp: int
+
+
 class SrcLineStore:
     """Compiled tables on disk, one file per build-id: ``<cache_dir>/<build-id hex>.srcl``.
     ``get(entry)`` answers a table (empty when the binary has no DWARF or cannot be read;
@@ -311,31 +331,42 @@ class SrcLineStore:
 
     def get(self, entry: Any) -> SrcLineTable | None:
         """``entry``'s (an ElfEntry) table, from disk or compiled; None if it has none."""
+        src = self.source_of(entry)
+        return None if src is None else self.fetch(src)
+
+    def source_of(self, entry: Any) -> Source | None:
+        """What ``fetch`` reads for ``entry`` (owner's thread: it touches the entry); None if
+        the entry is not usable."""
         from .symstore import _stamp_of, source_stamp
 
         if not entry.usable:
             return None
         bid = entry.build_id
+        stamp = _stamp_of(source_stamp(entry)) if bid and self.cache_dir is not None else 0
+        return Source(entry.fd_path, entry.debug_path(), bid, stamp)
+
+    def fetch(self, src: Source) -> SrcLineTable | None:
+        """The table ``src`` names: read from disk when stored, else compiled (and stored).
+        Pure but for the store's files and ``stats``: one caller at a time (the worker, or the
+        owner without one)."""
         path = None
-        stamp = 0
-        if bid and self.cache_dir is not None:
-            path = os.path.join(self.cache_dir, bid.hex() + ".srcl")
-            stamp = _stamp_of(source_stamp(entry))
-            table = self._load(path, stamp)
+        if src.build_id and self.cache_dir is not None:
+            path = os.path.join(self.cache_dir, src.build_id.hex() + ".srcl")
+            table = self._load(path, src.stamp)
             if table is not None:
                 self.stats["hits"] += 1
                 return table
-        elif not bid:
+        elif not src.build_id:
             self.stats["no_build_id"] += 1
         try:
-            table = compile_srclines(entry.fd_path, entry.debug_path())
+            table = compile_srclines(src.path, src.debug)
         except (ElfError, _BadTable, MemoryError, RuntimeError):
             self.stats["errors"] += 1
             return None
         self.stats["compiled"] += 1
         if path is not None:
             blob = table.blob
-            head = _FILE.pack(FILE_MAGIC, FILE_VERSION, stamp, len(blob), zlib.crc32(blob))
+            head = _FILE.pack(FILE_MAGIC, FILE_VERSION, src.stamp, len(blob), zlib.crc32(blob))
             if not write_cache_file(path, (head, blob)):
                 self.stats["write_errors"] += 1
         return table
@@ -362,13 +393,29 @@ class SrcLineStore:
 
 class SrcLineCache:
     """The tables of the binaries being named, by ``ElfEntry.uid``: each compiled or read
-    once (``SrcLineStore.get``), at most ``max_tables`` kept (least recently used dropped:
-    a process churn of many binaries must not hold every table)."""
+    once (``SrcLineStore``), at most ``max_tables`` kept (least recently used dropped: a
+    process churn of many binaries must not hold every table).
 
-    def __init__(self, store: SrcLineStore, max_tables: int = 256) -> None:
+    With a ``worker`` (the daemon's: cfiprefetch.KeyedWorker), ``table`` never compiles or
+    reads a file on the caller's thread: a table not held yet is fetched in the worker from
+    an fd of the binary opened for it (the worker reads that very file whatever becomes of
+    the entry's), and ``table`` answers None (``pending``) until ``collect`` has picked it
+    up. ``collect`` (owner, once per step) moves finished tables in and says whether one of
+    them was asked for while pending: frames named meanwhile have no inline levels, and their
+    namer re-names them (live.py). Without a worker, ``table`` fetches at once (replay,
+    record)."""
+
+    def __init__(self, store: SrcLineStore, max_tables: int = 256,
+                 worker: KeyedWorker[int, SrcLineTable | None] | None = None) -> None:  # fmt: skip
         self.store = store
         self.max_tables = max_tables
+        self.worker = worker
         self._tables: dict[int, SrcLineTable | None] = {}
+        self._fds: dict[int, int] = {}  # uid -> the fd its job reads (closed when it ends)
+        self._missed: set[int] = set()  # uids asked for while pending
+        # counts: tables asked for while pending, tables that arrived, answers without a table
+        # because it was pending (frames named without inline levels), jobs that failed
+        self.stats: dict[str, int] = dict.fromkeys(PENDING_STATS, 0)
 
     def table(self, entry: Any) -> SrcLineTable | None:
         uid = entry.uid
@@ -377,8 +424,96 @@ class SrcLineCache:
             t = tables.pop(uid)
             tables[uid] = t  # most recently used last
             return t
-        t = self.store.get(entry)
+        if self.worker is not None:
+            self._ask(entry)
+            self.stats["pending_answers"] += 1
+            if len(self._missed) >= 4 * self.max_tables:
+                self._missed.clear()  # (uids whose job the worker's bound dropped, unasked)
+            self._missed.add(uid)
+            return None
+        self._put(uid, self.store.get(entry))
+        return tables[uid]
+
+    @property
+    def pending(self) -> int:
+        """Tables being fetched in the worker."""
+        return len(self._fds)
+
+    def _put(self, uid: int, t: SrcLineTable | None) -> None:
+        tables = self._tables
         if len(tables) >= self.max_tables:
             del tables[next(iter(tables))]
         tables[uid] = t
-        return t
+
+    def _ask(self, entry: Any) -> None:
+        worker = self.worker
+        assert worker is not None
+        uid = entry.uid
+        if worker.get(uid) is not None:
+            return
+        src = self.store.source_of(entry)
+        if src is None:
+            self._put(uid, None)
+            return
+        try:
+            fd = os.open(src.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._put(uid, None)
+            self.stats["failed"] += 1
+            return
+        self._fds[uid] = fd  # (a job the worker's bound dropped closes its own fd)
+        self.stats["asked"] += 1
+        worker.submit(uid, _fetch_fd, self.store, src._replace(path=f"/proc/self/fd/{fd}"), fd)
+
+    def collect(self) -> bool:
+        """Move the tables the worker finished in; True if one of them was asked for while
+        pending (frames were named without it). Owner's thread; O(jobs held)."""
+        worker = self.worker
+        if worker is None or not self._fds:
+            return False
+        done = [(uid, f) for uid, f in worker.futures.items() if f.done()]
+        missed = False
+        for uid, f in done:
+            worker.pop(uid)
+            self._fds.pop(uid, None)
+            self._put(uid, _result(f, self.stats))
+            self.stats["arrived"] += 1
+            if uid in self._missed:
+                self._missed.discard(uid)
+                missed = True
+        # jobs the worker's bound dropped: their fds are closed by the jobs themselves
+        for uid in [u for u in self._fds if worker.get(u) is None]:
+            del self._fds[uid]
+        return missed
+
+    def close(self) -> None:
+        """Stop the worker; fds of jobs it never started are closed here."""
+        if self.worker is None:
+            return
+        pending = list(self.worker.futures.items())
+        self.worker.close()
+        for uid, f in pending:
+            fd = self._fds.pop(uid, None)
+            if f.cancelled() and fd is not None:
+                os.close(fd)
+        self._fds.clear()
+
+
+# SrcLineCache.stats keys
+PENDING_STATS = ("asked", "arrived", "pending_answers", "failed")
+
+
+def _fetch_fd(store: SrcLineStore, src: Source, fd: int) -> SrcLineTable | None:
+    """The worker's job: ``store.fetch(src)``, then the fd it read closed."""
+    try:
+        return store.fetch(src)
+    finally:
+        os.close(fd)
+
+
+def _result(f: Future[SrcLineTable | None], stats: dict[str, int]) -> SrcLineTable | None:
+    try:
+        return f.result()
+    except Exception:  # any failure of the job (an OSError, a bug) costs only this table
+        stats["failed"] += 1
+        return None

@@ -14,9 +14,17 @@ Invariants:
   is refused when the profiler is made. The whole-stream Python step over the same parts
   (tests/support/refstep.py) is the oracle it is tested against.
 - Memory under process churn follows the table's cap (``native_max_spaces``).
+- Inline levels (engine.srclines with a worker, the daemon's): a binary's line/inline table
+  is read or compiled in a worker, never on the step; frames named before it arrives have no
+  inline levels (counted: ``inline_status``). When tables that frames were named without
+  arrive, the step drops every name it holds (``_inline_arrivals``, at most once per
+  ``RENAME_INTERVAL`` s; counts held are flushed first), so stacks sampled from then on get
+  their inline levels; stacks already stored keep theirs without. No sample waits for it.
 """
 
 from __future__ import annotations
+
+import time
 
 from ..binaries.elfcache import ElfCache
 from ..binaries.elfentry import ElfEntry
@@ -39,6 +47,10 @@ _DRAIN_PASSES = 8
 _DRAIN_BYTES = 4 << 20
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
 _NATIVE_MAX_SPACES = 4096  # ringstep.NativeStep's default
+# At most one re-naming for arrived line/inline tables per this many seconds: at start many
+# binaries' tables arrive one after another, and each re-naming rebuilds the native step's
+# context (every active frame named again).
+RENAME_INTERVAL = 1.0
 
 
 def native_max_spaces(max_processes: int) -> int:
@@ -80,6 +92,9 @@ class LiveProfiler:
         self.native_step = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
                                       max_spaces=spaces, flush_interval=flush_interval,
                                       python=self.python, python_mode=python_frames)  # fmt: skip
+        self._rename_due = False  # tables arrived that frames were named without
+        self._renamed_at = 0.0
+        self.renames = 0  # re-namings for arrived tables
 
     def _join(self, session: PerfSession, engine: StackEngine, store: StackStore,
               live: LiveTable | None, bootstrap: bool) -> None:  # fmt: skip
@@ -169,8 +184,35 @@ class LiveProfiler:
         little C, and what can take long is per new binary (its CFI compile runs in a worker,
         cfiprefetch.CfiPrefetcher; its symbol table loads on the step that first names one of its
         frames)."""
+        if self.engine.srclines is not None and self.engine.srclines.worker is not None:
+            self._inline_arrivals()
         out, self.last_step = self.native_step.step(self.session, _DRAIN_PASSES, _DRAIN_BYTES)
         return out
+
+    def _inline_arrivals(self) -> None:
+        """Line/inline tables the worker finished: when frames were named without one of them,
+        every held name goes (the engine's stacks, the native step's context, flushed first),
+        at most once per ``RENAME_INTERVAL``, so frames are named with their inline levels
+        from this step on. O(jobs held) per step; a re-naming costs naming the active frames
+        again (symbol lookups stay cached)."""
+        src = self.engine.srclines
+        assert src is not None
+        self._rename_due |= src.collect()
+        now = time.monotonic()
+        if self._rename_due and now - self._renamed_at >= RENAME_INTERVAL:
+            self._rename_due = False
+            self._renamed_at = now
+            self.renames += 1
+            self.engine.forget_stacks()
+            self.native_step.reset_context()
+
+    def inline_status(self) -> dict[str, int] | None:
+        """The inline expansion's counts (None when off): tables held, being fetched, asked
+        for while fetched (frames named without inline levels), re-namings."""
+        src = self.engine.srclines
+        if src is None:
+            return None
+        return {**src.stats, "pending": src.pending, "renames": self.renames}
 
     def flush(self) -> StepInfo:
         """Store the native step's counts held since its last flush (its ``flush_interval``):
@@ -235,6 +277,8 @@ class LiveProfiler:
         out += held
         if self.engine.cfi_prefetch is not None:
             self.engine.cfi_prefetch.close()
+        if self.engine.srclines is not None:
+            self.engine.srclines.close()
         return out
 
 

@@ -6,9 +6,13 @@ Endpoints (GET only; JSON unless a format says otherwise)::
     /v1/status                      version, uptime, samples, lost, throttled, processes, caches
     /v1/processes                   [{pid, comm, exe, samples, last_seen_ns, cgroup, unit,
                                       container_id}] (labels: null when not known)
-    /v1/stacks?FILTERS&format=json|folded|pprof&limit=N
-    /v1/top?FILTERS&limit=N         functions by self and total samples
-    /v1/stream?pid=&comm=&tid=&limit=&seconds=    chunked JSON lines, one per unwound sample
+    /v1/stacks?FILTERS&format=json|folded|pprof&limit=N&inline=0|1
+    /v1/top?FILTERS&limit=N&by=function|line&inline=0|1
+                                    functions (or source lines) by self and total samples
+    /v1/stream?pid=&comm=&tid=&limit=&seconds=&inline=0|1
+                                    chunked JSON lines, one per unwound sample
+    inline=0: the frames as shown without inline expansion (perf script --no-inline:
+    stackfmt.without_inline), stacks that then name the same frames merged
     /v1/openapi.json                this API as OpenAPI 3.0 (openapi.py, generated from PARAMS)
     FILTERS: since=SECONDS (ago) | since_ns=NS, until=SECONDS (ago) | until_ns=NS
              (CLOCK_MONOTONIC), pid=P[,P..] (repeatable), comm=NAME, tid=T,
@@ -53,7 +57,7 @@ from functools import partial
 from typing import Any, Final, Protocol
 
 from ..store.pprof import encode_profile
-from ..store.queries import Stack, StackCount
+from ..store.queries import Stack, StackCount, top_functions, top_lines
 from ..store.stackstore import StackStore
 from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
@@ -74,9 +78,9 @@ PARAMS: Final[dict[str, frozenset[str]]] = {
     "/": frozenset(),
     "/v1/status": frozenset(),
     "/v1/processes": frozenset({"limit"}),
-    "/v1/stacks": frozenset({*FILTER_PARAMS, "format", "limit"}),
-    "/v1/top": frozenset({*FILTER_PARAMS, "limit"}),
-    "/v1/stream": frozenset({"pid", "comm", "tid", "limit", "seconds"}),
+    "/v1/stacks": frozenset({*FILTER_PARAMS, "format", "limit", "inline"}),
+    "/v1/top": frozenset({*FILTER_PARAMS, "limit", "by", "inline"}),
+    "/v1/stream": frozenset({"pid", "comm", "tid", "limit", "seconds", "inline"}),
     "/v1/openapi.json": frozenset(),
 }
 
@@ -198,6 +202,17 @@ def _ago_ns(seconds: float) -> int:
     return int(ns) if ns != float("inf") else int(seconds) * 1_000_000_000
 
 
+def inline_param(req: Request) -> bool:
+    """``inline``: 1 (the default) shows inlined functions as frames of their own, 0 the
+    frames without them."""
+    v = req.arg("inline")
+    if v is None or v == "":
+        return True
+    if v not in ("0", "1"):
+        raise BadParam(f"inline: 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def _limit(req: Request, default: int, cap: int) -> int:
     n = _int(req, "limit")
     if n is None:
@@ -227,8 +242,12 @@ def _iso(wall_ns: int) -> str:
 
 class Api:
     def __init__(self, source: Source, clock_offset: Callable[[], int] = clock_offset_ns,
-                 describe: Callable[[], bytes] | None = None) -> None:  # fmt: skip
+                 describe: Callable[[], bytes] | None = None,
+                 plain_symbol: stackfmt.PlainSymbol | None = None) -> None:  # fmt: skip
         self.source = source
+        # inline=0's names of frames whose inline chain holds no level named as the symbol
+        # (engine.plain_symbol; None: their DWARF names, stackfmt.without_inline)
+        self.plain_symbol = plain_symbol
         self.clock_offset = clock_offset
         # The OpenAPI document (openapi.spec_bytes, given by the service: openapi.py is
         # generated from this module's PARAMS, so this module cannot import it)
@@ -340,11 +359,17 @@ class Api:
         if fmt not in ("json", "folded", "pprof"):
             raise BadParam(f"format: one of json, folded, pprof, got {fmt!r}")
         limit = _limit(req, self.source.max_stacks, self.source.max_stacks)
+        inline = inline_param(req)
         f = parse_filters(req, self.source.now_ns())
         pids = self.visible_pids(peer, self.wanted_pids(f))
         store = self.source.store
-        stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm,
-                                    limit=limit)  # fmt: skip
+        if inline:
+            stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                        comm=f.comm, limit=limit)  # fmt: skip
+        else:
+            stacks, n = rank_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
+                                                        tid=f.tid, comm=f.comm), limit,
+                                            self.plain_symbol)  # fmt: skip
         truncated = n > limit
         window = self.window(f)
         if fmt == "folded":
@@ -375,10 +400,30 @@ class Api:
 
     def top(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 50, 1000)
+        by = req.arg("by") or "function"
+        if by not in ("function", "line"):
+            raise BadParam(f"by: function or line, got {by!r}")
+        inline = inline_param(req)
         f = parse_filters(req, self.source.now_ns())
         pids = self.visible_pids(peer, self.wanted_pids(f))
-        total, funcs = self.source.store.top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
-                                             comm=f.comm, limit=limit)  # fmt: skip
+        store = self.source.store
+        if by == "function" and inline:  # the store's summaries
+            total, funcs = store.top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                     comm=f.comm, limit=limit)  # fmt: skip
+        else:  # over the stacks (O(distinct stacks * frames))
+            stacks = store.query(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm)
+            if not inline:
+                stacks = frames_without_inline(stacks, self.plain_symbol)
+            total = sum(s.count for s in stacks)
+            if by == "line":
+                return json_response({
+                    "samples": total,
+                    "lines": [{"file": lc.file, "line": lc.line, "sym": lc.sym, "dso": lc.dso,
+                               "self": lc.self_count, "total": lc.total_count}
+                              for lc in top_lines(stacks, limit)],
+                    "window": self.window(f),
+                })  # fmt: skip
+            funcs = top_functions(stacks, limit)
         return json_response({
             "samples": total,
             "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
@@ -393,7 +438,10 @@ class Api:
             raise BadParam(f"limit: must be > 0, got {limit}")
         seconds = float_param(req, "seconds")
         accept = self.stream_filter(peer, f)
-        return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds},
+        line = (stream_line if inline_param(req)
+                else partial(stream_line_without_inline, plain=self.plain_symbol))  # fmt: skip
+        return StreamStart(params={"accept": accept, "limit": limit, "seconds": seconds,
+                                   "line": line},
                            headers=(("x-unwindd-clock-offset-ns", str(self.clock_offset())),))
 
     def stream_filter(self, peer: Peer, f: Filters) -> Callable[[UnwoundSample], bool]:
@@ -411,26 +459,66 @@ class Api:
         return accept
 
 
+def frames_without_inline(stacks: list[StackCount], plain: stackfmt.PlainSymbol | None = None
+                          ) -> list[StackCount]:  # fmt: skip
+    """``stacks`` with their frames ``stackfmt.without_inline`` (each distinct frames tuple
+    once: a query's answer has one tuple per stack), in order, not merged."""
+    seen: dict[int, Stack] = {}
+    out = []
+    for s in stacks:
+        fr = seen.get(id(s.frames))
+        if fr is None:
+            fr = seen[id(s.frames)] = stackfmt.without_inline(s.frames, plain)
+        out.append(StackCount(s.pid, s.tid, s.comm, fr, s.count))
+    return out
+
+
+def rank_without_inline(stacks: list[StackCount], limit: int,
+                        plain: stackfmt.PlainSymbol | None = None
+                        ) -> tuple[list[StackCount], int]:  # fmt: skip
+    """(the first ``limit``, how many) of ``stacks`` (a whole ``query`` answer) without inline
+    frames, entries that then have the same (pid, tid, comm, frames) merged, ranked as
+    ``query`` ranks (count descending, ties first seen first): what the store would answer
+    had the frames never been expanded (stacks that differ only in their inline frames are
+    one). O(entries x frames)."""
+    merged: dict[tuple[int, int, str, Stack], int] = {}
+    for s in frames_without_inline(stacks, plain):
+        key = (s.pid, s.tid, s.comm, s.frames)
+        merged[key] = merged.get(key, 0) + s.count
+    ranked = sorted(merged.items(), key=lambda kv: -kv[1])  # stable: ties keep their order
+    return [StackCount(p, t, c, fr, n) for (p, t, c, fr), n in ranked[:limit]], len(ranked)
+
+
 def stack_json(s: StackCount) -> dict[str, Any]:
     return {
         "pid": s.pid,
         "tid": s.tid,
         "comm": s.comm,
         "count": s.count,
-        "frames": [
-            {"ip": hex(f.ip), "sym": f.sym, "dso": f.dso, "offset": f.offset, "kernel": f.kernel}
-            for f in s.frames
-        ],
+        "frames": [frame_json(f) for f in s.frames],
     }
+
+
+def frame_json(f: stackfmt.Frame) -> dict[str, Any]:
+    """One frame of a /v1/stacks answer: ip, sym, dso, offset and kernel always; what only
+    some frames have only on those (a stacks answer runs to 100,000 stacks): ``rel`` (the
+    address in the dso, a user frame's), ``inlined`` (true: a function inlined at the next
+    frame's call site), ``file`` and ``line`` (where DWARF places the pc)."""
+    out: dict[str, Any] = {"ip": hex(f.ip), "sym": f.sym, "dso": f.dso, "offset": f.offset,
+                           "kernel": f.kernel}  # fmt: skip
+    if f.rel is not None and not f.kernel:
+        out["rel"] = hex(f.rel)
+    if f.inlined:
+        out["inlined"] = True
+    if f.file is not None:
+        out["file"] = f.file
+        out["line"] = f.line
+    return out
 
 
 def frames_json(frames: Stack) -> str:
     """The ``frames`` value of ``stack_json`` as json_response writes it."""
-    return json.dumps(
-        [{"ip": hex(f.ip), "sym": f.sym, "dso": f.dso, "offset": f.offset, "kernel": f.kernel}
-         for f in frames],
-        separators=(",", ":"),
-    )  # fmt: skip
+    return json.dumps([frame_json(f) for f in frames], separators=(",", ":"))
 
 
 def render_folded(
@@ -447,3 +535,12 @@ def render_folded(
 
 def stream_line(s: UnwoundSample) -> bytes:
     return json.dumps(stackfmt.to_json(s), separators=(",", ":")).encode() + b"\n"
+
+
+def stream_line_without_inline(s: UnwoundSample, plain: stackfmt.PlainSymbol | None = None
+                               ) -> bytes:  # fmt: skip
+    """``stream_line`` of ``s`` with its frames ``stackfmt.without_inline``."""
+    fr = stackfmt.without_inline(s.frames, plain)
+    if fr is not s.frames:
+        s = UnwoundSample(s.time_ns, s.pid, s.tid, s.cpu, s.comm, s.period, s.unwind_status, fr)
+    return stream_line(s)

@@ -168,6 +168,10 @@ class SymbolsSection:
     debuginfod_timeout: float = _key(30.0, live=False, check=_positive)
     debuginfod_max_bytes: int = _key(1 << 30, live=False, check=_positive)
     debuginfod_negative_seconds: float = _key(600.0, live=False, check=_non_negative)
+    # inline frames and source lines (binaries/srclines.py, tables compiled in a worker)
+    inline: bool = _key(True, live=False,
+                        doc="functions inlined by the compiler as frames of their own, and "
+                            "file:line on frames (DWARF)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

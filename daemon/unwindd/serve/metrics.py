@@ -41,6 +41,7 @@ from .. import __version__
 from ..binaries.cfi import CFI_STORE_RESULTS
 from ..binaries.debuginfod import FETCH_RESULTS as DEBUGINFOD_RESULTS
 from ..binaries.elfcache import ERROR_KINDS as ELF_ERRORS
+from ..binaries.srclines import SRC_STORE_RESULTS
 from ..binaries.symstore import SYM_STORE_RESULTS
 from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
 from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
@@ -128,6 +129,15 @@ class Spec:
     known: Known | None = None  # label values exported at 0 before their first count
 
 
+INLINE_EVENTS = ("asked", "arrived", "failed")  # unwindd_inline_tables' labels
+
+
+def _inline_renames(d: Any) -> int:
+    if d.profiler.engine.srclines is None:
+        raise AttributeError("inline expansion is off")  # the metric is not exported then
+    return d.profiler.renames  # type: ignore[no-any-return]
+
+
 def _cpus(d: Any) -> Iterable[int]:
     return d.profiler.session.cpus  # type: ignore[no-any-return]
 
@@ -189,6 +199,22 @@ def counter_specs() -> list[Spec]:
         Spec("unwindd_symbol_disk_cache", "Symbol tables on disk ([cache] dir), by result.",
              lambda d: d.profiler.engine.disk_stats.get("sym", {}), "result",
              lambda d: SYM_STORE_RESULTS),
+        Spec("unwindd_srcline_disk_cache",
+             "Line/inline tables on disk ([cache] dir), by result.",
+             lambda d: d.profiler.engine.disk_stats["srcline"], "result",
+             lambda d: SRC_STORE_RESULTS),
+        Spec("unwindd_inline_tables",
+             "Line/inline tables ([symbols] inline) fetched in the worker, by event: asked, "
+             "arrived, failed.",
+             lambda d: {k: d.profiler.engine.srclines.stats[k] for k in INLINE_EVENTS},
+             "event", lambda d: INLINE_EVENTS),
+        Spec("unwindd_inline_pending_frames",
+             "Frames named before their binary's line/inline table arrived: without inline "
+             "levels, until re-named.",
+             lambda d: d.profiler.engine.srclines.stats["pending_answers"]),
+        Spec("unwindd_inline_renames",
+             "Re-namings of every held frame because line/inline tables arrived.",
+             _inline_renames),
         Spec("unwindd_debuginfod_fetches",
              "Debug info asked of debuginfod servers by build-id ([symbols]), by result.",
              lambda d: d.debuginfod_stats.results, "result", lambda d: DEBUGINFOD_RESULTS),

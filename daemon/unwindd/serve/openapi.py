@@ -56,6 +56,12 @@ PARAM_DOCS: Final[dict[str, tuple[dict[str, Any], str]]] = {
                "json; folded (flamegraph.pl input, text/plain); pprof (gzipped protobuf)"),
     "limit": ({"oneOf": [{"type": "integer", "minimum": 1}, _EMPTY]}, "at most this many items"),
     "seconds": (_NUM0, "how long"),
+    "inline": ({"type": "string", "enum": ["0", "1", ""], "default": "1"},
+               "1: functions the compiler inlined are frames of their own (DWARF); 0: the "
+               "frames without them (perf script --no-inline), each frame's line its own pc's"),
+    "by": ({"type": "string", "enum": ["function", "line", ""], "default": "function"},
+           "function: counts per function (functions); line: per source file:line and "
+           "function (lines)"),
 }  # fmt: skip
 
 # Per endpoint, what a parameter means there when it differs from PARAM_DOCS.
@@ -63,7 +69,7 @@ _PARAM_NOTES: Final[dict[tuple[str, str], str]] = {
     ("/v1/processes", "limit"): "at most this many processes, most samples first (default 1000)",
     ("/v1/stacks", "limit"): "at most this many stacks, largest counts first (default and cap: "
                              "[api] max_stacks)",
-    ("/v1/top", "limit"): "at most this many functions (default 50, cap 1000)",
+    ("/v1/top", "limit"): "at most this many functions or lines (default 50, cap 1000)",
     ("/v1/stream", "limit"): "end the stream after this many samples",
     ("/v1/stream", "seconds"): "end the stream after this many seconds (default: never)",
     (PROFILE, "seconds"): "the profile's length: blocks this long, then answers (default 30, "
@@ -91,7 +97,9 @@ FRAME: Final = {
     "type": "object",
     "required": ["ip", "sym", "dso", "kernel"],
     "properties": {"ip": {"type": "string", "pattern": "^0x[0-9a-f]+$"}, "sym": _NSTR,
-                   "dso": _NSTR, "offset": _NINT, "kernel": {"type": "boolean"}},
+                   "dso": _NSTR, "offset": _NINT, "kernel": {"type": "boolean"},
+                   "rel": {"type": "string", "pattern": "^0x[0-9a-f]+$"},
+                   "inlined": {"type": "boolean"}, "file": {"type": "string"}, "line": _NINT},
 }  # fmt: skip
 
 STACKS: Final = {
@@ -110,12 +118,16 @@ STACKS: Final = {
 
 TOP: Final = {
     "type": "object",
-    "required": ["samples", "functions", "window"],
+    "required": ["samples", "window"],
     "properties": {
         "samples": _INT, "window": {"$ref": "#/components/schemas/Window"},
         "functions": {"type": "array", "items": {
             "type": "object", "required": ["sym", "dso", "self", "total"],
             "properties": {"sym": _NSTR, "dso": _NSTR, "self": _INT, "total": _INT}}},
+        "lines": {"type": "array", "items": {
+            "type": "object", "required": ["file", "line", "sym", "dso", "self", "total"],
+            "properties": {"file": _NSTR, "line": _NINT, "sym": _NSTR, "dso": _NSTR,
+                           "self": _INT, "total": _INT}}},
     },
 }  # fmt: skip
 
@@ -171,7 +183,7 @@ _OK: Final[dict[str, tuple[str, dict[str, dict[str, Any]]]]] = {
                    {JSON: {"$ref": "#/components/schemas/Stacks"},
                     "text/plain": {"type": "string"},
                     PPROF: {"type": "string", "format": "binary"}}),
-    "/v1/top": ("Functions by self and total samples in a window",
+    "/v1/top": ("Functions (or source lines) by self and total samples in a window",
                 {JSON: {"$ref": "#/components/schemas/Top"}}),
     "/v1/stream": ("Unwound samples as they arrive: chunked, one JSON object per line",
                    {"application/x-ndjson": {"type": "string"}}),

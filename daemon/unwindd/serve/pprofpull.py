@@ -68,8 +68,11 @@ PROFILE: Final = "/debug/pprof/profile"
 ENDPOINTS: Final = (INDEX, PROFILE, "other")
 DEFAULT_SECONDS: Final = 30.0  # net/http/pprof's Profile handler default
 
-# The window is the request's own: the socket API's window parameters do not apply.
-_NOT_FILTERS: Final = frozenset({"since", "until", "since_ns", "until_ns", "format", "limit"})
+# The window is the request's own: the socket API's window parameters do not apply; nor does
+# ``inline``: a pprof carries inline frames as Lines of one Location, which pprof's tools show
+# or fold themselves (go tool pprof -noinlines).
+_NOT_FILTERS: Final = frozenset({"since", "until", "since_ns", "until_ns", "format", "limit",
+                                 "inline"})
 
 PULL_REJECTIONS: Final = (
     *(r for r in REJECTIONS if r != TOO_MANY_STREAMS),

@@ -133,7 +133,7 @@ class Daemon:
         self.proc_root = proc_root
         self._open_profiler = open_profiler or open_profiler_for
         self.profiler: LiveProfiler
-        self.api = Api(self, describe=spec_bytes)
+        self.api = Api(self, describe=spec_bytes, plain_symbol=self._plain_symbol)
         self.m = Measurements.create()
         self.started_mono = time.monotonic()
         self.started_wall = time.time()
@@ -230,6 +230,10 @@ class Daemon:
             exe = min(files, key=lambda m: m.start).filename if files else None
         return exe
 
+    def _plain_symbol(self, dso: str | None, rel: int | None) -> tuple[str, int | None] | None:
+        """engine.plain_symbol (the query thread's inline=0 answers: one dict read)."""
+        return self.profiler.engine.plain_symbol(dso, rel)
+
     def status(self) -> dict[str, Any]:
         p = self.profiler
         ps = p.pipeline.stats
@@ -247,6 +251,7 @@ class Daemon:
             "unwind": dict(p.engine.stats.by_status),
             "jit": {**p.engine.jit.status(),
                     "jitdumps": p.engine.symbolizer.jitdump_counts()},
+            "inline": p.inline_status(),
             "lost": ps.lost,
             "lost_samples": ps.lost_samples,
             "throttled": ps.throttled,

@@ -231,13 +231,15 @@ def engine_with_disk_cache(cfg: Config) -> StackEngine:
     (``bound_cache_dir``: ``dir_max_bytes`` over all its stores together, ``CACHE_STORES``,
     the debuginfod downloads among them; least recently used first). Not root and the
     default dir not writable: the user's cache dir; a dir that cannot be made is logged and
-    the daemon runs without one."""
+    the daemon runs without one. Line/inline tables ([symbols] inline) are read or
+    compiled in a worker thread (srclines.SrcLineCache)."""
     from ..binaries.cachefiles import bound_cache_dir, user_cache_dir
     from ..binaries.elfcache import CacheConfig
     from ..unwind.engine import StackEngine
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
-                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True)  # fmt: skip
+                   max_depth=cfg.unwind.max_depth, prefetch_cfi=True,
+                   inline=cfg.symbols.inline, inline_worker=True)  # fmt: skip
     root = cache_dir(cfg.cache, os.environ)
     if root is None:
         return make()

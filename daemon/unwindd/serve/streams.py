@@ -103,6 +103,7 @@ class StreamFanout:
         sc = StreamClient(p["accept"], self._api().stream_queue, self)
         limit: int | None = p.get("limit")
         seconds: float | None = p.get("seconds")
+        line: Callable[[UnwoundSample], bytes] = p.get("line", stream_line)
         loop = asyncio.get_running_loop()
         end = None if seconds is None else loop.time() + seconds
         self._add(sc)
@@ -122,7 +123,7 @@ class StreamFanout:
                 if limit is not None:
                     batch = batch[: limit - sent]
                 if batch:
-                    writer.write(session.stream_data(b"".join(stream_line(s) for s in batch)))
+                    writer.write(session.stream_data(b"".join(map(line, batch))))
                     sent += len(batch)
                     # A client that cannot take a batch within the timeout is dropped.
                     await asyncio.wait_for(writer.drain(), self._api().request_timeout)

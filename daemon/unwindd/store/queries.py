@@ -9,7 +9,8 @@ Rules:
 - ``query_top(..., limit)`` equals ``query(...)[:limit]``; ranks are by count, descending, ties in
   insertion order (``Counter.most_common``'s order).
 - ``top_functions``: self (leaf frame) and total (anywhere in the stack, once per sample) counts
-  per function; frames without a symbol are grouped as ``[dso]``.
+  per function; frames without a symbol are grouped as ``[dso]``. ``top_lines``: the same per
+  source line.
 - Stacks are held compactly and rebuilt as frames for the answers that return them: once per
   stack per query (the same tuple for every entry of that stack in one answer), equal to the
   frames added; the same objects across queries only while the store's query cache holds
@@ -59,6 +60,16 @@ class ProcessInfo:
 
 @dataclass(frozen=True, slots=True)
 class FunctionCount:
+    sym: str
+    dso: str | None
+    self_count: int
+    total_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class LineCount:
+    file: str | None  # None: no line info for the frames counted here
+    line: int | None
     sym: str
     dso: str | None
     self_count: int
@@ -306,6 +317,35 @@ def rank_functions(
                 total_c[key] += count
     ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[0]))
     return [FunctionCount(k[0], k[1], self_c[k], total_c[k]) for k in ranked[:limit]]
+
+
+LineKey = tuple[str | None, int | None, str, str | None]  # file, line, function, dso
+
+
+def top_lines(stacks: Iterable[StackCount], limit: int = 50) -> list[LineCount]:
+    """``top_functions`` by source line: self (the leaf frame's) and total (anywhere in the
+    stack, once per sample) counts per (file, line, function, dso), the frame's own file and
+    line (an inlined frame's: the code inlined there; the frame an inline chain sits in: the
+    call site); frames without line info count per function with no file. Ranked by self,
+    then total, then function name (ties: first seen first). O(distinct stacks * frames)."""
+    by_stack: dict[int, list[Any]] = {}
+    for sc in stacks:
+        hit = by_stack.get(id(sc.frames))
+        if hit is None:
+            by_stack[id(sc.frames)] = [sc.frames, sc.count]
+        else:
+            hit[1] += sc.count
+    self_c: Counter[LineKey] = Counter()
+    total_c: Counter[LineKey] = Counter()
+    for frames, count in by_stack.values():
+        if not frames:
+            continue
+        keys = [(f.file, f.line, frame_name(f), f.dso) for f in frames]
+        self_c[keys[0]] += count
+        for key in dict.fromkeys(keys):
+            total_c[key] += count
+    ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[2]))
+    return [LineCount(*k, self_c[k], total_c[k]) for k in ranked[:limit]]
 
 
 def func_keys(frames: Stack) -> _Keys | tuple[()]:

@@ -225,6 +225,9 @@ class StackEngine:
         self._jit_at: dict[int, int] = {}  # pid -> its jitdump boundaries crossed (jit_time)
         # line/inline tables by binary (create(inline=True)); None: frames are not expanded
         self.srclines: SrcLineCache | None = None
+        # (dso, rel) -> (symbol, offset) of expanded frames whose chain has no level named as
+        # the symbol (plain_symbol)
+        self._plain: dict[tuple[str | None, int | None], tuple[str, int | None]] = {}
 
     @classmethod
     def create(
@@ -240,6 +243,7 @@ class StackEngine:
         cfi_inline_max_bytes: int = CFI_INLINE_MAX_BYTES,
         cache_dir: str | None = None,
         inline: bool | None = None,
+        inline_worker: bool = False,
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. ``cache_dir``
         (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``. With
@@ -249,7 +253,9 @@ class StackEngine:
         than ``cfi_inline_max_bytes`` whose table is not stored compile in a worker
         (``CfiPrefetcher``). With ``inline`` (default ``DEFAULT_INLINE``), a frame whose pc
         DWARF places in inlined code becomes one frame per inline level (``frames_at``), from
-        tables kept in ``cache_dir``'s ``SRCLINE_SUBDIR``. OSError if a directory cannot be
+        tables kept in ``cache_dir``'s ``SRCLINE_SUBDIR``; with ``inline_worker`` (the daemon's)
+        they are read or compiled in a worker thread (``SrcLineCache``: frames named before
+        their binary's table is there have no inline levels). OSError if a directory cannot be
         made."""
         from ..binaries.cfi import CfiStore, CfiTable
         from ..binaries.symstore import SymbolStore
@@ -280,11 +286,15 @@ class StackEngine:
                      batch_size=batch_size)  # fmt: skip
         engine.cfi_prefetch = pre
         if DEFAULT_INLINE[0] if inline is None else inline:
-            from ..binaries.srclines import SrcLineCache, SrcLineStore
+            from ..binaries.cfiprefetch import KeyedWorker
+            from ..binaries.srclines import SrcLineCache, SrcLineStore, SrcLineTable
 
             src = SrcLineStore(os.path.join(cache_dir, SRCLINE_SUBDIR)
                                if cache_dir is not None else None)  # fmt: skip
-            engine.srclines = SrcLineCache(src)
+            worker: KeyedWorker[int, SrcLineTable | None] | None = None
+            if inline_worker:
+                worker = KeyedWorker("unwindd-srcline")
+            engine.srclines = SrcLineCache(src, worker=worker)
             engine.disk_stats["srcline"] = src.stats
         if store is not None:
             engine.disk_stats["cfi"] = store.stats
@@ -467,6 +477,11 @@ class StackEngine:
         """Drop every cached name (frames, stacks, symbol lookups): a binary's symbols changed
         (a debug file arrived, debuginfod.py), so frames are named again from now on."""
         self._syms.clear()
+        self.forget_stacks()
+
+    def forget_stacks(self) -> None:
+        """Drop the named frames and stacks, keeping symbol lookups: a binary's line/inline
+        table arrived (``SrcLineCache.collect``), so frames are expanded again from now on."""
         self._stacks.clear()
         self._nstacks = 0
         self._frames.clear()
@@ -710,7 +725,13 @@ class StackEngine:
         table = src.table(e)
         if table is None:
             return (f,)
-        return inline_frames(f, table.chain(m.vaddr(ip)))
+        out = inline_frames(f, table.chain(m.vaddr(ip)))
+        if out[-1].inlined:
+            # no level named as the symbol: the chain alone no longer says it (plain_symbol)
+            if len(self._plain) >= self._sym_cache_size:
+                self._plain.clear()
+            self._plain[(f.dso, f.rel)] = (f.sym, f.offset)
+        return out
 
     def _jitdump_of(self, snap: Snapshot) -> str | None:
         """The path of the jitdump ``snap``'s process maps (a JIT maps its ``jit-<pid>.dump``
@@ -724,6 +745,14 @@ class StackEngine:
             self._dumps.clear()
         self._dumps[key] = path
         return path
+
+    def plain_symbol(self, dso: str | None, rel: int | None) -> tuple[str, int | None] | None:
+        """The symbol and offset of the frame at (``dso``, ``rel``) unexpanded, for a pc whose
+        inline chain has no level named as its symbol (the function is there under a DWARF
+        name the symbol table spells otherwise): what ``stackfmt.without_inline`` shows for
+        it. None if not named so lately (at most ``sym_cache_size`` kept). Any thread: one
+        dict read."""
+        return self._plain.get((dso, rel))
 
     def _user_frame(self, pid: int | None, snap: Snapshot, ip: int) -> Frame:
         m = snap.find(ip)

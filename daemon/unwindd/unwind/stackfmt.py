@@ -30,7 +30,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,56 @@ def frame_name(f: Frame) -> str:
     """The function name shown for ``f``: its symbol, else ``UNKNOWN`` (never its binary's
     name: outputs that show the binary have their own place for it)."""
     return f.sym or UNKNOWN
+
+
+# (dso, rel) -> the (symbol, offset) a frame there has unexpanded (engine.plain_symbol)
+PlainSymbol = Callable[[str | None, int | None], tuple[str, int | None] | None]
+
+
+def without_inline(frames: tuple[Frame, ...], plain: PlainSymbol | None = None
+                   ) -> tuple[Frame, ...]:  # fmt: skip
+    """``frames`` as they are shown without inline expansion (perf script ``--no-inline``):
+    each run of inlined frames at one pc (``Frame.inlined``, engine.inline_frames: innermost
+    first) is dropped, and the frame it sits in (the next one, at the same pc) takes the run's
+    first frame's file and line: the line table's row for its own pc, as addr2line without
+    ``-i`` says it. A run with no such frame after it is one whose outermost level, the
+    function the pc is in, DWARF names otherwise than the symbol table (an alias: perf shows
+    it "(inlined)" too); that last frame stands for the function then, named as ``plain``
+    says the symbol table names it (the frames no longer hold that name), else under its
+    DWARF name. ``frames`` itself when nothing in it is inlined. O(frames)."""
+    if not any(f.inlined for f in frames):
+        return frames
+    out: list[Frame] = []
+    run: list[Frame] = []
+
+    def close(f: Frame | None) -> None:
+        first = run[0]
+        sym, offset = None, None
+        if f is None or f.ip != first.ip or f.dso != first.dso:
+            f = run[-1]  # the outermost level stands for the function
+            hit = plain(f.dso, f.rel) if plain is not None else None
+            sym, offset = hit if hit is not None else (f.sym, f.offset)
+        else:
+            sym, offset = f.sym, f.offset
+        out.append(Frame(f.ip, f.dso, sym, offset, f.kernel, False, f.rel, first.file,
+                         first.line, f.decl_file, f.decl_line))  # fmt: skip
+        run.clear()
+
+    for f in frames:
+        if f.inlined:
+            if run and (run[0].ip != f.ip or run[0].dso != f.dso):
+                close(None)
+            run.append(f)
+        elif run:
+            same = f.ip == run[0].ip and f.dso == run[0].dso
+            close(f if same else None)
+            if not same:
+                out.append(f)
+        else:
+            out.append(f)
+    if run:
+        close(None)
+    return tuple(out)
 
 
 # Statuses of samples with nothing to unwind (engine.recorded_frames): frames from the recorded
