@@ -23,8 +23,9 @@ Invariants:
   named meanwhile has no inline levels; ``collect`` says when such frames exist.
 
 Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well under a second);
-a load from disk is one read, one CRC and a few ``array.frombytes``; a lookup two bisects and a
-walk of at most ``MAX_LEVELS`` parents; names decoded once per string.
+a load from disk is one mmap (the table used in place: page cache, not heap) and one CRC; a
+lookup two bisects and a walk of at most ``MAX_LEVELS`` parents; names decoded once per
+string.
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from array import array
 from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .cachefiles import CacheFileError, discard_cache_file, read_cache_file, write_cache_file
+from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
 from .demangle import demangle
 from .elf import ElfError, ElfReader
 
@@ -182,9 +182,12 @@ class SrcLineTable:
 
     __slots__ = ("_files", "_kind", "_laddr", "_lfile", "_lno", "_names", "_ndfile",
                  "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr", "_snode",
-                 "_strtab", "blob", "errors", "nbytes")  # fmt: skip
+                 "_strp", "_strtab", "blob", "errors", "mapped", "nbytes")  # fmt: skip
 
-    def __init__(self, blob: bytes) -> None:
+    def __init__(self, blob: bytes | Any, mapped: bool = False) -> None:
+        # ``blob``: bytes, or a read-only mapping of a stored table (cachefiles.map_cache_file,
+        # ``mapped``); the columns are views of it either way, never copies, so a stored table
+        # costs page cache, not heap
         if len(blob) < _HDR.size:
             raise _BadTable("short header")
         (magic, version, _pad, nl, ns, nn, nf, strlen, *errs, _p2) = _HDR.unpack_from(blob, 0)
@@ -196,16 +199,15 @@ class SrcLineTable:
                  4 * nn, 4 * nn, 4 * nn, 4 * nf, strlen)  # fmt: skip
         if _HDR.size + sum(sizes) != len(blob):
             raise _BadTable("size")
-        cols: list[array[int]] = []
+        cols: list[memoryview] = []
         o = _HDR.size
         mv = memoryview(blob)
-        for size, code in zip(sizes[:-1], "QIIQIIIIIIIII", strict=True):
-            a = array(code)
-            a.frombytes(mv[o : o + size])
-            cols.append(a)
+        # casts of unaligned offsets are fine: memoryview reads items with memcpy
+        for size, code in zip(sizes[:-1], ("Q", "I", "I", "Q", *"IIIIIIIII"), strict=True):
+            cols.append(mv[o : o + size].cast(code))
             o += size
         self.blob = blob
-        self._strtab = blob[o:]
+        self._strtab = mv[o:]
         (self._laddr, self._lfile, self._lno, self._saddr, self._snode, self._nname,
          self._nfile, self._nline, self._nparent, self._kind, self._ndfile, self._ndline,
          self._files) = cols  # fmt: skip
@@ -224,6 +226,11 @@ class SrcLineTable:
             raise _BadTable("string table")
         self._names: dict[int, str | None] = {NONE: None}
         self.errors = {n: e for n, e in zip(ERROR_NAMES, errs, strict=True) if e}
+        from ..unwcore import ffi
+
+        # every string ends in a NUL inside the table (the check above): ffi.string stops there
+        self._strp: Any = ffi.from_buffer(self._strtab) if strlen else ffi.NULL
+        self.mapped = mapped
         self.nbytes = len(blob) + 64
 
     @property
@@ -235,8 +242,10 @@ class SrcLineTable:
         return len(self._nname)
 
     def _str(self, off: int) -> str:
-        end = self._strtab.find(b"\0", off)
-        return self._strtab[off:end].decode("utf-8", "surrogateescape")
+        from ..unwcore import ffi
+
+        raw: bytes = ffi.string(self._strp + off)  # (no table strings: no offsets to read)
+        return raw.decode("utf-8", "surrogateescape")
 
     def _name(self, off: int) -> str | None:
         hit = self._names.get(off, "")
@@ -283,7 +292,7 @@ class SrcLineTable:
         return f"SrcLineTable(lines={self.nlines}, nodes={self.nnodes}, bytes={len(self.blob)})"
 
 
-def _out_of(col: array[int], n: int) -> bool:
+def _out_of(col: memoryview, n: int) -> bool:
     """Whether some value of ``col`` other than NONE is >= n: one native pass over the column
     in place (symtab.c's max-offset scan, which skips one value), as a table can hold
     millions of entries and a Python pass over them costs as much as the rest of the load."""
@@ -369,22 +378,23 @@ class SrcLineStore:
             head = _FILE.pack(FILE_MAGIC, FILE_VERSION, src.stamp, len(blob), zlib.crc32(blob))
             if not write_cache_file(path, (head, blob)):
                 self.stats["write_errors"] += 1
+            else:
+                # mapped back: the heap copy lives only as long as the compile
+                table = self._load(path, src.stamp) or table
         return table
 
     def _load(self, path: str, stamp: int) -> SrcLineTable | None:
         try:
-            data = read_cache_file(path, _FILE.size + MAX_FILE)
-            if data is None:
+            got = map_cache_file(path, _FILE.size + MAX_FILE, _FILE.size)
+            if got is None:
                 return None
-            if len(data) < _FILE.size:
-                raise _BadTable("short")
-            magic, version, st, size, crc = _FILE.unpack_from(data, 0)
-            blob = data[_FILE.size :]
+            head, blob = got
+            magic, version, st, size, crc = _FILE.unpack_from(head, 0)
             if magic != FILE_MAGIC or version != FILE_VERSION or st != stamp:
                 raise _BadTable("magic/version/stamp")
             if size != len(blob) or zlib.crc32(blob) != crc:
                 raise _BadTable("size/checksum")
-            return SrcLineTable(blob)
+            return SrcLineTable(blob, mapped=True)
         except (_BadTable, CacheFileError):
             self.stats["corrupt"] += 1
             discard_cache_file(path)
