@@ -161,6 +161,12 @@ int fp_ctx_par(struct fp_ctx *c, uint32_t min_run);
 int fp_ctx_par_stress(struct fp_ctx *c, int on);
 uint64_t fp_ctx_par_stats(const struct fp_ctx *c);
 
+/* The bytes the context holds on the heap: its tables at their capacities (stacks, their keys
+ * and frame ids, frames, pairs, spaces, comms, symbol tables, the memo) and the parallel
+ * unwind's ring; not the caller's modules and tables it points at. O(1): computed from the
+ * capacities, which only grow for the context's life. */
+uint64_t fp_ctx_bytes(const struct fp_ctx *c);
+
 /* Aggregate by code (before any run; -1 after): a user frame whose named address lies in a
  * module is identified by (module key, ELF vaddr, exact) instead of (space, pc, exact), and a
  * stack by (comm, status, regs-abi-none, frame ids and kinds, raw callchain) without its

@@ -507,3 +507,10 @@ uint64_t fp_ctx_par_stats(const struct fp_ctx *c)
     pthread_mutex_unlock(&P->mu);
     return n;
 }
+
+uint64_t par_bytes(const struct fp_par *P)
+{
+    if (!P)
+        return 0;
+    return sizeof *P + P->ring * P->max_depth * (sizeof *P->pcs + 1) + P->ring * sizeof *P->slots;
+}

@@ -196,6 +196,11 @@ class NativeContext:
         self._export = _ExportBufs(64, 1024, 1024)
 
     @property
+    def native_bytes(self) -> int:
+        """The C context's heap bytes (``fp_ctx_bytes``: its tables at capacity), O(1)."""
+        return int(lib.fp_ctx_bytes(self.ctx))
+
+    @property
     def nspaces(self) -> int:
         """Space ids given out (one per snapshot key the context has unwound against)."""
         return len(self._space_ids)

@@ -12,8 +12,9 @@ Invariants:
   were when it was placed, as in the reference step (``_run``, deferred.py).
 - Each distinct (snapshot, pc) frame is named once, each unique stack built once (``_name_new``).
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
-  or ``max_spaces`` snapshots (``_new_ctx``); the counts they name reach the store first,
-  and at close (``flush_counts``).
+  or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
+  stacks (the JIT stats' cache); the counts they name reach the store first, and at close
+  (``flush_counts``). ``nctx.native_bytes`` is the C context's heap (O(1)).
 - Python frames (``python``, unwind/pyreader.py): a delivered sample whose stack holds
   ``_PyEval_EvalFrameDefault`` frames gets its thread's Python frames, the reader thread's
   read nearest the sample's time, in place of or beside them (``_python_frames``); its stack
@@ -188,6 +189,7 @@ class NativeStep:
         bounded under process churn."""
         self.nctx = NativeContext(self.engine)
         self.ctx = self.nctx.ctx
+        self.engine.jit.forget()  # it holds the old context's stack tuples
         self._reset = False
         self.contexts += 1
         self._frames: list[tuple[Frame, ...]] = []  # per frame id (several: an inline chain)
@@ -198,6 +200,17 @@ class NativeStep:
         # stacks merged with Python frames, id _PY_BASE + i, interned by (stack id, segments)
         self._pystacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._pymerged: dict[tuple[int, object], int] = {}
+
+    @property
+    def nstacks(self) -> int:
+        """Stacks the context's mirror holds (merged Python ones too): ``max_stacks`` bounds
+        it."""
+        return len(self._stacks) + len(self._pystacks)
+
+    @property
+    def nframes(self) -> int:
+        """Frame ids the context's mirror has named."""
+        return len(self._frames)
 
     def _stack(self, sid: int) -> tuple[tuple[Frame, ...], str, str, int, int]:
         return self._stacks[sid] if sid < _PY_BASE else self._pystacks[sid - _PY_BASE]
@@ -246,8 +259,7 @@ class NativeStep:
             if round_drained(n, want):
                 break
         flushed = None
-        nst = len(self._stacks) + len(self._pystacks)
-        if self._reset or nst > self.max_stacks or self.nctx.nspaces > self.max_spaces:
+        if self._reset or self.nstacks > self.max_stacks or self.nctx.nspaces > self.max_spaces:
             flushed = self.flush_counts()  # its groups name stacks of the context being dropped
             self._new_ctx()
         for pid in self.engine.refresh_jit_names():  # its JIT frames are named again

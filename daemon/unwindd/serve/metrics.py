@@ -154,6 +154,8 @@ def _cpu(k: object) -> str:
 def counter_specs() -> list[Spec]:
     """Monotonic counters. ``d`` is the daemon (see ``service.Daemon``)."""
     return [
+        Spec("unwindd_heap_trims", "Times the C heap's free pages were handed back to the "
+             "kernel (malloc_trim, at most every 10 s).", lambda d: d.trimmer.trims),
         Spec("unwindd_samples", "Samples unwound, by unwind result.",
              lambda d: d.profiler.engine.stats.by_status, "result", lambda d: STATUS_NAMES),
         Spec("unwindd_records", "Perf records read from the rings, by type.",
@@ -292,6 +294,12 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.profiler.store.stats.entries),
         Spec("unwindd_store_bytes", "Estimated bytes held by the store.",
              lambda d: d.profiler.store.stats.bytes_estimate),
+        Spec("unwindd_native_context_bytes",
+             "Heap bytes of the live step's C context (its stack, frame and space tables).",
+             lambda d: d.profiler.native_step.nctx.native_bytes),
+        Spec("unwindd_heap_bytes", "The C heap (glibc malloc, all arenas), by state: in_use "
+             "(allocated), free (held by the allocator), mapped (large blocks mmap'd alone).",
+             lambda d: d.heap_bytes(), "state", lambda d: ("in_use", "free", "mapped")),
         Spec("unwindd_reorder_queued", "Records waiting in the orderer.",
              lambda d: d.profiler.pipeline.orderer.stats.queued),
         Spec("unwindd_api_connections", "Open query API connections.",

@@ -41,6 +41,7 @@ from .. import __version__
 from ..binaries.debuginfod import Debuginfod, DebuginfodStats
 from ..pipeline.live import LiveProfiler
 from ..pipeline.ringstep import StepInfo
+from . import heap
 from .answers import AnswerCache, cacheable
 from .api import Api, Peer, clock_offset_ns
 from .config import (
@@ -155,6 +156,7 @@ class Daemon:
         self._readers_on = False
         self._ready = False  # READY=1 sent: a stop is then a shutdown, not a failed start
         self._timer: asyncio.TimerHandle | None = None
+        self.trimmer = heap.Trimmer()  # free heap pages back to the kernel (heap.py)
         self.metrics_address: tuple[str, int] | None = None
         self.pull: PprofPull | None = None  # [export] pprof_listen
         self._query_pool: ThreadPoolExecutor | None = None
@@ -273,11 +275,32 @@ class Daemon:
             "reload_errors": list(self.reload_errors),
             "pending_restart": self.pending_restart,
             "push": self.pusher.status() if self.pusher is not None else None,
+            "memory": self.memory(),
             "rings": {"cpus": len(p.session.fds), "pages": p.session.config.ring_pages,
                       "wanted_pages": p.session.ring_pages_wanted},
             "config_source": self.config.source,
             "config": self.config.to_json(),
         }  # fmt: skip
+
+    def memory(self) -> dict[str, Any]:
+        """/v1/status's ``memory``: the live step's C context (its heap bytes and the stacks and
+        frames it and its Python mirror hold until the next context reset), the engine's caches
+        (per process, dropped with it: ``StackEngine.cache_sizes``) and the C heap
+        (heap.py; None without glibc)."""
+        ns = self.profiler.native_step
+        hs = heap.stats()
+        return {"native_context": {"bytes": ns.nctx.native_bytes, "stacks": ns.nstacks,
+                                   "frames": ns.nframes, "resets": ns.contexts - 1},
+                "per_process": self.profiler.engine.cache_sizes(),
+                "heap": hs.to_json() if hs is not None else None,
+                "trims": self.trimmer.trims}  # fmt: skip
+
+    def heap_bytes(self) -> dict[str, int]:
+        """The C heap by state, for the metrics ({} without glibc: heap.py)."""
+        hs = heap.stats()
+        if hs is None:
+            return {}
+        return {"in_use": hs.in_use, "free": hs.free, "mapped": hs.mapped}
 
     # -- lifecycle
 
@@ -506,6 +529,7 @@ class Daemon:
     def _tick(self) -> None:
         self._debuginfod_arrivals()
         self._step()
+        self.trimmer.maybe()
         self._set_readers(True)
         if not self._stop.is_set():
             self._schedule_tick()
@@ -646,6 +670,7 @@ def run_daemon(config_path: str | None) -> int:
     # last one are 25 % of the old), so cycles that reached the old generation are not kept
     # for much longer than that.
     gc.set_threshold(20_000, 10, 10)
+    heap.limit_arenas()  # before any thread starts (heap.py)
     daemon = Daemon(cfg, config_path=config_path)
     try:
         import uvloop

@@ -21,7 +21,9 @@ Invariants:
   ``MAX_RUNTIMES`` the rest count under "other".
 - Cost: a stack tuple seen before (profiles repeat stacks, and the engine hands out the same
   tuple object for the same stack) is one dict lookup by identity; a new one is one pass over
-  its frames. At most ``_MAX_STACKS`` stack tuples are held (then the cache is cleared).
+  its frames. At most ``_MAX_STACKS`` stack tuples are held (then the cache is cleared), and
+  none of a dropped live context (``forget``: the live step calls it with each new context, so
+  the cache never keeps a dropped context's stacks, and their frames, alive).
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ class JitStats:
         self.stacks[rt] += n
         if done:
             self.complete[rt] += n
+
+    def forget(self) -> None:
+        """Drop the held stack tuples: their owner (the live step's context) dropped its
+        own, and this cache alone would keep their frames alive."""
+        self._seen.clear()
 
     def status(self) -> dict[str, object]:
         """``/v1/status``'s ``jit``: frames by kind, and per runtime the samples whose stack
