@@ -1,9 +1,12 @@
 """Inlined frames and source lines judged against perf and addr2line on the same perf.data.
 
 Workloads (tests/support/workloads/): inline.c (two levels of always-inline helpers in two
-callers, and qsort, whose inlined helpers come from libc's own DWARF in libc6-dbg) and
+callers, and qsort, whose inlined helpers come from libc's own DWARF in libc6-dbg),
 inline_cxx.cpp (member functions, a function template and a lambda through std::accumulate
-inlined into loops), built ``-O2 -g`` and recorded with ``perf record --call-graph dwarf``.
+inlined into loops), built ``-O2 -g``, and rustinline.rs (core::iter's map/fold, their closures,
+u64::wrapping_mul and an #[inline(always)] trait method inlined into loops), built by the rustc
+tests/support/rustbuild.py finds with ``-C opt-level=2 -g`` and its default symbol mangling;
+each recorded with ``perf record --call-graph dwarf``.
 
 - Frames: every sample's user frames, inlined ones included, as ``unwindd replay --format
   perf-script`` prints them (native and Python replays), equal ``perf script -F
@@ -12,7 +15,8 @@ inlined into loops), built ``-O2 -g`` and recorded with ``perf record --call-gra
   ``--no-inline`` they equal ``perf script ... --no-inline`` likewise.
 - Lines: every frame's file and line from ``--format jsonl`` equal, as basename:line, what
   ``llvm-addr2line -i`` says for its binary and address at that inline level on >= 99 % of
-  frames. llvm's addr2line, not binutils': binutils 2.40 (Debian 12's, which perf's
+  frames (asked at the frame's virtual address: frames carry file offsets, as perf prints
+  them). llvm's addr2line, not binutils': binutils 2.40 (Debian 12's, which perf's
   ``-F +srcline`` runs) resolves DWARF 5 line-table file numbers one entry off (it names
   csu/libc-start.c where the line table says libc_start_call_main.h), so its files would be
   the wrong oracle; lines and function names it gets right, and perf's names are compared
@@ -36,8 +40,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import binfacts
 import oracle
 import pytest
+import rustbuild
 from perfutil import PERF
 from workloads.build import SRC
 
@@ -57,6 +63,14 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         subprocess.run([cc, "-O2", "-g", "-Wall", "-Werror", "-o", str(exe), str(SRC / src)],
                        check=True, capture_output=True)  # fmt: skip
         out[name] = oracle.record([str(exe)], d, freq=999, name=f"inline_{name}")
+    rustc = rustbuild.rustc()
+    assert rustc is not None, "no rustc (install Debian's rustc, as .ci/run does)"
+    exe = d / "inline_rust"
+    # the compiler's default symbol mangling (legacy on stable), as perf sees Rust binaries
+    subprocess.run([rustc, "--edition", "2021", "-C", "opt-level=2", "-g", "--crate-name",
+                    "rustinline", "-o", str(exe), str(SRC / "rustinline.rs")],
+                   check=True, capture_output=True)  # fmt: skip
+    out["rust"] = oracle.record([str(exe)], d, freq=999, name="inline_rust")
     return out
 
 
@@ -88,7 +102,7 @@ def _perf(path: Path, *extra: str) -> str:
 
 
 @pytest.mark.parametrize("pipe", [False, True], ids=["native", "python"])
-@pytest.mark.parametrize("name", ["c", "cxx"])
+@pytest.mark.parametrize("name", ["c", "cxx", "rust"])
 def test_inline_frames_are_perfs(recorded: dict[str, Path], name: str, pipe: bool) -> None:
     path = recorded[name]
     theirs = _blocks(_perf(path))
@@ -100,13 +114,19 @@ def test_inline_frames_are_perfs(recorded: dict[str, Path], name: str, pipe: boo
     inl = [t for t in theirs.values() if "(inlined)" in t]
     # the workload's own inlining, and libc's (its debug file's DWARF)
     want = {"c": ("step (inlined)", "msort_with_tmp (inlined)"),
-            "cxx": ("shapes::Acc::add (inlined)", "shapes::scale<double> (inlined)")}[name]
+            "cxx": ("shapes::Acc::add (inlined)", "shapes::scale<double> (inlined)"),
+            # core's u64 method is "<u64>::" (v0) or "core::num::<impl u64>::" (legacy std)
+            "rust": ("rustinline::lcg::mix (inlined)", "::wrapping_mul (inlined)",
+                     "rustinline::fold_all::{{closure}} (inlined)",
+                     "<rustinline::lcg::Gen<u64> as rustinline::lcg::Step>::step (inlined)",
+                     "<core::iter::adapters::map::Map<I,F> as core::iter::traits::iterator::"
+                     "Iterator>::fold (inlined)")}[name]
     for w in want:
         assert sum(w in t for t in inl) > 5, (w, len(inl))
 
 
 @pytest.mark.parametrize("fmt", ["folded", "jsonl"])
-@pytest.mark.parametrize("name", ["c", "cxx"])
+@pytest.mark.parametrize("name", ["c", "cxx", "rust"])
 def test_native_equals_python(recorded: dict[str, Path], name: str, fmt: str) -> None:
     """The native replay's inline frames (folded: by code address, its lines re-sorted) are
     the Python replay's, byte for byte."""
@@ -115,7 +135,7 @@ def test_native_equals_python(recorded: dict[str, Path], name: str, fmt: str) ->
     assert ("_[i]" if fmt == "folded" else '"inlined":true') in native
 
 
-@pytest.mark.parametrize("name", ["c", "cxx"])
+@pytest.mark.parametrize("name", ["c", "cxx", "rust"])
 def test_no_inline_is_perfs(recorded: dict[str, Path], name: str) -> None:
     path = recorded[name]
     theirs = _blocks(_perf(path, "--no-inline"))
@@ -126,22 +146,36 @@ def test_no_inline_is_perfs(recorded: dict[str, Path], name: str) -> None:
     assert not any("(inlined)" in t for t in ours.values())
 
 
+def _vaddrs(dso: str, rels: list[int]) -> dict[int, int]:
+    """{virtual address: file offset} of ``rels``: frames carry file offsets (``rel``, as perf
+    prints user frames), llvm's tools take the ELF virtual address, which differs where the
+    linker does not place segments at their file offsets (lld, rustc's linker, puts the text
+    segment a page above its offset)."""
+    out = {}
+    for rel in rels:
+        va = binfacts.vaddr(dso, rel)
+        assert va is not None, (dso, hex(rel))
+        out[va] = rel
+    return out
+
+
 def _llvm_levels(dso: str, rels: list[int]) -> dict[int, list[str]]:
-    """llvm-addr2line -i's locations (basename:line, innermost first) at each address."""
-    out = subprocess.run(["llvm-addr2line", "-a", "-i", "-e", dso, *map(hex, rels)],
+    """llvm-addr2line -i's locations (basename:line, innermost first) at each file offset."""
+    rel_of = _vaddrs(dso, rels)
+    out = subprocess.run(["llvm-addr2line", "-a", "-i", "-e", dso, *map(hex, rel_of)],
                          check=True, capture_output=True, text=True).stdout  # fmt: skip
     got: dict[int, list[str]] = {}
     cur: list[str] = []
     for line in out.splitlines():
         if line.startswith("0x"):
-            cur = got.setdefault(int(line, 16), [])
+            cur = got.setdefault(rel_of[int(line, 16)], [])
         elif line:
             file, _, num = line.rpartition(":")
             cur.append(f"{os.path.basename(file)}:{num.split()[0] if num else '0'}")
     return got
 
 
-@pytest.mark.parametrize("name", ["c", "cxx"])
+@pytest.mark.parametrize("name", ["c", "cxx", "rust"])
 def test_source_lines_are_addr2lines(recorded: dict[str, Path], name: str) -> None:
     """Each user frame's file:line is llvm-addr2line -i's at that inline level."""
     import json
@@ -232,15 +266,16 @@ def _pprof_lines(raw: str) -> dict[int, list[tuple[str, int]]]:
 
 def _llvm_starts(dso: str, rels: list[int]) -> dict[int, list[tuple[str, int]]]:
     """llvm-symbolizer --verbose -i's (function start filename, start line) per inline level
-    (innermost first; ("", 0) where it has none), at each address."""
+    (innermost first; ("", 0) where it has none), at each file offset."""
+    rel_of = _vaddrs(dso, rels)
     out = subprocess.run(["llvm-symbolizer", "--verbose", "-a", "-i", "-e", dso,
-                          *map(hex, rels)], check=True, capture_output=True,
+                          *map(hex, rel_of)], check=True, capture_output=True,
                          text=True).stdout  # fmt: skip
     got: dict[int, list[tuple[str, int]]] = {}
     levels: list[list[str | int]] = []
     for ln in out.splitlines():
         if ln.startswith("0x"):
-            levels = got.setdefault(int(ln, 16), [])  # type: ignore[arg-type]
+            levels = got.setdefault(rel_of[int(ln, 16)], [])  # type: ignore[arg-type]
         elif ln and not ln[0].isspace():
             levels.append(["", 0, ""])  # a level: start file, start line, file
         elif ln.startswith("  Function start filename: ") and levels:
@@ -253,7 +288,7 @@ def _llvm_starts(dso: str, rels: list[int]) -> dict[int, list[tuple[str, int]]]:
             for a, lv in got.items()}  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("name", ["c", "cxx"])
+@pytest.mark.parametrize("name", ["c", "cxx", "rust"])
 def test_pprof_start_lines_are_llvms(recorded: dict[str, Path], name: str,
                                      tmp_path: Path) -> None:  # fmt: skip
     import json

@@ -124,6 +124,13 @@ def _load(path: str) -> _Binary | None:
     return _Binary(segs, starts, tuple(ends), tuple(n for _, _, n in syms))
 
 
+def vaddr(path: str, off: int) -> int | None:
+    """File offset ``off`` of ``path`` as the virtual address its PT_LOAD segment gives it (the
+    address addr2line and DWARF speak of); None outside every segment or for a non-ELF path."""
+    b = _load(path)
+    return None if b is None else b.vaddr(off)
+
+
 def names_at(path: str, off: int) -> frozenset[str]:
     """Every function symbol of ``path`` (or its debug file) covering file offset ``off``."""
     b = _load(path)
