@@ -2,14 +2,17 @@
 same run.
 
     python3 bench/bench_pyframes.py [--seconds 10] [--freq 99] [--procs 2] [--threads 4]
-                                    [--repeat 3]
+                                    [--repeat 3] [--baseline OTHER_TREE/daemon]
 
 The load: ``--procs`` CPython processes (the interpreter running this script), each with
 ``--threads`` threads spinning in nested Python functions. For each mode (``[python] frames =
 "replace"`` then ``"off"``, alternated ``--repeat`` times) the daemon is started from a temp
 config, warmed up 3 s, then measured over a window of ``--seconds``: its CPU (utime + stime)
 per sample, and for "replace" the share of the load's samples named by Python frames and the
-reads and reasons from /v1/status. Medians of the runs are printed last. Root is needed.
+reads and reasons from /v1/status. ``--baseline``: a third mode, "replace" run from another
+tree's ``daemon/`` (PYTHONPATH; e.g. ``git archive`` of an older commit with this tree's built
+``*.so`` copied in), alternated with the others. Medians of the runs are printed last. Root is
+needed.
 """
 
 from __future__ import annotations
@@ -45,13 +48,16 @@ outer()
 """
 
 
-def run(mode: str, freq: int, seconds: float, tmp: Path) -> dict[str, float]:
-    sock = str(tmp / f"{mode}.sock")
-    cfg = tmp / f"{mode}.toml"
+def run(label: str, freq: int, seconds: float, tmp: Path, path: str | None = None
+        ) -> dict[str, float]:  # fmt: skip
+    mode = label.partition("@")[0]
+    sock = str(tmp / f"{label.replace('@', '-')}.sock")
+    cfg = tmp / f"{label.replace('@', '-')}.toml"
+    env = dict(os.environ, PYTHONPATH=path) if path else None
     cfg.write_text(f'[sampling]\nfrequency = {freq}\n[api]\nsocket = "{sock}"\n'
                    f'[metrics]\nenabled = false\n[python]\nframes = "{mode}"\n')  # fmt: skip
     d = subprocess.Popen([sys.executable, "-m", "unwindd.cli", "run", "--config", str(cfg)],
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+                         stderr=subprocess.DEVNULL, env=env)  # fmt: skip
     try:
         while not os.path.exists(sock):
             time.sleep(0.05)
@@ -73,6 +79,8 @@ def run(mode: str, freq: int, seconds: float, tmp: Path) -> dict[str, float]:
         out["reads"] = p1["reads"] - p0["reads"]
         out["failed"] = sum(p1["failures"].values()) - sum(p0["failures"].values())
         out["late"] = p1["failures"]["late"] - p0["failures"]["late"]
+        out["named_pct"] = 100 * out["named"] / max(out["named"] + out["failed"], 1)
+        out["syscalls_per_read"] = (p1["syscalls"] - p0["syscalls"]) / max(out["reads"], 1)
     return out
 
 
@@ -83,15 +91,19 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", help="another tree's daemon/ directory, run as a third mode")
     args = ap.parse_args()
     load = [subprocess.Popen([sys.executable, "-c", LOAD, str(args.threads)])
             for _ in range(args.procs)]  # fmt: skip
     results: dict[str, list[dict[str, float]]] = {"replace": [], "off": []}
+    if args.baseline:
+        results["replace@baseline"] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for _ in range(args.repeat):
                 for mode in results:
-                    r = run(mode, args.freq, args.seconds, Path(tmp))
+                    r = run(mode, args.freq, args.seconds, Path(tmp),
+                            args.baseline if mode.endswith("@baseline") else None)
                     results[mode].append(r)
                     print(mode, json.dumps({k: round(v, 2) for k, v in r.items()}), flush=True)
     finally:
@@ -99,7 +111,7 @@ def main() -> None:
             p.kill()
             p.wait()
     for mode, rs in results.items():
-        med = {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]}
+        med = {k: round(statistics.median(r.get(k, 0) for r in rs), 2) for k in rs[0]}
         print("median", mode, json.dumps(med))
 
 

@@ -1,6 +1,6 @@
 """cffi (API mode) builder for ``unwindd._unwcore``: the CFI compiler, the unwinder, symbol
-table scans, side-band filtering, file prefaulting, library calls and the native pipeline
-context.
+table scans, side-band filtering, file prefaulting, library calls, the CPython frame-chain
+walk and the native pipeline context.
 
 Same layout as ``build_perfcore.py`` (cryptography's ``src/_cffi_src/build_*.py``): the project's
 own C files (``SOURCES``) are compiled as extra sources, and ``unwcore.h`` and ``fastpath.h``
@@ -8,7 +8,7 @@ are used twice, as the cdef (so the Python-visible interface cannot drift from t
 as the headers the generated module includes. setup.py names this file as
 ``cffi_build/build_unwcore.py:ffibuilder``. Its importers are in ``daemon/unwindd/``:
 binaries/ (cfi, demangle, elfcache, elfsyms, kallsyms), unwind/unwinder, pipeline/ (context,
-filereplay, ringstep) and source/mapfile.
+filereplay, ringstep), procs/pywalk and source/mapfile.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ FASTPATH = ["index.c", "order.c", "stacks.c", "parallel.c", "context.c", "live.c
 CFI = ["arch.c", "cfienc.c", "cfistore.c", "cfaprog.c", "ehframe.c", "cfitable.c", "cfilookup.c"]
 SOURCES = [*(HERE / f for f in CFI), HERE / "unwind.c", *(HERE / f for f in FASTPATH),
            HERE / "symtab.c", HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c",
-           HERE / "libcall.c", HERE / "dwarfline.c"]
+           HERE / "libcall.c", HERE / "dwarfline.c", HERE / "pywalk.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())

@@ -326,3 +326,90 @@ struct unw_dwarf_sections {
  * or -1 on allocation failure (*out NULL). Bad DWARF never fails the call: it is counted in
  * the header's errors[]. Cost: O(input + R log R) for R line rows and inline ranges. */
 int unw_srcline_compile(const struct unw_dwarf_sections *s, uint8_t **out, uint64_t *out_len);
+
+/* ------------------------------------------------------------------ CPython frames (pywalk.c) */
+
+/* Where each field the walk reads sits in one interpreter version's structs (byte offsets),
+ * filled field by field from procs/pyframes.py's Layout of the same names (no offset is
+ * spelled in C). ts_cframe -1: current_frame is in the thread state (3.13); frame_is_entry
+ * -1: no is_entry byte (3.12+: shim frames end segments). */
+struct unw_py_layout {
+    uint64_t interpreters_head, interp_next, interp_threads_head;
+    uint64_t ts_next, ts_native_thread_id;
+    int64_t ts_cframe;
+    uint64_t current_frame;
+    uint64_t frame_code, frame_previous, frame_instr, frame_owner;
+    int64_t frame_is_entry;
+    uint64_t code_filename, code_qualname, code_firstlineno, code_linetable;
+    uint64_t frame_bytes, code_bytes;
+};
+
+/* Walk results (unw_py_job.status); procs/pywalk.py maps them to pyframes.FAILURES. */
+#define UNW_PY_OK 0
+#define UNW_PY_GONE 1        /* ESRCH: the process exited                                */
+#define UNW_PY_DENIED 2      /* EPERM                                                    */
+#define UNW_PY_MOVED 3       /* an address that does not read, a cycle, a null code       */
+#define UNW_PY_TOO_DEEP 4    /* more than max_frames frames, or the records ran out       */
+#define UNW_PY_NO_THREAD 5   /* no thread state has that native thread id                 */
+
+#define UNW_PY_MAX_FRAMES 4096   /* max_frames is capped to this                          */
+#define UNW_PY_MAX_THREADS 4096  /* thread states visited looking for a tid               */
+#define UNW_PY_SCRATCH 262144    /* bytes of the caller's scratch buffer (unw_py_walk)      */
+
+/* unw_py_rec.flags */
+#define UNW_PY_ENTRY 1       /* 3.11: this frame is_entry: its segment ends after it       */
+#define UNW_PY_SHIM 2        /* 3.12+: a FRAME_OWNED_BY_CSTACK shim: a segment ends here   */
+
+/* One interpreter frame, innermost first: its code object's address and the header fields
+ * the Python side keys and decodes its cache of code objects by (pyframes.Interpreter), and
+ * the raw instruction pointer. A shim record has code 0 and nothing else. */
+struct unw_py_rec {
+    uint64_t code, instr, qualname, filename, linetable;
+    uint32_t firstlineno, flags;
+};
+
+/* One thread to walk. In: lay, pid, tid, runtime (_PyRuntime's address), tstate (a thread
+ * state that had this tid, or 0), max_frames, not_before (CLOCK_MONOTONIC ns: the walk
+ * sleeps until then; 0 none). Out: tstate (the one found; 0 after UNW_PY_NO_THREAD), records
+ * [first, first + count) of recs, status, syscalls made, t_ns (CLOCK_MONOTONIC midpoint of
+ * the walk). */
+struct unw_py_job {
+    const struct unw_py_layout *lay;
+    uint64_t runtime, tstate, not_before;
+    int32_t pid, tid;
+    uint32_t max_frames;
+    uint32_t first, count;
+    int32_t status;
+    uint32_t syscalls;
+    uint64_t t_ns;
+};
+
+/* A batch's progress, shared with other threads: done, the jobs finished (stored with release
+ * order after each job: their results and records are complete), and stop, set by another
+ * thread (unw_py_stop) to end the batch before its next job. */
+struct unw_py_sync {
+    uint32_t done, stop;
+};
+
+/* Walk each job's frame chain (in order) with process_vm_readv(2), never trusting the target:
+ * every address is read through the kernel, a cycle, an unreadable address or more than
+ * max_frames frames end that job with a status. scratch: UNW_PY_SCRATCH bytes of the
+ * caller's, 8-aligned. sync (or NULL): see struct unw_py_sync; a stopped batch leaves the jobs
+ * from sync->done on untouched. Returns the records used in all, or -1 for bad arguments.
+ * Cost per job: about 4 syscalls whatever the depth (thread state, cframe, a window of the
+ * frame stack, the code headers in one batch) plus one per frame outside the windows; no
+ * allocation. */
+int64_t unw_py_walk(struct unw_py_job *jobs, uint32_t n, struct unw_py_rec *recs,
+                    uint64_t cap, uint8_t *scratch, uint64_t scratch_len,
+                    struct unw_py_sync *sync);
+/* sync->done, loaded with acquire order: jobs [0, it) and their records are complete. */
+uint32_t unw_py_progress(const struct unw_py_sync *sync);
+/* Ask the batch of sync to end before its next job (release order). */
+void unw_py_stop(struct unw_py_sync *sync);
+
+/* The calling thread's fair-class slice set to slice_ns (sched_setattr(2) sched_runtime of a
+ * SCHED_OTHER/SCHED_BATCH thread; the kernel clamps it to 0.1-100 ms), policy and nice kept:
+ * under EEVDF (Linux >= 6.6; custom slices since 6.12) a shorter slice means an earlier
+ * virtual deadline, so the thread's wakeups run sooner, with the same share of CPU. 0, or
+ * -errno (a kernel without custom slices accepts and ignores it). */
+int unw_py_short_slice(uint64_t slice_ns);

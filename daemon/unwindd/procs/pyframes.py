@@ -23,9 +23,15 @@ Invariants:
   ending at its entry frame (3.11: the frame with ``is_entry``; 3.12+: before the
   ``FRAME_OWNED_BY_CSTACK`` shim frame the call pushes, pycore_frame.h), so ``walk`` returns
   them as a list of segments, innermost first, for the caller to line up with those C frames.
-- Cost per walk: one process_vm_readv per frame (frame and the next frame's code header are
-  read together) plus, per code object not yet cached, its strings and line table (capped at
-  ``MAX_STR`` characters and ``MAX_LINETABLE`` bytes); bounded by ``max_frames``.
+- ``walk`` = ``decode(raw_walk(...))``: ``raw_walk`` reads the chain as records (code
+  address, instruction pointer, code header fields), ``decode`` turns records into names,
+  files and lines. The daemon walks natively (procs/pywalk.py, cffi_build/pywalk.c: the same
+  records, off the GIL) and decodes here; ``raw_walk`` is the reference the tests hold it to.
+- Cost: ``raw_walk`` one process_vm_readv per frame (frame and the next frame's code header
+  read together); ``decode``, per code object not yet cached, its strings and line table
+  (capped at ``MAX_STR`` characters and ``MAX_LINETABLE`` bytes), per instruction not yet
+  seen in it one line-table scan (``MAX_LINES`` kept per code object); bounded by
+  ``max_frames``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import ctypes
 import errno
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 # Why a sample's Python frames could not be named (metrics labels: a fixed set).
@@ -45,6 +51,7 @@ MAX_STR = 512  # characters of a name or file name read
 MAX_LINETABLE = 1 << 16  # bytes of co_linetable read (the line of later code is unknown)
 MAX_THREADS = 4096  # thread states walked to find a tid
 MAX_CODES = 8192  # code objects cached per process (cleared whole past it)
+MAX_LINES = 256  # frames (by instruction) cached per code object (cleared whole past it)
 _COOKIE = b"xdebugpy"
 _F = TypeVar("_F")
 _OWNED_BY_CSTACK = 3  # pycore_frame.h FRAME_OWNED_BY_CSTACK (3.12, 3.13)
@@ -247,13 +254,22 @@ class PyFrame:
     line: int | None
 
 
+# A raw frame record, as the walk reads it (cffi_build/unwcore.h struct unw_py_rec, same field
+# order): code object address (0: a shim), raw instruction pointer, the code header's
+# qualname, filename and linetable pointers, its firstlineno, and flags (ENTRY, SHIM).
+RawFrame = tuple[int, int, int, int, int, int, int]
+ENTRY = 1  # 3.11: the frame is_entry: its segment ends after it (unwcore.h UNW_PY_ENTRY)
+SHIM = 2  # 3.12+: a FRAME_OWNED_BY_CSTACK shim: a segment ends here (UNW_PY_SHIM)
+
+
 @dataclass(slots=True)
 class _Code:
-    head: bytes  # the header fields it was decoded from (a reused address reads otherwise)
+    key: tuple[int, int, int, int]  # the header fields it was decoded from (reuse reads otherwise)
     qualname: str
     filename: str
     firstlineno: int
     linetable: bytes
+    frames: dict[int, PyFrame] = field(default_factory=dict)  # by instruction index (lasti)
 
 
 class Interpreter:
@@ -281,13 +297,17 @@ class Interpreter:
                 seen += 1
                 head = mem.read(ts, lay.ts_native_thread_id + 8)
                 if _u64(head, lay.ts_native_thread_id) == tid:
-                    if len(self.tstates) >= MAX_THREADS:
-                        self.tstates.clear()
-                    self.tstates[tid] = ts
+                    self.keep_thread_state(tid, ts)
                     return ts
                 ts = _u64(head, lay.ts_next)
             interp = _u64(mem.read(interp + lay.interp_next, 8), 0)
         raise ReadFailed("no_thread")
+
+    def keep_thread_state(self, tid: int, ts: int) -> None:
+        if self.tstates.get(tid) != ts:
+            if len(self.tstates) >= MAX_THREADS:
+                self.tstates.clear()
+            self.tstates[tid] = ts
 
     def current_frame(self, ts: int) -> int:
         lay = self.lay
@@ -298,28 +318,26 @@ class Interpreter:
             return _u64(self.mem.read(cframe + lay.current_frame, 8), 0)
         return _u64(self.mem.read(ts + lay.current_frame, 8), 0)
 
-    def _code(self, addr: int, head: bytes) -> _Code:
-        lay, mem = self.lay, self.mem
-        key = head[lay.code_filename : lay.code_linetable + 8]
+    def _code(self, raw: RawFrame) -> _Code:
+        addr, _, qn, fn, lt, fl, _ = raw
+        key = (qn, fn, lt, fl)
         got = self.codes.get(addr)
-        fl = _u32(head, lay.code_firstlineno)
-        if got is not None and got.head == key and got.firstlineno == fl:
+        if got is not None and got.key == key:
             return got
-        code = _Code(key, read_str(mem, lay, _u64(head, lay.code_qualname)),
-                     read_str(mem, lay, _u64(head, lay.code_filename)), fl,
-                     read_bytes(mem, lay, _u64(head, lay.code_linetable), MAX_LINETABLE))
+        lay, mem = self.lay, self.mem
+        code = _Code(key, read_str(mem, lay, qn), read_str(mem, lay, fn), fl,
+                     read_bytes(mem, lay, lt, MAX_LINETABLE))
         if len(self.codes) >= MAX_CODES:
             self.codes.clear()
         self.codes[addr] = code
         return code
 
-    def walk(self, tid: int, max_frames: int) -> list[list[PyFrame]]:
-        """Thread ``tid``'s interpreter frames, innermost first, as segments: one per C-level
-        entry into the interpreter, innermost segment first."""
+    def raw_walk(self, tid: int, max_frames: int) -> list[RawFrame]:
+        """Thread ``tid``'s frame records, innermost first (the reference of the native walk,
+        cffi_build/pywalk.c, which the daemon uses: the same records for the same memory)."""
         lay, mem = self.lay, self.mem
         frame = self.current_frame(self.thread_state(tid))
-        segments: list[list[PyFrame]] = []
-        seg: list[PyFrame] = []
+        out: list[RawFrame] = []
         seen: set[int] = set()
         fb, cb = lay.frame_bytes, lay.code_bytes
         buf = mem.read(frame, fb) if frame else b""
@@ -332,8 +350,7 @@ class Interpreter:
             owner = buf[lay.frame_owner]
             prev = _u64(buf, lay.frame_previous)
             if lay.frame_is_entry < 0 and owner == _OWNED_BY_CSTACK:
-                segments.append(seg)  # the shim a _PyEval_EvalFrameDefault call pushed
-                seg = []
+                out.append((0, 0, 0, 0, 0, 0, SHIM))  # a _PyEval_EvalFrameDefault call's shim
                 nxt = mem.read(prev, fb) if prev else b""
             else:
                 code_addr = _u64(buf, lay.frame_code)
@@ -344,20 +361,49 @@ class Interpreter:
                     head, nxt = mem.read2(code_addr, cb, prev, fb)
                 else:
                     head, nxt = mem.read(code_addr, cb), b""
-                code = self._code(code_addr, head)
-                lasti = (_u64(buf, lay.frame_instr) - code_addr - lay.code_adaptive) // 2
-                if lasti >= 0 or lay.minor >= 13:
-                    # 3.11/3.12: prev_instr before instruction 0 is a frame not started yet
-                    # (_PyFrame_IsIncomplete), which tracebacks and sys._current_frames skip
-                    seg.append(PyFrame(code.qualname, code.filename,
-                                       line_of(code.linetable, code.firstlineno, lasti * 2)))
-                if lay.frame_is_entry >= 0 and buf[lay.frame_is_entry]:
-                    segments.append(seg)
-                    seg = []
+                entry = lay.frame_is_entry >= 0 and buf[lay.frame_is_entry]
+                out.append((code_addr, _u64(buf, lay.frame_instr), _u64(head, lay.code_qualname),
+                            _u64(head, lay.code_filename), _u64(head, lay.code_linetable),
+                            _u32(head, lay.code_firstlineno), ENTRY if entry else 0))
             frame, buf = prev, nxt
+        return out
+
+    def decode(self, raws: Sequence[RawFrame]) -> list[list[PyFrame]]:
+        """Frame records as segments: one per C-level entry into the interpreter, innermost
+        first; names, files and line tables read once per code object (``codes``)."""
+        lay = self.lay
+        segments: list[list[PyFrame]] = []
+        seg: list[PyFrame] = []
+        for raw in raws:
+            flags = raw[6]
+            if flags & SHIM:
+                segments.append(seg)
+                seg = []
+                continue
+            code = self._code(raw)
+            lasti = (raw[1] - raw[0] - lay.code_adaptive) // 2
+            if lasti >= 0 or lay.minor >= 13:
+                # 3.11/3.12: prev_instr before instruction 0 is a frame not started yet
+                # (_PyFrame_IsIncomplete), which tracebacks and sys._current_frames skip
+                f = code.frames.get(lasti)
+                if f is None:
+                    if len(code.frames) >= MAX_LINES:
+                        code.frames.clear()
+                    f = code.frames[lasti] = PyFrame(
+                        code.qualname, code.filename,
+                        line_of(code.linetable, code.firstlineno, lasti * 2))
+                seg.append(f)
+            if flags & ENTRY:
+                segments.append(seg)
+                seg = []
         if seg:
             segments.append(seg)  # frames below the outermost entry: none in a sane chain
         return segments
+
+    def walk(self, tid: int, max_frames: int) -> list[list[PyFrame]]:
+        """Thread ``tid``'s interpreter frames, innermost first, as segments: one per C-level
+        entry into the interpreter, innermost segment first."""
+        return self.decode(self.raw_walk(tid, max_frames))
 
 
 def find_interpreter(mem: Memory, runtime: int, py_version: int | None) -> Interpreter:

@@ -20,17 +20,20 @@ Invariants:
 - Threads: the process table, ``want``, ``nearest``, ``forget`` and the failure counts belong
   to the event loop; the reader thread only walks chains (``Interpreter`` objects ``want``
   handed over) and appends to the per-thread histories, under ``_lock``; walks, its or the
-  loop's (``refresh``), take ``_walk_lock``. A thread not wanted for ``WANT_SECONDS`` is no
+  loop's (``refresh``), take ``_walk_lock``. A read's time is its walk's (taken in C), not
+  when the reader thread got the GIL back. A thread not wanted for ``WANT_SECONDS`` is no
   longer read.
 - Python frames are ``Frame(ip=0, dso=DSO, sym=qualname, file=co_filename, line=line)``,
   interned (one object per distinct (qualname, file, line)), so a stack's frames hash and
   compare as native ones do.
 - Bounds: at most ``max_frames`` interpreter frames per read, ``MAX_WANTED`` threads read per
-  interval, ``HISTORY`` reads kept per thread; per process the code cache and tid cache of
-  pyframes.Interpreter; at most ``MAX_PROCS`` processes and ``MAX_FRAMES_INTERNED`` frames,
-  each cleared whole past its bound. Symbol lookups: once per binary (by its cache uid).
-  Reader cost: one chain read (~70 us of Python and ~1 syscall per frame) per wanted thread
-  per interval.
+  interval, ``BATCH_RECORDS`` frame records per native batch (~2.6 MB), ``HISTORY`` reads
+  kept per thread; per process the code cache and tid cache of pyframes.Interpreter; at most
+  ``MAX_PROCS`` processes and ``MAX_FRAMES_INTERNED`` frames, each cleared whole past its
+  bound. Symbol lookups: once per binary (by its cache uid).
+  Reader cost per interval: one pass of a native batch walking every wanted thread
+  (procs/pywalk.py: no GIL while it walks, about 4 syscalls per thread whatever its depth);
+  per batch, O(frames) Python to decode the records (names read once per code object).
 """
 
 from __future__ import annotations
@@ -45,7 +48,15 @@ from dataclasses import dataclass, field
 
 from ..binaries.elf import ElfError, ElfReader
 from ..procs.proctable import ProcessTable
-from ..procs.pyframes import FAILURES, Interpreter, ProcessMemory, ReadFailed, find_interpreter
+from ..procs.pyframes import (
+    FAILURES,
+    Interpreter,
+    ProcessMemory,
+    RawFrame,
+    ReadFailed,
+    find_interpreter,
+)
+from ..procs.pywalk import Batch, Walker, short_slice
 from .stackfmt import Frame
 
 RUNTIME = "python"
@@ -56,6 +67,12 @@ MAX_WANTED = 256
 HISTORY = 512  # reads kept per thread: 5 s at the default interval, past a slow round
 WANT_SECONDS = 2.0
 BUDGET = 4  # a reader pass of t seconds is followed by a wait of at least BUDGET * t
+PASSES = 50  # passes over the wanted threads per native batch (one GIL round trip), at most
+# a newly wanted thread ends a batch older than this (each new batch waits for the GIL once),
+# checked at ``want`` and each round; until then the loop's ``refresh`` reads it
+CUT_AFTER_NS = 100_000_000
+READER_SLICE_NS = 100_000  # the reader thread's scheduler slice (the kernel's least)
+BATCH_RECORDS = 1 << 16  # frame records a batch has room for (40 bytes each): fewer passes
 REFRESH_BUDGET_NS = 20_000_000  # reads on the event loop per round (``refresh``)
 MAX_FRAMES_INTERNED = 1 << 16
 LATENESS_BOUNDS_MS = (1, 10, 100, 1000)
@@ -128,6 +145,12 @@ class PythonFrames:
         self._procs: dict[int, tuple[int, Interpreter | str]] = {}  # pid -> (generation, it)
         self._syms: dict[int, dict[bytes, int]] = {}  # ElfEntry uid -> its wanted symbols
         self._frames: dict[tuple[str, str, int | None], Frame] = {}
+        self._walker: Walker | None = None  # the loop's and ``read``'s
+        # the reader thread's batch in flight, and how many of its walks are taken
+        # (batch, its keys in order, its start, its keys as a set)
+        self._inflight: tuple[Batch, list[tuple[int, int]], int, set[tuple[int, int]]] | None
+        self._inflight = None
+        self._taken = 0
 
     def known(self, pid: int) -> bool:
         """Whether ``pid`` was found to run a readable interpreter (cheap: no lookup)."""
@@ -154,8 +177,11 @@ class PythonFrames:
             return got
         now = time.monotonic()
         with self._lock:
-            if (pid, tid) in self._wanted or len(self._wanted) < MAX_WANTED:
+            new = (pid, tid) not in self._wanted
+            if not new or len(self._wanted) < MAX_WANTED:
                 self._wanted[(pid, tid)] = (got, now)
+        if new:
+            self._cut_stale()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="unwindd-pyframes",
                                             daemon=True)  # fmt: skip
@@ -196,8 +222,39 @@ class PythonFrames:
         return results[best]
 
     def begin_round(self) -> None:
-        """A new round: ``refresh`` may read for ``REFRESH_BUDGET_NS`` again."""
+        """A new round: the reads the reader thread's batch has finished so far are taken
+        into the histories (``collect``), a batch without a thread wanted since is ended
+        (``_cut_stale``), and ``refresh`` may read for ``REFRESH_BUDGET_NS`` again."""
+        self.collect()
+        self._cut_stale()
         self._refresh_left = REFRESH_BUDGET_NS
+
+    def _cut_stale(self) -> None:
+        """End the batch in flight if it is older than ``CUT_AFTER_NS`` and lacks a wanted
+        thread: the next batch has it."""
+        fl = self._inflight
+        if fl is None or time.monotonic_ns() - fl[2] <= CUT_AFTER_NS:
+            return
+        with self._lock:
+            missing = any(k not in fl[3] for k in self._wanted)
+        if missing:
+            fl[0].stop()
+
+    def collect(self, final: bool = False) -> None:
+        """The walks of the batch in flight finished since the last call, decoded and
+        appended to their histories (on the loop while the reader thread's native call goes
+        on, and by the reader thread when it returns: ``final``)."""
+        with self._walk_lock:
+            fl = self._inflight
+            if fl is None:
+                return
+            batch, keys, _, _ = fl
+            lo, hi = self._taken, batch.ready()
+            self._taken = hi
+            if final:
+                self._inflight = None
+            got = self._decode_all(batch.items[lo:hi], batch.results(lo, hi))
+        self._append([(keys[i % len(keys)], r) for i, r in zip(range(lo, hi), got, strict=True)])
 
     def refresh(self, pid: int, tid: int) -> None:
         """Read wanted ``tid`` now, on the calling thread, unless the reader thread did within
@@ -216,40 +273,62 @@ class PythonFrames:
             self._refresh_left -= time.monotonic_ns() - t0
 
     def _read_into(self, pid: int, tid: int, it: Interpreter, wait: bool = True) -> None:
-        """One timed read appended to the thread's history (kept in time order). One walk at
-        a time (ProcessMemory's buffers, the interning): the loop does not wait for the lock
-        (``wait``), which a descheduled reader thread may hold for a while."""
+        self._read_many([((pid, tid), it)], wait)
+
+    def _read_many(self, todo: list[tuple[tuple[int, int], Interpreter]], wait: bool = True
+                   ) -> None:  # fmt: skip
+        """Timed reads of ``todo``'s threads, one native batch (pywalk.Walker: no GIL while it
+        walks), each appended to its thread's history (kept in time order) with the time its
+        walk ran. One batch at a time (the walker's buffers, the interning): the loop does not
+        wait for the lock (``wait``), which a descheduled reader thread may hold a while."""
         if not self._walk_lock.acquire(blocking=wait):
             return
         try:
-            t0 = time.monotonic_ns()
-            got = self._walk(it, tid)
-            t = (t0 + time.monotonic_ns()) // 2
+            got = self._walk_many([(it, key[1]) for key, it in todo])
         finally:
             self._walk_lock.release()
+        self._append([(key, r) for (key, _), r in zip(todo, got, strict=True)])
+
+    def _append(self, reads: list[tuple[tuple[int, int], tuple[int, Segments | str]]]) -> None:
+        """Timed reads into their threads' histories, kept in time order."""
         with self._lock:
-            h = self._history.get((pid, tid))
-            if h is None:
-                if (pid, tid) not in self._wanted:
-                    return
-                h = self._history[(pid, tid)] = deque(maxlen=HISTORY)
-            if not h or h[-1][0] <= t:
-                h.append((t, got))
+            for key, (t, res) in reads:
+                h = self._history.get(key)
+                if h is None:
+                    if key not in self._wanted:
+                        continue
+                    h = self._history[key] = deque(maxlen=HISTORY)
+                if not h or h[-1][0] <= t:
+                    h.append((t, res))
+                elif t > h[0][0]:  # a batch's read taken after a later one of the loop's
+                    if len(h) == h.maxlen:
+                        h.popleft()
+                    h.insert(bisect_left([r[0] for r in h], t), (t, res))
 
     def close(self) -> None:
-        """Stop the reader thread (it stops within one walk; a daemon thread, so a stuck
-        target cannot hold the exit)."""
+        """Stop the reader thread (its batch is ended: it stops within one walk; a daemon
+        thread, so a stuck target cannot hold the exit)."""
         self._stop.set()
+        fl = self._inflight
+        if fl is not None:
+            fl[0].stop()
         if self._thread is not None:
             self._thread.join(1)
 
     def _run(self) -> None:
-        """The reader thread: every ``interval``, each wanted thread's chain, timed. A pass
-        that took long waits ``BUDGET`` times the CPU time it used (not its wall time, which
-        a loaded machine stretches): the reader stays below about 1 / (1 + BUDGET) of a core,
-        whatever the number of threads it reads."""
-        wait = self.interval
-        while not self._stop.wait(wait):
+        """The reader thread: each wanted thread's chain every ``interval``, in native batches
+        of up to ``PASSES`` passes paced by the C side (pywalk.Batch: no GIL from the first
+        pass to the last, so a loop holding the GIL delays no read, only its decoding; a
+        thread newly wanted ends a batch older than ``CUT_AFTER_NS``, and the next one has
+        it). Passes that took long are spaced ``BUDGET`` times the CPU time each used (not
+        their wall time, which a loaded machine stretches): the reader stays below about
+        1 / (1 + BUDGET) of a core, whatever the number of threads it reads."""
+        spacing, next_ns = self.interval, 0
+        walker = Walker()
+        # a read is only as timely as the reader's wakeups: a short slice puts them first on
+        # a busy CPU (EEVDF deadlines), without a larger share of CPU (nice, policy kept)
+        short_slice(READER_SLICE_NS)
+        while not self._stop.is_set():
             now, cpu = time.monotonic(), time.thread_time()
             now_ns = time.monotonic_ns()
             with self._lock:
@@ -259,13 +338,22 @@ class PythonFrames:
                             and (not h or now_ns - h[-1][0] > WANT_SECONDS * 1e9)]:
                     del self._history[key]  # fmt: skip
                 todo = [(k, it) for k, (it, _) in self._wanted.items()]
-            for (pid, tid), it in todo:
-                if self._stop.is_set():
-                    return
-                self._read_into(pid, tid, it)
-                time.sleep(0)  # hand the GIL to the loop between walks, not only every 5 ms
-            wait = max(self.interval, BUDGET * (time.thread_time() - cpu))
-
+            if not todo:
+                self._stop.wait(self.interval)
+                continue
+            n = len(todo)
+            start, step = max(time.monotonic_ns(), next_ns), int(spacing * 1e9)
+            passes = max(1, min(PASSES, BATCH_RECORDS // (n * self.max_frames)))
+            with self._walk_lock:
+                batch = Batch(walker, [(it, key[1]) for key, it in todo], passes, start, step,
+                              self.max_frames)  # fmt: skip
+                keys = [key for key, _ in todo]
+                self._inflight, self._taken = (batch, keys, start, set(keys)), 0
+            batch.run()
+            done = batch.ready()
+            next_ns = start + -(-done // n) * step  # the next pass's time (a stop ends early)
+            self.collect(final=True)
+            spacing = max(self.interval, BUDGET * (time.thread_time() - cpu) / max(done / n, 1))
 
     def read(self, pid: int, tid: int) -> Segments | str:
         """Thread ``tid``'s Python frames as segments (innermost first), or why not (on the
@@ -273,15 +361,33 @@ class PythonFrames:
         got = self._interpreter(pid)
         if isinstance(got, str):
             return got
-        return self._walk(got, tid)
+        with self._walk_lock:
+            return self._walk_many([(got, tid)])[0][1]
 
-    def _walk(self, got: Interpreter, tid: int) -> Segments | str:
-        self.stats.reads += 1
-        mem = got.mem
+    def _walk_many(self, items: list[tuple[Interpreter, int]]) -> list[tuple[int, Segments | str]]:
+        """Each (interpreter, tid)'s frames, walked in one native call, decoded here: (time of
+        its walk, its segments or why not). The caller holds ``_walk_lock``."""
+        if self._walker is None:
+            self._walker = Walker()
+        return self._decode_all(items, self._walker.walk(items, self.max_frames))
+
+    def _decode_all(self, items: list[tuple[Interpreter, int]],
+                    walks: list[tuple[int, list[RawFrame] | str, int]]
+                    ) -> list[tuple[int, Segments | str]]:  # fmt: skip
+        out: list[tuple[int, Segments | str]] = []
+        for (it, _), (t, raw, calls) in zip(items, walks, strict=True):
+            self.stats.reads += 1
+            self.stats.syscalls += calls
+            out.append((t, raw if isinstance(raw, str) else self._decode(it, raw)))
+        return out
+
+    def _decode(self, it: Interpreter, raw: list[RawFrame]) -> Segments | str:
+        """Records as interned ``Frame`` segments (names read once per code object)."""
+        mem = it.mem
         assert isinstance(mem, ProcessMemory)
         calls = mem.calls
         try:
-            segs = got.walk(tid, self.max_frames)
+            segs = it.decode(raw)
         except ReadFailed as e:
             return e.reason
         finally:
