@@ -276,8 +276,13 @@ def label_pids(
 def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[FunctionCount]:
     """Self (leaf frame) and total (anywhere in the stack, once per sample) counts per function;
     frames without a symbol are grouped as ``[dso]``."""
-    # Aggregate by stack first (entries differ by pid/tid/comm, stacks repeat); a query's
-    # stacks are the same tuple object per stack, so the first level is an identity lookup.
+    return rank_functions(((func_keys(fr), n) for fr, n in _by_stack(stacks)), limit)
+
+
+def _by_stack(stacks: Iterable[StackCount]) -> list[list[Any]]:
+    """[frames, count] per distinct stack, first seen first. Entries differ by pid/tid/comm
+    and stacks repeat; a query's stacks are the same tuple object per stack, so this is an
+    identity lookup per entry."""
     by_stack: dict[int, list[Any]] = {}
     for sc in stacks:
         hit = by_stack.get(id(sc.frames))
@@ -285,7 +290,7 @@ def top_functions(stacks: Iterable[StackCount], limit: int = 50) -> list[Functio
             by_stack[id(sc.frames)] = [sc.frames, sc.count]
         else:
             hit[1] += sc.count
-    return rank_functions(((func_keys(fr), n) for fr, n in by_stack.values()), limit)
+    return list(by_stack.values())
 
 
 def top_of_counts(
@@ -328,16 +333,9 @@ def top_lines(stacks: Iterable[StackCount], limit: int = 50) -> list[LineCount]:
     line (an inlined frame's: the code inlined there; the frame an inline chain sits in: the
     call site); frames without line info count per function with no file. Ranked by self,
     then total, then function name (ties: first seen first). O(distinct stacks * frames)."""
-    by_stack: dict[int, list[Any]] = {}
-    for sc in stacks:
-        hit = by_stack.get(id(sc.frames))
-        if hit is None:
-            by_stack[id(sc.frames)] = [sc.frames, sc.count]
-        else:
-            hit[1] += sc.count
     self_c: Counter[LineKey] = Counter()
     total_c: Counter[LineKey] = Counter()
-    for frames, count in by_stack.values():
+    for frames, count in _by_stack(stacks):
         if not frames:
             continue
         keys = [(f.file, f.line, frame_name(f), f.dso) for f in frames]
