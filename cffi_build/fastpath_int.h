@@ -161,7 +161,8 @@ FP_INTERNAL uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay,
 /* parallel.c: stop and join the worker (unless a fork's child: not its thread) and free the
  * ring (fp_ctx_free). */
 FP_INTERNAL void par_free(struct fp_par *P);
-/* parallel.c: the bytes the worker's ring holds (fp_ctx_bytes), 0 for NULL. */
-FP_INTERNAL uint64_t par_bytes(const struct fp_par *P);
+/* stacks.c: the bytes the context and its sets hold, by capacity, O(1) (fp_ctx_bytes, in
+ * parallel.c, adds the worker's ring). */
+FP_INTERNAL uint64_t ctx_sets_bytes(const struct fp_ctx *c);
 
 #endif

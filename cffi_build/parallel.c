@@ -508,9 +508,12 @@ uint64_t fp_ctx_par_stats(const struct fp_ctx *c)
     return n;
 }
 
-uint64_t par_bytes(const struct fp_par *P)
+/* What the context holds: its sets (stacks.c) and the worker's ring, by capacity, O(1). */
+uint64_t fp_ctx_bytes(const struct fp_ctx *c)
 {
-    if (!P)
-        return 0;
-    return sizeof *P + P->ring * P->max_depth * (sizeof *P->pcs + 1) + P->ring * sizeof *P->slots;
+    const struct fp_par *P = c->par;
+    uint64_t ring = P ? sizeof *P + P->ring * P->max_depth * (sizeof *P->pcs + 1) +
+                            P->ring * sizeof *P->slots
+                      : 0;
+    return ctx_sets_bytes(c) + ring;
 }

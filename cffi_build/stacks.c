@@ -19,7 +19,7 @@
  * compare its key, O(1) expected per set probe (open addressing, at most half full, doubling:
  * amortized O(1) per insert); by code O(1) per pc on a memo hit, else O(log modules).
  * Memory: the sets only grow for the context's life (the live step drops the context whole past
- * its bounds, ringstep.py); fp_ctx_bytes reports their capacities in O(1).
+ * its bounds, ringstep.py); ctx_sets_bytes reports their capacities in O(1).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -651,7 +651,7 @@ uint64_t fp_pairs(const struct fp_ctx *c, uint64_t from, uint32_t *space_ids,
 
 uint32_t fp_nframes(const struct fp_ctx *c) { return (uint32_t)c->nfr; }
 
-uint64_t fp_ctx_bytes(const struct fp_ctx *c)
+uint64_t ctx_sets_bytes(const struct fp_ctx *c)
 {
     return sizeof *c + (uint64_t)c->max_depth * (sizeof *c->pcs + 1) + c->keycap * 8 +
            c->scap * sizeof *c->spaces + c->ccap * sizeof *c->comms +
@@ -659,7 +659,7 @@ uint64_t fp_ctx_bytes(const struct fp_ctx *c)
            c->capfr * sizeof *c->frames + c->ftabcap * sizeof *c->ftab +
            c->capfids * sizeof *c->fids + c->cappairs * sizeof *c->pairs +
            c->ptabcap * sizeof *c->ptab + c->symcap * sizeof *c->syms +
-           (c->memo ? FID_MEMO * sizeof *c->memo : 0) + par_bytes(c->par);
+           (c->memo ? FID_MEMO * sizeof *c->memo : 0);
 }
 
 int fp_frame(const struct fp_ctx *c, uint32_t id, uint32_t *space_id, uint64_t *pc,
