@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -49,8 +51,10 @@ __all__ = [
     "REPLAY_PRUNE_SECONDS",
     "STALE_TMP_SECONDS",
     "CacheFileError",
+    "blob_file_head",
     "bound_cache_dir",
     "discard_cache_file",
+    "map_blob_file",
     "map_cache_file",
     "prune_cache_dirs",
     "read_cache_file",
@@ -106,6 +110,28 @@ def _open_checked(path: str, limit: int) -> tuple[int, int] | None:
         os.close(fd)
         raise CacheFileError("not a regular file or too large")
     return fd, st.st_size
+
+
+def blob_file_head(header: struct.Struct, fields: tuple[Any, ...], blob: Any) -> bytes:
+    """The header of a file of ``header`` then ``blob``: ``fields``, then the blob's length and
+    CRC-32 (the last two fields of every such header; ``map_blob_file`` checks them)."""
+    return header.pack(*fields, len(blob), zlib.crc32(blob))
+
+
+def map_blob_file(path: str, header: struct.Struct, limit: int
+                  ) -> tuple[tuple[Any, ...], Any] | None:  # fmt: skip
+    """A file ``blob_file_head`` began, mapped (``map_cache_file``): (the header's fields but
+    the last two, the blob as a cffi buffer over the mapping); None if there is no file.
+    CacheFileError as ``map_cache_file``, and for a blob whose length or CRC-32 is not the
+    header's. The caller checks the other fields. Cost: the map and one CRC pass."""
+    got = map_cache_file(path, header.size + limit, header.size)
+    if got is None:
+        return None
+    head, blob = got
+    *fields, size, crc = header.unpack_from(head, 0)
+    if size != len(blob) or zlib.crc32(blob) != crc:
+        raise CacheFileError("size/checksum")
+    return tuple(fields), blob
 
 
 def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | None:

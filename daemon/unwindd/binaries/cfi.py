@@ -38,7 +38,13 @@ from enum import IntEnum
 from typing import Any
 
 from ..unwcore import check, ffi, lib
-from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
+from .cachefiles import (
+    CacheFileError,
+    blob_file_head,
+    discard_cache_file,
+    map_blob_file,
+    write_cache_file,
+)
 
 __all__ = [
     "CFI_STORE_RESULTS",
@@ -498,15 +504,12 @@ class CfiStore:
         """The table in the file at ``path``, mapped and used in place; None if there is no
         file, or it was refused (counted in ``corrupt``, removed)."""
         try:
-            got = map_cache_file(path, FILE_HEADER.size + MAX_CACHE_FILE, FILE_HEADER.size)
+            got = map_blob_file(path, FILE_HEADER, MAX_CACHE_FILE)
             if got is None:
                 return None
-            head, blob = got
-            magic, version, arch, size, crc = FILE_HEADER.unpack_from(head, 0)
+            (magic, version, arch), blob = got
             if magic != FILE_MAGIC or version != FILE_VERSION or arch != ARCH_X86_64:
                 raise CfiError("magic/version/arch")
-            if size != len(blob) or zlib.crc32(blob) != crc:
-                raise CfiError("size/checksum")
             return CfiTable(blob, mapped=True)
         except (CfiError, CacheFileError):
             self.stats["corrupt"] += 1
@@ -515,7 +518,7 @@ class CfiStore:
 
     def _save(self, path: str, table: CfiTable) -> bool:
         blob = table.blob
-        head = FILE_HEADER.pack(FILE_MAGIC, FILE_VERSION, ARCH_X86_64, len(blob), zlib.crc32(blob))
+        head = blob_file_head(FILE_HEADER, (FILE_MAGIC, FILE_VERSION, ARCH_X86_64), blob)
         if not write_cache_file(path, (head, blob)):
             self.stats["write_errors"] += 1
             return False

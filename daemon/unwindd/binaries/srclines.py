@@ -36,7 +36,13 @@ import zlib
 from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
+from .cachefiles import (
+    CacheFileError,
+    blob_file_head,
+    discard_cache_file,
+    map_blob_file,
+    write_cache_file,
+)
 from .demangle import demangle
 from .elf import ElfError, ElfReader
 
@@ -375,7 +381,7 @@ class SrcLineStore:
         self.stats["compiled"] += 1
         if path is not None:
             blob = table.blob
-            head = _FILE.pack(FILE_MAGIC, FILE_VERSION, src.stamp, len(blob), zlib.crc32(blob))
+            head = blob_file_head(_FILE, (FILE_MAGIC, FILE_VERSION, src.stamp), blob)
             if not write_cache_file(path, (head, blob)):
                 self.stats["write_errors"] += 1
             else:
@@ -385,15 +391,12 @@ class SrcLineStore:
 
     def _load(self, path: str, stamp: int) -> SrcLineTable | None:
         try:
-            got = map_cache_file(path, _FILE.size + MAX_FILE, _FILE.size)
+            got = map_blob_file(path, _FILE, MAX_FILE)
             if got is None:
                 return None
-            head, blob = got
-            magic, version, st, size, crc = _FILE.unpack_from(head, 0)
+            (magic, version, st), blob = got
             if magic != FILE_MAGIC or version != FILE_VERSION or st != stamp:
                 raise _BadTable("magic/version/stamp")
-            if size != len(blob) or zlib.crc32(blob) != crc:
-                raise _BadTable("size/checksum")
             return SrcLineTable(blob, mapped=True)
         except (_BadTable, CacheFileError):
             self.stats["corrupt"] += 1
