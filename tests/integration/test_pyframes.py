@@ -175,6 +175,23 @@ def test_exit_while_read_is_counted_never_wrong(daemon: DaemonProc) -> None:
     assert all(m[f'{{reason="{r}"}}'] >= n for r, n in after.items()), (m, after)
 
 
+def test_own_samples_are_not_read(daemon: DaemonProc) -> None:
+    """The daemon does not read its own Python frames (each read would be more of its own
+    samples to read): its samples keep ``_PyEval_EvalFrameDefault``, counted as ``self``."""
+    before = daemon.json("/v1/status")["runtimes"]["python"]["failures"]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # queries keep the daemon's interpreter on the CPU
+        daemon.get("/v1/stacks?limit=1000")
+        after = daemon.json("/v1/status")["runtimes"]["python"]["failures"]
+        if after["self"] > before["self"] + 20:
+            break
+    assert after["self"] > before["self"] + 20, (before, after)
+    own = daemon.json(f"/v1/stacks?pid={daemon.proc.pid}&limit=100000")
+    frames = [f for s in own["stacks"] for f in s["frames"]]
+    assert any(f["sym"] == "_PyEval_EvalFrameDefault" for f in frames), own
+    assert not any(f["dso"] == "[python]" for f in frames)
+
+
 @pytest.mark.skipif(not PY310, reason="no CPython 3.10 on this machine")
 def test_unknown_version_keeps_native_frames(daemon: DaemonProc) -> None:
     """CPython 3.10 has ``_PyRuntime`` but no ``Py_Version`` and no known layout: its stacks

@@ -44,8 +44,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 # Why a sample's Python frames could not be named (metrics labels: a fixed set).
+# "self": the daemon's own process is not read (pyreader): reading itself would make each of its
+# reads a new sample to read, and its own Python frames are not what it profiles
 FAILURES = ("gone", "denied", "no_runtime", "unknown_version", "no_thread", "moved", "too_deep",
-            "late")
+            "late", "self")
 
 MAX_STR = 512  # characters of a name or file name read
 MAX_LINETABLE = 1 << 16  # bytes of co_linetable read (the line of later code is unknown)

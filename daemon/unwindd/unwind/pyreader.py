@@ -151,6 +151,7 @@ class PythonFrames:
         self._inflight: tuple[Batch, list[tuple[int, int]], int, set[tuple[int, int]]] | None
         self._inflight = None
         self._taken = 0
+        self._own_pid = os.getpid()
 
     def known(self, pid: int) -> bool:
         """Whether ``pid`` was found to run a readable interpreter (cheap: no lookup)."""
@@ -409,6 +410,8 @@ class PythonFrames:
         return tuple(out)
 
     def _interpreter(self, pid: int) -> Interpreter | str:
+        if pid == self._own_pid:
+            return "self"
         sp = self.table.get(pid)
         if sp is None:
             return "gone"
