@@ -125,9 +125,14 @@ def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:
     by_type = prof.pipeline.stats.by_type
     for _ in range(warm):
         prof.step()
-    if engine.cfi_prefetch is not None and engine.cfi_prefetch._pool is not None:
-        engine.cfi_prefetch._pool.shutdown(wait=True)  # warm-up compiles done before timing
-        engine.cfi_prefetch._pool = None
+    pre = engine.cfi_prefetch
+    if pre is not None and getattr(pre, "_pool", None) is not None:  # (older code)
+        pre._pool.shutdown(wait=True)  # warm-up compiles done before timing
+        pre._pool = None
+    elif pre is not None and hasattr(pre, "_jobs"):
+        from concurrent.futures import wait
+
+        wait(list(pre._jobs.futures.values()))  # warm-up compiles done before timing
     n0 = dict(by_type)
     p = cProfile.Profile() if profile else None
     c0 = time.process_time()

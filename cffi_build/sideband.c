@@ -165,3 +165,43 @@ uint64_t unw_sb_compact(uint32_t *perm, uint64_t m, uint8_t *cand, const uint32_
     *nkept = nk;
     return w;
 }
+
+/* The MMAP2 records a replay decodes only when it applies them (filereplay.py): every MMAP2
+ * that RecordDecoder decodes without error or repair (not flagged
+ * PERF_RECORD_MISC_MMAP_BUILD_ID, its fixed part and sample_id trailer inside the body, the
+ * record inside the data) gets the time/cpu/flags record_marks would give it, and
+ * is listed in lazy; the decoder's and StreamStats' counts of them are taken in bulk (a MMAP2
+ * counts by type and cpu only). So no MMAP2 is decoded twice, and one the replay finds to
+ * change nothing is never decoded. */
+int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs_, uint32_t *idx, uint64_t n,
+                    uint32_t sid_size, int32_t t_off, int32_t c_off, uint32_t *lazy,
+                    uint64_t *nrest)
+{
+    struct fp_rec *recs = recs_;
+    int64_t nlazy = 0;
+    uint64_t w = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t ri = idx[i];
+        struct fp_rec *r = &recs[ri];
+        uint64_t blen = r->size >= 8 ? r->size - 8u : 0;
+        if (r->type != REC_MMAP2 || (r->misc & MISC_MMAP_BUILD_ID) || r->off + r->size > len
+            || blen < 64 + (uint64_t)sid_size) {
+            idx[w++] = ri;
+            continue;
+        }
+        const uint8_t *sid = data + r->off + 8 + blen - sid_size;
+        uint8_t flags = 0;
+        if (t_off >= 0) {
+            r->time = rd64(sid + t_off);
+            flags |= FP_TIMED;
+        }
+        if (c_off >= 0) {
+            r->cpu = rd32(sid + c_off);
+            flags |= FP_HAS_CPU;
+        }
+        r->flags = flags;
+        lazy[nlazy++] = ri;
+    }
+    *nrest = w;
+    return nlazy;
+}

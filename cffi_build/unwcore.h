@@ -280,6 +280,15 @@ uint64_t unw_sb_compact(uint32_t *perm, uint64_t m, uint8_t *cand, const uint32_
                         uint64_t ncand, const void *recs, uint32_t *kept, uint64_t *nkept,
                         uint32_t *skipped_cpus);
 
+/* Of idx[0..n) (records of data, a data section of len bytes; sample_id trailer as in
+ * unw_sb_scan), every MMAP2 that decodes without error or repair (not flagged
+ * PERF_RECORD_MISC_MMAP_BUILD_ID, body >= 64 + sid_size bytes) is listed in lazy (room for
+ * n), in idx order, and its index entry gets time/cpu/flags from its trailer.
+ * idx[0..*nrest) keeps the other records, in order. Returns how many were listed. O(n). */
+int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx, uint64_t n,
+                    uint32_t sid_size, int32_t t_off, int32_t c_off, uint32_t *lazy,
+                    uint64_t *nrest);
+
 /* ------------------------------------------------------------------ source lines (dwarfline.c) */
 
 /* A compiled line/inline table (layout at the top of dwarfline.c; srclines.py reads it). */

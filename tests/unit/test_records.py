@@ -749,6 +749,13 @@ def _check_decodes(
     assert dec.stats.errors == ref.stats.errors + tail, (frames, end)
     assert dec.stats.records == ref.stats.records
     assert dec.stats.repairs == ref.stats.repairs
+    # decode_quiet (the file replay's one decode of a MMAP2 whose counts it took in bulk) gives
+    # decode_one's value for any record, and counts nothing
+    quiet = RecordDecoder(fmts, ids)
+    for (off, size), rec in zip(frames, want, strict=True):
+        rtype, misc = struct.unpack_from("<IH", buf, off)
+        assert quiet.decode_quiet(rtype, misc, mv[off + 8 : off + size]) == rec
+    assert not quiet.stats.records and not quiet.stats.errors and not quiet.stats.repairs
 
 
 _FMTS = [
@@ -827,3 +834,69 @@ def test_mutated_valid_streams_decode_or_count(buf: bytes, multi: bool) -> None:
         _check_decodes(buf, [fmt, other], {3: 0, 4: 1, 0: 1})
     else:
         _check_decodes(buf, [fmt], {})
+
+
+# --------------------------------------------------------------------------- unw_sb_lazy
+
+
+@st.composite
+def _mmap2_heavy(draw: st.DrawFn) -> bytes:
+    """MMAP2 records, well formed or not (random bodies, cut fixed parts, the build-id flag),
+    among other side-band records: what sideband.c's ``unw_sb_lazy`` sorts."""
+    st_ = _valid_stream()[1].sample_type
+    out = b""
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["good", "random", "other"]))
+        misc = draw(st.sampled_from([0, 2, rb.MISC_MMAP_BUILD_ID, 0xFFFF]))
+        if kind == "good":
+            sid = rb.Sid(pid=draw(st.integers(0, 9)), tid=1, time=draw(st.integers(0, 1 << 40)),
+                         id=3, cpu=draw(st.integers(0, 3)))  # fmt: skip
+            out += rb.mmap2_inode(pid=sid.pid or 0, tid=1, addr=draw(st.integers(0, 1 << 47)),
+                                  length=draw(st.integers(0, 1 << 20)), pgoff=0, maj=8, min=1,
+                                  ino=9, ino_generation=0, prot=draw(st.integers(0, 7)), flags=2,
+                                  filename=draw(st.text(max_size=12)), misc=misc,
+                                  sample_type=st_, sid=sid)  # fmt: skip
+        else:
+            rtype = 10 if kind == "random" else draw(st.sampled_from([3, 4, 7, 9]))
+            body = draw(st.binary(max_size=120))
+            out += rb.raw_record(rtype, misc, body + b"\0" * (-len(body) % 8))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(buf=_mmap2_heavy())
+def test_sb_lazy_lists_exactly_the_mmap2s_that_decode_cleanly(buf: bytes) -> None:
+    """``unw_sb_lazy`` lists a MMAP2 iff decode_one decodes it without an error or a repair
+    and it is not build-id flagged, and marks its index entry as record_marks would; every
+    other record stays in ``idx``, in order."""
+    from unwindd.pipeline.context import HAS_CPU, TIMED, record_marks
+    from unwindd.source.mapfile import RecordIndex, layout_of
+    from unwindd.unwcore import ffi, lib
+
+    fmt = _valid_stream()[1]
+    data = ffi.from_buffer(buf)
+    idx = RecordIndex(layout_of(fmt), data, len(buf))
+    others = ffi.new("uint32_t[]", max(1, idx.n))
+    nother = int(lib.fp_select_other(idx.recs, idx.n, others))
+    before = list(others[0:nother])
+    dec = RecordDecoder([fmt])
+    trailer = dec.sample_id_trailer()
+    assert trailer is not None
+    lazy, nrest = ffi.new("uint32_t[]", max(1, nother)), ffi.new("uint64_t *")
+    k = lib.unw_sb_lazy(data, len(buf), idx.recs, others, nother, *trailer, lazy, nrest)
+    listed = list(lazy[0:k])
+    assert list(others[0 : nrest[0]]) == [i for i in before if i not in set(listed)]
+    assert listed == [i for i in before if i in set(listed)]  # in drain order
+    mv = memoryview(buf)
+    for i in before:
+        r = idx.recs[i]
+        one = RecordDecoder([fmt])
+        rec = one.decode_one(r.type, r.misc, mv[r.off + 8 : r.off + r.size])
+        clean = (type(rec) is Mmap2 and not r.misc & rb.MISC_MMAP_BUILD_ID
+                 and not one.stats.errors and not one.stats.repairs)  # fmt: skip
+        assert (i in listed) == clean, rec
+        if clean:
+            t, cpu, flags = record_marks(rec)
+            assert r.flags == flags
+            assert (r.time if flags & TIMED else 0) == t
+            assert (r.cpu if flags & HAS_CPU else 0) == cpu

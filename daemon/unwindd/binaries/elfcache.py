@@ -26,7 +26,7 @@ import os
 import stat
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .elf import ElfError, ElfReader, find_debug_file
@@ -201,6 +201,22 @@ class ElfCache:
                 return
             self._lru[entry.uid] = entry
             self._evict()
+
+    def retain_all(self, entries: Iterable[ElfEntry]) -> None:
+        """``retain`` of each entry (a FORK copies its parent's binaries): one call, not two
+        per binary."""
+        for entry in entries:
+            if entry.refcount <= 0:
+                raise ValueError(f"retain of unreferenced {entry!r}")
+            entry.refcount += 1  # (> 0 already: not in the LRU, as _ref would check)
+
+    def release_all(self, entries: Iterable[ElfEntry]) -> None:
+        """``release`` of each entry (an exec or a drop gives back all of a space's)."""
+        for entry in entries:
+            if entry.refcount <= 1:
+                self.release(entry)  # the last reference (or a bad one): release's path
+            else:
+                entry.refcount -= 1
 
     def _ref(self, entry: ElfEntry) -> None:
         if entry.refcount == 0:

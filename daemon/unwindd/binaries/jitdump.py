@@ -66,7 +66,8 @@ def is_jitdump_path(path: str) -> bool:
     """Whether a mapped file is a jitdump: its base name is ``jit-<digits>.dump`` (perf's
     jit_detect, which also wants the digits to be the mapping pid's: not required here, so a
     process in a pid namespace, which writes its namespace pid, is found too)."""
-    return _DUMP_NAME.fullmatch(os.path.basename(path)) is not None
+    # (the suffix first: every executable mapping of every process is asked)
+    return path.endswith(".dump") and _DUMP_NAME.fullmatch(os.path.basename(path)) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,7 +104,7 @@ class SymbolTable:
         t.starts, t.ends, t._offs, t._strtab, t._named = starts, ends, offs, strtab, named
         t._plt = plt or {}
         # names decoded later are not counted: bounded by the string table we count whole
-        names = sum(49 + len(n) for d in (named, t._plt) for n in d.values())
+        names = sum(49 * len(d) + sum(map(len, d.values())) for d in (named, t._plt))
         t.nbytes = (mapped_bytes or 20 * len(starts) + len(strtab)) + names
         t.mapped_bytes = mapped_bytes
         return t

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import os
+import struct
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
@@ -68,6 +69,10 @@ _FINISHED_ROUND_NAME = record_type_name(FinishedRound())
 PAR_MIN: int | None = None
 # Tests: the worker made to take blocks (fp_ctx_par_stress), so the threaded path surely runs.
 PAR_STRESS = False
+
+
+_MMAP2_HEAD = struct.Struct("<IIQQ")  # pid, tid, addr, len
+_U32 = struct.Struct("<I")
 
 
 def _start(m: Mapping) -> int:
@@ -143,8 +148,9 @@ class _Replay:
     and the symbol region of its ELF vaddr in the table ``frame_at`` names it from, handed to
     C once per binary; stacks without their address space), so N processes running the same
     code cost what one does, and the addresses of one function are one frame. A snapshot is
-    held only while a pid uses it in C or its frames are unnamed; MMAP2 objects are not held
-    between ordering and applying them (decoded again, ``RecordDecoder.redecode``)."""
+    held only while a pid uses it in C or its frames are unnamed; MMAP2 records that decode
+    cleanly are counted in bulk and decoded once, when applied (``_lazy_mmaps``): a replay
+    holds their bytes, not objects, between ordering and applying them."""
 
     def __init__(
         self,
@@ -220,17 +226,19 @@ class _Replay:
     def run(self) -> FastResult:
         """The whole file, with the Python replay's answer and counts: the same records decoded
         (non-SAMPLE records and SAMPLEs that fail to decode go through
-        ``RecordDecoder.decode_one`` itself), the same delivery order (fp_order is
-        ``RoundOrderer.feed_file_order``), side-band records applied to the process table in
-        that order between runs, each sample unwound against its pid's snapshot of that moment
-        (a pid's native space is dropped on the C side whenever a record of that pid is
-        applied, and re-taken from ``StackEngine.snapshot`` at its next sample), the comm of
-        that moment (all comm ids are dropped at each COMM), and the engine's own
-        ``user_frames``/``kernel_frames`` for names. The same counts: ``DecodeStats`` (records
-        by type, errors), ``PerfData.errors``, ``StreamStats``, ``OrderStats`` and the
-        engine's per-status sample and frame counts (``EngineStats.batches`` counts native
-        runs here; ``unsymbolized`` matches while fewer than ``sym_cache_size`` unique stacks
-        exist, as the Python replay re-symbolizes after clearing its cache)."""
+        ``RecordDecoder.decode_one`` itself; MMAP2s that decode cleanly through
+        ``decode_quiet`` when applied, their counts taken in bulk), the same delivery order
+        (fp_order is ``RoundOrderer.feed_file_order``), side-band records applied to the
+        process table in that order between runs, each sample unwound against its pid's
+        snapshot of that moment (a pid's native space is dropped on the C side whenever a
+        record of that pid is applied, and re-taken from ``StackEngine.snapshot`` at its
+        next sample), the comm of that moment (all comm ids are dropped at each COMM), and
+        the engine's own ``user_frames``/``kernel_frames`` for names. The same counts:
+        ``DecodeStats`` (records by type, errors), ``PerfData.errors``, ``StreamStats``,
+        ``OrderStats`` and the engine's per-status sample and frame counts
+        (``EngineStats.batches`` counts native runs here; ``unsymbolized`` matches while
+        fewer than ``sym_cache_size`` unique stacks exist, as the Python replay
+        re-symbolizes after clearing its cache)."""
         if self.lay.sample_type & _CALLCHAIN:
             self.engine.symbolizer.preload_kernel()  # overlaps the index and the first runs
         idx = self.mapped.take_index(self.lay, self.start, self.length)
@@ -245,6 +253,7 @@ class _Replay:
             if recs[i].type == RecordType.HEADER_ATTR:
                 raise Unsupported("HEADER_ATTR in the data section")
         cand, cand_pids, ncand, nrest = self._scan_data_mmaps(recs, n, others, nother)
+        nrest = self._lazy_mmaps(recs, others, nrest)
         mv = memoryview(self.mm)
         objs = self._decode_others(mv, recs, others, nrest)
         dec = self.data.decoder
@@ -308,12 +317,46 @@ class _Replay:
             nrest = int(p_rest[0])
         return cand, cand_pids, ncand, nrest
 
+    def _lazy_mmaps(self, recs: Any, others: Any, nother: int) -> int:
+        """The MMAP2 records among ``others[0, nother)`` that decode without error or repair
+        (sideband.c ``unw_sb_lazy``; many per process): their index entries marked natively
+        and their counts taken in bulk here (decode_one's and StreamStats.observe's: a MMAP2
+        counts by type and cpu only); each is decoded once, when applied (``_record``), and
+        not at all when it cannot change the table (``_raw_noop``). The others left, in
+        ``others[0, result)``."""
+        trailer = self.data.decoder.sample_id_trailer()
+        if trailer is None or not nother:
+            return nother
+        lazy = ffi.new("uint32_t[]", nother)
+        p_rest = ffi.new("uint64_t *")
+        k = check(lib.unw_sb_lazy(self.buf, self.length, recs, others, nother, *trailer, lazy,
+                                  p_rest), "unw_sb_lazy")  # fmt: skip
+        if k:
+            cpus = [ffi.new("uint32_t[]", k) for _ in range(5)]
+            cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
+                    *cpus[:3]]  # fmt: skip
+            lib.fp_columns(recs, lazy, k, *cols)
+            self._count_mmap2s(k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
+        return int(p_rest[0])
+
+    def _count_mmap2s(self, k: int, cpus: memoryview | None) -> None:
+        """decode_one's and StreamStats.observe's counts of ``k`` MMAP2 records decoded
+        without error (of these cpus; None: their trailer carries none)."""
+        name = "MMAP2"
+        self.data.decoder.stats.records[name] += k
+        s = self.sstats
+        s.by_type[name] += k
+        if cpus is None:
+            s.by_cpu_type.setdefault(None, Counter())[name] += k
+            return
+        for cpu, c in count_flagged(b"\x01" * k, cpus):
+            s.by_cpu_type.setdefault(cpu, Counter())[name] += c
+
     def _decode_others(self, mv: memoryview, recs: Any, others: Any, nrest: int
                        ) -> dict[int, Record]:  # fmt: skip
         """Decode what is not a good SAMPLE, exactly as PerfData.records() does, and mark
-        each index entry for the orderer. MMAP2 objects (many per process) are counted and
-        dropped, and decoded again when applied (_record): a replay holds their bytes, not
-        objects. The other records by index."""
+        each index entry for the orderer. (MMAP2 records that decode cleanly, most of them,
+        are not here: ``_lazy_mmaps``.) The records by index."""
         data, dec, sstats = self.data, self.data.decoder, self.sstats
         objs: dict[int, Record] = {}
         rounds = 0
@@ -331,11 +374,7 @@ class _Replay:
             rtype, misc, body = r.type, r.misc, mv[off + 8 : off + r.size]
             if rtype >= RecordType.HEADER_ATTR:
                 data.user_record(rtype, misc, body)
-            rec = dec.decode_one(rtype, misc, body)
-            if type(rec) is Mmap2:
-                sstats.observe(rec)
-            else:
-                objs[i] = rec
+            rec = objs[i] = dec.decode_one(rtype, misc, body)
             mark_record(r, record_marks(rec))
             # (a view left bound after the loop would keep the mapping exported, and its
             # unmap after the runs would fail: mmap.close refuses while views exist)
@@ -373,11 +412,17 @@ class _Replay:
                 emit(pos, end)
             if p < 0:
                 break
-            rec = objs.pop(perm[p], None) or self._record(recs, perm[p])
+            i = perm[p]
             side += 1
             pos = p + 1
-            if type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
-                engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
+            rec = objs.pop(i, None)
+            if rec is None:  # a MMAP2 counted in bulk, not decoded yet
+                if self._raw_noop(recs[i]):
+                    engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
+                    continue
+                rec = self._record(recs, i)
+            elif type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
+                engine.table.stats.records["MMAP2"] += 1
                 continue
             if engine.note_comm(rec):
                 nctx.forget_comms()
@@ -400,11 +445,13 @@ class _Replay:
         cpus = ffi.new("uint32_t[]", ncand)
         new_m = count(lib.unw_sb_compact(perm, m, cand, pids, ncand, recs, kept, nkept, cpus),
                       "unw_sb_compact")  # fmt: skip
-        dec, mv = self.data.decoder, memoryview(self.mm)
-        for i in kept[0 : int(nkept[0])]:
-            r = recs[i]
-            off = self.start + r.off
-            self.sstats.observe(dec.decode_one(r.type, r.misc, mv[off + 8 : off + r.size]))
+        dec = self.data.decoder
+        nk = int(nkept[0])
+        if nk:  # (marked by the scan, decoded when applied: decode_one's counts in bulk)
+            kcpus = ffi.new("uint32_t[]", [recs[i].cpu for i in kept[0:nk]])
+            trailer = dec.sample_id_trailer()
+            has_cpu = trailer is not None and trailer[2] >= 0
+            self._count_mmap2s(nk, view(kcpus, "I", nk) if has_cpu else None)
         skipped = m - new_m
         if skipped:
             dec.stats.records["MMAP2"] += skipped
@@ -420,11 +467,27 @@ class _Replay:
         return new_m, skipped
 
     def _record(self, recs: Any, i: int) -> Record:
-        """Record i (a MMAP2 decoded and counted before ordering) decoded again."""
+        """Record i (a MMAP2 counted in bulk before ordering, ``_lazy_mmaps``) decoded, once."""
         r = recs[i]
         off = self.start + r.off
         body = memoryview(self.mm)[off + 8 : off + r.size]
-        return self.data.decoder.redecode(r.type, r.misc, body)
+        return self.data.decoder.decode_quiet(r.type, r.misc, body)
+
+    def _raw_noop(self, r: Any) -> bool:
+        """``_data_mmap_is_noop`` of a MMAP2 not decoded yet (``_lazy_mmaps`` checked its
+        body holds the fixed part), read from its bytes: pid, addr, len at body offsets 0, 8,
+        16 and prot at 56 (perf_event.h)."""
+        off = self.start + r.off + 8
+        pid, _, start, length = _MMAP2_HEAD.unpack_from(self.mm, off)
+        if _U32.unpack_from(self.mm, off + 56)[0] & PROT_EXEC or length <= 0:
+            return False
+        sp = self.engine.table.get(pid)
+        if sp is None:
+            return False  # apply() would create the space
+        maps = sp.mappings
+        end = start + length
+        k = bisect_left(maps, end, key=_start) - 1  # the last mapping starting below end
+        return k < 0 or maps[k].end <= start
 
     def _data_mmap_is_noop(self, rec: Mmap2) -> bool:
         """True if applying ``rec`` cannot change the process table: a non-executable

@@ -43,7 +43,8 @@ from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Fork, Lost, Record
+from ..source.records import Comm, Exit, Fork, Lost, Mmap, Mmap2, Record
+from ..source.streamstats import PLAIN
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
@@ -58,7 +59,6 @@ from .context import (
     callchain,
     count_flagged,
     jit_parts,
-    record_marks,
     view,
 )
 from .deferred import Deferred
@@ -83,6 +83,8 @@ class DrainSource(Protocol):
     def drain_into(self, out: Any) -> list[tuple[int, int]]: ...
 
 
+_PLAIN_NAMES: dict[type, str] = {Mmap2: "MMAP2", Exit: "EXIT", Mmap: "MMAP"}  # (record_type_name)
+assert set(_PLAIN_NAMES) == PLAIN
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
@@ -299,8 +301,9 @@ class NativeStep:
         Same records, same order, same counts as the reference step: chunks are indexed per ring
         (``fp_live_index``: fp_index, i.e. decoder.py's SAMPLE checks); every record that is
         not a good SAMPLE is decoded by ``RecordDecoder.decode_one`` itself, counted by
-        ``StreamStats.observe`` with its ring's cpu and pinned (``LiveProfiler._pin``) as it
-        leaves the ring; samples are counted in the decoder, stream and ordering stats
+        ``StreamStats.observe`` with its ring's cpu (MMAP2/EXIT/MMAP in bulk per round,
+        ``observe_plain``) and pinned (``LiveProfiler._pin``) as it leaves the ring;
+        samples are counted in the decoder, stream and ordering stats
         natively. Its C index entry gets the time/cpu/flags ``context.mark_record`` would give
         it, computed once at decode and rewritten from them whenever the record is carried
         into the next round (records are re-indexed from the carry buffer). Ordering is
@@ -394,25 +397,41 @@ class NativeStep:
         decode, observe = self.pipeline.decoder.decode_one, self.pipeline.stats.observe
         pin = self.pin
         new_other = 0
+        # MMAP2/EXIT/MMAP records carrying their cpu (all of them with sample_id_all): counted
+        # by (type, cpu) after the loop (StreamStats.observe_plain), not one by one
+        plain: dict[tuple[type, int], int] = {}
         for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
             r = recs[i]
             if i < ncarry:
-                got = objs[i]  # carried: decoded and marked once already
+                t, cpu, flags = objs[i][1]  # carried: decoded and marked once already
             else:
                 new_other += 1
                 off = r.off
                 rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
-                observe(rec, cpus[bisect_right(bounds, off) - 2])
-                pin(rec)
-                got = objs[i] = (rec, record_marks(rec))
+                kind = type(rec)
+                rtime, rcpu = rec.time, rec.cpu
+                if rcpu is not None and kind in PLAIN:
+                    key = (kind, rcpu)
+                    plain[key] = plain.get(key, 0) + 1
+                else:
+                    observe(rec, cpus[bisect_right(bounds, off) - 2])
+                if kind is Mmap2:
+                    pin(rec)  # (LiveProfiler._pin: only MMAP2s pin a binary)
+                # context.record_marks, inline
+                flags = (0 if rtime is None else TIMED) | (0 if rcpu is None else HAS_CPU)
+                t, cpu = rtime or 0, rcpu or 0
+                objs[i] = (rec, (t, cpu, flags))
             # the marks computed at decode time: context.mark_record, inline in this loop
             # over every side-band record of the round (and again when carried)
-            t, cpu, flags = got[1]
             r.flags = flags
             if flags & TIMED:
                 r.time = t
             if flags & HAS_CPU:
                 r.cpu = cpu
+        if plain:
+            observe_plain = self.pipeline.stats.observe_plain
+            for (kind, cpu), c in plain.items():
+                observe_plain(_PLAIN_NAMES[kind], cpu, c)
         return new_other
 
     def _order(self, recs: Any, n: int, flush: bool) -> tuple[int, int]:
@@ -509,7 +528,15 @@ class NativeStep:
     # -- side-band and samples
 
     def _apply(self, rec: Record) -> None:
-        """StackEngine.feed's handling of a side-band record, then the C tables follow."""
+        """StackEngine.feed's handling of a side-band record, then the C tables follow. The
+        C pid table keeps a pid's space when the record left it as it was (the same
+        ``AddressSpace`` with the same immutable state: a thread's FORK or EXIT, a rename, a
+        process's EXIT, a data mapping over nothing): what C holds was built from exactly
+        that state, so its next sample needs no placing again."""
+        pid = getattr(rec, "pid", None)
+        table = self.engine.table
+        sp = table.get(pid) if type(pid) is int else None
+        state = sp.state if sp is not None else None
         self.engine.apply_side_band(rec)
         t = type(rec)  # record types are final classes: identity tests
         if t is Comm or t is Fork:
@@ -517,8 +544,7 @@ class NativeStep:
         elif t is Lost:
             self.nctx.forget_all_spaces()  # epoch bump: every space is re-verified
             return
-        pid = getattr(rec, "pid", None)
-        if type(pid) is int:
+        if type(pid) is int and (sp is None or table.get(pid) is not sp or sp.state is not state):
             self.nctx.forget_space(pid)
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,

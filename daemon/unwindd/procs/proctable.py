@@ -92,6 +92,10 @@ class BinaryResolver(Protocol):
 
     def release(self, entry: ElfEntry) -> None: ...
 
+    def retain_all(self, entries: Iterable[ElfEntry]) -> None: ...
+
+    def release_all(self, entries: Iterable[ElfEntry]) -> None: ...
+
 
 # Module keys past every ElfEntry uid (a process-wide counter): aliased mapping names.
 _ALIAS_KEYS = 1 << 48
@@ -288,8 +292,8 @@ class ProcessTable:
             self.binaries.release(entry)
 
     def _clear(self, sp: AddressSpace) -> None:
-        for e in sp.entries():
-            self._release(e)
+        if self.binaries is not None and sp._entries:
+            self.binaries.release_all(list(sp._entries.values()))
         sp._refs.clear()
         sp._entries.clear()
         sp._set(())
@@ -316,9 +320,9 @@ class ProcessTable:
         child._state = parent._state  # shared until either side changes (copy-on-write)
         child._refs = dict(parent._refs)
         child._entries = dict(parent._entries)
-        if self.binaries is not None:
-            for e in child._entries.values():
-                self.binaries.retain(e)  # the cache counts spaces: one more per binary
+        if self.binaries is not None and child._entries:
+            # the cache counts spaces: one more per binary
+            self.binaries.retain_all(child._entries.values())
 
     def retire(self, pid: int, time: int | None = None) -> None:
         """The process exited at record time ``time``: every earlier sample of it has already

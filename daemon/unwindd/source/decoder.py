@@ -223,6 +223,18 @@ class RecordDecoder:
         finally:
             self.stats = stats
 
+    def decode_quiet(self, rtype: int, misc: int, body: memoryview) -> Record:
+        """The value ``decode_one`` gives, nothing counted: for a record whose counts were
+        taken in bulk and that decodes without error or repair (a MMAP2 ``unw_sb_lazy`` of
+        sideband.c listed); any other record is decoded by ``redecode``. One decode, no
+        stats swapped in and out."""
+        if rtype == _T_MMAP2 and not misc & MISC_MMAP_BUILD_ID:
+            try:
+                return self._decode(rtype, misc, body)
+            except (DecodeError, struct.error, IndexError, UnicodeError, ValueError):
+                pass  # not one it was meant for: redecode's answer
+        return self.redecode(rtype, misc, body)
+
     # -- per type
 
     def _decode(self, rtype: int, misc: int, body: memoryview) -> Record:

@@ -33,7 +33,7 @@ from .records import (
     record_type_name,
 )
 
-_PLAIN: frozenset[type] = frozenset({Mmap2, Exit, Mmap})  # counted by type and CPU only
+PLAIN: frozenset[type] = frozenset({Mmap2, Exit, Mmap})  # counted by type and CPU only
 # (record types are final classes: ``type(rec) in _PLAIN`` is exact)
 
 
@@ -61,7 +61,7 @@ class StreamStats:
         if per is None:
             per = self.by_cpu_type[rcpu] = Counter()
         per[name] = per.get(name, 0) + 1
-        if type(rec) in _PLAIN:  # most side-band records: nothing more to count
+        if type(rec) in PLAIN:  # most side-band records: nothing more to count
             return
         if isinstance(rec, Sample):
             if rec.pid is not None:
@@ -83,6 +83,17 @@ class StreamStats:
             (self.unthrottled_by_cpu if rec.unthrottle else self.throttled_by_cpu)[rcpu] += 1
         elif isinstance(rec, BadRecord):
             self.bad_records[rec.reason] += 1
+
+    def observe_plain(self, name: str, cpu: int | None, n: int) -> None:
+        """``observe`` of ``n`` records named ``name`` of ``cpu`` that count by type and cpu
+        only (MMAP2, EXIT, MMAP; ``cpu``: the record's, else its ring's): a caller counting a
+        round's side-band records in bulk."""
+        by_type = self.by_type
+        by_type[name] = by_type.get(name, 0) + n
+        per = self.by_cpu_type.get(cpu)
+        if per is None:
+            per = self.by_cpu_type[cpu] = Counter()
+        per[name] = per.get(name, 0) + n
 
     def note_comm(self, pid: int, comm: str) -> None:
         """``pid`` is named ``comm`` outside the stream (/proc, for a process older than the

@@ -342,7 +342,9 @@ class StackEngine:
         """A non-SAMPLE record, in time order (``feed``; the native live step calls it
         between its runs of samples)."""
         self.note_comm(rec)
-        self.note_jitdump(rec)
+        t = type(rec)  # record types are final classes: identity tests
+        if t is Mmap2 or t is Mmap:  # (the only records note_jitdump looks at)
+            self.note_jitdump(rec)
         self.table.apply(rec)
         if self.live is not None:
             self.live.observe(rec)

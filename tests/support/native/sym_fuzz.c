@@ -7,7 +7,8 @@
  * perf.data data section. Each iteration copies truncated, byte-mutated versions into buffers
  * malloc'd at their exact size (any over-read is reported) and runs unw_symtab_scan +
  * unw_symtab_compact (random section flags, both arm modes), unw_kallsyms_parse, and
- * fp_index + fp_order + unw_sb_scan + unw_sb_compact, checking the outputs' invariants.
+ * fp_index + fp_order + unw_sb_scan + unw_sb_lazy + unw_sb_compact, checking the outputs'
+ * invariants.
  * Prints "ok N".
  */
 #include <stdio.h>
@@ -104,6 +105,13 @@ static void sideband(const struct fp_layout *lay, const uint8_t *d0, uint64_t dl
     CHECK(nc >= 0 && (uint64_t)nc + nrest == no);
     for (uint64_t i = 0; i < nrest; i++)
         CHECK(!cand[idx[i]]);
+    uint32_t *lazy = malloc((nrest ? nrest : 1) * sizeof *lazy);
+    uint64_t nrest2;
+    int64_t nl = unw_sb_lazy(d, len, recs, idx, nrest, sid, toff, coff, lazy, &nrest2);
+    CHECK(nl >= 0 && (uint64_t)nl + nrest2 == nrest);
+    for (int64_t i = 0; i < nl; i++)
+        CHECK(recs[lazy[i]].type == 10 && recs[lazy[i]].off + recs[lazy[i]].size <= len);
+    free(lazy);
     uint32_t *perm = malloc((n ? n : 1) * sizeof *perm);
     uint64_t *late = malloc((n ? n : 1) * sizeof *late);
     uint64_t nout, nlate;
