@@ -186,9 +186,9 @@ class SrcLineTable:
     """One binary's compiled line/inline table (immutable; share it). ``lookup(vaddr)``: the
     levels at an ELF vaddr, innermost first (see the module's invariants)."""
 
-    __slots__ = ("_files", "_kind", "_laddr", "_lfile", "_lno", "_names", "_ndfile",
-                 "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr", "_snode",
-                 "_strp", "_strtab", "blob", "errors", "mapped", "nbytes")  # fmt: skip
+    __slots__ = ("__weakref__", "_files", "_kind", "_laddr", "_lfile", "_lno", "_names",
+                 "_ndfile", "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr",
+                 "_snode", "_strp", "_strtab", "blob", "errors", "mapped", "nbytes")  # fmt: skip
 
     def __init__(self, blob: bytes | Any, mapped: bool = False) -> None:
         # ``blob``: bytes, or a read-only mapping of a stored table (cachefiles.map_cache_file,

@@ -161,6 +161,7 @@ class NativeStep:
         self._u64s = ffi.new("uint64_t[9]")  # out-params: [0, 6) _round's, [6, 9) _run's
         self._u32s = ffi.new("uint32_t[2]")
         self._ost = ffi.new("struct fp_order_stats *")
+        self._bounds, self._ends = ffi.new("uint64_t[]", 64), ffi.new("int[]", 64)  # _index's
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
         # Placed samples waiting for a CFI compile in the worker (engine.cfi_prefetch)
@@ -181,6 +182,7 @@ class NativeStep:
         self._idx = ffi.new("uint32_t[]", cap)
         self._touched, self._touched_t = ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
         self._ident = ffi.new("uint32_t[]", list(range(cap)))
+        self._flagged = (ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap))  # count_flagged
 
     # -- context and the caches mirroring it
 
@@ -377,9 +379,13 @@ class NativeStep:
         its length, and the FP_END_* each ring's part ended on."""
         nparts = len(bounds) - 1
         u64 = self._u64s  # [0] records, [1] others, [2] stop
-        ends = ffi.new("int[]", nparts)
-        check(lib.fp_live_index(self.lay, cbuf, ffi.new("uint64_t[]", bounds), nparts, self._pp,
-                                u64, u64 + 1, ends, u64 + 2), "fp_live_index")  # fmt: skip
+        if len(bounds) > len(self._bounds):  # (the parts of a round: a few per ring)
+            self._bounds = ffi.new("uint64_t[]", 2 * len(bounds))
+            self._ends = ffi.new("int[]", 2 * len(bounds))
+        cb, ends = self._bounds, self._ends
+        cb[0 : len(bounds)] = bounds
+        check(lib.fp_live_index(self.lay, cbuf, cb, nparts, self._pp, u64, u64 + 1, ends,
+                                u64 + 2), "fp_live_index")  # fmt: skip
         recs = ffi.gc(self._pp[0], lib.unw_free)
         n = int(u64[0])
         if int(u64[2]) != _NO_STOP:  # a record type > 255: the kernel never writes one
@@ -496,11 +502,12 @@ class NativeStep:
         cols = self._cols
         lib.fp_columns(recs, self._ident + a, k, *cols)
         flags = bytes(ffi.buffer(cols[0], k))  # the good SAMPLEs (not side-band, not bad)
-        by_pid = count_flagged(flags, view(cols[3], "I", k))  # counted in C, first-seen order
+        out = self._flagged
+        by_pid = count_flagged(flags, view(cols[3], "I", k), out)  # in C, first-seen order
         for pid, c in by_pid:
             s.samples_by_pid[pid] += c
         info.pids.update(pid for pid, _ in by_pid)
-        for cpu, c in count_flagged(flags, view(cols[5], "I", k)):
+        for cpu, c in count_flagged(flags, view(cols[5], "I", k), out):
             per = s.by_cpu_type.get(cpu)
             if per is None:
                 per = s.by_cpu_type[cpu] = Counter()

@@ -9,8 +9,10 @@ Invariants:
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
   sizes, capture.drain_round) and unwinds it natively (ringstep.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
-  ``[daemon] tick_ms``. A ring fd readable without records (a sampled pid exited: POLLHUP) is
-  dropped from the reader set until the next tick, so it cannot spin the loop.
+  ``[daemon] tick_ms`` (a tick is due that long after the last drain, whatever woke it,
+  unless Python threads are read: then every ``tick_ms``). A ring fd readable without
+  records (a sampled pid exited: POLLHUP) is dropped from the reader set until the next
+  tick, so it cannot spin the loop.
 - Lifecycle: READY=1 once the rings are open and the socket listens; WATCHDOG=1 at half of
   WATCHDOG_USEC while steps keep completing; SIGHUP -> RELOADING=1, re-read the config, apply
   the live keys (or keep the running ones if it does not load), READY=1, and keep the outcome
@@ -154,6 +156,7 @@ class Daemon:
         self._servers: list[asyncio.AbstractServer] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._readers_on = False
+        self._drained = False  # a step drained the rings in this pass of the loop (_stepped)
         self._ready = False  # READY=1 sent: a stop is then a shutdown, not a failed start
         self._timer: asyncio.TimerHandle | None = None
         self.trimmer = heap.Trimmer()  # free heap pages back to the kernel (heap.py)
@@ -529,14 +532,44 @@ class Daemon:
     def _tick(self) -> None:
         self._debuginfod_arrivals()
         self._step()
-        self.trimmer.maybe()
+        self._stepped(True)
         self._set_readers(True)
-        if not self._stop.is_set():
-            self._schedule_tick()
 
     def _on_readable(self) -> None:
+        if self._drained:
+            return  # a ring whose wakeup came in the same poll as one already stepped for
+        self._debuginfod_arrivals()
         if not self._step():
-            self._set_readers(False)  # readable but empty: POLLHUP of an exited pid
+            # readable but empty: POLLHUP of an exited pid; the tick already due (not moved
+            # later: the rings are unwatched until it) turns the readers back on
+            self._set_readers(False)
+            return
+        self._stepped(False)
+
+    def _stepped(self, tick: bool) -> None:
+        """After any step: the heap trim when due, and the next tick. A step drains every
+        ring, so a tick is only due ``tick_ms`` after the last step: on a busy machine the
+        rings' watermark wakeups drain them and no tick wakes the loop between. Not while
+        Python threads are read (``[python] frames``): each round may read a thread the reader
+        thread lags on (``PythonFrames.refresh``), so rounds keep the tick's pace there.
+        The other rings' wakeups of the same poll are stale (the step drained them too): they
+        are skipped until the loop's next pass (``_drained``), not stepped for again, and
+        not taken for an exited pid's POLLHUP (which would drop the readers until the tick)."""
+        loop = asyncio.get_running_loop()
+        if not self._drained:
+            self._drained = True
+            loop.call_soon(self._undrain)
+        self.trimmer.maybe()
+        py = self.profiler.python
+        if not tick and py is not None and py.reading:
+            return  # the tick keeps its period
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._stop.is_set():
+            self._timer = loop.call_later(self.config.daemon.tick_ms / 1000, self._tick)
+
+    def _undrain(self) -> None:
+        self._drained = False
 
     def _set_readers(self, on: bool) -> None:
         if on == self._readers_on or (on and self._stop.is_set()):

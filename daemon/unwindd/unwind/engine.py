@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import weakref
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +51,7 @@ from .jitframes import JitStats
 from .stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
 
 if TYPE_CHECKING:
-    from ..binaries.srclines import SrcLineCache
+    from ..binaries.srclines import SrcLineCache, SrcLineTable
     from ..procs.livetable import LiveTable
 
 KERNEL_DSO = "[kernel.kallsyms]"
@@ -70,6 +71,15 @@ _new_frame = frozen_maker(Frame)
 _PID_STACKS = 4096  # stacks cached per pid (one pid's JIT or deep recursion cannot hog the rest)
 _PID_FRAMES = 16384  # named frames cached per pid
 _MAX_SNAPS = 4096  # snapshots held outside live mode, where nothing tells us a pid is gone
+# ``expand``'s levels kept per (binary, vaddr) (cleared whole past it: a miss reads the chain)
+_MAX_LEVELS = 1 << 14
+# (table, symbol, offset, per level (sym, offset, inlined, file, line, decl_file, decl_line) or
+# None: the frame unexpanded); the table held weakly, so the memo keeps no evicted table alive
+_Levels = tuple[
+    "weakref.ref[SrcLineTable]", str | None, int | None,
+    tuple[tuple[str | None, int | None, bool, str | None, int | None, str | None, int | None],
+          ...] | None,
+]  # fmt: skip
 
 
 @dataclass
@@ -228,6 +238,9 @@ class StackEngine:
         # (dso, rel) -> (symbol, offset) of expanded frames whose chain has no level named as
         # the symbol (plain_symbol)
         self._plain: dict[tuple[str | None, int | None], tuple[str, int | None]] = {}
+        # (binary uid, vaddr) -> (its table, symbol, offset, levels) of ``expand``: a new
+        # process of a known binary expands each frame from it, not from the table's chain
+        self._levels: dict[tuple[int, int], _Levels] = {}
 
     @classmethod
     def create(
@@ -287,7 +300,7 @@ class StackEngine:
         engine.cfi_prefetch = pre
         if DEFAULT_INLINE[0] if inline is None else inline:
             from ..binaries.cfiprefetch import KeyedWorker
-            from ..binaries.srclines import SrcLineCache, SrcLineStore, SrcLineTable
+            from ..binaries.srclines import SrcLineCache, SrcLineStore
 
             src = SrcLineStore(os.path.join(cache_dir, SRCLINE_SUBDIR)
                                if cache_dir is not None else None)  # fmt: skip
@@ -488,6 +501,7 @@ class StackEngine:
         self._nstacks = 0
         self._frames.clear()
         self._joined.clear()
+        self._levels.clear()
 
     def cache_sizes(self) -> dict[str, int]:
         """Entries per cache, for metrics and the churn benchmark."""
@@ -727,7 +741,21 @@ class StackEngine:
         table = src.table(e)
         if table is None:
             return (f,)
-        out = inline_frames(f, table.chain(m.vaddr(ip)))
+        key = (e.uid, m.vaddr(ip))
+        hit = self._levels.get(key)
+        if hit is None or hit[0]() is not table or hit[1] != f.sym or hit[2] != f.offset:
+            out = inline_frames(f, table.chain(key[1]))
+            if len(self._levels) >= _MAX_LEVELS:
+                self._levels.clear()
+            # the frames without ip, dso and rel (those of ``f``, the same in every level)
+            self._levels[key] = hit = (weakref.ref(table), f.sym, f.offset, None if out == (f,)
+                                       else tuple((x.sym, x.offset, x.inlined, x.file, x.line,
+                                                   x.decl_file, x.decl_line) for x in out))
+        if hit[3] is None:
+            return (f,)
+        at, dso, rel = f.ip, f.dso, f.rel
+        out = tuple([_new_frame(at, dso, sym, off, False, inl, rel, file, line, dfile, dline, None)
+                     for sym, off, inl, file, line, dfile, dline in hit[3]])  # fmt: skip
         if out[-1].inlined:
             # no level named as the symbol: the chain alone no longer says it (plain_symbol)
             if len(self._plain) >= self._sym_cache_size:

@@ -21,8 +21,9 @@ Invariants:
   ``MAX_RUNTIMES`` the rest count under "other".
 - Cost: a stack tuple seen before (profiles repeat stacks, and the engine hands out the same
   tuple object for the same stack) is one dict lookup by identity; a new one is one pass over
-  its frames. At most ``_MAX_STACKS`` stack tuples are held (then the cache is cleared), and
-  none of a dropped live context (``forget``: the live step calls it with each new context, so
+  its frames, a dict lookup per frame (kinds memoized per dso, at most ``_MAX_DSOS``). At
+  most ``_MAX_STACKS`` stack tuples are held (then the cache is cleared), and none of a
+  dropped live context (``forget``: the live step calls it with each new context, so
   the cache never keeps a dropped context's stacks, and their frames, alive).
 """
 
@@ -43,6 +44,25 @@ OUTERMOST = frozenset({"_start", "clone", "clone3"})
 _KIND_INDEX = {k: i for i, k in enumerate(JIT_KINDS)}
 MAX_RUNTIMES = 64
 _MAX_STACKS = 1 << 16
+_MAX_DSOS = 4096
+_DSO_KINDS: dict[str, tuple[str | None, str | None]] = {}  # _dso_kinds' memo
+
+
+def _dso_kinds(dso: str) -> tuple[str | None, str | None]:
+    """A user frame's kind by its dso alone: (unnamed frame's, named frame's); memoized per dso
+    (a bounded set: the binaries, maps and dumps mapped), so a stack costs a dict lookup per
+    frame, not a path parse."""
+    kinds = _DSO_KINDS.get(dso)
+    if kinds is None:
+        if dso.startswith("/tmp/perf-") and dso.endswith(".map"):
+            kinds = ("perf_map", "perf_map")
+        else:
+            anon = "anonymous" if is_jit_name(dso) else None
+            kinds = (anon, "jitdump" if is_jitdump_path(dso) else anon)
+        if len(_DSO_KINDS) >= _MAX_DSOS:
+            _DSO_KINDS.clear()
+        _DSO_KINDS[dso] = kinds
+    return kinds
 
 
 def jit_kind(f: Frame) -> str | None:
@@ -50,24 +70,27 @@ def jit_kind(f: Frame) -> str | None:
     dso = f.dso
     if f.kernel or dso is None:
         return None
-    if dso.startswith("/tmp/perf-") and dso.endswith(".map"):
-        return "perf_map"
-    if f.sym is not None and is_jitdump_path(dso):
-        return "jitdump"
-    return "anonymous" if is_jit_name(dso) else None
+    return _dso_kinds(dso)[f.sym is not None]
 
 
 def stack_jit(frames: Sequence[Frame]) -> tuple[tuple[int, ...], bool]:
     """(JIT frames per kind in ``JIT_KINDS`` order, complete) of one stack, leaf first."""
     counts = [0] * len(JIT_KINDS)
     last = None
+    memo, index = _DSO_KINDS, _KIND_INDEX
     for f in frames:
         if f.kernel:
             continue
         last = f
-        k = jit_kind(f)
+        dso = f.dso
+        if dso is None:
+            continue
+        kinds = memo.get(dso)
+        if kinds is None:
+            kinds = _dso_kinds(dso)
+        k = kinds[f.sym is not None]
         if k is not None:
-            counts[_KIND_INDEX[k]] += 1
+            counts[index[k]] += 1
     return tuple(counts), last is not None and last.sym in OUTERMOST
 
 

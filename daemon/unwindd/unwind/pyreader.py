@@ -22,7 +22,8 @@ Invariants:
   handed over) and appends to the per-thread histories, under ``_lock``; walks, its or the
   loop's (``refresh``), take ``_walk_lock``. A read's time is its walk's (taken in C), not
   when the reader thread got the GIL back. A thread not wanted for ``WANT_SECONDS`` is no
-  longer read.
+  longer read; with no thread wanted and no read kept, the reader thread sleeps until
+  ``want`` wakes it (no polling).
 - Python frames are ``Frame(ip=0, dso=DSO, sym=qualname, file=co_filename, line=line)``,
   interned (one object per distinct (qualname, file, line)), so a stack's frames hash and
   compare as native ones do.
@@ -139,6 +140,9 @@ class PythonFrames:
         self._wanted: dict[tuple[int, int], tuple[Interpreter, float]] = {}
         self._history: dict[tuple[int, int], deque[tuple[int, Segments | str]]] = {}
         self._stop = threading.Event()
+        # set by ``want`` for a thread not read yet and by ``close``: the reader thread, with
+        # nothing to read and no history left to expire, sleeps on it instead of polling
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.stats = PyStats()
         self.stats.failures.update(dict.fromkeys(FAILURES, 0))
@@ -152,6 +156,11 @@ class PythonFrames:
         self._inflight = None
         self._taken = 0
         self._own_pid = os.getpid()
+
+    @property
+    def reading(self) -> bool:
+        """Whether any thread is wanted now (read by the reader thread). O(1)."""
+        return bool(self._wanted)
 
     def known(self, pid: int) -> bool:
         """Whether ``pid`` was found to run a readable interpreter (cheap: no lookup)."""
@@ -183,6 +192,7 @@ class PythonFrames:
                 self._wanted[(pid, tid)] = (got, now)
         if new:
             self._cut_stale()
+            self._wake.set()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="unwindd-pyframes",
                                             daemon=True)  # fmt: skip
@@ -310,6 +320,7 @@ class PythonFrames:
         """Stop the reader thread (its batch is ended: it stops within one walk; a daemon
         thread, so a stuck target cannot hold the exit)."""
         self._stop.set()
+        self._wake.set()
         fl = self._inflight
         if fl is not None:
             fl[0].stop()
@@ -330,6 +341,7 @@ class PythonFrames:
         # a busy CPU (EEVDF deadlines), without a larger share of CPU (nice, policy kept)
         short_slice(READER_SLICE_NS)
         while not self._stop.is_set():
+            self._wake.clear()  # (a ``want`` from here on is seen below, or wakes the wait)
             now, cpu = time.monotonic(), time.thread_time()
             now_ns = time.monotonic_ns()
             with self._lock:
@@ -339,6 +351,10 @@ class PythonFrames:
                             and (not h or now_ns - h[-1][0] > WANT_SECONDS * 1e9)]:
                     del self._history[key]  # fmt: skip
                 todo = [(k, it) for k, (it, _) in self._wanted.items()]
+                idle = not todo and not self._history
+            if idle:  # an idle machine's daemon: no wakeups until a thread is wanted
+                self._wake.wait()
+                continue
             if not todo:
                 self._stop.wait(self.interval)
                 continue

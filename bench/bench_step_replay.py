@@ -1,0 +1,222 @@
+"""The live step's CPU per sample on a recorded 999 Hz capture of a steady load, old vs new
+code alternated, as the daemon configures the step (inline frames on, counts flushed about
+once a second): deterministic, beside bench_daemon.py's live numbers on a noisy machine.
+
+    python3 bench/bench_step_replay.py [--capture FILE] [--record-seconds 8] [--warm 80]
+        [--only-comm chain_o2] [--idle] [--runs 3] CODE [CODE ...]
+
+Capture (once, reused when FILE exists; root): every CPU at 999 Hz, 8 KiB stacks, 256-page
+rings, one ``chain_o2 100`` re-exec loop per CPU, drained every 25 ms (about the daemon's
+watermark wakeups at that rate); the workload binaries stay in ``FILE``.wl so that replays
+name their frames. ``--only-comm NAME``: only the samples of processes that took that comm
+in the capture (and the idle task's) are replayed, every side-band record kept: other
+processes of the machine (present before the capture: unknown to the replay's empty /proc)
+would only measure their placement failures. ``--idle``: every sample replaced by a
+kernel-only idle-task sample of the capture (pid 0, same time and cpu): an idle machine at
+999 Hz.
+Replay (per CODE, its own interpreter with ``PYTHONPATH=CODE``, bench_sideband.code_path):
+``LiveProfiler`` over the drains (an empty /proc, line tables from a persistent cache dir
+``FILE``.cache, as a daemon that ran before), the first ``--warm`` drains untimed; then the
+process CPU of the rest per sample, and a digest of what was stored (same capture, same
+digest: the codes agree on every stack and count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pickle
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+from bench_sideband import code_path  # noqa: E402
+
+_SAMPLE, _COMM = 9, 3  # PERF_RECORD_* (include/uapi/linux/perf_event.h)
+
+
+def record(path: Path, seconds: float) -> None:
+    from unwindd.source.perfcore import PerfSession
+    from unwindd.source.sampling import SamplingConfig, Target
+    from workloads.build import build_workloads
+
+    wl = build_workloads(Path(f"{path}.wl"))["c_o2"]
+    loop = f'while :; do "{wl.argv[0]}" 100 >/dev/null; done'
+    load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
+            for _ in range(os.cpu_count() or 1)]  # fmt: skip
+    drains: list[list[tuple[int, bytes]]] = []
+    try:
+        cfg = SamplingConfig(frequency=999, stack_size=8192, ring_pages=256)
+        with PerfSession.open(Target(all_cpus=True), cfg) as s:
+            s.enable()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                drains.append(s.drain(4 << 20))
+                time.sleep(0.025)
+            s.disable()
+            drains.append(s.drain(4 << 20))
+            fmt = s.event_format
+    finally:
+        for pr in load:
+            os.killpg(pr.pid, signal.SIGKILL)
+            pr.wait()
+    path.write_bytes(pickle.dumps((fmt, drains)))
+
+
+def _records(b: bytes) -> Any:
+    pos = 0
+    while pos + 8 <= len(b):
+        typ, _misc, size = struct.unpack_from("<IHH", b, pos)
+        yield typ, pos, size
+        pos += size
+
+
+def only_comm(fmt: Any, drains: list[list[tuple[int, bytes]]], comm: str) -> list[Any]:
+    from unwindd.source.mapfile import layout_of
+
+    i_tid = layout_of(fmt).i_tid
+    pids = {0}
+    for d in drains:
+        for _, b in d:
+            for typ, pos, size in _records(b):
+                if typ == _COMM and b[pos + 16 : pos + size].split(b"\0")[0] == comm.encode():
+                    pids.add(struct.unpack_from("<I", b, pos + 8)[0])
+    out = []
+    for d in drains:
+        out.append([(cpu, b"".join(
+            b[pos : pos + size] for typ, pos, size in _records(b)
+            if typ != _SAMPLE or struct.unpack_from("<I", b, pos + 8 + 8 * i_tid)[0] in pids))
+            for cpu, b in d])  # fmt: skip
+    return out
+
+
+def idle(fmt: Any, drains: list[list[tuple[int, bytes]]]) -> list[Any]:
+    from unwindd.source.capture import StreamPipeline
+    from unwindd.source.mapfile import layout_of
+
+    lay, dec = layout_of(fmt), StreamPipeline.for_format(fmt).decoder
+    kernel_only = [b[pos : pos + size] for d in drains for _, b in d
+                   for typ, pos, size in _records(b)
+                   if typ == _SAMPLE and (s := dec.decode_sample(
+                       struct.unpack_from("<H", b, pos + 4)[0], memoryview(b)[pos + 8 : pos + size]
+                   )).regs_abi == 0 and s.callchain]  # fmt: skip
+    if not kernel_only:
+        raise SystemExit("no kernel-only sample in the capture to make idle samples of")
+    k = 0
+    out = []
+    for d in drains:
+        nd = []
+        for cpu, b in d:
+            parts = []
+            for typ, pos, _ in _records(b):
+                if typ != _SAMPLE:
+                    continue
+                r = bytearray(kernel_only[k % len(kernel_only)])
+                k += 1
+                struct.pack_into("<II", r, 8 + 8 * lay.i_tid, 0, 0)
+                for i, fmt_ in ((lay.i_time, "<Q"), (lay.i_cpu, "<I")):
+                    struct.pack_into(fmt_, r, 8 + 8 * i,
+                                     struct.unpack_from(fmt_, b, pos + 8 + 8 * i)[0])  # fmt: skip
+                parts.append(bytes(r))
+            nd.append((cpu, b"".join(parts)))
+        out.append(nd)
+    return out
+
+
+def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path) -> None:
+    from captured import Replayed
+    from unwindd.pipeline.live import LiveProfiler
+    from unwindd.procs.livetable import LiveTable
+    from unwindd.procs.procscan import ProcFS
+    from unwindd.store.stackstore import StackStore
+    from unwindd.unwind.engine import StackEngine
+
+    fmt, drains = pickle.loads(cap.read_bytes())
+    if comm:
+        drains = only_comm(fmt, drains, comm)
+    if idle_:
+        drains = idle(fmt, drains)
+    tmp = Path(tempfile.mkdtemp(prefix="unwindd-step-"))
+    (tmp / "proc").mkdir()
+    engine = StackEngine.create(inline=True, cache_dir=f"{cap}.cache")
+    ticks = iter(range(1, 1 << 40))
+    live = LiveTable(engine.table, ProcFS(str(tmp / "proc")),
+                     clock=lambda: next(ticks) * 1_000_000_000)  # fmt: skip
+    store = StackStore(bucket_ns=10_000_000_000, max_buckets=360)
+    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live,  # type: ignore[arg-type]
+                        bootstrap=False, flush_interval=1e9)  # fmt: skip
+    prof.start()
+    by_type = prof.pipeline.stats.by_type
+    for i in range(warm):
+        prof.step()
+        if i % 40 == 39:  # ~1 s of 25 ms drains: the daemon's flush interval
+            prof.flush()
+    n0, c0 = by_type["SAMPLE"], time.process_time()
+    for i in range(len(drains) - warm):
+        prof.step()
+        if i % 40 == 39:
+            prof.flush()
+    prof.flush()
+    cpu, n = time.process_time() - c0, by_type["SAMPLE"] - n0
+    prof.close()
+    h = hashlib.sha256()
+    for line in sorted(repr((x.pid, x.tid, x.comm, x.frames, x.count))
+                       for x in prof.store.query()):  # fmt: skip
+        h.update(line.encode())
+    out.write_text(json.dumps({"cpu_s": cpu, "samples": n, "us_per_sample": 1e6 * cpu / max(n, 1),
+                               "steps": len(drains) - warm, "digest": h.hexdigest()[:16]}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("codes", nargs="*", default=["installed"])
+    ap.add_argument("--capture", default="/tmp/unwindd-step-capture.pickle")
+    ap.add_argument("--record-seconds", type=float, default=8.0)
+    ap.add_argument("--warm", type=int, default=80, help="drains replayed before timing")
+    ap.add_argument("--only-comm", help="replay only the samples of processes of this comm")
+    ap.add_argument("--idle", action="store_true", help="idle-task samples in place of all")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    cap = Path(a.capture)
+    if a.child:
+        child(cap, a.warm, a.only_comm, a.idle, Path(a.child))
+        return
+    if not cap.exists():
+        record(cap, a.record_seconds)
+    tmp = Path(tempfile.mkdtemp(prefix="unwindd-step-"))
+    paths = {c: code_path(c, tmp) for c in a.codes}
+    res: dict[str, list[float]] = {c: [] for c in a.codes}
+    for i in range(a.runs):
+        for c in a.codes:
+            env = dict(os.environ)
+            if paths[c] is not None:
+                env["PYTHONPATH"] = str(paths[c])
+            out = tmp / "out.json"
+            cmd = [sys.executable, __file__, "--child", str(out), "--capture", str(cap),
+                   "--warm", str(a.warm), *(["--only-comm", a.only_comm] if a.only_comm else []),
+                   *(["--idle"] if a.idle else [])]  # fmt: skip
+            subprocess.run(cmd, env=env, check=True)
+            r = json.loads(out.read_text())
+            res[c].append(r["us_per_sample"])
+            print(f"run {i + 1} {c}: {r['cpu_s']:.3f} s CPU, {r['samples']} samples in "
+                  f"{r['steps']} steps, {r['us_per_sample']:.2f} us per sample, "
+                  f"digest {r['digest']}", flush=True)  # fmt: skip
+    for c, xs in res.items():
+        print(f"median of {a.runs}, {c}: {statistics.median(xs):.2f} us CPU per sample")
+
+
+if __name__ == "__main__":
+    main()
