@@ -4,8 +4,9 @@ per process and per context goes when the process or the context does.
 - A real daemon under a churn of short-lived processes: /v1/status ``memory`` and the
   metrics report the live step's C context (``fp_ctx_bytes``) and the C heap (serve/heap.py:
   trimmed every 10 s); once the churn's processes have exited and their exit grace passed,
-  the per-process state (the process table, the engine's per-pid snapshots and comms) is back
-  to what the machine's own processes need, not grown by the churn.
+  the per-process state (the process table, the engine's per-pid snapshots and comms, the
+  stream's per-pid counts) is back to what the machine's own processes need, not grown by
+  the churn.
 - The native live step over real ring chunks with a small ``max_stacks``: each context reset
   drops the old context's stacks everywhere, the JIT stats' stack cache included (it held
   the tuples, and so every frame, of a dropped context until it filled up).
@@ -100,6 +101,10 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         assert drops - drops0 >= len(pids) // 2, (drops - drops0, len(pids))
         # per-pid comms, held for the tids of tracked processes only
         assert sizes["comms"] <= 4 * after["processes"] + 64, sizes
+        # the stream's per-pid counts (samples, comms by pid) went with the pids too: not one
+        # entry per process that ever ran
+        # (a few pids may be between their last record and their drop: not the churn's)
+        assert sizes["stream_pids"] <= after["processes"] + 16, (sizes, len(pids))
         # The heap: counted, and its free pages handed back at least once by now (every 10 s).
         heap = mem2["heap"]
         assert heap is not None and heap["in_use_bytes"] > 0, heap

@@ -13,7 +13,9 @@ Invariants:
 - The step is ringstep.NativeStep, for every event format a ``PerfSession`` opens; any other
   is refused when the profiler is made. The whole-stream Python step over the same parts
   (tests/support/refstep.py) is the oracle it is tested against.
-- Memory under process churn follows the table's cap (``native_max_spaces``).
+- Memory under process churn follows the table's cap (``native_max_spaces``); with
+  ``forget_stream_pids`` (the daemon's) the stream's per-pid counts go with each pid the table
+  drops, as the engine's caches do.
 - Inline levels (engine.srclines with a worker, the daemon's): a binary's line/inline table
   is read or compiled in a worker, never on the step; frames named before it arrives have no
   inline levels (counted: ``inline_status``). When tables that frames were named without
@@ -95,6 +97,19 @@ class LiveProfiler:
         self._rename_due = False  # tables arrived that frames were named without
         self._renamed_at = 0.0
         self.renames = 0  # re-namings for arrived tables
+
+    def forget_stream_pids(self) -> None:
+        """From now on, each pid the table drops (exit grace, cap, reuse) also leaves the
+        stream's per-pid counts (``pipeline.stats``: ``samples_by_pid``, ``comm_by_pid``).
+        They name the pids of a recording's summary (``unwindd record`` keeps them all); a
+        daemon never reads them, and under process churn they held an entry for every process
+        that ever ran."""
+        self.engine.drop_listeners.append(self._forget_stream_pid)
+
+    def _forget_stream_pid(self, pid: int) -> None:
+        st = self.pipeline.stats
+        st.samples_by_pid.pop(pid, None)
+        st.comm_by_pid.pop(pid, None)
 
     def _join(self, session: PerfSession, engine: StackEngine, store: StackStore,
               live: LiveTable | None, bootstrap: bool) -> None:  # fmt: skip

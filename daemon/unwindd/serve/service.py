@@ -288,13 +288,15 @@ class Daemon:
     def memory(self) -> dict[str, Any]:
         """/v1/status's ``memory``: the live step's C context (its heap bytes and the stacks and
         frames it and its Python mirror hold until the next context reset), the engine's caches
-        (per process, dropped with it: ``StackEngine.cache_sizes``) and the C heap
+        (per process, dropped with it: ``StackEngine.cache_sizes``) and the pids the stream's
+        per-pid counts hold (``stream_pids``, dropped likewise) and the C heap
         (heap.py; None without glibc)."""
         ns = self.profiler.native_step
         hs = heap.stats()
         return {"native_context": {"bytes": ns.nctx.native_bytes, "stacks": ns.nstacks,
                                    "frames": ns.nframes, "resets": ns.contexts - 1},
-                "per_process": self.profiler.engine.cache_sizes(),
+                "per_process": {**self.profiler.engine.cache_sizes(),
+                                "stream_pids": _stream_pids(self.profiler)},
                 "heap": hs.to_json() if hs is not None else None,
                 "trims": self.trimmer.trims}  # fmt: skip
 
@@ -721,6 +723,13 @@ def _stderr() -> Any:
     import sys
 
     return sys.stderr
+
+
+def _stream_pids(p: LiveProfiler) -> int:
+    """Pids the stream's per-pid counts hold (pipeline.stats: samples and comms by pid), which
+    the daemon drops with each pid the table drops (LiveProfiler.forget_stream_pids)."""
+    st = p.pipeline.stats
+    return len(st.samples_by_pid.keys() | st.comm_by_pid.keys())
 
 
 def _runtimes(p: LiveProfiler) -> dict[str, Any]:

@@ -281,6 +281,7 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
     prof = LiveProfiler.open(target, sampling, engine=engine, store=store,
                              flush_interval=FLUSH_SECONDS,
                              python_frames=cfg.python.frames)  # fmt: skip
+    prof.forget_stream_pids()  # per-pid stream counts go with the pid (record keeps them)
     for note in prof.session.notes:  # the fallbacks taken to open (sampling.fallback)
         log.warning("%s", note)
     return prof

@@ -72,7 +72,7 @@ _PID_STACKS = 4096  # stacks cached per pid (one pid's JIT or deep recursion can
 _PID_FRAMES = 16384  # named frames cached per pid
 _MAX_SNAPS = 4096  # snapshots held outside live mode, where nothing tells us a pid is gone
 # ``expand``'s levels kept per (binary, vaddr) (cleared whole past it: a miss reads the chain)
-_MAX_LEVELS = 1 << 14
+_MAX_LEVELS = 4096
 # (table, symbol, offset, per level (sym, offset, inlined, file, line, decl_file, decl_line) or
 # None: the frame unexpanded); the table held weakly, so the memo keeps no evicted table alive
 _Levels = tuple[
@@ -80,6 +80,12 @@ _Levels = tuple[
     tuple[tuple[str | None, int | None, bool, str | None, int | None, str | None, int | None],
           ...] | None,
 ]  # fmt: skip
+# Lookups kept of (binary, address) -> symbol, and of kernel callchain -> frames: a miss costs
+# one bisect in a mapped symbol table (its names are cached by the table), or one dict hit per
+# kernel frame (``_kframes``), so a few thousand recent ones are as good as more; at
+# ``sym_cache_size`` they held ~300 B and ~1 KB an entry (tuple keys of large ints).
+_SYMS_MAX = 4096
+_KSTACKS_MAX = 4096
 
 
 @dataclass
@@ -209,6 +215,8 @@ class StackEngine:
         self._snaps: dict[int, Snapshot] = {}  # pid -> its newest snapshot (insertion = age)
         self._syms: OrderedDict[tuple[int, int], tuple[str, int] | None] = OrderedDict()
         self._sym_cache_size = sym_cache_size
+        self._syms_max = min(sym_cache_size, _SYMS_MAX)
+        self._kstacks_max = min(sym_cache_size, _KSTACKS_MAX)
         # pid -> {(generation, pcs): frames}; pid -> {(generation, named ip): frame}
         self._stacks: dict[int, dict[tuple[int, tuple[int, ...]], tuple[Frame, ...]]] = {}
         self._nstacks = 0
@@ -696,7 +704,7 @@ class StackEngine:
         if hit is not None:
             return hit
         out = self._kstacks[callchain] = tuple(map(self.kernel_frame, kernel_ips(callchain)))
-        if len(self._kstacks) > self._sym_cache_size:
+        if len(self._kstacks) > self._kstacks_max:
             self._kstacks.clear()
         return out
 
@@ -810,7 +818,7 @@ class StackEngine:
         else:
             hit = self.symbolizer.symbolize(e, vaddr)
             self._syms[key] = hit
-            if len(self._syms) > self._sym_cache_size:
+            if len(self._syms) > self._syms_max:
                 self._syms.popitem(last=False)
         if hit is None:
             self.stats.unsymbolized += 1
