@@ -170,7 +170,10 @@ class LiveProfiler:
         process is loaded from /proc in slices with a drain between them (so a slow scan of a
         big machine cannot overflow the rings). Enabling first means every change after the
         scan's moment is also in the record stream, which is replayed on top of the scan in
-        time order."""
+        time order. The kernel's symbols are parsed before the rings are enabled: parsed by
+        the first step that names a kernel frame, they would stall the draining of rings that
+        have just started to fill."""
+        self.engine.symbolizer.kernel(0)
         self.session.enable()
         out: list[UnwoundSample] = []
         if self.bootstrap:
