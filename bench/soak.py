@@ -173,8 +173,11 @@ def lib_paths() -> list[str]:
     return [f"{d}/{n}" for n in DLOPEN_LIBS for d in dirs if os.path.exists(f"{d}/{n}")][:16]
 
 
-def rss_bytes(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+def rss_bytes(pid: int) -> tuple[int, int]:
+    """(RSS, its anonymous part): statm's resident and resident - shared (file-backed pages:
+    libraries and the cache dir's mapped tables, which the kernel can share and reclaim)."""
+    f = Path(f"/proc/{pid}/statm").read_text().split()
+    return int(f[1]) * PAGE, (int(f[1]) - int(f[2])) * PAGE
 
 
 def scrape(port: int) -> str:
@@ -214,8 +217,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             subprocess.Popen([sys.executable, "-c", DLOPEN_PY, *lib_paths()])]
     lat: list[float] = []
     errors: list[str] = []
-    # t, RSS, CPU s, samples, ELF cache bytes + store bytes (the capped structures)
-    trace: list[tuple[float, int, float, int, int]] = []
+    # t, RSS, CPU s, samples, ELF cache bytes + store bytes (the capped structures), anon RSS
+    trace: list[tuple[float, int, float, int, int, int]] = []
     done = threading.Event()
 
     def queries() -> None:
@@ -261,15 +264,16 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     errors.append(f"/v1/status: {e!r}")
                     continue
                 capped = st["cache"]["bytes"] + st["store"]["bytes"]
-                trace.append((now - t0, rss_bytes(d.pid), cpu_seconds(d.pid), st["samples"],
-                              capped))  # fmt: skip
+                rss, anon = rss_bytes(d.pid)
+                trace.append((now - t0, rss, cpu_seconds(d.pid), st["samples"], capped, anon))
             time.sleep(0.1)
         exited = d.poll()
         wall = time.monotonic() - t0
         text = scrape(port) if exited is None else ""
     finally:
         done.set()
-        asker.join(130)
+        if asker.is_alive():  # (not started when the daemon did not start)
+            asker.join(130)
         started, failed, skipped = churn.finish()
         for p in side:
             p.kill()
@@ -295,6 +299,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "samples": last[3],
         "rss_warm_mib": round(first[1] / MIB, 1), "rss_end_mib": round(last[1] / MIB, 1),
         "rss_peak_mib": round(max(x[1] for x in trace) / MIB, 1),
+        "anon_warm_mib": round(first[5] / MIB, 1), "anon_end_mib": round(last[5] / MIB, 1),
+        "anon_peak_mib": round(max(x[5] for x in trace) / MIB, 1),
         "rss_slope_mib_min": round(slope_mib_per_min([(x[0], x[1]) for x in after]), 2),
         "uncapped_slope_mib_min":
             round(slope_mib_per_min([(x[0], x[1] - x[4]) for x in after]), 2),
@@ -313,7 +319,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "query_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 1)
         if lat else None,
         "queries": len(lat), "errors": len(errors), "first_errors": errors[:5],
-        "trace": [(round(x[0]), round(x[1] / MIB, 1), round(x[4] / MIB, 1)) for x in trace],
+        "trace": [(round(x[0]), round(x[1] / MIB, 1), round(x[5] / MIB, 1), round(x[4] / MIB, 1))
+                  for x in trace],
     }  # fmt: skip
 
 
@@ -328,6 +335,8 @@ def table(results: list[dict[str, Any]], warmup: float) -> str:
         (f"RSS at {warmup:g} min (MiB)", lambda r: r["rss_warm_mib"]),
         ("RSS at the end / peak (MiB)", lambda r: f"{r['rss_end_mib']} / {r['rss_peak_mib']}"),
         (f"RSS slope after {warmup:g} min (MiB/min)", lambda r: r["rss_slope_mib_min"]),
+        (f"of RSS, anonymous: at {warmup:g} min / end / peak (MiB)",
+         lambda r: f"{r['anon_warm_mib']} / {r['anon_end_mib']} / {r['anon_peak_mib']}"),
         ("ELF cache + store bytes at the end (MiB; capped)", lambda r: r["capped_end_mib"]),
         (f"slope of RSS minus those after {warmup:g} min (MiB/min)",
          lambda r: r["uncapped_slope_mib_min"]),
@@ -370,8 +379,8 @@ def main() -> None:
             trace = r.pop("trace")
             print(json.dumps(r), flush=True)
             if args.trace:
-                print("trace (s: RSS/ELF cache + store MiB): "
-                      + " ".join(f"{t}:{m}/{c}" for t, m, c in trace))
+                print("trace (s: RSS/anonymous/ELF cache + store MiB): "
+                      + " ".join(f"{t}:{m}/{a}/{c}" for t, m, a, c in trace))
             results.append(r)
     print(f"\ncommand: python3 bench/soak.py {' '.join(sys.argv[1:])}  (from {ROOT.name})")
     print(table(results, args.warmup_minutes))
