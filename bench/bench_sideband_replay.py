@@ -47,8 +47,7 @@ from bench_sideband import _SPAWNER, code_path  # noqa: E402
 
 def record(path: Path, seconds: float, spawn_rate: float, frequency: int) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "support"))
-    from unwindd.source.perfcore import PerfSession
-    from unwindd.source.sampling import SamplingConfig, Target
+    from unwindd.source.sampling import SamplingConfig
     from workloads.build import build_workloads
 
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-sbr-"))
@@ -60,24 +59,33 @@ def record(path: Path, seconds: float, spawn_rate: float, frequency: int) -> Non
     if spawn_rate > 0:
         load.append(subprocess.Popen([sys.executable, "-c", _SPAWNER, str(spawn_rate)],
                                      start_new_session=True))  # fmt: skip
-    drains: list[list[tuple[int, bytes]]] = []
     try:
-        cfg = SamplingConfig(frequency=frequency, stack_size=8192)
-        with PerfSession.open(Target(all_cpus=True), cfg) as s:
-            s.enable()
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < seconds:
-                drains.append(s.drain(4 << 20))
-                time.sleep(0.1)
-            s.disable()
-            drains.append(s.drain(4 << 20))
-            fmt = s.event_format
+        fmt, drains = capture(SamplingConfig(frequency=frequency, stack_size=8192), seconds, 0.1)
     finally:
         for pr in load:
             os.killpg(pr.pid, signal.SIGKILL)
             pr.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     path.write_bytes(pickle.dumps((fmt, drains)))
+
+
+def capture(cfg: Any, seconds: float, every: float) -> tuple[Any, list[list[tuple[int, bytes]]]]:
+    """The machine's records for ``seconds`` (sampling ``cfg``, every CPU), as the daemon's
+    rings give them: (event format, the ring chunks of each drain, one drain every ``every``
+    s)."""
+    from unwindd.source.perfcore import PerfSession
+    from unwindd.source.sampling import Target
+
+    drains: list[list[tuple[int, bytes]]] = []
+    with PerfSession.open(Target(all_cpus=True), cfg) as s:
+        s.enable()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            drains.append(s.drain(4 << 20))
+            time.sleep(every)
+        s.disable()
+        drains.append(s.drain(4 << 20))
+        return s.event_format, drains
 
 
 def child(cap: Path, warm: int, out: Path, profile: str | None) -> None:

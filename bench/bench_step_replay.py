@@ -43,31 +43,22 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from bench_sideband import code_path  # noqa: E402
+from bench_sideband_replay import capture  # noqa: E402
 
 _SAMPLE, _COMM = 9, 3  # PERF_RECORD_* (include/uapi/linux/perf_event.h)
 
 
 def record(path: Path, seconds: float) -> None:
-    from unwindd.source.perfcore import PerfSession
-    from unwindd.source.sampling import SamplingConfig, Target
+    from unwindd.source.sampling import SamplingConfig
     from workloads.build import build_workloads
 
     wl = build_workloads(Path(f"{path}.wl"))["c_o2"]
     loop = f'while :; do "{wl.argv[0]}" 100 >/dev/null; done'
     load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
             for _ in range(os.cpu_count() or 1)]  # fmt: skip
-    drains: list[list[tuple[int, bytes]]] = []
     try:
         cfg = SamplingConfig(frequency=999, stack_size=8192, ring_pages=256)
-        with PerfSession.open(Target(all_cpus=True), cfg) as s:
-            s.enable()
-            t0 = time.monotonic()
-            while time.monotonic() - t0 < seconds:
-                drains.append(s.drain(4 << 20))
-                time.sleep(0.025)
-            s.disable()
-            drains.append(s.drain(4 << 20))
-            fmt = s.event_format
+        fmt, drains = capture(cfg, seconds, 0.025)
     finally:
         for pr in load:
             os.killpg(pr.pid, signal.SIGKILL)

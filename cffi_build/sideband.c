@@ -45,6 +45,22 @@ static int cmp_range(const void *a, const void *b)
 static uint64_t rd64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
+/* The time/cpu/flags context.record_marks gives a record whose sample_id trailer is at sid
+ * (t_off, c_off: the trailer's time and cpu offsets, < 0 when absent). */
+static void mark(struct fp_rec *r, const uint8_t *sid, int32_t t_off, int32_t c_off)
+{
+    uint8_t flags = 0;
+    if (t_off >= 0) {
+        r->time = rd64(sid + t_off);
+        flags |= FP_TIMED;
+    }
+    if (c_off >= 0) {
+        r->cpu = rd32(sid + c_off);
+        flags |= FP_HAS_CPU;
+    }
+    r->flags = flags;
+}
+
 int64_t unw_sb_scan(const uint8_t *data, uint64_t len, void *recs_, uint32_t *idx,
                     uint64_t n, uint32_t sid_size, int32_t t_off, int32_t c_off,
                     uint8_t *cand, uint32_t *pids, uint64_t *nrest)
@@ -106,17 +122,7 @@ int64_t unw_sb_scan(const uint8_t *data, uint64_t len, void *recs_, uint32_t *id
         }
         if (a > 0 && ex[a - 1].hi > addr)
             continue; /* overlaps an executable range */
-        const uint8_t *sid = b + blen - sid_size;
-        uint8_t flags = 0;
-        if (t_off >= 0) {
-            r->time = rd64(sid + t_off);
-            flags |= FP_TIMED;
-        }
-        if (c_off >= 0) {
-            r->cpu = rd32(sid + c_off);
-            flags |= FP_HAS_CPU;
-        }
-        r->flags = flags;
+        mark(r, b + blen - sid_size, t_off, c_off);
         cand[ri] = 1;
         pids[ri] = rd32(b);
         ncand++;
@@ -189,17 +195,7 @@ int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs_, uint32_t *id
             idx[w++] = ri;
             continue;
         }
-        const uint8_t *sid = data + r->off + 8 + blen - sid_size;
-        uint8_t flags = 0;
-        if (t_off >= 0) {
-            r->time = rd64(sid + t_off);
-            flags |= FP_TIMED;
-        }
-        if (c_off >= 0) {
-            r->cpu = rd32(sid + c_off);
-            flags |= FP_HAS_CPU;
-        }
-        r->flags = flags;
+        mark(r, data + r->off + 8 + blen - sid_size, t_off, c_off);
         lazy[nlazy++] = ri;
     }
     *nrest = w;
