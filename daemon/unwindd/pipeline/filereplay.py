@@ -342,15 +342,13 @@ class _Replay:
     def _count_mmap2s(self, k: int, cpus: memoryview | None) -> None:
         """decode_one's and StreamStats.observe's counts of ``k`` MMAP2 records decoded
         without error (of these cpus; None: their trailer carries none)."""
-        name = "MMAP2"
-        self.data.decoder.stats.records[name] += k
-        s = self.sstats
-        s.by_type[name] += k
+        self.data.decoder.stats.records["MMAP2"] += k
+        observe_plain = self.sstats.observe_plain
         if cpus is None:
-            s.by_cpu_type.setdefault(None, Counter())[name] += k
+            observe_plain("MMAP2", None, k)
             return
         for cpu, c in count_flagged(b"\x01" * k, cpus):
-            s.by_cpu_type.setdefault(cpu, Counter())[name] += c
+            observe_plain("MMAP2", cpu, c)
 
     def _decode_others(self, mv: memoryview, recs: Any, others: Any, nrest: int
                        ) -> dict[int, Record]:  # fmt: skip

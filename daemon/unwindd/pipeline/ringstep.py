@@ -43,7 +43,7 @@ from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Exit, Fork, Lost, Mmap, Mmap2, Record
+from ..source.records import Comm, Fork, Lost, Mmap2, Record, record_type_name
 from ..source.streamstats import PLAIN
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
@@ -83,8 +83,6 @@ class DrainSource(Protocol):
     def drain_into(self, out: Any) -> list[tuple[int, int]]: ...
 
 
-_PLAIN_NAMES: dict[type, str] = {Mmap2: "MMAP2", Exit: "EXIT", Mmap: "MMAP"}  # (record_type_name)
-assert set(_PLAIN_NAMES) == PLAIN
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
@@ -405,7 +403,7 @@ class NativeStep:
         new_other = 0
         # MMAP2/EXIT/MMAP records carrying their cpu (all of them with sample_id_all): counted
         # by (type, cpu) after the loop (StreamStats.observe_plain), not one by one
-        plain: dict[tuple[type, int], int] = {}
+        plain: dict[tuple[str, int], int] = {}
         for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
             r = recs[i]
             if i < ncarry:
@@ -417,7 +415,7 @@ class NativeStep:
                 kind = type(rec)
                 rtime, rcpu = rec.time, rec.cpu
                 if rcpu is not None and kind in PLAIN:
-                    key = (kind, rcpu)
+                    key = (record_type_name(rec), rcpu)
                     plain[key] = plain.get(key, 0) + 1
                 else:
                     observe(rec, cpus[bisect_right(bounds, off) - 2])
@@ -436,8 +434,8 @@ class NativeStep:
                 r.cpu = cpu
         if plain:
             observe_plain = self.pipeline.stats.observe_plain
-            for (kind, cpu), c in plain.items():
-                observe_plain(_PLAIN_NAMES[kind], cpu, c)
+            for (name, cpu), c in plain.items():
+                observe_plain(name, cpu, c)
         return new_other
 
     def _order(self, recs: Any, n: int, flush: bool) -> tuple[int, int]:
