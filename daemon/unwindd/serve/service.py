@@ -568,7 +568,7 @@ class Daemon:
         if self._timer is not None:
             self._timer.cancel()
         if not self._stop.is_set():
-            self._timer = loop.call_later(self.config.daemon.tick_ms / 1000, self._tick)
+            self._schedule_tick()
 
     def _undrain(self) -> None:
         self._drained = False
