@@ -67,6 +67,7 @@ from .httpapi import (
 from .metrics import Measurements, UnwinddCollector
 from .openapi import spec_bytes
 from .pprofpull import PprofPull
+from .procfacts import Facts, ProcFacts
 from .pyroscope import PushConfig, Pusher, PushStats
 from .sdnotify import Notifier
 from .startup import (
@@ -84,9 +85,6 @@ from .startup import (
 from .streams import StreamFanout
 
 log = logging.getLogger("unwindd")
-
-_UID_CACHE_MAX = 65536
-
 
 def read_uid(proc_root: str, pid: int) -> int | None:
     """Real uid of a process from /proc/<pid>/status ("Uid:\\treal\\teffective\\t...")."""
@@ -147,7 +145,8 @@ class Daemon:
         self.pending_restart: list[str] = []
         self.socket_path = ""
         self.last_step_mono = time.monotonic()
-        self._uid_cache: dict[int, tuple[int | None, str | None, float]] = {}
+        # uid and exe per pid, kept while the store holds the pid's samples (procfacts.py)
+        self._facts = ProcFacts(self._read_facts, lambda pid: self.profiler.store.holds(pid))
         self._answers = AnswerCache()
         self._stop = asyncio.Event()
         self.streams = StreamFanout(lambda: self.config.api, self._stop,
@@ -204,23 +203,16 @@ class Daemon:
     def uptime(self) -> float:
         return time.monotonic() - self.started_mono
 
-    def _proc_facts(self, pid: int) -> tuple[int | None, str | None]:
-        now = time.monotonic()
-        hit = self._uid_cache.get(pid)
-        if hit is not None and hit[2] > now:
-            return hit[0], hit[1]
+    def _read_facts(self, pid: int) -> Facts:
         uid = read_uid(self.proc_root, pid)
         try:
             exe: str | None = os.readlink(f"{self.proc_root}/{pid}/exe")
         except OSError:
             exe = None
-        if uid is None and hit is not None:
-            # The process exited: its stored samples still belong to the uid it had.
-            uid, exe = hit[0], hit[1]
-        if len(self._uid_cache) >= _UID_CACHE_MAX:
-            self._uid_cache.clear()  # bounded; a cold cache only costs re-reads
-        self._uid_cache[pid] = (uid, exe, now + self.config.daemon.uid_cache_seconds)
         return uid, exe
+
+    def _proc_facts(self, pid: int) -> Facts:
+        return self._facts.get(pid, time.monotonic(), self.config.daemon.uid_cache_seconds)
 
     def uid_of(self, pid: int) -> int | None:
         return self._proc_facts(pid)[0]
@@ -289,14 +281,15 @@ class Daemon:
         """/v1/status's ``memory``: the live step's C context (its heap bytes and the stacks and
         frames it and its Python mirror hold until the next context reset), the engine's caches
         (per process, dropped with it: ``StackEngine.cache_sizes``) and the pids the stream's
-        per-pid counts hold (``stream_pids``, dropped likewise) and the C heap
-        (heap.py; None without glibc)."""
+        per-pid counts hold (``stream_pids``, dropped likewise), the pids whose uid and exe are
+        kept (``proc_facts``, procfacts.py) and the C heap (heap.py; None without glibc)."""
         ns = self.profiler.native_step
         hs = heap.stats()
         return {"native_context": {"bytes": ns.nctx.native_bytes, "stacks": ns.nstacks,
                                    "frames": ns.nframes, "resets": ns.contexts - 1},
                 "per_process": {**self.profiler.engine.cache_sizes(),
-                                "stream_pids": _stream_pids(self.profiler)},
+                                "stream_pids": _stream_pids(self.profiler),
+                                "proc_facts": len(self._facts)},
                 "heap": hs.to_json() if hs is not None else None,
                 "trims": self.trimmer.trims}  # fmt: skip
 

@@ -167,6 +167,10 @@ class StackStore(Queries):
         # describe goes.
         self.caches = QueryCaches(self.stats, self._lock, max_bytes // _CACHE_SHARE)
 
+    def holds(self, pid: int) -> bool:
+        """Whether the store holds samples of ``pid`` (any thread: one dict read)."""
+        return pid in self._procs
+
     # -- writing
 
     def attach_labels(self, table: CgroupLabels) -> None:
