@@ -176,6 +176,19 @@ uint64_t fp_ctx_bytes(const struct fp_ctx *c);
  * (folded). The caller's module keys must identify everything a name depends on. */
 int fp_ctx_by_code(struct fp_ctx *c, int on);
 
+/* Frames by code, stacks by space (before any run, not with fp_ctx_by_code; -1 otherwise): a
+ * user frame whose named address lies in a module other than JIT code is identified by (module
+ * key, ELF vaddr, exact), as by code, while a stack stays (space, comm, status, pcs, kinds,
+ * callchain) with its pcs (fp_stacks_pcs). So a new process of a known binary, or a process
+ * whose mappings changed, adds new stacks but no new frames: its frames are the ones named
+ * before at another address (fp_frame gives where a frame was first seen), the same but for
+ * their address. The caller's module keys must identify everything a name depends on besides
+ * the address and its ELF vaddr. */
+int fp_ctx_code_frames(struct fp_ctx *c, int on);
+
+/* The user pcs of stacks [from, to), back to back (fp_stacks_words of them); nothing by code. */
+void fp_stacks_pcs(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *pcs);
+
 /* on = 2, by function: a module frame is (module key, symbol region, exact), the region being
  * which symbol of the module's table (fp_set_symbols) names the ELF vaddr, or none: every
  * address of one function is one frame, and a stack is its functions (folded output names

@@ -100,6 +100,7 @@ struct fp_ctx {
     uint64_t nfids, capfids;
     uint32_t touch_gen;     /* fp_live_run calls so far (space_ent.touch) */
     int by_code;            /* fp_ctx_by_code */
+    int code_frames;        /* fp_ctx_code_frames */
     struct fid_memo *memo;  /* by code: FID_MEMO slots, see frame_id */
     struct pair_ent *pairs; /* by code: pairs in first-seen order */
     uint64_t npairs, cappairs;

@@ -205,7 +205,7 @@ static uint32_t intern_frame(struct fp_ctx *c, const struct space_ent *sp, uint6
                              uint8_t exact)
 {
     uint64_t tag = sp->space_id, addr = pc;
-    if (c->by_code) {
+    if (c->by_code || c->code_frames) {
         uint64_t named = exact ? pc : pc - 1;
         const struct unw_module *m = unw_module_find(sp->mods, sp->nmods, named);
         if (m && !(m->flags & UNW_MOD_JIT)) { /* JIT code: one process's, keyed by its pc */
@@ -625,9 +625,28 @@ void fp_stack_counts(const struct fp_ctx *c, uint64_t *out)
         out[id] = c->stacks[id].count;
 }
 
+int fp_ctx_code_frames(struct fp_ctx *c, int on)
+{
+    if (c->nstk || c->nfr || c->by_code || (on != 0 && on != 1))
+        return -1;
+    c->code_frames = on;
+    return 0;
+}
+
+void fp_stacks_pcs(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *pcs)
+{
+    for (uint64_t id = from; id < to && id < c->nstk && !c->by_code; id++) {
+        const uint64_t *w = c->words + c->stacks[id].woff;
+        uint32_t npcs = (uint32_t)(w[1] >> 32);
+        if (npcs)
+            memcpy(pcs, w + 2, 8 * (size_t)npcs);
+        pcs += npcs;
+    }
+}
+
 int fp_ctx_by_code(struct fp_ctx *c, int on)
 {
-    if (c->nstk || c->nfr)
+    if (c->nstk || c->nfr || c->code_frames)
         return -1;
     if (on < 0 || on > 2)
         return -1;

@@ -46,7 +46,8 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
-           inline_max: int = -1, cfi_dir: Path | None = None) -> LiveProfiler:  # fmt: skip
+           inline_max: int = -1, cfi_dir: Path | None = None,
+           code_frames: bool = True) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
     # inline_max -1 (default) and no cfi_dir: every binary to the worker (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
@@ -59,6 +60,9 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     prof = kind(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
                 flush_interval=flush_interval)  # fmt: skip
     assert (prof.native_step is not None) == native
+    if not code_frames:  # frames by address space, from the first step's context on
+        prof.native_step.code_frames = False
+        prof.native_step.reset_context()
     prof.start()
     for _ in range(len(drains)):
         prof.step()
@@ -127,6 +131,13 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for k in cs:
         assert cf[k] == cs[k], k
     assert fast.pipeline.orderer.stats.queued == 0
+    # Frames are named per code (fp_ctx_code_frames): the same answers and counts as frames
+    # per address space, with fewer frames named (the two c_o2 processes run the same code at
+    # other addresses).
+    per_space = replay(cap, True, tmp_path, code_frames=False)
+    assert contents(per_space) == contents(slow)
+    assert counts(per_space) == cs
+    assert 0 < fast.native_step.nframes < per_space.native_step.nframes
     # the daemon's mode: counts held across steps (flush_interval), stored by flush()/close()
     held = replay(cap, True, tmp_path, flush_interval=3600)
     assert contents(held) == contents(slow)

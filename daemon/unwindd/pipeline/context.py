@@ -140,8 +140,9 @@ def callchain(kc: bytes) -> tuple[int, ...]:
 
 
 # One exported stack: (comm, space id, UNW_* status, regs_none, frame ids leaf first, raw
-# kernel callchain as native-endian u64 bytes: ``callchain`` gives its words).
-NewStack = tuple[str, int, int, int, list[int], bytes]
+# kernel callchain as native-endian u64 bytes: ``callchain`` gives its words, and with code
+# frames its user pcs, one per frame id; else empty).
+NewStack = tuple[str, int, int, int, list[int], bytes, list[int]]
 
 
 class _ExportBufs:
@@ -153,6 +154,7 @@ class _ExportBufs:
         self.comm, self.space, self.npcs, self.nkc = (ffi.new("uint32_t[]", cnt) for _ in range(4))
         self.status, self.rn = ffi.new("uint8_t[]", cnt), ffi.new("uint8_t[]", cnt)
         self.fids, self.kc = ffi.new("uint32_t[]", nf), ffi.new("uint64_t[]", nk)
+        self.pcs = ffi.new("uint64_t[]", nf)
 
 
 class NativeContext:
@@ -163,8 +165,8 @@ class NativeContext:
     per frame id (has no symbol), per counted (space, frames) key with an unnamed frame its
     packed bytes; snapshots only while held (see the module's invariants)."""
 
-    def __init__(self, engine: StackEngine, *, by_code: int = 0, par_min: int | None = None,
-                 par_stress: bool = False) -> None:  # fmt: skip
+    def __init__(self, engine: StackEngine, *, by_code: int = 0, code_frames: bool = False,
+                 par_min: int | None = None, par_stress: bool = False) -> None:  # fmt: skip
         self.engine = engine
         self.ctx = owned(lib.fp_ctx_new(ARCH_X86_64, engine.unwinder.max_depth),
                          lib.fp_ctx_free, "fp_ctx_new")  # fmt: skip
@@ -176,6 +178,11 @@ class NativeContext:
         # (fp_ctx_by_code), for output that prints no addresses
         if by_code:
             check(lib.fp_ctx_by_code(self.ctx, by_code), "fp_ctx_by_code")
+        # frames by code, stacks by space (fp_ctx_code_frames): a frame id's frames were named
+        # at one address (``plain[id].ip``); ``new_stacks`` gives each stack's pcs
+        self.code_frames = code_frames
+        if code_frames:
+            check(lib.fp_ctx_code_frames(self.ctx, 1), "fp_ctx_code_frames")
         self.comms: list[str] = []
         self._comm_ids: dict[str, int] = {}
         # (pid, generation, engine.name_epoch) -> space id: a new epoch names frames anew
@@ -190,6 +197,7 @@ class NativeContext:
         self._unheld: set[int] = set()  # space ids whose last pid let go since the last naming
         self.unsym = bytearray()  # per frame id: 1 if it has no symbol
         self.plain: list[Frame] = []  # per frame id: its frame, not expanded (new_frames)
+        self.exact = bytearray()  # per frame id: 1 if named at its pc, 0 at pc - 1
         self.nunsym_frames = 0  # the frame ids flagged in unsym
         self.nstacks = 0  # stacks exported (new_stacks) or counted (count_code_stacks)
         self._seen: set[bytes] = set()  # (space, frames) keys whose unnamed frames are counted
@@ -296,6 +304,7 @@ class NativeContext:
                 ip = pc[0] if ex[0] else pc[0] - 1
                 f = frame_at(snap.key[0], snap, ip)
                 plain.append(f)
+                self.exact.append(ex[0])
                 out.append(expand(snap, ip, f))
                 unsym.append(f.sym is None)
             counted = sum(unsym[first:])
@@ -333,6 +342,10 @@ class NativeContext:
                              a.fids, a.kc)  # fmt: skip
         unpack = ffi.unpack
         fids = unpack(a.fids, nf)
+        pcs: list[int] = []
+        if self.code_frames:
+            lib.fp_stacks_pcs(ctx, first, nst, a.pcs)
+            pcs = unpack(a.pcs, nf)
         kcb = ffi.buffer(a.kc, 8 * nk)[:]
         comms = self.comms
         out: list[NewStack] = []
@@ -340,19 +353,22 @@ class NativeContext:
         cols = (unpack(col, cnt) for col in (a.comm, a.space, a.status, a.rn, a.npcs, a.nkc))
         for c, sp, st, rn, n, k in zip(*cols, strict=True):
             k *= 8
-            out.append((comms[c], sp, st, rn, fids[fo : fo + n], kcb[ko : ko + k]))
+            out.append((comms[c], sp, st, rn, fids[fo : fo + n], kcb[ko : ko + k],
+                        pcs[fo : fo + n]))  # fmt: skip
             fo += n
             ko += k
         return out
 
-    def count_unsymbolized(self, space: int, ids: list[int]) -> None:
+    def count_unsymbolized(self, space: int, ids: list[int], pcs: list[int]) -> None:
         """``engine.stats.unsymbolized`` as ``StackEngine.user_frames`` counts it: a stack's
-        unnamed frames once per new (snapshot, frames) key."""
+        unnamed frames once per new (snapshot, frames) key (with code frames the ids alone do
+        not say the pcs: a process may run one binary's code at two addresses)."""
         if not self.nunsym_frames:
             return
         n = sum(map(self.unsym.__getitem__, ids))
         if n:
-            key = space.to_bytes(4, "little") + array("I", ids).tobytes()
+            key = (space.to_bytes(4, "little") + array("I", ids).tobytes()
+                   + array("Q", pcs).tobytes())  # fmt: skip
             if key not in self._seen:
                 self._seen.add(key)
                 self.engine.stats.unsymbolized += n

@@ -616,7 +616,7 @@ class _Replay:
         text_of, ktexts = self._frame_text.__getitem__, self._ktext
         stacks, rendered = self._stacks, self._rendered
         plain_of = self._frame_plain.__getitem__ if engine.srclines is not None else text_of
-        for comm, space, code, regs_none, ids, kkey in nctx.new_stacks():
+        for comm, space, code, regs_none, ids, kkey, _ in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
                 kframes = engine.kernel_frames(callchain(kkey)) if kkey else ()
@@ -626,7 +626,7 @@ class _Replay:
                 status, ids = "kernel_only", []
             else:
                 status = STATUS_NAMES[code]
-                nctx.count_unsymbolized(space, ids)
+                nctx.count_unsymbolized(space, ids, [])
             # recorded callchains and lone ips as they are (engine.expand); unwound stacks with
             # their inline chains
             fixed = status in (STATUS_CALLCHAIN, STATUS_IP_ONLY)

@@ -10,7 +10,9 @@ Invariants:
   ``StackEngine.feed`` does (``_apply``).
 - Each sample is unwound against its pid's space, and named with its thread's comm, as they
   were when it was placed, as in the reference step (``_run``, deferred.py).
-- Each distinct (snapshot, pc) frame is named once, each unique stack built once (``_name_new``).
+- Each distinct frame is named once, each unique stack built once (``_name_new``): a frame is
+  (binary, mapped name, ELF vaddr) in a module, else (snapshot, pc), so a new process of a known
+  binary, or a process whose mappings changed, names no frame again (``_at``).
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
   stacks (the JIT stats' cache); the counts they name reach the store first, and at close
@@ -43,7 +45,7 @@ from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Fork, Lost, Mmap2, Record, record_type_name
+from ..source.records import Comm, Fork, Lost, Mmap2, Record, frozen_maker, record_type_name
 from ..source.streamstats import PLAIN
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
@@ -68,6 +70,7 @@ _FIXED = frozenset(STATUS_NAMES.index(x) for x in (STATUS_CALLCHAIN, STATUS_IP_O
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
+_new_frame = frozen_maker(Frame)
 _PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C ids stay below)
 PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
@@ -120,8 +123,12 @@ class NativeStep:
         flush_interval: float = 0.0,
         python: PythonFrames | None = None,
         python_mode: str = "replace",
+        code_frames: bool = True,
     ) -> None:
         self.pipeline = pipeline
+        # frames by code (fp_ctx_code_frames; off: by address space, the same answers with
+        # every process's frames named anew), from the next context on
+        self.code_frames = code_frames
         self.python = python  # Python frames for interpreter stacks (None: off)
         self.python_beside = python_mode == "beside"
         self.engine = engine
@@ -189,12 +196,13 @@ class NativeStep:
         spaces) and the Python caches that mirror it whole when they pass ``max_stacks``
         stacks or ``max_spaces`` snapshots (a cold context only costs re-naming), so they are
         bounded under process churn."""
-        self.nctx = NativeContext(self.engine)
+        self.nctx = NativeContext(self.engine, code_frames=self.code_frames)
         self.ctx = self.nctx.ctx
         self.engine.jit.forget()  # it holds the old context's stack tuples
         self._reset = False
         self.contexts += 1
         self._frames: list[tuple[Frame, ...]] = []  # per frame id (several: an inline chain)
+        self._inst: dict[tuple[int, int], tuple[Frame, ...]] = {}  # (frame id, ip): see _at
         # per stack id: (frames, comm, status, user frame count, kernel frame count)
         self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
         self._evals: list[int] = []  # per stack id: its _PyEval_EvalFrameDefault frames
@@ -621,22 +629,28 @@ class NativeStep:
         """Frames and stacks the last run added, named now (the table is in the state the
         reference step names them in): each frame id once (``NativeContext.new_frames``), and each
         unique stack's frames tuple built once (the same tuple object each time: the store
-        interns by identity first)."""
+        interns by identity first). Frame ids are by code (fp_ctx_code_frames): a frame id
+        at another address than the one it was named at is the same frames at that address
+        (``_at``)."""
         nctx, kernel_frames = self.nctx, self.engine.kernel_frames  # cached by callchain
         self._frames += nctx.new_frames()
-        frame_of, stacks = self._frames.__getitem__, self._stacks
-        for comm, space, code, regs_none, ids, kc in nctx.new_stacks():
+        at, plain_at, stacks = self._at, self._plain_at, self._stacks
+        frame_of = self._frames.__getitem__
+        for comm, space, code, regs_none, ids, kc, pcs in nctx.new_stacks():
             kframes = kernel_frames(callchain(kc)) if kc else ()
             if regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
                 if self.python is not None:
                     self._evals.append(0)  # one entry per stack id, in id order
                 continue
-            nctx.count_unsymbolized(space, ids)
-            if code in _FIXED:  # a recorded callchain or a lone ip: as recorded (engine.expand)
-                uframes = tuple(map(nctx.plain.__getitem__, ids))
+            nctx.count_unsymbolized(space, ids, pcs)
+            if not pcs:  # frames by address space: a frame id is one address
+                uframes = (tuple(map(nctx.plain.__getitem__, ids)) if code in _FIXED
+                           else tuple([f for i in ids for f in frame_of(i)]))  # fmt: skip
+            elif code in _FIXED:  # a recorded callchain or a lone ip: as recorded (expand)
+                uframes = tuple(map(plain_at, ids, pcs))
             else:
-                uframes = tuple([f for i in ids for f in frame_of(i)])
+                uframes = tuple([f for i, pc in zip(ids, pcs, strict=True) for f in at(i, pc)])
             stacks.append((kframes + uframes if kframes else uframes, comm,
                            STATUS_NAMES[code], len(uframes), len(kframes)))  # fmt: skip
             if self.python is not None:
@@ -644,6 +658,33 @@ class NativeStep:
                 self._any_eval |= n > 0
                 self._evals.append(n)
         nctx.release_snapshots()
+
+    def _at(self, fid: int, pc: int) -> tuple[Frame, ...]:
+        """Frame id ``fid``'s frames at user pc ``pc``: as named if that is where they were
+        named, else the same frames with the ip of ``pc`` (one tuple per (id, ip), kept for the
+        context's life). Their other fields are the same at every address of a frame id: its
+        module key is the binary and the mapped name, its ELF vaddr gives the symbol and the
+        inline levels, and the vaddr's segment the ``rel`` (ElfEntry.bias_for: rel - vaddr is
+        the segment's p_offset - p_vaddr)."""
+        ip = pc if self.nctx.exact[fid] else pc - 1
+        frames = self._frames[fid]
+        if ip == frames[0].ip:
+            return frames
+        inst = self._inst.get((fid, ip))
+        if inst is None:
+            inst = self._inst[(fid, ip)] = tuple([
+                _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
+                           f.decl_file, f.decl_line, None) for f in frames])  # fmt: skip
+        return inst
+
+    def _plain_at(self, fid: int, pc: int) -> Frame:
+        """``_at`` of the frame unexpanded (``NativeContext.plain``: recorded callchains)."""
+        f = self.nctx.plain[fid]
+        ip = pc if self.nctx.exact[fid] else pc - 1
+        if ip == f.ip:
+            return f
+        return _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
+                          f.decl_file, f.decl_line, None)  # fmt: skip
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
