@@ -16,14 +16,15 @@ kernel-only idle-task sample of the capture (pid 0, same time and cpu): an idle 
 999 Hz.
 Replay (per CODE, its own interpreter with ``PYTHONPATH=CODE``, bench_sideband.code_path):
 ``LiveProfiler`` over the drains (an empty /proc, line tables from a persistent cache dir
-``FILE``.cache, as a daemon that ran before), the first ``--warm`` drains untimed; then the
-process CPU of the rest per sample, and a digest of what was stored (same capture, same
+``FILE``.cache, as a daemon that ran before; the daemon's garbage collector thresholds), the
+first ``--warm`` drains untimed; then the process CPU of the rest per sample, and a digest of what was stored (same capture, same
 digest: the codes agree on every stack and count).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -134,6 +135,11 @@ def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path) -> Non
     from unwindd.store.stackstore import StackStore
     from unwindd.unwind.engine import StackEngine
 
+    try:
+        from unwindd.serve.service import GC_THRESHOLDS
+    except ImportError:  # code from before it was named: the same numbers, inline
+        GC_THRESHOLDS = (20_000, 10, 10)
+    gc.set_threshold(*GC_THRESHOLDS)  # the daemon's collector, not the interpreter's default
     fmt, drains = pickle.loads(cap.read_bytes())
     if comm:
         drains = only_comm(fmt, drains, comm)

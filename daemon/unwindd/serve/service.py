@@ -86,6 +86,14 @@ from .streams import StreamFanout
 
 log = logging.getLogger("unwindd")
 
+# Every new stack and frame the daemon keeps is a container object, so the default collector
+# (a young collection per 700 of them) ran young and middle passes over what the store holds
+# for good many times a second; 20,000 makes those passes ~28x rarer (cyclic garbage, which the
+# daemon makes little of, waits longer). Middle and full passes keep CPython's ratios (10 and
+# 10; a full pass also waits until the objects added since the last one are 25 % of the old),
+# so cycles that reached the old generation are not kept for much longer than that.
+GC_THRESHOLDS = (20_000, 10, 10)
+
 def read_uid(proc_root: str, pid: int) -> int | None:
     """Real uid of a process from /proc/<pid>/status ("Uid:\\treal\\teffective\\t...")."""
     try:
@@ -690,14 +698,7 @@ def run_daemon(config_path: str | None) -> int:
         print(f"unwindd: error: {e}", flush=True, file=_stderr())
         return 2
     setup_logging(cfg.daemon.log_level)
-    # Every new stack and frame the daemon keeps is a container object, so the default
-    # collector (a young collection per 700 of them) ran young and middle passes over what the
-    # store holds for good many times a second; 20,000 makes those passes ~28x rarer (cyclic
-    # garbage, which the daemon makes little of, waits longer). Middle and full passes keep
-    # CPython's ratios (10 and 10; a full pass also waits until the objects added since the
-    # last one are 25 % of the old), so cycles that reached the old generation are not kept
-    # for much longer than that.
-    gc.set_threshold(20_000, 10, 10)
+    gc.set_threshold(*GC_THRESHOLDS)
     heap.limit_arenas()  # before any thread starts (heap.py)
     daemon = Daemon(cfg, config_path=config_path)
     try:
