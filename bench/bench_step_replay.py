@@ -17,8 +17,8 @@ kernel-only idle-task sample of the capture (pid 0, same time and cpu): an idle 
 Replay (per CODE, its own interpreter with ``PYTHONPATH=CODE``, bench_sideband.code_path):
 ``LiveProfiler`` over the drains (an empty /proc, line tables from a persistent cache dir
 ``FILE``.cache, as a daemon that ran before; the daemon's garbage collector thresholds), the
-first ``--warm`` drains untimed; then the process CPU of the rest per sample, and a digest of what was stored (same capture, same
-digest: the codes agree on every stack and count).
+first ``--warm`` drains untimed; then the process CPU of the rest per sample, and a digest of
+what was stored (same capture, same digest: the codes agree on every stack and count).
 """
 
 from __future__ import annotations

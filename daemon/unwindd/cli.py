@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from . import __version__
 from .usererror import fail
@@ -41,8 +41,10 @@ def _positive_float(s: str) -> float:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    p = parser_class(
         prog="unwindd", description="Live stack-unwinding profiler for Linux."
     )
     p.add_argument("--version", action="version", version=f"unwindd {__version__}")
@@ -292,6 +294,11 @@ def cmd_replay(args: argparse.Namespace, out: TextIO) -> int:
         except (OSError, ValueError):
             mapped = None  # PerfData.open reports it, or the replay maps it itself
     try:
+        # Imported here, not by main: with cyclic GC off for a native replay, the collections
+        # its ~50 modules' allocations would trigger (all finding nothing) are not run.
+        from .unwind.engine import DEFAULT_INLINE
+
+        DEFAULT_INLINE[0] = not args.no_inline
         from .source.perfdata import PerfData
         from .source.perfheader import PerfDataError
 
@@ -485,12 +492,45 @@ def entry() -> NoReturn:
     sys.exit(rc)
 
 
+class _Reprint(Exception):
+    """Raised by ``_QuietParser`` where argparse would print."""
+
+
+class _FixedWidthFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=80)
+
+
+class _QuietParser(argparse.ArgumentParser):
+    """The parser of ``main``'s first attempt at the command line, which never prints:
+    where argparse would (help, version, an error and its usage), ``_Reprint`` is raised and
+    ``main`` parses again with the plain parser, which prints as ever. Its formatter has a
+    fixed width: argparse makes one per argument added (to check its metavar), and the plain
+    one asks for the terminal's width through shutil, an import (with bz2, lzma, fnmatch) that
+    a replay has no other use for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _FixedWidthFormatter)
+        super().__init__(*args, **kwargs)
+
+    def _print_message(self, message: str, file: object = None) -> None:
+        raise _Reprint
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise _Reprint
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser: argparse.ArgumentParser | None = None
+    try:
+        args = build_parser(_QuietParser).parse_args(argv)
+    except _Reprint:
+        parser = build_parser()
+        args = parser.parse_args(argv)
     if args.command not in (None, "run"):
         for name in _DAEMON_OPTIONS:
             if getattr(args, name) is not None:
+                parser = parser or build_parser()
                 parser.error(f"--{name} before {args.command!r} is the daemon's option "
                              f"(unwindd [run] --{name} ...)")  # fmt: skip
     if args.command in (None, "run"):
@@ -499,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_daemon(getattr(args, "config", None))
     out = sys.stdout
-    if args.command in ("replay", "record"):
+    if args.command == "record":  # (replay: cmd_replay, once its imports run without cyclic GC)
         from .unwind.engine import DEFAULT_INLINE
 
         DEFAULT_INLINE[0] = not args.no_inline
