@@ -292,3 +292,40 @@ uint32_t unw_symtab_max_offset(const uint8_t *offs, uint64_t n, uint32_t skip, u
     *nskip = k;
     return top;
 }
+
+int64_t unw_kallsyms_pack(const uint8_t *text, const struct unw_ksym *syms, uint64_t n,
+                          uint8_t *names, uint32_t *at, uint16_t *mod_ix, uint32_t *mods_off,
+                          uint16_t *mods_len, uint64_t mods_cap)
+{
+    uint64_t pos = 0, nmods = 1; /* module 0: the kernel image (no module) */
+    uint64_t last = 0;
+    at[0] = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        const struct unw_ksym *s = &syms[i];
+        memcpy(names + pos, text + s->name_off, s->name_len);
+        pos += s->name_len;
+        at[i + 1] = (uint32_t)pos;
+        uint64_t m = 0;
+        if (s->mod_len) {
+            const uint8_t *mp = text + s->mod_off;
+            if (last && mods_len[last] == s->mod_len &&
+                memcmp(text + mods_off[last], mp, s->mod_len) == 0) {
+                m = last;
+            } else {
+                for (m = 1; m < nmods; m++)
+                    if (mods_len[m] == s->mod_len && memcmp(text + mods_off[m], mp, s->mod_len) == 0)
+                        break;
+                if (m == nmods) {
+                    if (nmods >= mods_cap || nmods > 0xffff)
+                        return -1;
+                    mods_off[m] = s->mod_off;
+                    mods_len[m] = s->mod_len;
+                    nmods++;
+                }
+                last = m;
+            }
+        }
+        mod_ix[i] = (uint16_t)m;
+    }
+    return (int64_t)nmods;
+}

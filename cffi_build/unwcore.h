@@ -246,6 +246,13 @@ struct unw_ksym {
 int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *out,
                            uint64_t cap);
 
+/* The names of syms[0, n) back to back into names (sum of name_len bytes), at[i + 1] the end
+ * of symbol i's; mod_ix[i] its module's index among the distinct modules, whose text ranges go
+ * to mods_off/mods_len[1, result) (0: no module). -1 when more than mods_cap modules. */
+int64_t unw_kallsyms_pack(const uint8_t *text, const struct unw_ksym *syms, uint64_t n,
+                          uint8_t *names, uint32_t *at, uint16_t *mod_ix, uint32_t *mods_off,
+                          uint16_t *mods_len, uint64_t mods_cap);
+
 /* libcall.c: libstdc++'s __cxa_demangle of the NUL-terminated name into out[0, cap) (not
  * NUL-terminated): its length; -1 no libstdc++ (or no __cxa_demangle in it), -2 the name does
  * not demangle, -3 - n the result needs n bytes (cap was short). unw_malloc_trim: glibc's

@@ -9,9 +9,12 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from perfutil import PERF, record_perf_data
 from unwindd.binaries.demangle import demangle, demangle_full, demangle_rust_legacy
 from unwindd.binaries.elfcache import ElfCache
@@ -186,6 +189,31 @@ def test_native_kallsyms_equals_regex_parser() -> None:
         assert len(k) == len(ref)
         got = [(k.starts[i], k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
         assert got == ref
+
+
+_KS_NAME = st.text("abcdefgh_.$0123456789", min_size=1, max_size=12)
+_KS_LINE = st.tuples(
+    st.integers(0, (1 << 64) - 1), st.sampled_from("tTwWdDbB"), _KS_NAME,
+    st.one_of(st.none(), st.sampled_from(["mod_a", "mod_b", "m", "a_much_longer_module"])),
+    st.sampled_from(["\t", " ", "  "]), st.sampled_from(["", " ", "\r", "\t"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_KS_LINE, max_size=60), st.booleans())
+def test_native_kallsyms_equals_regex_parser_on_any_table(lines: list[Any], sort: bool) -> None:
+    """Property: on generated tables (text and other types, modules interleaved, unsorted
+    or sorted, separators and trailing bytes varied) the native parse and name packing equal
+    the regex reference, symbol for symbol, module names included."""
+    if sort:
+        lines = sorted(lines, key=repr)
+    text = "".join(f"{a:016x} {t} {n}" + (f"{sep}[{m}]" if m else "") + tail + "\n"
+                   for a, t, n, m, sep, tail in lines)  # fmt: skip
+    ref = parse_kallsyms(text)
+    k = Kallsyms(text)
+    assert len(k) == len(ref)
+    got = [(k.starts[i], k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+    assert sorted(got, key=repr) == sorted(ref, key=repr)
+    assert list(k.starts) == sorted(k.starts)
 
 
 # --------------------------------------------------------------------------- demangling

@@ -11,8 +11,9 @@ Rules:
   text symbols' names only (one bytes, an offset and a module index per symbol);
   ``parse_kallsyms`` is the reference parser of the same grammar.
 
-Cost: one native parse, O(n) on the kernel's sorted output (O(n log n) otherwise), and one pass
-copying the names; a name is decoded on its first lookup, once; a lookup is one bisect.
+Cost: one native parse, O(n) on the kernel's sorted output (O(n log n) otherwise), and one
+native pass packing the names (unw_kallsyms_pack); a name is decoded on its first lookup,
+once; a lookup is one bisect.
 Memory: 22 bytes a symbol plus its name's bytes (~3 MB for a 120,000-symbol kernel).
 """
 
@@ -68,32 +69,27 @@ class Kallsyms:
         self.starts = array("Q", words[0::4].tobytes())
         self.ends = array("Q", words[1::4].tobytes())
         u32 = words.cast("B").cast("I")
-        name_off, mod_off, lens = u32[4::8], u32[5::8], u32[6::8]  # name_len | mod_len << 16
+        lens = u32[6::8]  # name_len | mod_len << 16
         # Only the text symbols' names are kept, back to back (symbol i's is
         # _names_buf[_name_at[i] : _name_at[i + 1]]), and a module index per symbol: the whole
         # text, other symbols' lines and addresses with it, was twice their size.
-        mods: dict[bytes, int] = {b"": 0}
-        mod_ix = array("H", bytes(2 * n))
+        total = sum(ln & 0xFFFF for ln in lens)
+        buf = bytearray(total)
         at = array("I", bytes(4 * (n + 1)))
-        # (filled in place, sized first: no object per name and no regrowth, once, at load)
-        buf = bytearray(sum(ln & 0xFFFF for ln in lens))
-        rv = memoryview(raw)
-        pos = 0
-        for i in range(n):
-            ln = lens[i]
-            o, end = name_off[i], pos + (ln & 0xFFFF)
-            buf[pos:end] = rv[o : o + (ln & 0xFFFF)]
-            at[i + 1] = pos = end
-            if ln >> 16:
-                m = raw[mod_off[i] : mod_off[i] + (ln >> 16)]
-                mod_ix[i] = mods.setdefault(m, len(mods))
+        mod_ix = array("H", bytes(2 * n))
+        cap = n + 1  # (at most one module per symbol, plus "none")
+        moff, mlen = ffi.new("uint32_t[]", cap), ffi.new("uint16_t[]", cap)
+        # names and module indexes packed natively (symtab.c), not a Python pass per symbol
+        nm = int(lib.unw_kallsyms_pack(raw, out, n, ffi.from_buffer("uint8_t[]", buf),
+                                       ffi.from_buffer("uint32_t[]", at),
+                                       ffi.from_buffer("uint16_t[]", mod_ix), moff, mlen, cap))
+        if nm < 0:
+            raise ValueError("kallsyms: more than 65535 modules")
         self._names_buf = buf
         self._name_at = at
         self._mod_ix = mod_ix
-        self._mods: list[str | None] = [None] * len(mods)
-        for m, j in mods.items():
-            if j:
-                self._mods[j] = m.decode("utf-8", "replace")
+        self._mods: list[str | None] = [None] + [
+            raw[moff[j] : moff[j] + mlen[j]].decode("utf-8", "replace") for j in range(1, nm)]
         self._names: dict[int, KernelSymbol] = {}
 
     @classmethod
