@@ -47,7 +47,7 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
            inline_max: int = -1, cfi_dir: Path | None = None,
-           code_frames: bool = True) -> LiveProfiler:  # fmt: skip
+           code_frames: bool = True, forget_pids: bool = False) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
     # inline_max -1 (default) and no cfi_dir: every binary to the worker (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
@@ -60,6 +60,8 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     prof = kind(Replayed(fmt, drains), engine, store, live=live, bootstrap=False,  # type: ignore[arg-type]
                 flush_interval=flush_interval)  # fmt: skip
     assert (prof.native_step is not None) == native
+    if forget_pids:  # the daemon's: per-pid stream counts go with the pid
+        prof.forget_stream_pids()
     if not code_frames:  # frames by address space, from the first step's context on
         prof.native_step.code_frames = False
         prof.native_step.reset_context()
@@ -138,6 +140,12 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     assert contents(per_space) == contents(slow)
     assert counts(per_space) == cs
     assert 0 < fast.native_step.nframes < per_space.native_step.nframes
+    # The daemon's mode keeps no samples per pid (a count after the pid's drop would keep it
+    # for good) and stores the same.
+    daemonlike = replay(cap, True, tmp_path, forget_pids=True)
+    assert contents(daemonlike) == contents(slow)
+    assert not daemonlike.pipeline.stats.samples_by_pid and slow.pipeline.stats.samples_by_pid
+    assert daemonlike.pipeline.stats.by_type == slow.pipeline.stats.by_type
     # the daemon's mode: counts held across steps (flush_interval), stored by flush()/close()
     held = replay(cap, True, tmp_path, flush_interval=3600)
     assert contents(held) == contents(slow)

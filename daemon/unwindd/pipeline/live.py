@@ -100,11 +100,13 @@ class LiveProfiler:
 
     def forget_stream_pids(self) -> None:
         """From now on, each pid the table drops (exit grace, cap, reuse) also leaves the
-        stream's per-pid counts (``pipeline.stats``: ``samples_by_pid``, ``comm_by_pid``).
-        They name the pids of a recording's summary (``unwindd record`` keeps them all); a
-        daemon never reads them, and under process churn they held an entry for every process
-        that ever ran."""
+        stream's per-pid counts (``pipeline.stats``: ``samples_by_pid``, ``comm_by_pid``),
+        and samples are no longer counted per pid at all (a sample counted after its pid's
+        drop would bring the pid back for good). They name the pids of a recording's summary
+        (``unwindd record`` keeps them all); a daemon never reads them, and under process
+        churn they held an entry for every process that ever ran."""
         self.engine.drop_listeners.append(self._forget_stream_pid)
+        self.native_step.count_pid_samples = False
 
     def _forget_stream_pid(self, pid: int) -> None:
         st = self.pipeline.stats

@@ -129,6 +129,8 @@ class NativeStep:
         # frames by code (fp_ctx_code_frames; off: by address space, the same answers with
         # every process's frames named anew), from the next context on
         self.code_frames = code_frames
+        # the stream's samples per pid (StreamStats.samples_by_pid), for a recording's summary
+        self.count_pid_samples = True
         self.python = python  # Python frames for interpreter stacks (None: off)
         self.python_beside = python_mode == "beside"
         self.engine = engine
@@ -510,8 +512,9 @@ class NativeStep:
         flags = bytes(ffi.buffer(cols[0], k))  # the good SAMPLEs (not side-band, not bad)
         out = self._flagged
         by_pid = count_flagged(flags, view(cols[3], "I", k), out)  # in C, first-seen order
-        for pid, c in by_pid:
-            s.samples_by_pid[pid] += c
+        if self.count_pid_samples:
+            for pid, c in by_pid:
+                s.samples_by_pid[pid] += c
         info.pids.update(pid for pid, _ in by_pid)
         for cpu, c in count_flagged(flags, view(cols[5], "I", k), out):
             per = s.by_cpu_type.get(cpu)
