@@ -15,11 +15,14 @@ port and the cache directory set) one ``unwindd run`` is started and, for ``--mi
 - every ``--query-every`` s one query in turn over the socket (/v1/top, /v1/stacks as json,
   folded and pprof, /v1/processes, /v1/status) and a /metrics scrape; every 10th round
   ``unwindctl top`` as a user runs it;
-- every ``--every`` s the daemon's RSS (VmRSS), CPU (utime + stime) and counters, and the
-  bytes of its two capped structures (ELF cache, store: /v1/status), which grow to their caps
-  ([cache] max_bytes, [store] max_bytes) by design.
+- every ``--every`` s the daemon's RSS (VmRSS) and its anonymous and file-backed parts
+  (statm), CPU (utime + stime) and counters, and the bytes of its two capped structures (ELF
+  cache, store: /v1/status), which grow to their caps ([cache] max_bytes, [store] max_bytes)
+  by design.
 Reported per run: RSS slope after the warm-up (least squares, MiB/min) and that of RSS minus
-the capped structures (what a leak would show as), RSS at the warm-up's end and peak, CPU per
+the capped structures (what a leak would show as), RSS at the warm-up's end and peak, RSS and
+its anonymous and file-backed parts at the end, peak and median after the warm-up (one
+query's temporaries make single samples jumpy), the machine's load average, CPU per
 sample (whole run and after warm-up), samples, lost records and samples (unwindd_lost_*),
 throttled, query latency p50/p99, errors (5xx, failed queries, unwindctl exit != 0) and
 whether the daemon exited. A markdown table for BENCHMARKS.md is printed last, and the RSS
@@ -287,6 +290,7 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 d.wait()
         log.close()
     warm = args.warmup_minutes * 60
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])  # 1, 5, 15 min
     after = [x for x in trace if x[0] >= warm] or [trace[-1]]
     first = next((x for x in trace if x[0] >= warm), trace[-1])
     last = trace[-1]
@@ -301,6 +305,13 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "rss_peak_mib": round(max(x[1] for x in trace) / MIB, 1),
         "anon_warm_mib": round(first[5] / MIB, 1), "anon_end_mib": round(last[5] / MIB, 1),
         "anon_peak_mib": round(max(x[5] for x in trace) / MIB, 1),
+        "file_warm_mib": round((first[1] - first[5]) / MIB, 1),
+        "file_end_mib": round((last[1] - last[5]) / MIB, 1),
+        "file_peak_mib": round(max(x[1] - x[5] for x in trace) / MIB, 1),
+        "rss_median_mib": round(statistics.median(x[1] for x in after) / MIB, 1),
+        "anon_median_mib": round(statistics.median(x[5] for x in after) / MIB, 1),
+        "file_median_mib": round(statistics.median(x[1] - x[5] for x in after) / MIB, 1),
+        "loadavg": load,
         "rss_slope_mib_min": round(slope_mib_per_min([(x[0], x[1]) for x in after]), 2),
         "uncapped_slope_mib_min":
             round(slope_mib_per_min([(x[0], x[1] - x[4]) for x in after]), 2),
@@ -319,8 +330,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "query_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 1)
         if lat else None,
         "queries": len(lat), "errors": len(errors), "first_errors": errors[:5],
-        "trace": [(round(x[0]), round(x[1] / MIB, 1), round(x[5] / MIB, 1), round(x[4] / MIB, 1))
-                  for x in trace],
+        "trace": [(round(x[0]), round(x[1] / MIB, 1), round(x[5] / MIB, 1),
+                   round((x[1] - x[5]) / MIB, 1), round(x[4] / MIB, 1)) for x in trace],
     }  # fmt: skip
 
 
@@ -337,6 +348,11 @@ def table(results: list[dict[str, Any]], warmup: float) -> str:
         (f"RSS slope after {warmup:g} min (MiB/min)", lambda r: r["rss_slope_mib_min"]),
         (f"of RSS, anonymous: at {warmup:g} min / end / peak (MiB)",
          lambda r: f"{r['anon_warm_mib']} / {r['anon_end_mib']} / {r['anon_peak_mib']}"),
+        (f"of RSS, file-backed: at {warmup:g} min / end / peak (MiB)",
+         lambda r: f"{r['file_warm_mib']} / {r['file_end_mib']} / {r['file_peak_mib']}"),
+        (f"median after {warmup:g} min: RSS / anonymous / file-backed (MiB)",
+         lambda r: f"{r['rss_median_mib']} / {r['anon_median_mib']} / {r['file_median_mib']}"),
+        ("load average at the end (1 / 5 / 15 min)", lambda r: r["loadavg"].replace(" ", " / ")),
         ("ELF cache + store bytes at the end (MiB; capped)", lambda r: r["capped_end_mib"]),
         (f"slope of RSS minus those after {warmup:g} min (MiB/min)",
          lambda r: r["uncapped_slope_mib_min"]),
@@ -379,8 +395,8 @@ def main() -> None:
             trace = r.pop("trace")
             print(json.dumps(r), flush=True)
             if args.trace:
-                print("trace (s: RSS/anonymous/ELF cache + store MiB): "
-                      + " ".join(f"{t}:{m}/{a}/{c}" for t, m, a, c in trace))
+                print("trace (s: RSS/anonymous/file-backed/ELF cache + store MiB): "
+                      + " ".join(f"{t}:{m}/{a}/{f}/{c}" for t, m, a, f, c in trace))
             results.append(r)
     print(f"\ncommand: python3 bench/soak.py {' '.join(sys.argv[1:])}  (from {ROOT.name})")
     print(table(results, args.warmup_minutes))

@@ -13,12 +13,17 @@
  *     the file shares, not a private copy. Python's mmap module would also do, but it keeps
  *     a dup of the fd per mapping (CPython Modules/mmapmodule.c new_mmap_object), one more
  *     open file per cached table.
+ *   - Every live unw_map_file mapping is listed (maps, under map_lock) until unw_unmap_file,
+ *     which unmaps it under the same lock: unw_mapped_release never advises a range that was
+ *     unmapped, or that a later mmap reused, meanwhile.
  * Cost: validation O(rows + rules); a lookup O(log pages) to find the page only when the row
  * lies before its pc's page, else O(log rows in the page), O(1) with a correct hint.
  */
 #include "cfi_int.h"
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 
 static inline uint32_t rd32(const uint8_t *p)
@@ -206,6 +211,16 @@ int64_t unw_table_lookup_hint(const uint8_t *blob, uint64_t pc, uint32_t hint,
     return i;
 }
 
+/* The live mappings of unw_map_file, for unw_mapped_release. Each is a whole cache table,
+ * so there are as many as tables held (hundreds at most): a linear search is enough. */
+struct mapped_file {
+    const uint8_t *p;
+    uint64_t len;
+};
+static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct mapped_file *maps;
+static size_t nmaps, capmaps;
+
 const uint8_t *unw_map_file(int fd, uint64_t len)
 {
     if (len == 0 || len > (uint64_t)SIZE_MAX) {
@@ -213,11 +228,54 @@ const uint8_t *unw_map_file(int fd, uint64_t len)
         return NULL;
     }
     void *p = mmap(NULL, (size_t)len, PROT_READ, MAP_SHARED, fd, 0);
-    return p == MAP_FAILED ? NULL : p;
+    if (p == MAP_FAILED)
+        return NULL;
+    pthread_mutex_lock(&map_lock);
+    if (nmaps == capmaps) {
+        size_t ncap = capmaps ? 2 * capmaps : 64;
+        struct mapped_file *n = realloc(maps, ncap * sizeof *n);
+        if (!n) {
+            pthread_mutex_unlock(&map_lock);
+            munmap(p, (size_t)len);
+            errno = ENOMEM;
+            return NULL;
+        }
+        maps = n;
+        capmaps = ncap;
+    }
+    maps[nmaps++] = (struct mapped_file){p, len};
+    pthread_mutex_unlock(&map_lock);
+    return p;
 }
 
 void unw_unmap_file(const uint8_t *p, uint64_t len)
 {
-    if (p && len)
-        munmap((void *)p, (size_t)len);
+    if (!p || !len)
+        return;
+    pthread_mutex_lock(&map_lock);
+    for (size_t i = 0; i < nmaps; i++)
+        if (maps[i].p == p) {
+            maps[i] = maps[--nmaps];
+            break;
+        }
+    munmap((void *)p, (size_t)len);
+    pthread_mutex_unlock(&map_lock);
+}
+
+uint64_t unw_mapped_release(uint64_t *nfiles)
+{
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&map_lock);
+    /* MADV_DONTNEED on a shared file mapping only removes the pages from this process's page
+     * tables (mm/madvise.c madvise_dontneed_single_vma -> zap_page_range_single): the page
+     * cache keeps them, and the next read of one maps it again with a minor fault
+     * (mm/filemap.c filemap_map_pages maps cached pages around it too: fault_around_bytes,
+     * or the whole large folio the file's page cache holds it in). */
+    for (size_t i = 0; i < nmaps; i++)
+        if (madvise((void *)maps[i].p, (size_t)maps[i].len, MADV_DONTNEED) == 0)
+            bytes += maps[i].len;
+    if (nfiles)
+        *nfiles = nmaps;
+    pthread_mutex_unlock(&map_lock);
+    return bytes;
 }

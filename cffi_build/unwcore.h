@@ -148,6 +148,11 @@ int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule
  * returns. Release with unw_unmap_file(p, len). */
 const uint8_t *unw_map_file(int fd, uint64_t len);
 void unw_unmap_file(const uint8_t *p, uint64_t len);
+/* Drop the pages of every live unw_map_file mapping from the process's page tables
+ * (MADV_DONTNEED): they stay in the page cache and a later read maps them again (a minor
+ * fault). Returns the bytes of the mappings advised; *nfiles (if not NULL) = the mappings.
+ * O(mappings) plus the kernel's O(resident pages); safe from any thread. */
+uint64_t unw_mapped_release(uint64_t *nfiles);
 
 /* ------------------------------------------------------------------ unwinder */
 

@@ -3,10 +3,10 @@ per process and per context goes when the process or the context does.
 
 - A real daemon under a churn of short-lived processes: /v1/status ``memory`` and the
   metrics report the live step's C context (``fp_ctx_bytes``) and the C heap (serve/heap.py:
-  trimmed every 10 s); once the churn's processes have exited and their exit grace passed,
-  the per-process state (the process table, the engine's per-pid snapshots and comms, the
-  stream's per-pid counts) is back to what the machine's own processes need, not grown by
-  the churn.
+  trimmed every 10 s, the mapped cache tables released from RSS with it); once the churn's
+  processes have exited and their exit grace passed, the per-process state (the process
+  table, the engine's per-pid snapshots and comms, the stream's per-pid counts) is back to
+  what the machine's own processes need, not grown by the churn.
 - The native live step over real ring chunks with a small ``max_stacks``: each context reset
   drops the old context's stacks everywhere, the JIT stats' stack cache included (it held
   the tuples, and so every frame, of a dropped context until it filled up).
@@ -109,6 +109,10 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         heap = mem2["heap"]
         assert heap is not None and heap["in_use_bytes"] > 0, heap
         assert mem2["trims"] >= 1, mem2
+        # ... and the mapped cache tables (the churn's binaries' at least) released from the
+        # page tables with it (cachefiles.release_mapped; their pages stay in the page cache)
+        mt = mem2["mapped_tables"]
+        assert mt["tables"] >= 1 and mt["bytes"] > 0, mt
         text = d.metrics()
         assert metric_values(text, "unwindd_heap_trims_total")[""] >= 1
         assert set(metric_values(text, "unwindd_heap_bytes")) == {

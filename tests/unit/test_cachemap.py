@@ -7,6 +7,8 @@ symstore.SymbolStore).
 2. Same answers: a mapped CFI table gives the heap table's rows and lookups; a replay of a
    real recording unwinds every sample the same with the cache (mapped tables) and without
    it (heap tables), per sample (``--format jsonl``).
+   ``release_mapped`` drops a mapped table's pages from the process's RSS (its smaps Rss)
+   without changing what it reads: they come back from the page cache as they are read.
 3. Loader fuzz: damaged files (random truncations, extensions, byte flips, and flips with the
    CRC recomputed so that only the structural checks can refuse them) are each either
    refused, counted and removed, or, for the resealed ones the checks cannot tell from a
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 from unwindd.binaries import cfi as cfimod
 from unwindd.binaries import symstore
-from unwindd.binaries.cachefiles import CacheFileError, map_cache_file
+from unwindd.binaries.cachefiles import CacheFileError, map_cache_file, release_mapped
 from unwindd.binaries.cfi import CfiStore, CfiTable
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.binaries.symstore import SymbolStore
@@ -77,6 +79,42 @@ def test_map_cache_file_keeps_no_fd_and_unmaps_with_the_last_user(tmp_path: Path
     os.mkdir(tmp_path / "dir")
     with pytest.raises(CacheFileError):
         map_cache_file(str(tmp_path / "dir"), 1 << 20)
+
+
+def _resident_kb(path: str) -> int:
+    """Rss (kB) of this process's mappings of ``path`` (/proc/self/smaps)."""
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) == 6 and head[5].strip() == path
+            elif inside and head[0] == "Rss:":
+                kb += int(head[1])
+    return kb
+
+
+def test_release_mapped_drops_the_pages_from_rss_not_the_data(tmp_path: Path) -> None:
+    p = tmp_path / "big"
+    data = random.Random(3).randbytes(16 << 20)
+    p.write_bytes(b"h" * 16 + data)
+    got = map_cache_file(str(p), 32 << 20, 16)
+    assert got is not None
+    body = got[1]
+    assert zlib.crc32(body) == zlib.crc32(data)  # a load check reads every page
+    assert _resident_kb(str(p)) >= 16000
+    tables, nbytes = release_mapped()
+    assert tables >= 1 and nbytes >= len(data) + 16
+    assert _resident_kb(str(p)) < 100
+    # a lookup's read maps back what it reads, from the page cache: the same bytes (and what
+    # the kernel maps around it at once: fault-around, or a whole large folio, <= 2 MiB)
+    assert bytes(body[9 << 20 : (9 << 20) + 64]) == data[9 << 20 : (9 << 20) + 64]
+    assert 0 < _resident_kb(str(p)) <= 4096
+    assert zlib.crc32(body) == zlib.crc32(data)
+    del body, got
+    gc.collect()
+    assert str(p) not in _mapped_paths()
+    assert release_mapped()[0] == tables - 1  # an unmapped table is not listed any more
 
 
 def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:

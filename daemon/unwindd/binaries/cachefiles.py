@@ -15,6 +15,12 @@ Rules:
   heap. Files are only ever replaced whole (below), never rewritten in place, so a mapping
   keeps the inode it was checked on; only a file truncated by hand under a running process
   could fault its reader (SIGBUS), as with any mapped file.
+- ``release_mapped`` drops the pages of every mapped table from the process's page tables
+  (cfilookup.c ``unw_mapped_release``, MADV_DONTNEED): the page cache keeps them and the next
+  lookup maps what it reads again with a minor fault. A table's load checks (CRC, validation)
+  read all of it, while lookups read a small part: without this the whole table stayed in the
+  process's RSS. It changes what RSS counts, not what the machine holds: the pages stay in the
+  page cache (shared, reclaimable) either way.
 - A file is written to a temporary name (pid and thread in it; O_EXCL | O_NOFOLLOW: never
   through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
@@ -31,7 +37,8 @@ Rules:
 
 Cost: a read is one open, fstat and read; a map one open, fstat, mmap and close; a write one
 open, write and rename; a prune one scandir and a sort of the directory's entries, O(n log n),
-run at start.
+run at start; ``release_mapped`` one madvise per mapped table (the kernel's work: O(resident
+pages)).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ __all__ = [
     "map_cache_file",
     "prune_cache_dirs",
     "read_cache_file",
+    "release_mapped",
     "user_cache_dir",
     "write_cache_file",
 ]
@@ -157,6 +165,17 @@ def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | 
     # memoryview holds an export that the garbage collector could not clear
     owner: Any = ffi.gc(p + head, lambda _q, base=p, n=size: lib.unw_unmap_file(base, n), size)
     return ffi.buffer(p, head)[:], ffi.buffer(owner, size - head)
+
+
+def release_mapped() -> tuple[int, int]:
+    """Drop the pages of every table ``map_cache_file`` mapped (and not yet unmapped) from
+    the process's page tables; they stay in the page cache (see the module rules). Returns
+    (tables, their bytes). Safe from any thread: a table unmapped meanwhile waits for it."""
+    from ..unwcore import ffi, lib
+
+    nfiles = ffi.new("uint64_t *")
+    nbytes = int(lib.unw_mapped_release(nfiles))
+    return int(nfiles[0]), nbytes
 
 
 STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died

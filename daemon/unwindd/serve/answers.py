@@ -6,9 +6,11 @@ Rules:
   Status is never cached (it is cheap and reload tests read it back at once).
 - An answer lives ``ANSWER_TTL`` seconds: a burst of dashboards or scripts costs one pass over
   the store, not one each. Only 200 answers are kept.
-- Bounded: at most ``MAX_ANSWERS``; when full, expired answers go first, then new ones are not
-  kept until some expire.
-- Used on the event loop only (no lock); a cache hit is O(1), a full cache's sweep
+- Bounded: at most ``MAX_ANSWERS``, none kept past its TTL for long: expired answers go at
+  every ``put`` and every ``expire`` (the daemon's, with each heap trim), so a body (up to
+  megabytes: a pprof or folded answer) is not held after its time; when the cache is full of
+  live answers, new ones are not kept until some expire.
+- Used on the event loop only (no lock); a cache hit is O(1), a put or an expire
   O(``MAX_ANSWERS``).
 """
 
@@ -38,12 +40,19 @@ class AnswerCache:
             return None
         return hit[1]
 
+    def __len__(self) -> int:
+        return len(self._answers)
+
     def put(self, key: AnswerKey, res: Response | StreamStart, now: float) -> None:
         """Keep a 200 answer for ANSWER_TTL; at most MAX_ANSWERS answers (expired ones go
         first, then new ones are not kept until some expire)."""
+        self.expire(now)
         if not isinstance(res, Response) or res.status != 200:
             return
-        if len(self._answers) >= MAX_ANSWERS:
-            self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
         if len(self._answers) < MAX_ANSWERS:
             self._answers[key] = (now + ANSWER_TTL, res)
+
+    def expire(self, now: float) -> None:
+        """Drop the answers whose TTL has passed."""
+        if any(v[0] <= now for v in self._answers.values()):
+            self._answers = {k: v for k, v in self._answers.items() if v[0] > now}

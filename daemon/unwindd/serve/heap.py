@@ -1,4 +1,5 @@
-"""The daemon's C heap (glibc malloc): few arenas, free pages handed back, and what it holds.
+"""The daemon's C heap (glibc malloc): few arenas, free pages handed back, and what it holds;
+and the mapped cache tables' pages dropped from its page tables at the same times.
 
 The daemon's threads (query worker, CFI compiler, Python frame reader, the native unwind
 worker) each get a malloc arena of their own by default (glibc malloc/arena.c: up to
@@ -6,15 +7,27 @@ worker) each get a malloc arena of their own by default (glibc malloc/arena.c: u
 that thread's arena, and free chunks in the middle of an arena stay resident until
 ``malloc_trim`` returns their pages (malloc/malloc.c mtrim: MADV_DONTNEED on whole free pages
 of every arena). Under process churn the freed-but-resident part was most of the daemon's RSS.
+The mapped symbol, line and CFI tables (binaries/cachefiles.py) are file pages: each was read
+whole by its load checks, and stayed in the RSS though lookups read a small part of it; each
+trim drops them from the page tables (``cachefiles.release_mapped``), the page cache keeps them,
+and lookups map back what they read.
+glibc raises its mmap threshold each time a block it mmapped is freed (malloc.c free: up to
+32 MiB, the trim threshold to twice that), so once one big answer body or temporary is freed
+the next ones of that size come from the arenas, and the space they free stays resident until
+a trim and is split by small blocks meanwhile; ``limit_arenas`` fixes the threshold at
+glibc's default (``MMAP_THRESHOLD``; a value set with mallopt turns the adjustment off), so a
+block that large is a mapping of its own, returned at its free.
 
 Invariants:
 - ``limit_arenas`` runs before the daemon starts a thread (mallopt M_ARENA_MAX only bounds
-  arenas created after it); ``Trimmer.maybe`` runs on the loop thread only.
-- Without glibc (musl, another libc) every function here is a no-op and ``stats`` is None:
-  the daemon runs the same, only without these bounds.
+  arenas created after it; the fixed mmap threshold holds for every arena); ``Trimmer.maybe``
+  runs on the loop thread only.
+- Without glibc (musl, another libc) every malloc function here is a no-op and ``stats`` is
+  None: the daemon runs the same, only without these bounds (the tables are still released).
 Cost: ``Trimmer.maybe`` O(1) except at most once per ``interval`` s, when malloc_trim walks
-every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB); ``stats`` walks
-the same (mallinfo2), so /v1/status and the metrics read it at most once per call.
+every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB) and one madvise per
+mapped table runs; ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
+at most once per call.
 """
 
 from __future__ import annotations
@@ -25,12 +38,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARENA_MAX", "HeapStats", "Trimmer", "limit_arenas", "stats"]
+from ..binaries.cachefiles import release_mapped
+
+__all__ = ["ARENA_MAX", "MMAP_THRESHOLD", "HeapStats", "Trimmer", "limit_arenas", "stats"]
 
 # The loop thread's main arena plus one the other threads share: enough that the query worker
 # and the CFI compiler rarely wait for a lock held by the loop, without one heap per thread.
 ARENA_MAX = 2
-_M_ARENA_MAX = -8  # glibc malloc.h
+# glibc's DEFAULT_MMAP_THRESHOLD_MIN: blocks from this size up are mmapped on their own
+MMAP_THRESHOLD = 128 << 10
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+_M_ARENA_MAX = -8
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -56,9 +74,13 @@ def _libc() -> Any:
 _LIBC = _libc()
 
 
-def limit_arenas(n: int = ARENA_MAX) -> bool:
-    """At most ``n`` malloc arenas from now on; False without glibc."""
-    return _LIBC is not None and bool(_LIBC.mallopt(_M_ARENA_MAX, n))
+def limit_arenas(n: int = ARENA_MAX, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
+    """At most ``n`` malloc arenas from now on, and blocks of ``mmap_threshold`` bytes or more
+    mmapped on their own whatever was freed before (the module doc); False without glibc."""
+    if _LIBC is None:
+        return False
+    fixed = bool(_LIBC.mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
+    return bool(_LIBC.mallopt(_M_ARENA_MAX, n)) and fixed
 
 
 @dataclass
@@ -86,21 +108,31 @@ def stats() -> HeapStats | None:
 
 @dataclass
 class Trimmer:
-    """Hands the arenas' free pages back to the kernel (malloc_trim(0)) at most every
-    ``interval`` seconds. Counts trims and their total seconds (for the metrics)."""
+    """Hands the arenas' free pages back to the kernel (malloc_trim(0)) and drops the mapped
+    cache tables' pages from the page tables (``cachefiles.release_mapped``) at most every
+    ``interval`` seconds. Counts trims and their total seconds (for the metrics), and the
+    tables (``mapped_tables``) and their bytes (``mapped_bytes``) the last one released."""
 
     interval: float = 10.0
     trims: int = 0
     seconds: float = 0.0
+    mapped_tables: int = 0
+    mapped_bytes: int = 0
     _last: float = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether ``maybe(now)`` would trim."""
+        return now - self._last >= self.interval
 
     def maybe(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
-        if _LIBC is None or now - self._last < self.interval:
+        if not self.due(now):
             return False
         self._last = now
         t0 = time.perf_counter()
-        _LIBC.malloc_trim(0)
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
+        self.mapped_tables, self.mapped_bytes = release_mapped()
         self.seconds += time.perf_counter() - t0
         self.trims += 1
         return True

@@ -290,7 +290,9 @@ class Daemon:
         frames it and its Python mirror hold until the next context reset), the engine's caches
         (per process, dropped with it: ``StackEngine.cache_sizes``) and the pids the stream's
         per-pid counts hold (``stream_pids``, dropped likewise), the pids whose uid and exe are
-        kept (``proc_facts``, procfacts.py) and the C heap (heap.py; None without glibc)."""
+        kept (``proc_facts``, procfacts.py), the C heap (heap.py; None without glibc) and the
+        mapped cache tables the last trim released from the page tables (``mapped_tables``:
+        their count and bytes)."""
         ns = self.profiler.native_step
         hs = heap.stats()
         return {"native_context": {"bytes": ns.nctx.native_bytes, "stacks": ns.nstacks,
@@ -299,7 +301,9 @@ class Daemon:
                                 "stream_pids": _stream_pids(self.profiler),
                                 "proc_facts": len(self._facts)},
                 "heap": hs.to_json() if hs is not None else None,
-                "trims": self.trimmer.trims}  # fmt: skip
+                "trims": self.trimmer.trims,
+                "mapped_tables": {"tables": self.trimmer.mapped_tables,
+                                  "bytes": self.trimmer.mapped_bytes}}  # fmt: skip
 
     def heap_bytes(self) -> dict[str, int]:
         """The C heap by state, for the metrics ({} without glibc: heap.py)."""
@@ -562,7 +566,10 @@ class Daemon:
         if not self._drained:
             self._drained = True
             loop.call_soon(self._undrain)
-        self.trimmer.maybe()
+        now = time.monotonic()
+        if self.trimmer.due(now):
+            self._answers.expire(now)  # answers past their TTL: their bodies go before the trim
+            self.trimmer.maybe(now)
         py = self.profiler.python
         if not tick and py is not None and py.reading:
             return  # the tick keeps its period
