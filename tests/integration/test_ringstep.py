@@ -297,3 +297,31 @@ def test_first_cfi_compiles_run_off_the_step(
     assert fast.store.stats.samples == slow.store.stats.samples
     assert fast.engine.stats.by_status == slow.engine.stats.by_status
     assert not fast.live.pinned and not fast.native_step.deferred
+
+
+def test_drain_arenas_give_back_a_burst(workloads: dict[str, Workload], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The step's two drain arenas grow to the largest round and, once later rounds need less,
+    go back to twice what they need (ringstep._shrink), the carry kept: a replay whose first
+    round is a burst (half the capture drained at once) stores what it stores without the
+    shrink, and ends with arenas a fraction of the burst's size."""
+    import unwindd.pipeline.ringstep as ringstep
+
+    cap, burst = tmp_path / "chunks.pickle", tmp_path / "burst.pickle"
+    (tmp_path / "empty-proc").mkdir()
+    capture(cap, [(workloads["c_o2"].argv[0], "200")])
+    fmt, drains = pickle.loads(cap.read_bytes())
+    half = len(drains) // 2
+    assert half >= 8, len(drains)
+    burst.write_bytes(pickle.dumps((fmt, [[c for d in drains[:half] for c in d], *drains[half:]])))
+    size = sum(len(b) for d in drains[:half] for _, b in d)
+    monkeypatch.setattr(ringstep, "_SHRINK_ROUNDS", 1 << 30)
+    kept = replay(burst, True, tmp_path)
+    monkeypatch.setattr(ringstep, "_SHRINK_ROUNDS", 4)
+    shrunk = replay(burst, True, tmp_path)
+    assert contents(shrunk) == contents(kept) and contents(kept)
+    assert counts(shrunk) == counts(kept)
+    grown = max(len(a) for a in kept.native_step._arenas)
+    assert grown >= size // 2, (grown, size)
+    assert max(len(a) for a in shrunk.native_step._arenas) <= grown // 4, (
+        [len(a) for a in shrunk.native_step._arenas], grown)

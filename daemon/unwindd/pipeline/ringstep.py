@@ -70,6 +70,8 @@ _FIXED = frozenset(STATUS_NAMES.index(x) for x in (STATUS_CALLCHAIN, STATUS_IP_O
 __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 
 _HELD = 0xFFFFFFFF
+_ARENA_MIN = 64 << 10  # each drain arena's least size (see NativeStep.__init__)
+_SHRINK_ROUNDS = 256  # rounds between two looks at the arenas' sizes (NativeStep._shrink)
 _new_frame = frozen_maker(Frame)
 _PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C ids stay below)
 PYTHON_MODES = ("replace", "beside", "off")
@@ -155,8 +157,12 @@ class NativeStep:
         # one (the carry already at its head), the carry gathered into the other, and they
         # swap. A fresh buffer per round would cost a zero-fill or a page-faulting mmap per
         # round, kernel time in proportion to the bytes drained. Each grows to the largest
-        # round seen (at most the ring bytes of one drain round plus one carry), never shrinks.
-        self._arenas = [bytearray(1 << 20), bytearray(1 << 20)]
+        # round seen (at most the ring bytes of one drain round plus one carry), and goes back to
+        # twice the largest of the last ``_SHRINK_ROUNDS`` rounds when it is more than twice that
+        # (``_shrink``): a burst does not keep its memory for the step's life.
+        self._arenas = [bytearray(_ARENA_MIN), bytearray(_ARENA_MIN)]
+        self._peak = 0  # the largest round since the last _shrink
+        self._rounds = 0
         self._cur = 0
         self._carry_len = 0
         self._carry_objs: dict[int, _Marked] = {}
@@ -276,6 +282,7 @@ class NativeStep:
             self._new_ctx()
         for pid in self.engine.refresh_jit_names():  # its JIT frames are named again
             self.nctx.forget_space(pid)
+        self._peak = max(self._peak, bounds[-1])
         out, info = self._round(cpus, bounds, False)
         if flushed is not None:
             info.depths.update(flushed.depths)
@@ -291,11 +298,26 @@ class NativeStep:
             info.samples += info2.samples
             info.depths.update(info2.depths)
             info.pids |= info2.pids
+        self._rounds += 1
+        if self._rounds % _SHRINK_ROUNDS == 0:
+            self._shrink()
         return out, info
+
+    def _shrink(self) -> None:
+        """Each arena more than twice the size the recent rounds needed (``_peak``) is replaced
+        by one of that size, the carry (at the current arena's head) kept."""
+        keep = max(_ARENA_MIN, 2 * self._peak)
+        for i, buf in enumerate(self._arenas):
+            if len(buf) > 2 * keep:
+                new = bytearray(keep)
+                if i == self._cur:  # (the carry is at most one round: keep >= it)
+                    new[: self._carry_len] = memoryview(buf)[: self._carry_len]
+                self._arenas[i] = new
+        self._peak = 0
 
     def _reserve(self, used: int, size: int) -> None:
         """The current arena holds at least ``size`` bytes, its first ``used`` kept (doubling:
-        O(1) amortized copies; it never shrinks)."""
+        O(1) amortized copies; ``_shrink`` gives back what bursts left)."""
         buf = self._arenas[self._cur]
         if size > len(buf):
             grown = bytearray(max(size, 2 * len(buf)))
