@@ -24,6 +24,8 @@ def test_varint_wire_format() -> None:
     assert varint(150) == b"\x96\x01" and varint(1) == b"\x01" and varint(0) == b"\x00"
     assert varint(-1) == b"\xff" * 9 + b"\x01"
     assert read_varint(varint(1 << 63), 0) == (1 << 63, 10)
+    for v in (127, 128, 0x3FFF, 0x4000, 0x1FFFFF, 0x200000, (1 << 64) - 1):
+        assert read_varint(varint(v), 0) == (v, (v.bit_length() + 6) // 7)
 
 
 def test_profile_round_trips() -> None:
@@ -119,3 +121,48 @@ def test_functions_carry_their_declaration() -> None:
     got = sorted((name, file, p.starts[fid]) for fid, (name, _, file) in p.functions.items())
     assert got == [("leaf", "/s/v.c", 6), ("leaf", "/s/w.h", 2), ("main", "/s/v.c", 0),
                    ("outer", "/s/w.c", 17)]  # fmt: skip
+
+
+# Frames from a small pool, so stacks share frame objects and equal frames come as distinct
+# objects too; inline chains at one pc; labels for some pids.
+_pool = st.builds(
+    Frame,
+    ip=st.sampled_from([0x1010, 0x2000, 0x7F0000029D90, 0xFFFFFFFF81000000, 1 << 63]),
+    dso=st.none() | st.sampled_from(["/bin/w", "/lib/b.so"]),
+    sym=st.none() | st.sampled_from(["leaf", "mid", "main", ""]),
+    offset=st.none() | st.integers(0, 300),
+    kernel=st.booleans(),
+    inlined=st.booleans(),
+    file=st.none() | st.sampled_from(["/s/w.c", "/s/w.h"]),
+    line=st.none() | st.integers(0, 200),
+    decl_file=st.none() | st.just("/s/w.h"),
+    decl_line=st.none() | st.integers(0, 200),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_pool, min_size=1, max_size=8), st.data())
+def test_bytes_equal_the_straightforward_encoder(pool: list[Frame], data: st.DataObject) -> None:
+    """The encoder's bytes are those of building every message from its frames one by one
+    (tests/support/pprofref.py): its per-query memos (by frame, stack, count, comm, pid) change
+    no byte, whether entries share one frames tuple or carry equal copies."""
+    from pprofref import encode_profile as reference
+
+    frames = st.lists(st.sampled_from(pool), max_size=7).map(tuple)
+    stacks = data.draw(st.lists(frames, min_size=1, max_size=4))
+    picks = data.draw(st.lists(st.tuples(
+        st.integers(0, len(stacks) - 1), st.booleans(), st.integers(-1, 300),
+        st.integers(-1, 300), st.sampled_from(["", "w", "sh"]), st.integers(1, 1 << 40)),
+        max_size=12))  # fmt: skip
+    entries = [StackCount(pid, tid, comm, stacks[i] if same else tuple(list(stacks[i])), n)
+               for i, same, pid, tid, comm, n in picks]  # fmt: skip
+    labels = {1: {"cgroup": "/system.slice/a.service", "unit": "a.service", "container_id": ""},
+              2: {"unit": "b.service"}}  # fmt: skip
+
+    def labels_of(pid: int) -> dict[str, str]:
+        return labels.get(pid % 3, {})
+
+    period = data.draw(st.sampled_from([0, 1, 10_101_010]))
+    for kw in ({}, {"labels_of": labels_of, "time_nanos": 5, "duration_nanos": 1 << 40}):
+        got = encode_profile(entries, period_ns=period, compress=False, **kw)  # type: ignore[arg-type]
+        assert got == reference(entries, period_ns=period, compress=False, **kw)  # type: ignore[arg-type]

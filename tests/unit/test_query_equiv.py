@@ -10,13 +10,14 @@ import queue
 import random
 import threading
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from unwindd.serve.api import Api, Peer, stack_json, window_json
+from pprofref import encode_profile as reference_profile
+from unwindd.serve.api import Api, Peer, rank_without_inline, stack_json, window_json
 from unwindd.serve.httpapi import Request
-from unwindd.store.pprof import encode_profile
-from unwindd.store.queries import top_functions
+from unwindd.store.queries import top_functions, top_lines
 from unwindd.store.querycache import top_summaries
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind import stackfmt
@@ -45,20 +46,49 @@ class Source:
         return None
 
 
-def frame_pool(rng: random.Random, n: int) -> list[Frame]:
+def frame_pool(rng: random.Random, n: int) -> list[Any]:
     syms = ["main", "f", "g", "ñame", None, "x;y", "_start"]
     dsos = ["/bin/a", "/lib/libc.so.6", None, "[kernel.kallsyms]"]
-    return [Frame(rng.randrange(1 << 48), rng.choice(dsos), rng.choice(syms),
-                  rng.choice([None, 0, rng.randrange(4096)]), rng.random() < 0.2)
-            for _ in range(n)]  # fmt: skip
+    out = []
+    for _ in range(n):
+        ip = rng.randrange(1 << 48)
+        user = rng.random() < 0.6  # a mapped user frame: it has a rel (the store keeps a delta)
+        out.append(Frame(ip, rng.choice(dsos), rng.choice(syms),
+                         rng.choice([None, 0, rng.randrange(4096)]), rng.random() < 0.2,
+                         rel=ip & 0xFFFFF if user else None,
+                         file=rng.choice([None, "/s/a.c", "/s/b.h"]), line=rng.randrange(50),
+                         decl_file=rng.choice([None, "/s/b.h"]),
+                         decl_line=rng.choice([None, 3])))  # fmt: skip
+    for _ in range(n // 8):  # inline chains: inlined frames at the pc of the frame after them
+        at = rng.choice(out[:n])
+        chain = [Frame(at.ip, at.dso, rng.choice(syms), None, at.kernel, True, at.rel,
+                       "/s/b.h", rng.randrange(50)) for _ in range(rng.randrange(1, 3))]
+        out.append(tuple([*chain, at]))
+    return out
 
 
-def random_groups(rng: random.Random, pool: list[Frame], stacks: list[tuple[Frame, ...]],
+def new_stack(rng: random.Random, pool: list[Any], stacks: list[tuple[Frame, ...]]
+              ) -> tuple[Frame, ...]:  # fmt: skip
+    """A stack of the pool's frames (an entry of it may be an inline chain); or one already
+    held, its user frames loaded elsewhere (a process of the same binary under ASLR: the same
+    frame keys, other ips)."""
+    if rng.random() < 0.3 and len(stacks) > 1:
+        shift = rng.randrange(1, 64) << 12
+        return tuple(replace(f, ip=f.ip + shift) if f.rel is not None else f
+                     for f in rng.choice(stacks))  # fmt: skip
+    out: list[Frame] = []
+    for _ in range(rng.randrange(0, 7)):
+        got = rng.choice(pool)
+        out.extend(got if isinstance(got, tuple) else (got,))
+    return tuple(out)
+
+
+def random_groups(rng: random.Random, pool: list[Any], stacks: list[tuple[Frame, ...]],
                   newest: int, n: int, wide: bool) -> list[Any]:  # fmt: skip
     out = []
     for _ in range(n):
         if rng.random() < 0.1:
-            stacks.append(tuple(rng.choice(pool) for _ in range(rng.randrange(0, 7))))
+            stacks.append(new_stack(rng, pool, stacks))
         t: int | None = (newest - rng.randrange(0, 4)) * SEC + rng.randrange(SEC)
         if rng.random() < 0.03:
             t = None
@@ -91,6 +121,17 @@ def reference_top(store: Any, now: int, since: int | None, limit: int,
     obj = {"samples": sum(s.count for s in stacks),
            "functions": [{"sym": fc.sym, "dso": fc.dso, "self": fc.self_count,
                           "total": fc.total_count} for fc in funcs],
+           "window": reference_window(store, now, since)}  # fmt: skip
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+def reference_lines(store: Any, now: int, since: int | None, limit: int,
+                    pids: Any = None) -> bytes:  # fmt: skip
+    stacks = store.query(since, None, pids=pids)
+    obj = {"samples": sum(s.count for s in stacks),
+           "lines": [{"file": lc.file, "line": lc.line, "sym": lc.sym, "dso": lc.dso,
+                      "self": lc.self_count, "total": lc.total_count}
+                     for lc in top_lines(stacks, limit)],
            "window": reference_window(store, now, since)}  # fmt: skip
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
@@ -152,19 +193,32 @@ def test_answers_equal_reference(seed: int) -> None:
                     assert body == reference_top(snap, now, s_ns, limit), (step, since, limit)
                     body = get(api, f"/v1/stacks?{sq}&limit={limit}&format=folded", Peer(0))
                     assert body == reference_folded(snap, s_ns, limit)
-                body = get(api, f"/v1/stacks?{sq}&limit=7&format=pprof", Peer(0))
+                    body = get(api, f"/v1/top?{sq}&limit={limit}&by=line", Peer(0))
+                    assert body == reference_lines(snap, now, s_ns, limit), (step, since, limit)
                 lo, hi = snap.covered(s_ns, None, now)
-                ref = encode_profile(snap.query(s_ns, None)[:7], period_ns=1_000_000,
-                                     time_nanos=lo, duration_nanos=hi - lo)  # fmt: skip
-                assert body == ref
+                for limit in (7, 50):
+                    body = get(api, f"/v1/stacks?{sq}&limit={limit}&format=pprof", Peer(0))
+                    ref = reference_profile(snap.query(s_ns, None)[:limit], period_ns=1_000_000,
+                                            time_nanos=lo, duration_nanos=hi - lo)  # fmt: skip
+                    assert body == ref, (step, since, limit)
+                body = get(api, f"/v1/stacks?{sq}&format=pprof&inline=0", Peer(0))
+                plain = rank_without_inline(snap.query(s_ns, None), 50)[0]
+                assert body == reference_profile(plain, period_ns=1_000_000, time_nanos=lo,
+                                                 duration_nanos=hi - lo)  # fmt: skip
                 # filtered: a pid, and a non-root peer (sees odd pids only)
                 body = get(api, f"/v1/top?{sq}&pid=1,2", Peer(0))
                 assert body == reference_top(snap, now, s_ns, 50, frozenset({1, 2}))
                 odd = frozenset(p.pid for p in snap.processes() if p.pid % 2)
                 body = get(api, f"/v1/stacks?{sq}", Peer(1000))
                 assert body == reference_stacks(snap, now, s_ns, 50, odd)
+                body = get(api, f"/v1/stacks?{sq}&format=pprof", Peer(1000))
+                assert body == reference_profile(snap.query(s_ns, None, pids=odd)[:50],
+                                                 period_ns=1_000_000, time_nanos=lo,
+                                                 duration_nanos=hi - lo)  # fmt: skip
                 body = get(api, f"/v1/top?{sq}", Peer(1000))
                 assert body == reference_top(snap, now, s_ns, 50, odd)
+                body = get(api, f"/v1/top?{sq}&by=line", Peer(1000))
+                assert body == reference_lines(snap, now, s_ns, 50, odd)
             if view == "snapshot":
                 snap.close()
         st = store.stats
@@ -306,3 +360,28 @@ def test_a_store_at_its_cap_keeps_its_caches() -> None:
     st = store.stats
     assert st.cache_bytes > store.caches.max_bytes // 2 and st.bytes_estimate <= 1 << 20
     assert st.cache_bytes == cache_sum(store)
+
+
+def test_summaries_displace_renderings() -> None:
+    """A cache share full of renderings (a large JSON answer) still takes the per-bucket top
+    summaries: they displace renderings, oldest first, so the next top query summarizes only
+    what changed. Answers stay those of the straightforward computation."""
+    store = StackStore(bucket_ns=SEC, max_bytes=4 << 20)
+    now = 30 * SEC
+    rng = random.Random(7)
+    pool = frame_pool(rng, 60)
+    stacks: list[tuple[Frame, ...]] = [()]
+    for newest in range(20, 30):
+        store.add_counts(random_groups(rng, pool, stacks, newest, 400, True))
+    api = api_of(Source(store, now))
+    caches = store.caches
+    for _ in range(3):
+        get(api, "/v1/stacks", Peer(0))  # renders each stack (max_stacks: 50) ...
+        for k in range(60):  # ... and fills the rest of the share with renderings
+            caches.render(store, f"k{k}", next(iter(store._table._enc)), (),
+                          lambda _: "x" * 20_000)
+        assert store.stats.cache_bytes > caches.max_bytes - 20_200
+        assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
+        assert len(caches.summaries) == len(store._buckets)  # every bucket's is kept
+        assert store.stats.cache_bytes <= caches.max_bytes
+        assert store.stats.cache_bytes == cache_sum(store)

@@ -37,9 +37,12 @@ Invariants:
   (``x-unwindd-clock-offset-ns``) so clients can show sample times on the wall clock.
 - Cost: a stacks query is O(entries in the window) in C-level dict merges, plus O(limit log)
   to rank and O(limit) to render: each stack's frames are rendered once while it stays in the
-  store (``StackStore.render``). A top query without filters merges per-bucket summaries the
-  store keeps (O(entries added since the last query) to bring them up to date); with filters,
-  or when functions tie where the order matters, it walks the entries (O(entries)).
+  store (``StackStore.render``). pprof and folded answers, and ``top?by=line``, are written
+  from the stack table's frame keys (``Queries.query_ids``): no frame object is built, each
+  distinct frame key is named once per answer. A top query without filters merges per-bucket
+  summaries the store keeps (O(entries added since the last query) to bring them up to
+  date); with filters, or when functions tie where the order matters, it walks the entries
+  (O(entries)).
 - Answers are the same bytes as the straightforward computation (``stack_json``,
   ``top_functions`` over ``StackStore.query``); test_query_equiv.py checks it.
 """
@@ -56,9 +59,10 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final, Protocol
 
-from ..store.pprof import encode_profile
-from ..store.queries import Stack, StackCount, top_functions, top_lines
+from ..store.pprof import encode_profile, encode_profile_ids
+from ..store.queries import Key, Stack, StackCount, top_functions, top_lines, top_lines_ids
 from ..store.stackstore import StackStore
+from ..store.stacktable import StackTable
 from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
 from .httpapi import (
@@ -363,6 +367,16 @@ class Api:
         f = parse_filters(req, self.source.now_ns())
         pids = self.visible_pids(peer, self.wanted_pids(f))
         store = self.source.store
+        if inline and fmt != "json":
+            # written from the stack table: no frame is built (a JSON answer's frames are
+            # rendered once per stack and cached by the store instead)
+            entries, n = store.query_ids(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                         comm=f.comm, limit=limit)  # fmt: skip
+            window = self.window(f)
+            if fmt == "folded":
+                return self.folded(folded_of_ids(entries, store.table).encode(), n > limit,
+                                   window)  # fmt: skip
+            return self.pprof(partial(encode_profile_ids, entries, store.table), window)
         if inline:
             stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
                                         comm=f.comm, limit=limit)  # fmt: skip
@@ -374,29 +388,40 @@ class Api:
         window = self.window(f)
         if fmt == "folded":
             names = partial(store.render, "folded", fn=stackfmt.folded_names)
-            body = render_folded(stacks, names).encode()
-            return Response(200, body, "text/plain; charset=utf-8",
-                            (("x-unwindd-truncated", str(truncated).lower()),
-                             *window_headers(window)))  # fmt: skip
+            return self.folded(render_folded(stacks, names).encode(), truncated, window)
         if fmt == "pprof":
-            wall_from = window["from_ns"] + self.clock_offset()
-            body = encode_profile(stacks, period_ns=self.source.period_ns, time_nanos=wall_from,
-                                  duration_nanos=window["to_ns"] - window["from_ns"],
-                                  labels_of=store.labels_of)  # fmt: skip
-            disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
-            return Response(200, body, "application/vnd.google.protobuf+gzip",
-                            (disposition, *window_headers(window)))  # fmt: skip
-        # json_response's bytes, with each stack's frames rendered once per stack (cached).
+            return self.pprof(partial(encode_profile, stacks), window)
+        # json_response's bytes, with each stack's frames rendered once per stack (cached, as
+        # bytes: the answer is one join of the pieces, each rendering shared, not copied)
         dumps, render = json.dumps, store.render
-        parts = [
-            f'{{"pid":{s.pid},"tid":{s.tid},"comm":{dumps(s.comm)},"count":{s.count},'
-            f'"frames":{render("json", s.frames, frames_json)}}}'
-            for s in stacks
-        ]
-        samples = sum(s.count for s in stacks)
-        head = f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},"stacks":['
-        tail = f'],"window":{json.dumps(window, separators=(",", ":"))}}}\n'
-        return Response(200, (head + ",".join(parts) + tail).encode())
+        pieces = [b""]  # the head, once the samples are counted
+        samples = 0
+        for s in stacks:
+            samples += s.count
+            pieces += (f'{{"pid":{s.pid},"tid":{s.tid},"comm":{dumps(s.comm)},"count":{s.count},'
+                       f'"frames":'.encode(), render("json", s.frames, frames_json_bytes), b"},")
+        if stacks:
+            pieces[-1] = b"}"
+        pieces[0] = (f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},'
+                     f'"stacks":[').encode()  # fmt: skip
+        pieces.append(f'],"window":{json.dumps(window, separators=(",", ":"))}}}\n'.encode())
+        return Response(200, b"".join(pieces))
+
+    def folded(self, body: bytes, truncated: bool, window: dict[str, Any]) -> Response:
+        return Response(200, body, "text/plain; charset=utf-8",
+                        (("x-unwindd-truncated", str(truncated).lower()),
+                         *window_headers(window)))  # fmt: skip
+
+    def pprof(self, encode: Callable[..., bytes], window: dict[str, Any]) -> Response:
+        """The answer of ``encode`` (``encode_profile`` of the stacks or
+        ``encode_profile_ids`` of the entries, the keywords to come)."""
+        wall_from = window["from_ns"] + self.clock_offset()
+        body = encode(period_ns=self.source.period_ns, time_nanos=wall_from,
+                      duration_nanos=window["to_ns"] - window["from_ns"],
+                      labels_of=self.source.store.labels_of)  # fmt: skip
+        disposition = ("content-disposition", 'attachment; filename="profile.pb.gz"')
+        return Response(200, body, "application/vnd.google.protobuf+gzip",
+                        (disposition, *window_headers(window)))  # fmt: skip
 
     def top(self, req: Request, peer: Peer) -> Response:
         limit = _limit(req, 50, 1000)
@@ -410,19 +435,29 @@ class Api:
         if by == "function" and inline:  # the store's summaries
             total, funcs = store.top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
                                      comm=f.comm, limit=limit)  # fmt: skip
+        elif by == "line":  # over the stacks (O(distinct stacks * frames))
+            if inline:  # from the stack table's frame keys: no frame is built
+                entries = store.query_ids(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                          comm=f.comm)[0]  # fmt: skip
+                total = sum(n for _, n in entries)
+                lines = top_lines_ids(entries, store.table, limit)
+            else:
+                stacks = frames_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
+                                                           tid=f.tid, comm=f.comm),
+                                               self.plain_symbol)  # fmt: skip
+                total = sum(s.count for s in stacks)
+                lines = top_lines(stacks, limit)
+            return json_response({
+                "samples": total,
+                "lines": [{"file": lc.file, "line": lc.line, "sym": lc.sym, "dso": lc.dso,
+                           "self": lc.self_count, "total": lc.total_count} for lc in lines],
+                "window": self.window(f),
+            })  # fmt: skip
         else:  # over the stacks (O(distinct stacks * frames))
-            stacks = store.query(f.since_ns, f.until_ns, pids=pids, tid=f.tid, comm=f.comm)
-            if not inline:
-                stacks = frames_without_inline(stacks, self.plain_symbol)
+            stacks = frames_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
+                                                       tid=f.tid, comm=f.comm),
+                                           self.plain_symbol)  # fmt: skip
             total = sum(s.count for s in stacks)
-            if by == "line":
-                return json_response({
-                    "samples": total,
-                    "lines": [{"file": lc.file, "line": lc.line, "sym": lc.sym, "dso": lc.dso,
-                               "self": lc.self_count, "total": lc.total_count}
-                              for lc in top_lines(stacks, limit)],
-                    "window": self.window(f),
-                })  # fmt: skip
             funcs = top_functions(stacks, limit)
         return json_response({
             "samples": total,
@@ -521,6 +556,11 @@ def frames_json(frames: Stack) -> str:
     return json.dumps([frame_json(f) for f in frames], separators=(",", ":"))
 
 
+def frames_json_bytes(frames: Stack) -> bytes:
+    """``frames_json``, encoded (it is ASCII: json.dumps escapes the rest)."""
+    return frames_json(frames).encode()
+
+
 def render_folded(
     stacks: Iterable[StackCount],
     names: Callable[[Stack], tuple[str, ...]] = stackfmt.folded_names,
@@ -530,6 +570,30 @@ def render_folded(
     folded: Counter[tuple[str, ...]] = Counter()
     for s in stacks:
         folded[(s.comm or stackfmt.UNKNOWN, *names(s.frames))] += s.count
+    return stackfmt.render_folded(folded)
+
+
+def folded_of_ids(entries: Iterable[tuple[Key, int]], table: StackTable) -> str:
+    """``render_folded`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
+    same text, from ``table``'s frame keys: a folded name depends on no ip, so each distinct
+    frame key is named once (``stackfmt.folded_names``) and each stack once per stack id."""
+    name_of: dict[int, str] = {}  # id(frame key) -> its name (the entries' keys stay alive)
+    names_of: dict[int, tuple[str, ...]] = {}  # stack id -> its names, outermost first
+    folded: Counter[tuple[str, ...]] = Counter()
+    unknown = stackfmt.UNKNOWN
+    for (_, _, comm, sid), n in entries:
+        names = names_of.get(sid)
+        if names is None:
+            out = []
+            for k in reversed(table.frame_keys(sid)):
+                name = name_of.get(id(k))
+                if name is None:
+                    # sym, kernel and inlined are all a folded name shows
+                    frame = stackfmt.Frame(0, k[0], k[1], k[2], kernel=k[3], inlined=k[4])
+                    name = name_of[id(k)] = stackfmt.folded_names((frame,))[0]
+                out.append(name)
+            names = names_of[sid] = tuple(out)
+        folded[(comm or unknown, *names)] += n
     return stackfmt.render_folded(folded)
 
 

@@ -24,6 +24,11 @@ Invariants:
   one Location with a Line per level), one Function per (name, source file, start line), one
   Mapping per dso: a profile's size is O(distinct frames + samples),
   not O(samples * depth).
+- Cost: O(distinct stacks * depth + entries). Each part of a Sample is encoded once per query
+  and reused: its location ids per frames tuple (a query's entries share one tuple per stack),
+  a one-frame location per frame object, the values per count, the comm label per comm, the
+  pid's labels per pid; an entry then costs its tid label and a join. The bytes are those of
+  building every message from its frames (tests/support/pprofref.py, test_pprof.py).
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
   sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
   (``labels_of(pid)``: ``cgroup``, ``unit``, ``container_id``; procs/cgroups.py) when known:
@@ -38,14 +43,24 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
-from .queries import StackCount
+from .queries import Key, StackCount
+from .stacktable import FrameKey, StackTable
+
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 
 
 def varint(v: int) -> bytes:
+    if 0 <= v < 0x80:
+        return _ONE_BYTE[v]
     if v < 0:
         v += 1 << 64  # int64 negatives are ten-byte two's complement varints
+    if v < 0x4000:
+        return bytes(((v & 0x7F) | 0x80, v >> 7))
+    if v < 0x200000:  # pids and tids (pid_max is at most 1 << 22)
+        return bytes(((v & 0x7F) | 0x80, (v >> 7 & 0x7F) | 0x80, v >> 14))
     out = bytearray()
     while v > 0x7F:
         out.append((v & 0x7F) | 0x80)
@@ -63,7 +78,13 @@ def _bytes(field: int, data: bytes) -> bytes:
 
 
 def _packed(field: int, values: Iterable[int]) -> bytes:
-    body = b"".join(varint(v) for v in values)
+    body = b"".join(map(varint, values))
+    return _bytes(field, body) if body else b""
+
+
+def _packed_varints(field: int, varints: list[bytes]) -> bytes:
+    """``_packed`` of values already encoded."""
+    body = b"".join(varints)
     return _bytes(field, body) if body else b""
 
 
@@ -78,6 +99,151 @@ class _Strings:
         return i
 
 
+# What a Line and its Function need of one level of an inline chain: the function's name,
+# the level's line, the function's file and start line (0: unknown).
+Level = tuple[str, int | None, str, int]
+# A Location is one per (binary, address, name and line of each level of its inline chain):
+# keyed by the binary and the names and lines, then by the address (an address per process
+# under ASLR), to its id as a varint
+Names = tuple[tuple[str, int | None], ...]
+
+
+class _Profile:
+    """One profile being written: the string, mapping, function and location tables, and the
+    messages so far. Locations and functions are written once, when first named."""
+
+    def __init__(self, period_ns: int, labels_of: Callable[[int], Mapping[str, str]] | None
+                 ) -> None:  # fmt: skip
+        self.strings = strings = _Strings()
+        self.period_ns = period_ns
+        self.labels_of = labels_of
+        self.mappings: dict[str, int] = {}
+        self.functions: dict[tuple[str, str, int], int] = {}
+        self.locations: dict[tuple[str, Names], dict[int, bytes]] = {}
+        self.nlocations = 0
+        # the messages: written into two buffers (no object per message), the samples and
+        # then the mapping/location/function messages
+        self.out = bytearray(_bytes(1, self.vtype("samples", "count"))
+                             + _bytes(1, self.vtype("cpu", "nanoseconds")))  # fmt: skip
+        self.tail = bytearray()
+        self.k_comm = strings("comm")
+        self.pid_key, self.tid_key = _uint(1, strings("pid")), _uint(1, strings("tid"))
+        # Each part of a Sample message but its tid, encoded once per query: the values by
+        # count, the comm label by comm, the pid's labels by pid.
+        self.by_count: dict[int, bytes] = {}
+        # an empty comm would be string index 0, which proto3 omits: the label is left out
+        self.by_comm: dict[str, bytes] = {"": b""}
+        self.by_pid: dict[int, bytes] = {}
+
+    def vtype(self, t: str, unit: str) -> bytes:
+        return _uint(1, self.strings(t)) + _uint(2, self.strings(unit))
+
+    def function(self, name: str, src: str, start: int) -> int:
+        fid = self.functions.get((name, src, start))
+        if fid is None:
+            fid = self.functions[(name, src, start)] = len(self.functions) + 1
+            n = self.strings(name)
+            body = (_uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, self.strings(src))
+                    + _uint(5, start))  # fmt: skip
+            self.tail += _bytes(5, body)
+        return fid
+
+    def location(self, dso: str, ip: int, levels: list[Level]) -> bytes:
+        """The id (a varint) of the one Location for the frames of one pc: an inline chain
+        (innermost first, the frame it sits in last) is one Location with one Line per level,
+        pprof's inline model (profile.proto: "the last entry represents the caller into which
+        the preceding entries were inlined")."""
+        at = self.at(dso, tuple((lv[0], lv[1]) for lv in levels))
+        lid = at.get(ip)
+        if lid is None:
+            lid = self.new_location(at, ip, self.lines(dso, levels))
+        return lid
+
+    def at(self, dso: str, names: Names) -> dict[int, bytes]:
+        """address -> Location id of the Locations of ``dso`` and ``names``."""
+        got = self.locations.get((dso, names))
+        if got is None:
+            got = self.locations[(dso, names)] = {}
+        return got
+
+    def lines(self, dso: str, levels: list[Level]) -> tuple[bytes, bytes]:
+        """A Location's mapping id field and its Lines (their mapping and functions written
+        when new): all of its message but its id and address."""
+        mid = self.mappings.get(dso)
+        if mid is None:
+            mid = self.mappings[dso] = len(self.mappings) + 1
+            self.tail += _bytes(3, _uint(1, mid) + _uint(5, self.strings(dso)) + _uint(7, 1))
+        return _uint(2, mid), b"".join(_bytes(4, _uint(1, self.function(name, src, start))
+                                               + (_uint(2, line) if line else b""))
+                                        for name, line, src, start in levels)  # fmt: skip
+
+    def new_location(self, at: dict[int, bytes], ip: int, lines: tuple[bytes, bytes]) -> bytes:
+        """The id of a Location not yet written (at ``ip`` of ``at``), written with its
+        ``lines``."""
+        mid, lns = lines
+        self.nlocations += 1
+        lid = at[ip] = varint(self.nlocations)
+        body = b"\x08" + lid + mid + _uint(3, ip) + lns  # id (never 0), mapping, address, lines
+        tail = self.tail
+        tail += b"\x22"  # Profile.location: field 4, length-delimited
+        tail += varint(len(body))
+        tail += body
+        return lid
+
+    def pid_labels(self, pid: int) -> bytes:
+        pairs = self.labels_of(pid).items() if self.labels_of is not None else ()
+        strings = self.strings
+        return _bytes(3, self.pid_key + _uint(3, pid)) + b"".join(
+            _bytes(3, _uint(1, strings(k)) + _uint(2, strings(v))) for k, v in pairs if v)
+
+    def sample(self, ids: bytes, pid: int, tid: int, comm: str, count: int) -> None:
+        """A Sample of the (packed) location ids ``ids``, after they are assigned: the string
+        table's order is that of first use."""
+        c = self.by_comm.get(comm)
+        if c is None:
+            c = self.by_comm[comm] = _bytes(3, _uint(1, self.k_comm) + _uint(2, self.strings(comm)))
+        vals = self.by_count.get(count)
+        if vals is None:
+            vals = self.by_count[count] = _packed(2, (count, count * self.period_ns))
+        p = b""
+        if pid >= 0:
+            p = self.by_pid.get(pid, b"")
+            if not p:
+                p = self.by_pid[pid] = self.pid_labels(pid)
+        t = _bytes(3, self.tid_key + _uint(3, tid)) if tid >= 0 else b""
+        out = self.out
+        out += b"\x12"  # Profile.sample: field 2, length-delimited
+        out += varint(len(ids) + len(vals) + len(c) + len(p) + len(t))
+        out += ids
+        out += vals
+        out += c
+        out += p
+        out += t
+
+    def finish(self, time_nanos: int, duration_nanos: int, compress: bool) -> bytes:
+        out = self.out
+        out += self.tail
+        self.tail = bytearray()
+        period_type = self.vtype("cpu", "nanoseconds")
+        # The string table goes last: every index above is already assigned.
+        for s in self.strings.index:
+            out += _bytes(6, s.encode())
+        out += _uint(9, time_nanos)
+        out += _uint(10, duration_nanos)
+        out += _bytes(11, period_type)
+        out += _uint(12, self.period_ns)
+        return gzip.compress(out, compresslevel=6, mtime=0) if compress else bytes(out)
+
+
+def _run_location(prof: _Profile, fs: list[Frame]) -> bytes:
+    f = fs[-1]
+    dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
+    # a Function's file: the file it is declared in, else the source file when line info
+    # names it, else the binary (the location's mapping)
+    return prof.location(dso, f.ip, [(frame_name(g), g.line, g.decl_file or g.file or dso,
+                                      g.decl_line or 0) for g in fs])  # fmt: skip
+
+
 def encode_profile(
     stacks: Iterable[StackCount],
     *,
@@ -87,97 +253,110 @@ def encode_profile(
     compress: bool = True,
     labels_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> bytes:
-    strings = _Strings()
-    mappings: dict[str, int] = {}
-    functions: dict[tuple[str, str, int], int] = {}
-    locations: dict[tuple[str, int, tuple[tuple[str, int | None], ...]], int] = {}
-    out: list[bytes] = []
-    tail: list[bytes] = []  # mapping/location/function messages, written after the samples
+    prof = _Profile(period_ns, labels_of)
+    # The location ids of a run of one frame (most are: no inline chain), by the frame
+    # object: queries hand out one object per distinct frame (querycache.py's pool), shared
+    # by every stack that has it. Each entry holds its frame, so the id is not reused.
+    single: dict[int, tuple[Frame, bytes]] = {}
 
-    def vtype(t: str, unit: str) -> bytes:
-        return _uint(1, strings(t)) + _uint(2, strings(unit))
-
-    out.append(_bytes(1, vtype("samples", "count")))
-    out.append(_bytes(1, vtype("cpu", "nanoseconds")))
-
-    def function(f: Frame, dso: str) -> int:
-        name = frame_name(f)  # the binary is the location's mapping
-        # the file the function is declared in, else the source file when line info names
-        # it, else the binary
-        src = f.decl_file or f.file or dso
-        start = f.decl_line or 0
-        fid = functions.get((name, src, start))
-        if fid is None:
-            fid = functions[(name, src, start)] = len(functions) + 1
-            n = strings(name)
-            body = (_uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, strings(src))
-                    + _uint(5, start))  # fmt: skip
-            tail.append(_bytes(5, body))
-        return fid
-
-    def location(fs: list[Frame]) -> int:
-        """One Location for the frames of one pc: an inline chain (innermost first, the frame
-        it sits in last) is one Location with one Line per level, pprof's inline model
-        (profile.proto: "the last entry represents the caller into which the preceding
-        entries were inlined")."""
-        f = fs[-1]
-        dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
-        key = (dso, f.ip, tuple((frame_name(g), g.line) for g in fs))
-        lid = locations.get(key)
-        if lid is not None:
-            return lid
-        mid = mappings.get(dso)
-        if mid is None:
-            mid = mappings[dso] = len(mappings) + 1
-            tail.append(_bytes(3, _uint(1, mid) + _uint(5, strings(dso)) + _uint(7, 1)))
-        lines = b"".join(_bytes(4, _uint(1, function(g, dso)) + (_uint(2, g.line) if g.line
-                                                                    else b""))
-                         for g in fs)  # fmt: skip
-        lid = locations[key] = len(locations) + 1
-        tail.append(_bytes(4, _uint(1, lid) + _uint(2, mid) + _uint(3, f.ip) + lines))
-        return lid
-
-    def location_ids(frames: tuple[Frame, ...]) -> list[int]:
-        ids: list[int] = []
+    def location_ids(frames: tuple[Frame, ...]) -> list[bytes]:
+        """The stack's location ids, as varints."""
+        ids: list[bytes] = []
         run: list[Frame] = []
+        last = len(frames) - 1
         for i, f in enumerate(frames):
-            run.append(f)
-            nxt = frames[i + 1] if i + 1 < len(frames) else None
             # an inlined frame joins the next one when that is at the same pc
-            if f.inlined and nxt is not None and nxt.ip == f.ip and nxt.dso == f.dso:
+            if f.inlined and i < last:
+                nxt = frames[i + 1]
+                if nxt.ip == f.ip and nxt.dso == f.dso:
+                    run.append(f)
+                    continue
+            if run:
+                run.append(f)
+                ids.append(_run_location(prof, run))
+                run = []
                 continue
-            ids.append(location(run))
-            run = []
+            hit = single.get(id(f))
+            if hit is None or hit[0] is not f:
+                hit = single[id(f)] = (f, _run_location(prof, [f]))
+            ids.append(hit[1])
         return ids
 
-    k_comm, k_pid, k_tid = strings("comm"), strings("pid"), strings("tid")
-    by_pid: dict[int, bytes] = {}  # the encoded cgroup labels of each pid
-
-    def pid_labels(pid: int) -> bytes:
-        got = by_pid.get(pid)
-        if got is None:
-            pairs = labels_of(pid).items() if labels_of is not None else ()
-            got = by_pid[pid] = b"".join(
-                _bytes(3, _uint(1, strings(k)) + _uint(2, strings(v))) for k, v in pairs if v)
-        return got
-
+    # The location ids by stack: a query's entries share one frames tuple per stack (the
+    # entry holds it, so its id is not reused).
+    by_stack: dict[int, tuple[tuple[Frame, ...], bytes]] = {}
     for sc in stacks:
-        ids = location_ids(sc.frames)
-        # An empty comm would be string index 0, which proto3 omits: leave the label out.
-        labels = _bytes(3, _uint(1, k_comm) + _uint(2, strings(sc.comm))) if sc.comm else b""
-        if sc.pid >= 0:
-            labels += _bytes(3, _uint(1, k_pid) + _uint(3, sc.pid)) + pid_labels(sc.pid)
-        if sc.tid >= 0:
-            labels += _bytes(3, _uint(1, k_tid) + _uint(3, sc.tid))
-        body = _packed(1, ids) + _packed(2, (sc.count, sc.count * period_ns)) + labels
-        out.append(_bytes(2, body))
-    out += tail
-    period_type = vtype("cpu", "nanoseconds")
-    # The string table goes last: every index above is already assigned.
-    out += [_bytes(6, s.encode()) for s in strings.index]
-    out.append(_uint(9, time_nanos))
-    out.append(_uint(10, duration_nanos))
-    out.append(_bytes(11, period_type))
-    out.append(_uint(12, period_ns))
-    raw = b"".join(out)
-    return gzip.compress(raw, compresslevel=6, mtime=0) if compress else raw
+        fr = sc.frames
+        hit = by_stack.get(id(fr))
+        if hit is None or hit[0] is not fr:
+            hit = by_stack[id(fr)] = (fr, _packed_varints(1, location_ids(fr)))
+        prof.sample(hit[1], sc.pid, sc.tid, sc.comm, sc.count)
+    return prof.finish(time_nanos, duration_nanos, compress)
+
+
+def encode_profile_ids(
+    entries: Iterable[tuple[Key, int]],
+    table: StackTable,
+    *,
+    period_ns: int,
+    time_nanos: int = 0,
+    duration_nanos: int = 0,
+    compress: bool = True,
+    labels_of: Callable[[int], Mapping[str, str]] | None = None,
+) -> bytes:
+    """``encode_profile`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
+    same bytes, from ``table``'s frame keys and ips (``StackTable.refs``) without building a
+    frame: each location once per (frame key, ip) and each stack's ids once per stack id."""
+    prof = _Profile(period_ns, labels_of)
+    # id(frame key) -> what a one-frame Location of it has but its address: its binary, its
+    # level, its (mapping, Lines) once written (the same at every address), and its
+    # Locations by address. The keys stay alive (the stacks of a query's entries are not
+    # freed while it runs): an id names one key.
+    per_key: dict[int, list[Any]] = {}
+
+    def one(k: FrameKey) -> list[Any]:
+        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
+        level = (k[1] or UNKNOWN, k[7], k[8] or k[6] or dso, k[9] or 0)
+        pk = per_key[id(k)] = [dso, level, None, prof.at(dso, ((level[0], level[1]),))]
+        return pk
+
+    def new_one(pk: list[Any], ip: int) -> bytes:
+        if pk[2] is None:
+            pk[2] = prof.lines(pk[0], [pk[1]])
+        return prof.new_location(pk[3], ip, pk[2])
+
+    def run_location(ks: list[FrameKey], ip: int) -> bytes:
+        k = ks[-1]
+        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
+        return prof.location(dso, ip, [(g[1] or UNKNOWN, g[7], g[8] or g[6] or dso, g[9] or 0)
+                                       for g in ks])  # fmt: skip
+
+    def location_ids(sid: int) -> list[bytes]:
+        """The stack's location ids, as varints."""
+        ks, ips = table.refs(sid)
+        ids: list[bytes] = []
+        run: list[FrameKey] = []
+        last = len(ks) - 1
+        for i, k in enumerate(ks):
+            ip = ips[i]
+            # an inlined frame joins the next one when that is at the same pc
+            if k[4] and i < last and ips[i + 1] == ip and ks[i + 1][0] == k[0]:
+                run.append(k)
+                continue
+            if run:
+                run.append(k)
+                ids.append(run_location(run, ip))
+                run = []
+                continue
+            pk = per_key.get(id(k)) or one(k)
+            lid = pk[3].get(ip)
+            ids.append(lid if lid is not None else new_one(pk, ip))
+        return ids
+
+    by_stack: dict[int, bytes] = {}
+    for (pid, tid, comm, sid), count in entries:
+        ids = by_stack.get(sid)
+        if ids is None:
+            ids = by_stack[sid] = _packed_varints(1, location_ids(sid))
+        prof.sample(ids, pid, tid, comm, count)
+    return prof.finish(time_nanos, duration_nanos, compress)

@@ -32,7 +32,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..procs.cgroups import NO_LABELS, Labels
-from ..unwind.stackfmt import Frame, frame_name
+from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
 from .stacktable import FuncKey, StackTable
 
 Stack = tuple[Frame, ...]
@@ -144,6 +144,27 @@ class Queries:
                                     since_ns, until_ns, pids, tid, comm, limit)  # fmt: skip
         self._last = {id(fr): (fr, sid) for sid, fr in built.items()}
         return out, n
+
+    def query_ids(
+        self,
+        since_ns: int | None = None,
+        until_ns: int | None = None,
+        *,
+        pids: Iterable[int] | None = None,
+        tid: int | None = None,
+        comm: str | None = None,
+        limit: int | None = None,
+    ) -> tuple[list[tuple[Key, int]], int]:
+        """``query_top``'s answer as ((pid, tid, comm, stack id), count) entries, for answers
+        written from the stack table (``table``) without frames."""
+        total = merge_window(self._bucket_counts(), self.bucket_ns, since_ns, until_ns, pids,
+                             tid, comm)  # fmt: skip
+        return rank_counts(total, limit), len(total)
+
+    @property
+    def table(self) -> StackTable:
+        """The stack table the stack ids of ``query_ids`` name (read-only: it is the store's)."""
+        return self._table
 
     def _frames_of(self) -> Callable[[int], Stack]:
         """A stack id's frames, as this view rebuilds them (cached by the store)."""
@@ -342,6 +363,36 @@ def top_lines(stacks: Iterable[StackCount], limit: int = 50) -> list[LineCount]:
         self_c[keys[0]] += count
         for key in dict.fromkeys(keys):
             total_c[key] += count
+    ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[2]))
+    return [LineCount(*k, self_c[k], total_c[k]) for k in ranked[:limit]]
+
+
+def top_lines_ids(entries: Iterable[tuple[Key, int]], table: StackTable, limit: int = 50
+                  ) -> list[LineCount]:  # fmt: skip
+    """``top_lines`` of a query's ranked entries ((pid, tid, comm, stack id), count), the same
+    answer, from ``table``'s frame keys: a line key holds no ip, so each distinct frame key
+    makes its key once and each stack is walked once (a query's entries have one frames
+    tuple per stack id: ``_by_stack``'s stacks are its stack ids, in the same order)."""
+    by_sid: dict[int, int] = {}
+    get = by_sid.get
+    for key, n in entries:
+        by_sid[key[3]] = get(key[3], 0) + n
+    line_of: dict[int, LineKey] = {}  # id(frame key) -> its line key (the keys stay alive)
+    self_c: Counter[LineKey] = Counter()
+    total_c: Counter[LineKey] = Counter()
+    for sid, count in by_sid.items():
+        ks = table.frame_keys(sid)
+        if not ks:
+            continue
+        keys = []
+        for k in ks:
+            lk = line_of.get(id(k))
+            if lk is None:  # frame_name: the symbol, else UNKNOWN
+                lk = line_of[id(k)] = (k[6], k[7], k[1] or UNKNOWN, k[0])
+            keys.append(lk)
+        self_c[keys[0]] += count
+        for lk in dict.fromkeys(keys):
+            total_c[lk] += count
     ranked = sorted(total_c, key=lambda k: (-self_c[k], -total_c[k], k[2]))
     return [LineCount(*k, self_c[k], total_c[k]) for k in ranked[:limit]]
 

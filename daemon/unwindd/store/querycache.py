@@ -9,6 +9,9 @@ Rules:
 - A summary describes one frozen version of a bucket's counts (a snapshot's: the store copies a
   shared bucket before writing it); the next version's summary is the previous one plus what
   changed (counts only grow).
+- Priority: a summary saves a pass over a whole bucket on every top query, a rendering or a
+  rebuilt stack one stack's work: summaries (up to half the share) displace renderings, oldest
+  first, then the rebuilt stacks; the others only take what is free.
 - Bounded: their bytes (``stats.cache_bytes``, part of the store's ``bytes_estimate``) stay
   under ``max_bytes`` (the store's share for them, which its data leaves free), are never
   filled past the store's ``max_bytes``, and are dropped whole when, with the data, they pass
@@ -161,7 +164,7 @@ class QueryCaches:
         if hit is not None:
             return hit[0]
         out = fn(frames)
-        size = _TEXT_BYTES + (len(out) if isinstance(out, str)
+        size = _TEXT_BYTES + (len(out) if isinstance(out, str | bytes)
                               else 8 * len(out) + sum(map(len, out)))  # fmt: skip
         st = self.stats
         with self.lock:
@@ -189,15 +192,36 @@ class QueryCaches:
         return out
 
     def put_summary(self, owner: CacheOwner, idx: int, summ: Summary) -> None:
+        """Keep ``summ``, making room for it (up to half the share) by dropping renderings,
+        oldest first, then the rebuilt stacks: a summary saves a pass over a whole bucket
+        on every top query while the bucket stays, a rendering one stack's."""
         st = self.stats
         with self.lock:
             old = self.summaries.pop(idx, None)
             if old is not None:
                 st.cache_bytes -= old.nbytes
+            if (owner.holds_bucket(idx) and st.cache_bytes + summ.nbytes > self.max_bytes
+                    and self.summary_bytes() + summ.nbytes <= self.max_bytes // 2):  # fmt: skip
+                self._make_room(summ.nbytes)
             if (owner.holds_bucket(idx) and st.cache_bytes + summ.nbytes <= self.max_bytes
                     and st.bytes_estimate + summ.nbytes <= owner.max_bytes):  # fmt: skip
                 self.summaries[idx] = summ
                 st.cache_bytes += summ.nbytes
+
+    def summary_bytes(self) -> int:
+        return sum(sm.nbytes for sm in self.summaries.values())
+
+    def _make_room(self, size: int) -> None:
+        """Drop renderings, oldest first, then the rebuilt stacks, until ``size`` more bytes
+        fit the share (under the lock)."""
+        st = self.stats
+        if self.texts:
+            for key in list(self.texts):
+                if st.cache_bytes + size <= self.max_bytes:
+                    return
+                st.cache_bytes -= self.texts.pop(key)[1]
+        if st.cache_bytes + size > self.max_bytes and self.stack_bytes:
+            self._drop_stacks()
 
     def drop_stack(self, sid: int) -> None:
         """The renderings and frames of a stack the store frees (its pooled frames stay until

@@ -426,7 +426,7 @@ class StackStore(Queries):
     def render(self, kind: str, frames: Stack, fn: Callable[[Stack], Any]) -> Any:
         """``fn(frames)``, cached per stack (``kind`` names ``fn``) when ``frames`` is a stack
         the last query returned: a stack is immutable, and its entry goes when the stack does.
-        ``fn`` must return a str or a tuple of str."""
+        ``fn`` must return a str, bytes or a tuple of str."""
         return self.caches.render(self, kind, self.stack_id(frames), frames, fn)
 
     def _frames_of(self) -> Callable[[int], Stack]:

@@ -21,8 +21,8 @@ Invariants:
   overheads as tracemalloc measures them); strings (dso, sym, file) are shared with the
   symbolizer and not counted. Kept up to date as stacks come and go: O(1) to read.
 - Cost: ``add`` is O(frames) (a key lookup per frame); ``free`` O(frames); ``frames`` O(frames)
-  (one object per frame not in the caller's pool: querycache.py caches them); ``keys``
-  O(frames) without building any frame.
+  (one object per frame not in the caller's pool: querycache.py caches them); ``keys`` and
+  ``refs`` O(frames) without building any frame.
 """
 
 from __future__ import annotations
@@ -209,6 +209,26 @@ class StackTable:
             out.append(hit[1])
         return tuple(out)
 
+    def frame_keys(self, sid: int) -> list[FrameKey]:
+        """The stack's frame keys, leaf first: the interned tuples, shared (read-only)."""
+        enc = self._enc[sid]
+        ids = array("I", enc[8:8 + 4 * _HEAD.unpack_from(enc)[0]])
+        keys = self._fkeys  # a stack's frames live while it does: none of its keys is None
+        return [keys[fid] for fid in ids]  # type: ignore[misc]
+
+    def refs(self, sid: int) -> tuple[list[FrameKey], list[int]]:
+        """The stack's frame keys (the interned tuples, shared: no frame is built) and its
+        frames' ips, leaf first: what ``frames`` rebuilds each frame from."""
+        enc = self._enc[sid]
+        n, d = _HEAD.unpack_from(enc)
+        o = 8 + 4 * n
+        ks = self.frame_keys(sid)
+        if not d:  # no delta: every ip is in its key
+            return ks, [k[10] for k in ks]
+        deltas = array("q", enc[o:o + 8 * d])
+        return ks, [k[10] if di == NO_DELTA else k[5] + deltas[di]
+                    for k, di in zip(ks, enc[o + 8 * d:], strict=True)]  # fmt: skip
+
     def keys(self, sid: int) -> _Keys | tuple[()]:
         """``queries.func_keys`` of the stack: (leaf function, distinct functions), a function
         being (symbol or UNKNOWN, dso), from the frame keys alone."""
@@ -216,10 +236,7 @@ class StackTable:
         n = _HEAD.unpack_from(enc)[0]
         if not n:
             return ()
-        keys = self._fkeys
-        out: list[FuncKey] = []
-        for fid in array("I", enc[8:8 + 4 * n]):
-            k = keys[fid]
-            assert k is not None  # a stack's frames live while it does
-            out.append((k[1] or UNKNOWN, k[0]))
+        keys = self._fkeys  # a stack's frames live while it does: none of its keys is None
+        out: list[FuncKey] = [(k[1] or UNKNOWN, k[0])  # type: ignore[index]
+                              for k in map(keys.__getitem__, array("I", enc[8:8 + 4 * n]))]
         return out[0], tuple(dict.fromkeys(out))
