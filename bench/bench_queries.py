@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+from apisource import QuerySource  # (the bench dir is sys.path[0]: scripts run as files)
+
 QUERIES = ("/v1/stacks?since=60&limit=200", "/v1/stacks?since=60",
            "/v1/stacks?since=60&format=folded", "/v1/stacks?since=60&format=pprof",
            "/v1/top?since=60&limit=50", "/v1/top?since=60&limit=50&by=line",
@@ -83,26 +85,6 @@ def prepare(recording: str) -> str:
 
 
 # -- the worker (runs with PYTHONPATH = one version's daemon dir)
-
-
-class _Source:
-    def __init__(self, store: Any, now_ns: int) -> None:
-        self.store = store
-        self.period_ns = 1_000_000
-        self.max_stacks = 100_000
-        self._now = now_ns
-
-    def status(self) -> dict[str, Any]:
-        return {}
-
-    def now_ns(self) -> int:
-        return self._now
-
-    def uid_of(self, pid: int) -> int | None:
-        return 0
-
-    def exe_of(self, pid: int) -> str | None:
-        return None
 
 
 class Worker:
@@ -157,7 +139,7 @@ class Worker:
         out: dict[str, Any] = {}
         for q in QUERIES:
             snap = self.store.snapshot()
-            api = Api(_Source(snap, self.now), clock_offset=lambda: 0)
+            api = Api(QuerySource(snap, self.now), clock_offset=lambda: 0)
             path, _, qs = q.partition("?")
             req = Request("GET", q, path, parse_qs(qs, keep_blank_values=True), ())
             if traced:

@@ -31,6 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
+from apisource import QuerySource  # noqa: E402
 from unwindd.serve.api import Api, Peer  # noqa: E402
 from unwindd.serve.httpapi import Request  # noqa: E402
 from unwindd.store.stackstore import StackStore  # noqa: E402
@@ -89,26 +90,6 @@ def capture(path: str, seconds: float, freq: int) -> None:
     print(f"captured {n} samples, {rec.stats.entries} entries, {rec.stats.stacks} stacks")
 
 
-class _Source:
-    def __init__(self, store: Any, now_ns: int) -> None:
-        self.store = store
-        self.period_ns = 1_000_000
-        self.max_stacks = 100_000
-        self._now = now_ns
-
-    def status(self) -> dict[str, Any]:
-        return {}
-
-    def now_ns(self) -> int:
-        return self._now
-
-    def uid_of(self, pid: int) -> int | None:
-        return 0
-
-    def exe_of(self, pid: int) -> str | None:
-        return None
-
-
 def run(path: str, repeat: int, store_mib: int | None) -> None:
     with open(path, "rb") as f:
         data = pickle.load(f)
@@ -133,7 +114,7 @@ def run(path: str, repeat: int, store_mib: int | None) -> None:
             store.add_counts(tail[i - 1][1])
         for target in TARGETS:
             snap = store.snapshot()
-            api = Api(_Source(snap, now))
+            api = Api(QuerySource(snap, now))
             path_, _, query = target.partition("?")
             req = Request("GET", target, path_, _parse(query), ())
             t0 = time.perf_counter()

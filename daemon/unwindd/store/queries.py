@@ -140,8 +140,8 @@ class Queries:
         limit: int | None = None,
     ) -> tuple[list[StackCount], int]:
         """``query(...)[:limit]`` and ``len(query(...))``, without building the rest."""
-        out, n, built = rank_stacks(self._bucket_counts(), self._frames_of(), self.bucket_ns,
-                                    since_ns, until_ns, pids, tid, comm, limit)  # fmt: skip
+        ranked, n = self.query_ids(since_ns, until_ns, pids=pids, tid=tid, comm=comm, limit=limit)
+        out, built = stack_counts(ranked, self._frames_of())
         self._last = {id(fr): (fr, sid) for sid, fr in built.items()}
         return out, n
 
@@ -176,21 +176,10 @@ class Queries:
         return hit[1] if hit is not None and hit[0] is frames else None
 
 
-def rank_stacks(
-    buckets: Iterable[tuple[int, Counter[Key]]],
-    frames_of: Callable[[int], Stack],
-    bucket_ns: int,
-    since_ns: int | None,
-    until_ns: int | None,
-    pids: Iterable[int] | None,
-    tid: int | None,
-    comm: str | None,
-    limit: int | None,
-) -> tuple[list[StackCount], int, dict[int, Stack]]:
-    """(the ranked stacks, how many there are without the limit, the frames built per stack
-    id)."""
-    total = merge_window(buckets, bucket_ns, since_ns, until_ns, pids, tid, comm)
-    ranked = rank_counts(total, limit)
+def stack_counts(ranked: list[tuple[Key, int]], frames_of: Callable[[int], Stack]
+                 ) -> tuple[list[StackCount], dict[int, Stack]]:  # fmt: skip
+    """The ranked entries ((pid, tid, comm, stack id), count) with their frames, and the frames
+    built per stack id (once each)."""
     built: dict[int, Stack] = {}
     out = []
     for (pid, ktid, kcomm, sid), n in ranked:
@@ -198,7 +187,7 @@ def rank_stacks(
         if fr is None:
             fr = built[sid] = frames_of(sid)
         out.append(StackCount(pid, ktid, kcomm, fr, n))
-    return out, len(total), built
+    return out, built
 
 
 def rank_counts(total: Counter[Key], limit: int | None) -> list[tuple[Key, int]]:
@@ -317,7 +306,7 @@ def _by_stack(stacks: Iterable[StackCount]) -> list[list[Any]]:
 def top_of_counts(
     total: Counter[Key], keys_of: Callable[[int], _Keys | tuple[()]], limit: int
 ) -> tuple[int, list[FunctionCount]]:
-    """(samples, ``top_functions`` of ``rank_stacks``' answer over ``total``), from stack ids
+    """(samples, ``top_functions`` of the ranked stacks of ``total``), from stack ids
     (``keys_of``: ``StackTable.keys``) without building frames."""
     by_sid: dict[int, int] = {}
     get = by_sid.get
