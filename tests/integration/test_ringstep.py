@@ -47,7 +47,8 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
            inline_max: int = -1, cfi_dir: Path | None = None,
-           code_frames: bool = True, forget_pids: bool = False) -> LiveProfiler:  # fmt: skip
+           code_frames: bool | None = None, forget_pids: bool = False
+           ) -> LiveProfiler:  # fmt: skip
     fmt, drains = pickle.loads(path.read_bytes())
     # inline_max -1 (default) and no cfi_dir: every binary to the worker (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
@@ -62,8 +63,8 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     assert (prof.native_step is not None) == native
     if forget_pids:  # the daemon's: per-pid stream counts go with the pid
         prof.forget_stream_pids()
-    if not code_frames:  # frames by address space, from the first step's context on
-        prof.native_step.code_frames = False
+    if code_frames is not None:  # frames by code or not, from the first step's context on
+        prof.native_step.code_frames = code_frames
         prof.native_step.reset_context()
     prof.start()
     for _ in range(len(drains)):
@@ -133,13 +134,13 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for k in cs:
         assert cf[k] == cs[k], k
     assert fast.pipeline.orderer.stats.queued == 0
-    # Frames are named per code (fp_ctx_code_frames): the same answers and counts as frames
-    # per address space, with fewer frames named (the two c_o2 processes run the same code at
-    # other addresses).
-    per_space = replay(cap, True, tmp_path, code_frames=False)
-    assert contents(per_space) == contents(slow)
-    assert counts(per_space) == cs
-    assert 0 < fast.native_step.nframes < per_space.native_step.nframes
+    # Frames named per code (fp_ctx_code_frames): the same answers and counts as frames per
+    # address space (the default), with fewer frames named (the two c_o2 processes run the
+    # same code at other addresses).
+    by_code = replay(cap, True, tmp_path, code_frames=True)
+    assert contents(by_code) == contents(slow)
+    assert counts(by_code) == cs
+    assert 0 < by_code.native_step.nframes < fast.native_step.nframes
     # The daemon's mode keeps no samples per pid (a count after the pid's drop would keep it
     # for good) and stores the same.
     daemonlike = replay(cap, True, tmp_path, forget_pids=True)

@@ -11,8 +11,11 @@ Invariants:
 - Each sample is unwound against its pid's space, and named with its thread's comm, as they
   were when it was placed, as in the reference step (``_run``, deferred.py).
 - Each distinct frame is named once, each unique stack built once (``_name_new``): a frame is
-  (binary, mapped name, ELF vaddr) in a module, else (snapshot, pc), so a new process of a known
-  binary, or a process whose mappings changed, names no frame again (``_at``).
+  (snapshot, pc), or with ``code_frames`` (binary, mapped name, ELF vaddr) in a module, so a new
+  process of a known binary, or a process whose mappings changed, names no frame again
+  (``_at``). Off by default: a frame named while its binary's line table was still being read
+  keeps its name without inline levels until the next re-naming (live.py RENAME_INTERVAL), for
+  new processes too, where frames by snapshot name them afresh.
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
   stacks (the JIT stats' cache); the counts they name reach the store first, and at close
@@ -125,11 +128,11 @@ class NativeStep:
         flush_interval: float = 0.0,
         python: PythonFrames | None = None,
         python_mode: str = "replace",
-        code_frames: bool = True,
+        code_frames: bool = False,
     ) -> None:
         self.pipeline = pipeline
         # frames by code (fp_ctx_code_frames; off: by address space, the same answers with
-        # every process's frames named anew), from the next context on
+        # every process's frames named anew), from the next context on; see the module doc
         self.code_frames = code_frames
         # the stream's samples per pid (StreamStats.samples_by_pid), for a recording's summary
         self.count_pid_samples = True
@@ -654,9 +657,9 @@ class NativeStep:
         """Frames and stacks the last run added, named now (the table is in the state the
         reference step names them in): each frame id once (``NativeContext.new_frames``), and each
         unique stack's frames tuple built once (the same tuple object each time: the store
-        interns by identity first). Frame ids are by code (fp_ctx_code_frames): a frame id
-        at another address than the one it was named at is the same frames at that address
-        (``_at``)."""
+        interns by identity first). With ``code_frames`` frame ids are by code
+        (fp_ctx_code_frames): a frame id at another address than the one it was named at is the
+        same frames at that address (``_at``)."""
         nctx, kernel_frames = self.nctx, self.engine.kernel_frames  # cached by callchain
         self._frames += nctx.new_frames()
         at, plain_at, stacks = self._at, self._plain_at, self._stacks
