@@ -25,9 +25,10 @@ Invariants:
   Mapping per dso: a profile's size is O(distinct frames + samples),
   not O(samples * depth).
 - Cost: O(distinct stacks * depth + entries). Each part of a Sample is encoded once per query
-  and reused: its location ids per frames tuple (a query's entries share one tuple per stack),
-  a one-frame location per frame object, the values per count, the comm label per comm, the
-  pid's labels per pid; an entry then costs its tid label and a join. The bytes are those of
+  and reused: its location ids per frames tuple or stack id (a query's entries share one per
+  stack), a one-frame location per (frame key, ip) (``_Locations``, both encoders), the values
+  per count, the comm label per comm, the pid's labels per pid; an entry then costs its tid
+  label and a join. The bytes are those of
   building every message from its frames (tests/support/pprofref.py, test_pprof.py).
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
   sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
@@ -45,9 +46,9 @@ import gzip
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
+from ..unwind.stackfmt import UNKNOWN, Frame
 from .queries import Key, StackCount
-from .stacktable import FrameKey, StackTable
+from .stacktable import FrameKey, StackTable, frame_key
 
 _ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 
@@ -235,13 +236,58 @@ class _Profile:
         return gzip.compress(out, compresslevel=6, mtime=0) if compress else bytes(out)
 
 
-def _run_location(prof: _Profile, fs: list[Frame]) -> bytes:
-    f = fs[-1]
-    dso = f.dso or ("[kernel]" if f.kernel else UNKNOWN)
-    # a Function's file: the file it is declared in, else the source file when line info
-    # names it, else the binary (the location's mapping)
-    return prof.location(dso, f.ip, [(frame_name(g), g.line, g.decl_file or g.file or dso,
-                                      g.decl_line or 0) for g in fs])  # fmt: skip
+class _Locations:
+    """The location ids of stacks given as frame keys and ips (``StackTable.refs``), written
+    into ``prof`` when new: each one-frame Location once per (frame key, ip), its mapping and
+    Lines once per frame key (the same at every address). The caller keeps the keys alive
+    while it encodes (an id names one key)."""
+
+    def __init__(self, prof: _Profile) -> None:
+        self.prof = prof
+        # id(frame key) -> its binary, its level, its (mapping, Lines) once written, and its
+        # Locations by address
+        self.per_key: dict[int, list[Any]] = {}
+
+    def _one(self, k: FrameKey) -> list[Any]:
+        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
+        # a Function's file: the file it is declared in, else the source file when line info
+        # names it, else the binary (the location's mapping)
+        level = (k[1] or UNKNOWN, k[7], k[8] or k[6] or dso, k[9] or 0)
+        pk = self.per_key[id(k)] = [dso, level, None, self.prof.at(dso, ((level[0], level[1]),))]
+        return pk
+
+    def _new_one(self, pk: list[Any], ip: int) -> bytes:
+        if pk[2] is None:
+            pk[2] = self.prof.lines(pk[0], [pk[1]])
+        return self.prof.new_location(pk[3], ip, pk[2])
+
+    def _run(self, ks: list[FrameKey], ip: int) -> bytes:
+        k = ks[-1]
+        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
+        return self.prof.location(dso, ip, [(g[1] or UNKNOWN, g[7], g[8] or g[6] or dso,
+                                             g[9] or 0) for g in ks])  # fmt: skip
+
+    def ids(self, ks: list[FrameKey], ips: list[int]) -> list[bytes]:
+        """The stack's location ids, as varints."""
+        per_key = self.per_key
+        ids: list[bytes] = []
+        run: list[FrameKey] = []
+        last = len(ks) - 1
+        for i, k in enumerate(ks):
+            ip = ips[i]
+            # an inlined frame joins the next one when that is at the same pc
+            if k[4] and i < last and ips[i + 1] == ip and ks[i + 1][0] == k[0]:
+                run.append(k)
+                continue
+            if run:
+                run.append(k)
+                ids.append(self._run(run, ip))
+                run = []
+                continue
+            pk = per_key.get(id(k)) or self._one(k)
+            lid = pk[3].get(ip)
+            ids.append(lid if lid is not None else self._new_one(pk, ip))
+        return ids
 
 
 def encode_profile(
@@ -254,33 +300,17 @@ def encode_profile(
     labels_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> bytes:
     prof = _Profile(period_ns, labels_of)
-    # The location ids of a run of one frame (most are: no inline chain), by the frame
-    # object: queries hand out one object per distinct frame (querycache.py's pool), shared
-    # by every stack that has it. Each entry holds its frame, so the id is not reused.
-    single: dict[int, tuple[Frame, bytes]] = {}
+    locs = _Locations(prof)
+    # Each frame's key, by the frame object: queries hand out one object per distinct frame
+    # (querycache.py's pool), shared by every stack that has it. Each entry holds its frame
+    # and its key, so neither id is reused while the profile is written.
+    keys: dict[int, tuple[Frame, FrameKey]] = {}
 
-    def location_ids(frames: tuple[Frame, ...]) -> list[bytes]:
-        """The stack's location ids, as varints."""
-        ids: list[bytes] = []
-        run: list[Frame] = []
-        last = len(frames) - 1
-        for i, f in enumerate(frames):
-            # an inlined frame joins the next one when that is at the same pc
-            if f.inlined and i < last:
-                nxt = frames[i + 1]
-                if nxt.ip == f.ip and nxt.dso == f.dso:
-                    run.append(f)
-                    continue
-            if run:
-                run.append(f)
-                ids.append(_run_location(prof, run))
-                run = []
-                continue
-            hit = single.get(id(f))
-            if hit is None or hit[0] is not f:
-                hit = single[id(f)] = (f, _run_location(prof, [f]))
-            ids.append(hit[1])
-        return ids
+    def key_of(f: Frame) -> FrameKey:
+        hit = keys.get(id(f))
+        if hit is None or hit[0] is not f:
+            hit = keys[id(f)] = (f, frame_key(f))
+        return hit[1]
 
     # The location ids by stack: a query's entries share one frames tuple per stack (the
     # entry holds it, so its id is not reused).
@@ -289,7 +319,8 @@ def encode_profile(
         fr = sc.frames
         hit = by_stack.get(id(fr))
         if hit is None or hit[0] is not fr:
-            hit = by_stack[id(fr)] = (fr, _packed_varints(1, location_ids(fr)))
+            ids = locs.ids(list(map(key_of, fr)), [f.ip for f in fr])
+            hit = by_stack[id(fr)] = (fr, _packed_varints(1, ids))
         prof.sample(hit[1], sc.pid, sc.tid, sc.comm, sc.count)
     return prof.finish(time_nanos, duration_nanos, compress)
 
@@ -306,57 +337,14 @@ def encode_profile_ids(
 ) -> bytes:
     """``encode_profile`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
     same bytes, from ``table``'s frame keys and ips (``StackTable.refs``) without building a
-    frame: each location once per (frame key, ip) and each stack's ids once per stack id."""
+    frame: each location once per (frame key, ip) and each stack's ids once per stack id. The
+    keys stay alive (the stacks of a query's entries are not freed while it runs)."""
     prof = _Profile(period_ns, labels_of)
-    # id(frame key) -> what a one-frame Location of it has but its address: its binary, its
-    # level, its (mapping, Lines) once written (the same at every address), and its
-    # Locations by address. The keys stay alive (the stacks of a query's entries are not
-    # freed while it runs): an id names one key.
-    per_key: dict[int, list[Any]] = {}
-
-    def one(k: FrameKey) -> list[Any]:
-        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
-        level = (k[1] or UNKNOWN, k[7], k[8] or k[6] or dso, k[9] or 0)
-        pk = per_key[id(k)] = [dso, level, None, prof.at(dso, ((level[0], level[1]),))]
-        return pk
-
-    def new_one(pk: list[Any], ip: int) -> bytes:
-        if pk[2] is None:
-            pk[2] = prof.lines(pk[0], [pk[1]])
-        return prof.new_location(pk[3], ip, pk[2])
-
-    def run_location(ks: list[FrameKey], ip: int) -> bytes:
-        k = ks[-1]
-        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
-        return prof.location(dso, ip, [(g[1] or UNKNOWN, g[7], g[8] or g[6] or dso, g[9] or 0)
-                                       for g in ks])  # fmt: skip
-
-    def location_ids(sid: int) -> list[bytes]:
-        """The stack's location ids, as varints."""
-        ks, ips = table.refs(sid)
-        ids: list[bytes] = []
-        run: list[FrameKey] = []
-        last = len(ks) - 1
-        for i, k in enumerate(ks):
-            ip = ips[i]
-            # an inlined frame joins the next one when that is at the same pc
-            if k[4] and i < last and ips[i + 1] == ip and ks[i + 1][0] == k[0]:
-                run.append(k)
-                continue
-            if run:
-                run.append(k)
-                ids.append(run_location(run, ip))
-                run = []
-                continue
-            pk = per_key.get(id(k)) or one(k)
-            lid = pk[3].get(ip)
-            ids.append(lid if lid is not None else new_one(pk, ip))
-        return ids
-
+    locs = _Locations(prof)
     by_stack: dict[int, bytes] = {}
     for (pid, tid, comm, sid), count in entries:
         ids = by_stack.get(sid)
         if ids is None:
-            ids = by_stack[sid] = _packed_varints(1, location_ids(sid))
+            ids = by_stack[sid] = _packed_varints(1, locs.ids(*table.refs(sid)))
         prof.sample(ids, pid, tid, comm, count)
     return prof.finish(time_nanos, duration_nanos, compress)

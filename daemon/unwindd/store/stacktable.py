@@ -47,7 +47,7 @@ _DELTA_MIN, _DELTA_MAX = -(1 << 63), (1 << 63) - 1
 _new_frame = frozen_maker(Frame)
 _FIELDS = ("dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line", "decl_file",
            "decl_line")  # fmt: skip
-_key = attrgetter(*_FIELDS)
+frame_key = attrgetter(*_FIELDS)  # a frame's key without its ip (FrameKey's first ten fields)
 _key_ip = attrgetter(*_FIELDS, "ip")
 
 # Bytes beyond the bytes objects' own size, as tracemalloc shows them retained (CPython 3.11+,
@@ -151,7 +151,7 @@ class StackTable:
                     di = deltas[delta] = len(deltas)
                 # without the ip: one key per line of code in every process (a key of 10 never
                 # equals one of 11)
-                key = _key(f) if di != NO_DELTA else _key_ip(f)
+                key = frame_key(f) if di != NO_DELTA else _key_ip(f)
             fid = fids.get(key)
             if fid is None:
                 if self._ffree:
