@@ -293,6 +293,13 @@ class Api:
         except BadParam as e:
             return error_response(400, str(e), "bad_parameter")
 
+    def _plain_stacks(self, store: StackStore, f: Filters, pids: frozenset[int] | None
+                      ) -> list[StackCount]:  # fmt: skip
+        """The stacks ``f`` and ``pids`` select, without their inline frames (``inline=0``,
+        what perf script ``--no-inline`` shows)."""
+        return frames_without_inline(store.query(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
+                                                 comm=f.comm), self.plain_symbol)  # fmt: skip
+
     def window(self, f: Filters) -> dict[str, Any]:
         """``window_json`` of what a store query with ``f`` covers."""
         now = self.source.now_ns()
@@ -442,9 +449,7 @@ class Api:
                 total = sum(n for _, n in entries)
                 lines = top_lines_ids(entries, store.table, limit)
             else:
-                stacks = frames_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
-                                                           tid=f.tid, comm=f.comm),
-                                               self.plain_symbol)  # fmt: skip
+                stacks = self._plain_stacks(store, f, pids)
                 total = sum(s.count for s in stacks)
                 lines = top_lines(stacks, limit)
             return json_response({
@@ -454,9 +459,7 @@ class Api:
                 "window": self.window(f),
             })  # fmt: skip
         else:  # over the stacks (O(distinct stacks * frames))
-            stacks = frames_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
-                                                       tid=f.tid, comm=f.comm),
-                                           self.plain_symbol)  # fmt: skip
+            stacks = self._plain_stacks(store, f, pids)
             total = sum(s.count for s in stacks)
             funcs = top_functions(stacks, limit)
         return json_response({
