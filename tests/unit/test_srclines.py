@@ -393,6 +393,24 @@ def test_store_roundtrip_and_corruption(programs: dict[str, str], tmp_path: path
     assert store.get(_Entry("/nonexistent", b"\1", 0)) is None and store.stats["errors"] == 1
 
 
+def test_no_memoryview_of_a_table_is_exported(programs: dict[str, str],
+                                              tmp_path: pathlib.Path) -> None:  # fmt: skip
+    """A table keeps no cffi pointer exported from one of its memoryviews, compiled or
+    mapped: on Python 3.11 the cyclic GC clearing an exported memoryview (a table in a cycle
+    at exit) frees the buffer under the export, and the process dies (CPython gh-77894).
+    Every view releases, which an exported one refuses (BufferError)."""
+    path = programs["dwarf5"]
+    mapped = SrcLineStore(tmp_path).get(_Entry(path, b"\x56" * 20, os.path.getsize(path)))
+    assert mapped is not None and mapped.mapped
+    for t in (compile_srclines(path), mapped):
+        assert t.nlines and t.lookup(int(t._laddr[0]))[0][0]  # a name read through the pointer
+        views = [getattr(t, k) for k in type(t).__slots__ if isinstance(getattr(t, k, None),
+                                                                      memoryview)]  # fmt: skip
+        assert len(views) >= 14
+        for v in views:
+            v.release()
+
+
 # --------------------------------------------------------------------------- fuzzing
 
 _SECTIONS = (".debug_info", ".debug_abbrev", ".debug_line", ".debug_str", ".debug_line_str",

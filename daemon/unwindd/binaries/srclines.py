@@ -188,7 +188,8 @@ class SrcLineTable:
 
     __slots__ = ("__weakref__", "_files", "_kind", "_laddr", "_lfile", "_lno", "_names",
                  "_ndfile", "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr",
-                 "_snode", "_strp", "_strtab", "blob", "errors", "mapped", "nbytes")  # fmt: skip
+                 "_snode", "_strbase", "_strp", "_strtab", "blob", "errors", "mapped",
+                 "nbytes")  # fmt: skip
 
     def __init__(self, blob: bytes | Any, mapped: bool = False) -> None:
         # ``blob``: bytes, or a read-only mapping of a stored table (cachefiles.map_cache_file,
@@ -234,8 +235,12 @@ class SrcLineTable:
         self.errors = {n: e for n, e in zip(ERROR_NAMES, errs, strict=True) if e}
         from ..unwcore import ffi
 
-        # every string ends in a NUL inside the table (the check above): ffi.string stops there
-        self._strp: Any = ffi.from_buffer(self._strtab) if strlen else ffi.NULL
+        # every string ends in a NUL inside the table (the check above): ffi.string stops there.
+        # The pointer is into the blob's own export, not a memoryview's: on Python 3.11 a
+        # memoryview with an export that the cyclic GC clears frees its buffer under the
+        # exporter (CPython gh-77894), a crash at interpreter exit.
+        self._strbase: Any = ffi.from_buffer(blob) if strlen else ffi.NULL
+        self._strp: Any = self._strbase + o if strlen else ffi.NULL
         self.mapped = mapped
         self.nbytes = len(blob) + 64
 
@@ -413,8 +418,8 @@ class SrcLineCache:
     reads a file on the caller's thread: a table not held yet is fetched in the worker from
     an fd of the binary opened for it (the worker reads that very file whatever becomes of
     the entry's), and ``table`` answers None (``pending``) until ``collect`` has picked it
-    up. ``collect`` (owner, once per step) moves finished tables in and says whether one of
-    them was asked for while pending: frames named meanwhile have no inline levels, and their
+    up. ``collect`` (owner, once per step) moves finished tables in and says which of them
+    were asked for while pending: frames named meanwhile have no inline levels, and their
     namer re-names them (live.py). Without a worker, ``table`` fetches at once (replay,
     record)."""
 
@@ -478,14 +483,14 @@ class SrcLineCache:
         self.stats["asked"] += 1
         worker.submit(uid, _fetch_fd, self.store, src._replace(path=f"/proc/self/fd/{fd}"), fd)
 
-    def collect(self) -> bool:
-        """Move the tables the worker finished in; True if one of them was asked for while
-        pending (frames were named without it). Owner's thread; O(jobs held)."""
+    def collect(self) -> set[int]:
+        """Move the tables the worker finished in; the uids of those that were asked for while
+        pending (frames were named without them). Owner's thread; O(jobs held)."""
         worker = self.worker
+        missed: set[int] = set()
         if worker is None or not self._fds:
-            return False
+            return missed
         done = [(uid, f) for uid, f in worker.futures.items() if f.done()]
-        missed = False
         for uid, f in done:
             worker.pop(uid)
             self._fds.pop(uid, None)
@@ -493,7 +498,7 @@ class SrcLineCache:
             self.stats["arrived"] += 1
             if uid in self._missed:
                 self._missed.discard(uid)
-                missed = True
+                missed.add(uid)
         # jobs the worker's bound dropped: their fds are closed by the jobs themselves
         for uid in [u for u in self._fds if worker.get(u) is None]:
             del self._fds[uid]
