@@ -186,6 +186,14 @@ int fp_ctx_by_code(struct fp_ctx *c, int on);
  * the address and its ELF vaddr. */
 int fp_ctx_code_frames(struct fp_ctx *c, int on);
 
+/* Frames by code: the frames of modules keys[0..n) are named no more (a table their names
+ * depend on arrived after they were named): a stack added from now on that runs their code
+ * gets new frame ids, named again, while the stacks already added keep theirs (ids never
+ * change meaning). Module keys of frames by code must stay below 1 << 62. Returns the frames
+ * retired; -2 unless frames are by code (fp_ctx_code_frames), -1 on allocation failure.
+ * O(frames * log n) after an O(n log n) sort of a copy of keys. */
+int64_t fp_ctx_retire_code(struct fp_ctx *c, const uint64_t *keys, uint32_t n);
+
 /* The user pcs of stacks [from, to), back to back (fp_stacks_words of them); nothing by code. */
 void fp_stacks_pcs(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *pcs);
 

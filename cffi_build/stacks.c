@@ -42,6 +42,9 @@ struct stack_ent {
  * bias), so the same code in every process that maps the binary is one frame. (space_id,
  * pc) is where it was first seen: Python names it from that space's snapshot. */
 #define FRAME_CODE (1ull << 63)
+/* A retired code frame (fp_ctx_retire_code): its tag no lookup builds (module keys of frames by
+ * code stay below bit 62, fastpath.h), so it stays in the set, probed past, matching nothing. */
+#define FRAME_RETIRED (1ull << 62)
 struct frame_ent {
     uint64_t tag, addr;
     uint64_t pc;
@@ -631,6 +634,36 @@ int fp_ctx_code_frames(struct fp_ctx *c, int on)
         return -1;
     c->code_frames = on;
     return 0;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int64_t fp_ctx_retire_code(struct fp_ctx *c, const uint64_t *keys, uint32_t n)
+{
+    if (!c->code_frames)
+        return -2;
+    uint64_t *sorted = malloc(8 * (size_t)n + 8);
+    if (!sorted)
+        return -1;
+    memcpy(sorted, keys, 8 * (size_t)n);
+    qsort(sorted, n, 8, cmp_u64);
+    int64_t got = 0;
+    for (uint64_t i = 0; i < c->nfr && n; i++) {
+        struct frame_ent *f = &c->frames[i];
+        if ((f->tag & (FRAME_CODE | FRAME_RETIRED)) != FRAME_CODE)
+            continue;
+        uint64_t key = f->tag & ~FRAME_CODE;
+        if (bsearch(&key, sorted, n, 8, cmp_u64)) {
+            f->tag |= FRAME_RETIRED;
+            got++;
+        }
+    }
+    free(sorted);
+    return got;
 }
 
 void fp_stacks_pcs(const struct fp_ctx *c, uint32_t from, uint32_t to, uint64_t *pcs)

@@ -14,6 +14,7 @@ import dataclasses
 import pickle
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,16 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
            inline_max: int = -1, cfi_dir: Path | None = None,
-           code_frames: bool | None = None, forget_pids: bool = False
+           code_frames: bool | None = None, forget_pids: bool = False,
+           then: tuple[Path, Callable[[LiveProfiler], None]] | None = None
            ) -> LiveProfiler:  # fmt: skip
+    """``then``: a second capture replayed after the first (same format), with a call on the
+    profiler between them."""
     fmt, drains = pickle.loads(path.read_bytes())
+    more: list[list[tuple[int, bytes]]] = []
+    if then is not None:
+        fmt2, more = pickle.loads(then[0].read_bytes())
+        assert fmt2 == fmt
     # inline_max -1 (default) and no cfi_dir: every binary to the worker (the deferral tests)
     engine = StackEngine.create(prefetch_cfi=prefetch, cache_config=cache,
                                 cfi_inline_max_bytes=inline_max, cfi_cache_dir=cfi_dir)  # fmt: skip
@@ -69,6 +77,11 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     prof.start()
     for _ in range(len(drains)):
         prof.step()
+    if then is not None:
+        then[1](prof)
+        prof.session._drains = more  # type: ignore[union-attr]
+        for _ in range(len(more)):
+            prof.step()
     if flush_interval:  # the steps held their counts: flush() stores them, and only them
         before = prof.store.stats.samples
         held = sum(prof.flush().depths.values())
@@ -134,13 +147,13 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for k in cs:
         assert cf[k] == cs[k], k
     assert fast.pipeline.orderer.stats.queued == 0
-    # Frames named per code (fp_ctx_code_frames): the same answers and counts as frames per
-    # address space (the default), with fewer frames named (the two c_o2 processes run the
+    # Frames named per address space, not per code (fp_ctx_code_frames, the live profiler's):
+    # the same answers and counts, with more frames named (the two c_o2 processes run the
     # same code at other addresses).
-    by_code = replay(cap, True, tmp_path, code_frames=True)
-    assert contents(by_code) == contents(slow)
-    assert counts(by_code) == cs
-    assert 0 < by_code.native_step.nframes < fast.native_step.nframes
+    by_space = replay(cap, True, tmp_path, code_frames=False)
+    assert contents(by_space) == contents(slow)
+    assert counts(by_space) == cs
+    assert 0 < fast.native_step.nframes < by_space.native_step.nframes
     # The daemon's mode keeps no samples per pid (a count after the pid's drop would keep it
     # for good) and stores the same.
     daemonlike = replay(cap, True, tmp_path, forget_pids=True)
@@ -153,6 +166,37 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     ch = counts(held)
     for k in cs:
         assert ch[k] == cs[k], k
+
+
+def test_retired_code_frames_are_named_again(workloads: dict[str, Workload],
+                                            tmp_path: Path) -> None:  # fmt: skip
+    """A binary's names change while the step holds its frames by code (its line table
+    arrived: live.py's ``_inline_arrivals``): after ``retire_code`` a new process of it names
+    its frames again, as a new address space would by space; without it, it would take the
+    frames named for the first process."""
+    c2 = workloads["c_o2"].argv[0]
+    first, second = tmp_path / "first.pickle", tmp_path / "second.pickle"
+    (tmp_path / "empty-proc").mkdir()
+    (p1,) = capture(first, [(c2, "200")])
+    (p2,) = capture(second, [(c2, "200")])
+    marked: list[int] = []
+
+    def names_change(prof: LiveProfiler) -> None:
+        engine = prof.engine
+        expand = engine.expand
+        engine.expand = lambda snap, ip, f: tuple(  # type: ignore[method-assign]
+            dataclasses.replace(g, file="changed") if g.dso == c2 else g
+            for g in expand(snap, ip, f))  # fmt: skip
+        uids = {e.uid for e in engine.table.binaries.entries() if e.filename == c2}
+        assert uids
+        marked.append(prof.native_step.retire_code(engine.table.code_keys_of(uids)))
+
+    prof = replay(first, True, tmp_path, then=(second, names_change))
+    assert marked and marked[0] > 0
+    mine = [f for s in prof.store.query(pids=[p1]) for f in s.frames if f.dso == c2]
+    theirs = [f for s in prof.store.query(pids=[p2]) for f in s.frames if f.dso == c2]
+    assert mine and not any(f.file == "changed" for f in mine)
+    assert theirs and all(f.file == "changed" for f in theirs), Counter(f.file for f in theirs)
 
 
 def test_native_step_keeps_thread_ids(workloads: dict[str, Workload], tmp_path: Path) -> None:

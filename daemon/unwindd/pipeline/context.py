@@ -274,6 +274,13 @@ class NativeContext:
     def forget_comms(self) -> None:
         lib.fp_forget_comms(self.ctx)
 
+    def retire_code(self, keys: list[int]) -> int:
+        """Frames by code: the frames of modules ``keys`` are named again in the stacks added
+        from now on (fp_ctx_retire_code); the frames retired."""
+        got = int(lib.fp_ctx_retire_code(self.ctx, ffi.new("uint64_t[]", keys), len(keys)))
+        check(got, "fp_ctx_retire_code")
+        return got
+
     def _unhold(self, pid: int) -> None:
         old = self._pid_sid.pop(pid, None)
         if old is not None:

@@ -19,9 +19,11 @@ Invariants:
 - Inline levels (engine.srclines with a worker, the daemon's): a binary's line/inline table
   is read or compiled in a worker, never on the step; frames named before it arrives have no
   inline levels (counted: ``inline_status``). When tables that frames were named without
-  arrive, the step drops every name it holds (``_inline_arrivals``, at most once per
-  ``RENAME_INTERVAL`` s; counts held are flushed first), so stacks sampled from then on get
-  their inline levels; stacks already stored keep theirs without. No sample waits for it.
+  arrive, their binaries' frames are retired at once (new stacks name them again: frames are
+  by code, ringstep.py) and the step drops every name it holds (``_inline_arrivals``, at
+  most once per ``RENAME_INTERVAL`` s; counts held are flushed first), so stacks sampled from
+  then on get their inline levels; stacks already stored keep theirs without. No sample
+  waits for it.
 """
 
 from __future__ import annotations
@@ -93,10 +95,12 @@ class LiveProfiler:
             self.python = PythonFrames(engine.table)
         self.native_step = NativeStep(self.pipeline, engine, store, self._pin, self._unpin,
                                       max_spaces=spaces, flush_interval=flush_interval,
-                                      python=self.python, python_mode=python_frames)  # fmt: skip
+                                      python=self.python, python_mode=python_frames,
+                                      code_frames=True)  # fmt: skip
         self._rename_due = False  # tables arrived that frames were named without
         self._renamed_at = 0.0
         self.renames = 0  # re-namings for arrived tables
+        self.retired = 0  # frames by code named again at once for arrived tables
 
     def forget_stream_pids(self) -> None:
         """From now on, each pid the table drops (exit grace, cap, reuse) also leaves the
@@ -217,7 +221,13 @@ class LiveProfiler:
         again (symbol lookups stay cached)."""
         src = self.engine.srclines
         assert src is not None
-        self._rename_due |= src.collect()
+        missed = src.collect()
+        if missed:
+            self._rename_due = True
+            # frames by code: new processes of these binaries would take their frames named
+            # without the table until the re-naming below; they name them again now
+            keys = self.engine.table.code_keys_of(missed)
+            self.retired += self.native_step.retire_code(keys)
         now = time.monotonic()
         if self._rename_due and now - self._renamed_at >= RENAME_INTERVAL:
             self._rename_due = False
@@ -228,11 +238,13 @@ class LiveProfiler:
 
     def inline_status(self) -> dict[str, int] | None:
         """The inline expansion's counts (None when off): tables held, being fetched, asked
-        for while fetched (frames named without inline levels), re-namings."""
+        for while fetched (frames named without inline levels), re-namings, frames retired
+        (named again at once in new stacks)."""
         src = self.engine.srclines
         if src is None:
             return None
-        return {**src.stats, "pending": src.pending, "renames": self.renames}
+        return {**src.stats, "pending": src.pending, "renames": self.renames,
+                "retired": self.retired}  # fmt: skip
 
     def flush(self) -> StepInfo:
         """Store the native step's counts held since its last flush (its ``flush_interval``):

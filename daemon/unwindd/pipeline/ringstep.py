@@ -13,9 +13,10 @@ Invariants:
 - Each distinct frame is named once, each unique stack built once (``_name_new``): a frame is
   (snapshot, pc), or with ``code_frames`` (binary, mapped name, ELF vaddr) in a module, so a new
   process of a known binary, or a process whose mappings changed, names no frame again
-  (``_at``). Off by default: a frame named while its binary's line table was still being read
-  keeps its name without inline levels until the next re-naming (live.py RENAME_INTERVAL), for
-  new processes too, where frames by snapshot name them afresh.
+  (``_at``). A frame named while its binary's line table was still being read is retired when
+  the table arrives (``retire_code``): stacks added from then on name it afresh, as frames by
+  snapshot would in a new process; the stacks already added keep it until the next re-naming
+  (live.py RENAME_INTERVAL).
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
   stacks (the JIT stats' cache); the counts they name reach the store first, and at close
@@ -240,6 +241,14 @@ class NativeStep:
         """Drop the C context and its mirrors at the next step (as past ``max_stacks``): its
         frames were named once and a binary's names changed (debuginfod.py)."""
         self._reset = True
+
+    def retire_code(self, keys: list[int]) -> int:
+        """Frames by code: a table the names of modules ``keys`` depend on arrived: the stacks
+        added from now on name their frames again (the context's own stacks keep theirs until
+        a ``reset_context``). The frames retired."""
+        if self.nctx.code_frames and not self._reset:
+            return self.nctx.retire_code(keys)
+        return 0
 
     def forget_all(self) -> None:
         self.nctx.forget_all_spaces()

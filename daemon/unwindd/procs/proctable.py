@@ -163,6 +163,11 @@ class ProcessTable:
             self._next_code_key += 1
         return key
 
+    def code_keys_of(self, uids: set[int]) -> list[int]:
+        """The module keys ``code_key`` gave mappings of the entries ``uids``: their uids and
+        their aliases' keys still held. O(aliases held)."""
+        return [*uids, *(key for (uid, _), key in self._code_keys.items() if uid in uids)]
+
     def module_factory(self) -> Callable[..., Any]:
         return self._unwinder_module().Module  # type: ignore[no-any-return]
 
