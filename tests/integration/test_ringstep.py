@@ -37,6 +37,7 @@ from unwindd.procs.livetable import LiveTable
 from unwindd.procs.procscan import ProcFS
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.engine import StackEngine
+from unwindd.unwind.stackfmt import Frame
 from workloads.build import Workload, build_workloads
 
 
@@ -181,12 +182,16 @@ def test_retired_code_frames_are_named_again(workloads: dict[str, Workload],
     (p2,) = capture(second, [(c2, "200")])
     marked: list[int] = []
 
+    def mark(f: Frame) -> Frame:
+        return dataclasses.replace(f, file="changed") if f.dso == c2 else f
+
     def names_change(prof: LiveProfiler) -> None:
+        # every way a user frame is named: unexpanded (recorded callchains and lone ips keep
+        # that one), and each inline level of a DWARF unwind's
         engine = prof.engine
-        expand = engine.expand
-        engine.expand = lambda snap, ip, f: tuple(  # type: ignore[method-assign]
-            dataclasses.replace(g, file="changed") if g.dso == c2 else g
-            for g in expand(snap, ip, f))  # fmt: skip
+        user_frame, expand = engine._user_frame, engine.expand
+        engine._user_frame = lambda *a: mark(user_frame(*a))  # type: ignore[method-assign]
+        engine.expand = lambda *a: tuple(map(mark, expand(*a)))  # type: ignore[method-assign]
         uids = {e.uid for e in engine.table.binaries.entries() if e.filename == c2}
         assert uids
         marked.append(prof.native_step.retire_code(engine.table.code_keys_of(uids)))
@@ -195,7 +200,9 @@ def test_retired_code_frames_are_named_again(workloads: dict[str, Workload],
     assert marked and marked[0] > 0
     mine = [f for s in prof.store.query(pids=[p1]) for f in s.frames if f.dso == c2]
     theirs = [f for s in prof.store.query(pids=[p2]) for f in s.frames if f.dso == c2]
-    assert mine and not any(f.file == "changed" for f in mine)
+    # (the first process's last samples may be delivered after the change: the orderer holds
+    # a round until the next one comes)
+    assert any(f.file != "changed" for f in mine), Counter(f.file for f in mine)
     assert theirs and all(f.file == "changed" for f in theirs), Counter(f.file for f in theirs)
 
 
