@@ -9,6 +9,7 @@ opens no fd and changes nothing else, so a capture replays the same way every ti
 from __future__ import annotations
 
 import pickle
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -45,17 +46,34 @@ class Replayed:
 
     def drain_into(self, out: Any) -> list[tuple[int, int]]:
         """The next captured drain, written into ``out`` as PerfSession.drain_into does, each
-        sample's stack copy cut the same way (pc_trim_records); the caller sized ``out`` from
-        pending_bytes, so it always fits."""
+        sample's stack copy cut the same way (pc_trim_records). What does not fit (the caller
+        caps ``out`` at its pass size) stays for the next call, as it would in the rings: the
+        records of a cpu's chunk that fit are written, the rest of the drain goes back first."""
         from unwindd.source.perfcore import ffi, lib
 
         nregs = lib.pc_trim_nregs(self.event_format.sample_type,
                                   self.event_format.sample_regs_user)  # fmt: skip
         pos = 0
         sizes: list[tuple[int, int]] = []
-        for cpu, b in self.drain():
+        chunks = self.drain()
+        for i, (cpu, b) in enumerate(chunks):
             buf = bytearray(b)
             n = int(lib.pc_trim_records(ffi.from_buffer(buf), len(buf), nregs))
+            if pos + n > len(out):  # whole records of it, the rest left for the next call
+                at = fit = 0
+                while at < len(b):  # struct perf_event_header: u32 type, u16 misc, u16 size
+                    size = struct.unpack_from("<H", b, at + 6)[0]
+                    one = bytearray(b[at : at + size])
+                    m = int(lib.pc_trim_records(ffi.from_buffer(one), size, nregs))
+                    if pos + fit + m > len(out):
+                        break
+                    out[pos + fit : pos + fit + m] = one[:m]
+                    fit, at = fit + m, at + size
+                if fit:
+                    sizes.append((cpu, fit))
+                rest = ([(cpu, b[at:])] if at < len(b) else []) + chunks[i + 1 :]
+                self._drains.insert(0, rest)
+                return sizes
             out[pos : pos + n] = buf[:n]
             pos += n
             sizes.append((cpu, n))
