@@ -1,4 +1,8 @@
-/* sideband.c: find the side-band records a replay may skip, natively (filereplay.py).
+/* sideband.c: find the side-band records a replay may skip, natively (filereplay.py); list
+ * and mark the live step's side-band records in bulk (ringstep.py: unw_sb_rows, unw_sb_marks,
+ * unw_sb_slots, each the C form of a Python loop it replaced, tests/unit/test_sideband_live.py
+ * holds them to it; they read and write only the index entries and arrays they are given,
+ * O(entries)).
  *
  * Why: deep CPython recursion mmaps/munmaps frame chunks, so a profile can carry hundreds of
  * thousands of MMAP2 records of anonymous read/write memory, each costly to decode and apply
@@ -200,4 +204,51 @@ int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs_, uint32_t *id
     }
     *nrest = w;
     return nlazy;
+}
+
+/* The live step reads every side-band entry's header fields once, here, instead of one cffi
+ * attribute access per field per record; and writes back the marks its decoded records give
+ * (context.mark_record: a field is written only when its flag is set). */
+uint64_t unw_sb_rows(const void *recs_, uint64_t n, uint64_t *rows)
+{
+    const struct fp_rec *recs = recs_;
+    uint64_t k = 0;
+    for (uint64_t i = 0; i < n && i <= UINT32_MAX; i++) {
+        const struct fp_rec *r = &recs[i];
+        if (r->flags & FP_SAMPLE)
+            continue;
+        uint64_t *row = rows + 5 * k++;
+        row[0] = i;
+        row[1] = r->type;
+        row[2] = r->misc;
+        row[3] = r->off;
+        row[4] = r->size;
+    }
+    return k;
+}
+
+void unw_sb_marks(void *recs_, const uint32_t *idx, const uint64_t *marks, uint64_t k)
+{
+    struct fp_rec *recs = recs_;
+    for (uint64_t j = 0; j < k; j++) {
+        struct fp_rec *r = &recs[idx[j]];
+        const uint64_t *m = marks + 3 * j;
+        uint8_t flags = (uint8_t)m[2];
+        if (flags & FP_TIMED)
+            r->time = m[0];
+        if (flags & FP_HAS_CPU)
+            r->cpu = (uint32_t)m[1];
+        r->flags = flags;
+    }
+}
+
+/* The carried side-band records' new index entries (ringstep.py _carry_round): the carry is
+ * gathered in keep order, so a record's next index is its position in keep. */
+void unw_sb_slots(const uint32_t *keep, uint64_t nkeep, const uint32_t *want, uint64_t k,
+                  uint32_t *inv, uint32_t *out)
+{
+    for (uint64_t j = 0; j < nkeep; j++)
+        inv[keep[j]] = (uint32_t)j;
+    for (uint64_t t = 0; t < k; t++)
+        out[t] = inv[want[t]];
 }

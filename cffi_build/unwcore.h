@@ -301,6 +301,20 @@ int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx
                     uint32_t sid_size, int32_t t_off, int32_t c_off, uint32_t *lazy,
                     uint64_t *nrest);
 
+/* The live step's side-band records (ringstep.py _decode_others): every entry of recs[0..n)
+ * (struct fp_rec, fastpath.h) not flagged FP_SAMPLE, in index order, as one row of rows
+ * (room for 5 n): (index, type, misc, off, size). Returns the number of rows. O(n). */
+uint64_t unw_sb_rows(const void *recs, uint64_t n, uint64_t *rows);
+
+/* context.mark_record for each recs[idx[j]], j < k: marks[3 j..3 j + 3) = (time, cpu,
+ * flags); time and cpu written only where flags has FP_TIMED / FP_HAS_CPU. O(k). */
+void unw_sb_marks(void *recs, const uint32_t *idx, const uint64_t *marks, uint64_t k);
+
+/* The positions in keep[0..nkeep) (distinct record indices < n) of want[0..k) (each in keep):
+ * out[t] = the j with keep[j] == want[t]; inv: scratch of n entries. O(nkeep + k). */
+void unw_sb_slots(const uint32_t *keep, uint64_t nkeep, const uint32_t *want, uint64_t k,
+                  uint32_t *inv, uint32_t *out);
+
 /* ------------------------------------------------------------------ source lines (dwarfline.c) */
 
 /* A compiled line/inline table (layout at the top of dwarfline.c; srclines.py reads it). */

@@ -4,6 +4,7 @@ caps, and the proctable merge modes it relies on."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,41 @@ def test_merge_modes() -> None:
     assert [m.filename for m in t.space_for(1).mappings] == ["/r"]
     with pytest.raises(ValueError):
         t.load_mappings(1, proc, "merge")
+
+
+def test_mapped_and_place_mapped_are_place_for_a_placeable_sample(tmp_path: Path) -> None:
+    """``mapped`` answers, reading nothing, whether ``place`` takes a sample as it is (the live
+    step then calls ``place_mapped`` instead of decoding it): twin tables fed the same records,
+    one asked through ``place``, the other through ``mapped`` + ``place_mapped``, end alike
+    (answers, record time, each space's last use, clock reads, stats)."""
+
+    def twin(d: Path) -> tuple[LiveTable, list[int]]:
+        fake = FakeProc(d)
+        fake.put(30, "boot", 1, line(0x1000, 0x2000, "/boot"))  # bootstrapped: unverified
+        reads: list[int] = []
+        live = LiveTable(ProcessTable(), ProcFS(str(d)), clock=lambda: reads.append(1) or 0)
+        live.bootstrap([30])
+        live.table.apply(mmap2(10, 0x10000, 0x1000, "/lib/a.so", t=5))
+        live.table.apply(mmap2(20, 0x40000, 0x1000, "/lib/b.so", t=6))
+        return live, reads
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (ref, ref_reads), (got, got_reads) = twin(tmp_path / "a"), twin(tmp_path / "b")
+    cases = [(10, 0x10010, 7), (10, 0x10020, 3), (20, 0x40000, 9), (10, 0x20000, 11),
+             (30, 0x1000, 12), (99, 0x10010, 13)]  # fmt: skip
+    for i, (pid, pc, t) in enumerate(cases):
+        if i == 3:  # records lost: every space must be verified again
+            for live in (ref, got):
+                live.observe(Lost(0, 1, 10, NO_SAMPLE_ID))
+        placeable = got.mapped(pid, pc)
+        assert (placeable is not None) == (i in (0, 1, 2)), (i, placeable)
+        if placeable is None:
+            continue  # (the step decodes it and asks place)
+        assert ref.place(sample(pid, pc, t))
+        got.place_mapped(placeable, t)
+        assert got.record_time == ref.record_time
+        assert placeable.last_used == ref.table.spaces[pid].last_used == ref.record_time
+        assert len(got_reads) == len(ref_reads)
+    assert replace(got.stats, bootstrap_seconds=0) == replace(ref.stats, bootstrap_seconds=0)
+    assert got.record_time == 9

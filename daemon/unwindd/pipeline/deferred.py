@@ -42,6 +42,15 @@ class Deferred:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def would_hold(self, pid: int) -> bool:
+        """Whether ``hold`` would hold a sample of ``pid`` now (asking the prefetcher, which
+        starts the compiles its binaries still need, as ``hold`` does)."""
+        pre = self.engine.cfi_prefetch
+        if pre is None or len(self._waiting) >= self.max_samples:
+            return False
+        sp = self.engine.table.get(pid)
+        return sp is not None and not all([pre.ready(e) for e in sp.entries()])  # (each asked)
+
     def hold(self, s: Sample) -> bool:
         """Hold placed sample ``s`` if a binary of its space is still compiling; True if held."""
         engine = self.engine

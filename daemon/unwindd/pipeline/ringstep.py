@@ -36,6 +36,7 @@ context holds a stack with interpreter frames (plus one frame-chain read per suc
 
 from __future__ import annotations
 
+import struct
 import time
 from bisect import bisect_right
 from collections import Counter
@@ -93,6 +94,7 @@ class DrainSource(Protocol):
 
 
 _IP_BIT = abi.X86_REG_NAMES.index("ip")
+_U64 = struct.Struct("<Q")
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
 
@@ -147,6 +149,9 @@ class NativeStep:
         self.live: LiveTable = engine.live
         fmt = pipeline.decoder.formats[0]
         self.lay = layout_of(fmt)
+        # the byte offset of the ip register in a sample's REGS_USER regs[] (-1: not sampled)
+        mask = fmt.sample_regs_user
+        self._pc_off = 8 * (mask & ((1 << _IP_BIT) - 1)).bit_count() if mask >> _IP_BIT & 1 else -1
         self.max_stacks = max_stacks
         self.max_spaces = max_spaces
         # Counts reach the store at most this long after their round (0: every round); the
@@ -197,6 +202,8 @@ class NativeStep:
         self._cols = [ffi.new(f"{t}[]", cap) for t in _COLS]
         self._stack_ids = ffi.new("uint32_t[]", cap)
         self._idx = ffi.new("uint32_t[]", cap)
+        self._rows, self._marks = ffi.new("uint64_t[]", 5 * cap), ffi.new("uint64_t[]", 3 * cap)
+        self._inv, self._slots = ffi.new("uint32_t[]", cap), ffi.new("uint32_t[]", cap)
         self._touched, self._touched_t = ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
         self._ident = ffi.new("uint32_t[]", list(range(cap)))
         self._flagged = (ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap))  # count_flagged
@@ -448,34 +455,36 @@ class NativeStep:
         # MMAP2/EXIT/MMAP records carrying their cpu (all of them with sample_id_all): counted
         # by (type, cpu) after the loop (StreamStats.observe_plain), not one by one
         plain: dict[tuple[str, int], int] = {}
-        for i in idx[0 : int(lib.fp_select_other(recs, n, idx))]:
-            r = recs[i]
+        # (index, type, misc, off, size) of every side-band entry, read in C (unw_sb_rows)
+        k = int(lib.unw_sb_rows(recs, n, self._rows))
+        flat = view(self._rows, "Q", 5 * k).tolist()
+        marks: list[int] = []  # (time, cpu, flags) per entry, written back by unw_sb_marks
+        it = iter(flat)
+        for i, typ, misc, off, size in zip(it, it, it, it, it, strict=True):
             if i < ncarry:
-                t, cpu, flags = objs[i][1]  # carried: decoded and marked once already
+                marks += objs[i][1]  # carried: decoded and marked once already
+                continue
+            new_other += 1
+            rec = decode(typ, misc, mv[off + 8 : off + size])
+            kind = type(rec)
+            rtime, rcpu = rec.time, rec.cpu
+            if rcpu is not None and kind in PLAIN:
+                key = (record_type_name(rec), rcpu)
+                plain[key] = plain.get(key, 0) + 1
             else:
-                new_other += 1
-                off = r.off
-                rec = decode(r.type, r.misc, mv[off + 8 : off + r.size])
-                kind = type(rec)
-                rtime, rcpu = rec.time, rec.cpu
-                if rcpu is not None and kind in PLAIN:
-                    key = (record_type_name(rec), rcpu)
-                    plain[key] = plain.get(key, 0) + 1
-                else:
-                    observe(rec, cpus[bisect_right(bounds, off) - 2])
-                if kind is Mmap2:
-                    pin(rec)  # (LiveProfiler._pin: only MMAP2s pin a binary)
-                # context.record_marks, inline
-                flags = (0 if rtime is None else TIMED) | (0 if rcpu is None else HAS_CPU)
-                t, cpu = rtime or 0, rcpu or 0
-                objs[i] = (rec, (t, cpu, flags))
-            # the marks computed at decode time: context.mark_record, inline in this loop
-            # over every side-band record of the round (and again when carried)
-            r.flags = flags
-            if flags & TIMED:
-                r.time = t
-            if flags & HAS_CPU:
-                r.cpu = cpu
+                observe(rec, cpus[bisect_right(bounds, off) - 2])
+            if kind is Mmap2:
+                pin(rec)  # (LiveProfiler._pin: only MMAP2s pin a binary)
+            # context.record_marks, inline
+            m = (rtime or 0, rcpu or 0,
+                 (0 if rtime is None else TIMED) | (0 if rcpu is None else HAS_CPU))  # fmt: skip
+            objs[i] = (rec, m)
+            marks += m
+        # the marks computed at decode time: context.mark_record for every side-band record of
+        # the round (and again when carried), in C
+        idx[0:k] = flat[0::5]
+        self._marks[0 : 3 * k] = marks
+        lib.unw_sb_marks(recs, idx, self._marks, k)
         if plain:
             observe_plain = self.pipeline.stats.observe_plain
             for (name, cpu), c in plain.items():
@@ -569,9 +578,13 @@ class NativeStep:
         self._reserve(0, size)
         lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(self._arenas[self._cur]))
         self._carry_len = size
-        if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs)
-            slot = {i: j for j, i in enumerate(view(keep, "I", nkeep).tolist())}
-            self._carry_objs = {slot[i]: got for i, got in objs.items()}
+        if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs) in C
+            k = len(objs)
+            want = self._idx  # (free again: _decode_others is done with it)
+            want[0:k] = list(objs)
+            lib.unw_sb_slots(keep, nkeep, want, k, self._inv, self._slots)
+            self._carry_objs = dict(zip(view(self._slots, "I", k).tolist(), objs.values(),
+                                        strict=True))  # fmt: skip
         else:
             self._carry_objs = {}
 
@@ -584,9 +597,9 @@ class NativeStep:
         process's EXIT, a data mapping over nothing): what C holds was built from exactly
         that state, so its next sample needs no placing again."""
         pid = getattr(rec, "pid", None)
-        table = self.engine.table
-        sp = table.get(pid) if type(pid) is int else None
-        state = sp.state if sp is not None else None
+        spaces = self.engine.table.spaces  # (its dict and the spaces' state: no calls)
+        sp = spaces.get(pid) if type(pid) is int else None
+        state = sp._state if sp is not None else None
         self.engine.apply_side_band(rec)
         t = type(rec)  # record types are final classes: identity tests
         if t is Comm or t is Fork:
@@ -594,7 +607,7 @@ class NativeStep:
         elif t is Lost:
             self.nctx.forget_all_spaces()  # epoch bump: every space is re-verified
             return
-        if type(pid) is int and (sp is None or table.get(pid) is not sp or sp.state is not state):
+        if type(pid) is int and (sp is None or spaces.get(pid) is not sp or sp._state is not state):
             self.nctx.forget_space(pid)
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
@@ -608,10 +621,12 @@ class NativeStep:
         bump: every space must be re-verified), ``live.due()`` retries and bootstrap forget
         all. A sample whose pid is not in the C table or whose user pc is outside every
         mapping (``FP_RUN_NEED_PLACE``) is decoded and given to ``LiveTable.place`` (rescan /
-        hold / give-up, as in the reference step); placed samples then unwind natively against the
-        snapshot ``place`` left. Held samples come back from ``live.due()`` and are unwound by
-        the engine's Python path, as in the reference step; a sample whose binaries still compile
-        in the CFI worker waits in ``deferred`` (deferred.py).
+        hold / give-up, as in the reference step), unless ``place`` and ``deferred`` would take
+        it as it is (``_place_raw``: read from its raw record, no decode); placed samples then
+        unwind natively against the snapshot ``place`` left. Held samples come back from
+        ``live.due()`` and are unwound by the engine's Python path, as in the reference step; a
+        sample whose binaries still compile in the CFI worker waits in ``deferred``
+        (deferred.py).
 
         Comms: (pid, tid) -> comm id in C, from ``engine.comm_of`` on first use; all
         forgotten on COMM, on a drop and whenever a rescan may have set a comm
@@ -639,6 +654,11 @@ class NativeStep:
                 break
             if rc == lib.FP_RUN_NEED_PLACE:
                 r = recs[perm[k]]
+                if self._place_raw(r, mv):  # what place and hold answer, without decoding
+                    nctx.forget_space(r.pid)
+                    nctx.set_space(r.pid, engine.snapshot(r.pid), ranges=True)
+                    force = 1
+                    continue
                 s = self.pipeline.decoder.decode_sample(r.misc, mv[r.off + 8 : r.off + r.size])
                 rescans = live.stats.rescans.total()
                 placed = live.place(s)
@@ -661,6 +681,23 @@ class NativeStep:
             raise RuntimeError(f"fp_live_run failed at {k} ({rc})")
         engine.name_time = int(recs[perm[b - 1]].time)  # JIT frames: as of the newest sample
         self._name_new()
+
+    def _place_raw(self, r: Any, mv: memoryview) -> bool:
+        """For sample ``r`` (an index entry C could not place): True, with ``LiveTable.place``'s
+        effects taken, when ``place`` would take it as it is and ``deferred`` would not hold
+        it (its pid's space verified, its user pc inside a mapping, no binary of it still
+        compiling): the common case after a side-band record changed a space, which then
+        costs no Python decode of the sample. Else False, nothing done: the caller decodes
+        it and asks them. The user pc is the REGS_USER ``ip`` slot (livetable.user_pc)."""
+        pid = r.pid
+        if self._pc_off < 0 or pid <= 0 or not r.regs_abi or not self.lay.nregs:
+            return False  # (place's early answer for such samples is the decoder's to give)
+        (pc,) = _U64.unpack_from(mv, r.off + 8 + r.regs_off + self._pc_off)
+        sp = self.live.mapped(pid, pc)
+        if sp is None or self.deferred.would_hold(pid):
+            return False
+        self.live.place_mapped(sp, int(r.time))
+        return True
 
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
@@ -743,17 +780,24 @@ class NativeStep:
         es = self.engine.stats
         stack = self._stack
         out: list[CountGroup] = []
-        for g in range(ng):
-            fr, comm, status, nu, nk = stack(gs[g])
-            c = int(gc[g])
-            pid = int(gp[g])
-            out.append((int(gt[g]), pid, int(gtid[g]), comm, fr, c))
-            es.samples += c
-            es.by_status[status] += c
-            es.kernel_frames += nk * c
-            es.user_frames += nu * c
-            self.engine.jit.count(pid, fr, c)
-            info.depths[len(fr)] += c
+        # the columns as lists, one call each (not a cffi index per field per group)
+        cols = (view(gt, "Q", ng).tolist(), view(gp, "I", ng).tolist(),
+                view(gtid, "I", ng).tolist(), view(gs, "I", ng).tolist(),
+                view(gc, "Q", ng).tolist())  # fmt: skip
+        jit_count, by_status, depths = self.engine.jit.count, es.by_status, info.depths
+        samples = kframes = uframes = 0
+        for t, pid, tid, sid, c in zip(*cols, strict=True):
+            fr, comm, status, nu, nk = stack(sid)
+            out.append((t, pid, tid, comm, fr, c))
+            samples += c
+            by_status[status] = by_status.get(status, 0) + c  # (Counter's += costs two calls)
+            kframes += nk * c
+            uframes += nu * c
+            jit_count(pid, fr, c)
+            depths[len(fr)] = depths.get(len(fr), 0) + c
+        es.samples += samples
+        es.kernel_frames += kframes
+        es.user_frames += uframes
         es.frames = es.kernel_frames + es.user_frames
         self.store.add_counts(out)
         return info

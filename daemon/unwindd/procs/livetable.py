@@ -233,6 +233,24 @@ class LiveTable:
         self.stats.held_now += 1
         return False
 
+    def mapped(self, pid: int, pc: int) -> AddressSpace | None:
+        """``pid``'s space if ``place`` would take a sample of it at user pc ``pc`` as it is,
+        reading nothing (verified in the current epoch, ``pc`` inside a mapping); else None.
+        No effect: ``place_mapped`` then does what ``place`` does with such a sample."""
+        sp = self.table.get(pid)
+        if sp is None or sp.verified_epoch < self.table.epoch or sp.verified_epoch < 0:
+            return None
+        return sp if sp.find(pc) is not None else None
+
+    def place_mapped(self, sp: AddressSpace, t: int) -> None:
+        """``place`` of a sample at record time ``t`` that ``mapped`` found placeable in
+        ``sp``, without its decoded form: the same effects in the same order (the clock is
+        read as ``place`` reads it: a test clock counts its reads)."""
+        if t > self.record_time:
+            self.record_time = t
+        self.clock()
+        sp.last_used = self.record_time
+
     def due(self) -> list[Sample]:
         """Held samples whose pid may be rescanned now (rescanned here) or whose hold expired,
         in their original order per pid."""

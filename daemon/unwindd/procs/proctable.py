@@ -198,7 +198,8 @@ class ProcessTable:
     def apply(self, rec: Record) -> None:
         """Apply one record; records other than MMAP/MMAP2/COMM/FORK/EXIT are ignored."""
         if isinstance(rec, Mmap2):
-            self.stats.records["MMAP2"] += 1
+            counts = self.stats.records
+            counts["MMAP2"] = counts.get("MMAP2", 0) + 1  # (Counter's += costs two calls)
             k = (rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
             ident = self._idents.get(k)
             if ident is None:
@@ -243,15 +244,20 @@ class ProcessTable:
         if end <= start:
             self.stats.ignored["empty_mapping"] += 1
             return None
-        sp = self.space_for(pid)
+        sp = self.spaces.get(pid)
+        if sp is None:
+            sp = self.spaces[pid] = AddressSpace(pid, self)
         st = sp._state
-        lo, hi = overlapping(st.starts, st.mappings, start, end)
+        starts, maps = st.starts, st.mappings
+        lo, hi = overlapping(starts, maps, start, end)
         if lo == hi:  # overlaps nothing (most records): no cut, one insertion
             if not prot & PROT_EXEC:
                 return None  # a data mapping over nothing we track: no change
             m = self._new_mapping(sp, pid, start, end, pgoff, prot, flags, filename, identity)
-            maps = st.mappings
-            sp._set((*maps[:lo], m, *maps[lo:]), [*st.starts[:lo], start, *st.starts[lo:]])
+            if lo == len(maps):  # (after every mapping: the order most images map in)
+                sp._set((*maps, m), [*starts, start])
+            else:
+                sp._set((*maps[:lo], m, *maps[lo:]), [*starts[:lo], start, *starts[lo:]])
             return m
         kept, removed, pieces = cut(st.mappings, start, end, st.starts)
         new: Mapping | None = None

@@ -58,8 +58,10 @@ _U32 = struct.Struct("<I")
 _2U32 = struct.Struct("<II")
 _3U64 = struct.Struct("<QQQ")
 _MMAP_FIXED = struct.Struct("<IIQQQ")  # pid, tid, addr, len, pgoff
-_MMAP2_INODE = struct.Struct("<IIQQ")  # maj, min, ino, ino_generation
 _MMAP2_PROT = struct.Struct("<II")  # prot, flags
+# the whole fixed part of the inode form: pid, tid, addr, len, pgoff, maj, min, ino,
+# ino_generation, prot, flags (64 bytes)
+_MMAP2_INODE_FIXED = struct.Struct("<IIQQQIIQQII")
 _FORK = struct.Struct("<IIIIQ")  # pid, ppid, tid, ptid, time
 
 HEADER_SIZE = 8
@@ -319,20 +321,20 @@ class RecordDecoder:
         #   u32 prot, flags; char filename[];
         if end < 64:
             raise DecodeError("short_body")
+        if not misc & MISC_MMAP_BUILD_ID:  # the common form: one unpack
+            pid, tid, addr, length, pgoff, maj, mnr, ino, gen, prot, flags = (
+                _MMAP2_INODE_FIXED.unpack_from(body, 0))  # fmt: skip
+            name = bytes(body[64:end]).partition(b"\0")[0].decode("utf-8", "surrogateescape")
+            return _new_mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen, None,
+                              prot, flags, name, sid)  # fmt: skip
         pid, tid, addr, length, pgoff = _MMAP_FIXED.unpack_from(body, 0)
-        maj = mnr = ino = gen = None
-        build_id = None
-        if misc & MISC_MMAP_BUILD_ID:
-            bsize = body[32]
-            if bsize > 20:
-                raise DecodeError("bad_build_id_size")
-            build_id = bytes(body[36 : 36 + bsize])
-        else:
-            maj, mnr, ino, gen = _MMAP2_INODE.unpack_from(body, 32)
+        bsize = body[32]
+        if bsize > 20:
+            raise DecodeError("bad_build_id_size")
+        build_id = bytes(body[36 : 36 + bsize])
         prot, flags = _MMAP2_PROT.unpack_from(body, 56)
-        name = _cstr(body, 64, end)
-        return _new_mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen, build_id,
-                          prot, flags, name, sid)  # fmt: skip
+        return _new_mmap2(misc, pid, tid, addr, length, pgoff, None, None, None, None, build_id,
+                          prot, flags, _cstr(body, 64, end), sid)  # fmt: skip
 
     def decode_sample(self, misc: int, body: memoryview) -> Sample:
         lay = self._layouts[self._format_for_sample(body)]

@@ -362,10 +362,11 @@ class StackEngine:
     def apply_side_band(self, rec: Record) -> None:
         """A non-SAMPLE record, in time order (``feed``; the native live step calls it
         between its runs of samples)."""
-        self.note_comm(rec)
         t = type(rec)  # record types are final classes: identity tests
         if t is Mmap2 or t is Mmap:  # (the only records note_jitdump looks at)
             self.note_jitdump(rec)
+        elif t is Comm or t is Fork:  # (the only records note_comm looks at)
+            self.note_comm(rec)
         self.table.apply(rec)
         if self.live is not None:
             self.live.observe(rec)
