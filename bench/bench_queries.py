@@ -3,7 +3,7 @@
 in an older checkout, alternated in one run. Run by hand, not in CI.
 
     python3 bench/bench_queries.py /tmp/small.data [--before /tmp/base-query/daemon]
-        [--copies 30] [--rounds 15] [--json out.json]
+        [--copies 30] [--rounds 15] [--max-bytes N] [--json out.json]
 
 The recording is replayed once (the Python replay: perf.data -> StackEngine.feed, as
 ``unwindd replay`` does for what the native replay does not take) and its samples kept as
@@ -88,7 +88,7 @@ def prepare(recording: str) -> str:
 
 
 class Worker:
-    def __init__(self, data: str, copies: int) -> None:
+    def __init__(self, data: str, copies: int, max_bytes: int | None = None) -> None:
         from unwindd.store.stackstore import StackStore
         from unwindd.unwind.stackfmt import Frame
 
@@ -102,7 +102,7 @@ class Worker:
                       tuple(pool.get(fr) or pool.setdefault(fr, Frame(*fr)) for fr in r[4]))
                      for r in rows]  # fmt: skip
         self.span = max(r[0] for r in self.rows) + 1
-        self.store = StackStore()
+        self.store = StackStore() if max_bytes is None else StackStore(max_bytes=max_bytes)
         self.copy = 0
         for _ in range(copies):
             self.add_copy()
@@ -159,11 +159,13 @@ class Worker:
         return out
 
 
-def worker(data: str, copies: int) -> None:
-    w = Worker(data, copies)
+def worker(data: str, copies: int, max_bytes: int | None) -> None:
+    w = Worker(data, copies, max_bytes)
     st = w.store.stats
     print(json.dumps({"entries": st.entries, "stacks": st.stacks, "frames": st.frames,
-                      "samples": st.samples}), flush=True)  # fmt: skip
+                      "samples": st.samples, "evicted": st.evicted_samples,
+                      "table_bytes": st.table_bytes, "bytes_estimate": st.bytes_estimate}),
+          flush=True)  # fmt: skip
     for line in sys.stdin:
         print(json.dumps(w.round(line.strip() == "traced")), flush=True)
 
@@ -172,11 +174,13 @@ def worker(data: str, copies: int) -> None:
 
 
 class _Proc:
-    def __init__(self, name: str, daemon_dir: str, data: str, copies: int) -> None:
+    def __init__(self, name: str, daemon_dir: str, data: str, copies: int,
+                 max_bytes: int | None) -> None:  # fmt: skip
         self.name = name
         env = {**os.environ, "PYTHONPATH": daemon_dir}
+        cap = [] if max_bytes is None else ["--max-bytes", str(max_bytes)]
         self.p = subprocess.Popen([sys.executable, __file__, "--worker", data, "--copies",
-                                   str(copies)], env=env, stdin=subprocess.PIPE,
+                                   str(copies), *cap], env=env, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         self.head = self._read()
 
@@ -205,19 +209,23 @@ def main() -> None:
     ap.add_argument("--before", help="an older checkout's daemon/ dir, compared in the same run")
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--max-bytes", type=int, help="the stores' byte cap (default: the store's "
+                    "default); answers compare only between stores that hold the same samples")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the raw numbers here")
     args = ap.parse_args()
     if args.worker:
-        worker(args.recording, args.copies)
+        worker(args.recording, args.copies, args.max_bytes)
         return
     here = str(Path(__file__).resolve().parent.parent / "daemon")
     sys.path.insert(0, here)
     data = prepare(args.recording)
-    procs = [_Proc("after", here, data, args.copies)]
+    procs = [_Proc("after", here, data, args.copies, args.max_bytes)]
     if args.before:
-        procs.insert(0, _Proc("before", args.before, data, args.copies))
-    print(f"{args.recording}: {procs[0].head}  load: {os.getloadavg()[0]:.2f}")
+        procs.insert(0, _Proc("before", args.before, data, args.copies, args.max_bytes))
+    for p in procs:
+        print(f"{args.recording} {p.name}: {p.head}")
+    print(f"load: {os.getloadavg()[0]:.2f}")
     runs: dict[str, list[dict[str, Any]]] = {p.name: [] for p in procs}
     for _ in range(args.rounds):
         for p in procs:

@@ -323,7 +323,7 @@ def test_rebuilt_frames_follow_reused_frame_ids() -> None:
         snap = store.snapshot()
         assert [s.frames[0].sym for s in snap.query()] == [sym]
         snap.close()
-    assert store._table._ffree or len(store._table._fkeys) == 2  # the id was reused
+    assert store._table._ffree or len(store._table._frefs) == 2  # the id was reused
 
 
 def test_pull_delta_matches_stacks_by_value() -> None:

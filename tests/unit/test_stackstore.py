@@ -32,10 +32,12 @@ def check_table(store: StackStore) -> None:
     assert store.stats.frame_slots == t.slots == sum(map(len, stacks))
     slots: Counter[int] = Counter()
     for sid in t._enc:
-        slots.update(t._frame_ids(sid))
+        slots.update(t.frame_ids(sid))
     assert {fid: t._frefs[fid] for fid in slots} == dict(slots)
-    assert set(t._fids.values()) == set(slots) and store.stats.frames == t.nframes == len(slots)
-    assert all(t._fkeys[fid] is None for fid in t._ffree)
+    live = {fid for fid, n in enumerate(t._frefs) if n}
+    assert live == set(slots) and store.stats.frames == t.nframes == len(slots)
+    assert not live & set(t._ffree) and len(live) + len(t._ffree) == len(t._frefs)
+    assert all(t._uids[fid] == 0 for fid in t._ffree)
 
 
 def test_counts_by_window_and_filters() -> None:
@@ -178,8 +180,9 @@ def test_byte_cap_holds_under_churn_and_evictions_are_counted() -> None:
 
 def test_byte_estimate_matches_measured_memory() -> None:
     """The estimate is what the store really retains (tracemalloc), within 15%, for churn
-    (frames new per process), for a long-lived process (few frames, many stacks/entries) and
-    for groups as the live path hands them (add_counts, new ints per group, threads)."""
+    (frames new per process), for a long-lived process (few frames, many stacks/entries), for
+    groups as the live path hands them (add_counts, new ints per group, threads) and for
+    processes of binaries of their own (new frames and strings)."""
 
     def measure(make: Callable[[], list[list[Any]]], counts: bool = False) -> tuple[int, int]:
         gc.collect()
@@ -223,6 +226,23 @@ def test_byte_estimate_matches_measured_memory() -> None:
         return out
 
     used, est = measure(live, counts=True)
+    assert 0.85 < est / used < 1.15, (est, used)
+
+    def binaries() -> list[list[UnwoundSample]]:
+        # every process runs a binary of its own: new frames, with new strings (its path, its
+        # symbols, its source files) that only the store holds once the batch is gone
+        out = []
+        for pid in range(70_000, 70_600):
+            exe = f"/opt/app{pid}/bin/app"
+            syms = [f"app{pid}_fn{i}" for i in range(20)]
+            frames = [Frame(0x5500_0000_0000 + 16 * i, exe, syms[i], 4 * i, rel=16 * i,
+                            file=f"/src/app{pid}/f{i % 4}.c", line=10 + i)
+                      for i in range(20)]  # fmt: skip
+            out.append([UnwoundSample(pid * S, pid, pid, 0, "app", 1, "ok",
+                                      tuple(frames[k:k + 12])) for k in range(4)])  # fmt: skip
+        return out
+
+    used, est = measure(binaries)
     assert 0.85 < est / used < 1.15, (est, used)
 
 
@@ -322,6 +342,7 @@ def test_eviction_returns_the_memory() -> None:
     assert 0.85 < est / full < 1.15, (est, full)
     assert store.stats.stacks <= 1 and store.stats.frames == 0 and len(store._table) <= 1
     assert store.stats.table_bytes == store._table.nbytes < 200  # at most the empty stack
+    assert store._table._rows == bytearray()  # no frame left: the rows go too
     assert store.stats.evicted_samples == store.stats.samples == 8001  # the last one too
     # what remains is the emptied dicts' hash tables (CPython does not shrink them; new stacks
     # reuse them) and the one entry

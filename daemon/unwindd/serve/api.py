@@ -579,8 +579,9 @@ def render_folded(
 def folded_of_ids(entries: Iterable[tuple[Key, int]], table: StackTable) -> str:
     """``render_folded`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
     same text, from ``table``'s frame keys: a folded name depends on no ip, so each distinct
-    frame key is named once (``stackfmt.folded_names``) and each stack once per stack id."""
-    name_of: dict[int, str] = {}  # id(frame key) -> its name (the entries' keys stay alive)
+    frame is named once (``stackfmt.folded_names``) and each stack once per stack id."""
+    # frame id -> its name (the entries' stacks, so their frames, stay while the query runs)
+    name_of: dict[int, str] = {}
     names_of: dict[int, tuple[str, ...]] = {}  # stack id -> its names, outermost first
     folded: Counter[tuple[str, ...]] = Counter()
     unknown = stackfmt.UNKNOWN
@@ -588,12 +589,13 @@ def folded_of_ids(entries: Iterable[tuple[Key, int]], table: StackTable) -> str:
         names = names_of.get(sid)
         if names is None:
             out = []
-            for k in reversed(table.frame_keys(sid)):
-                name = name_of.get(id(k))
+            for fid in reversed(table.frame_ids(sid)):
+                name = name_of.get(fid)
                 if name is None:
                     # sym, kernel and inlined are all a folded name shows
+                    k = table.frame_key(fid)
                     frame = stackfmt.Frame(0, k[0], k[1], k[2], kernel=k[3], inlined=k[4])
-                    name = name_of[id(k)] = stackfmt.folded_names((frame,))[0]
+                    name = name_of[fid] = stackfmt.folded_names((frame,))[0]
                 out.append(name)
             names = names_of[sid] = tuple(out)
         folded[(comm or unknown, *names)] += n

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..unwind.stackfmt import UNKNOWN, Frame
 from .queries import Key, StackCount
-from .stacktable import FrameKey, StackTable, frame_key
+from .stacktable import FrameKey, KeyMemo, StackTable, frame_key
 
 _ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 
@@ -338,13 +338,15 @@ def encode_profile_ids(
     """``encode_profile`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
     same bytes, from ``table``'s frame keys and ips (``StackTable.refs``) without building a
     frame: each location once per (frame key, ip) and each stack's ids once per stack id. The
-    keys stay alive (the stacks of a query's entries are not freed while it runs)."""
+    keys stay alive (``keys`` holds them; the stacks of a query's entries, so their frame ids,
+    are not freed while it runs)."""
     prof = _Profile(period_ns, labels_of)
     locs = _Locations(prof)
     by_stack: dict[int, bytes] = {}
+    keys: KeyMemo = {}  # each frame's key, made once and kept while the profile is written
     for (pid, tid, comm, sid), count in entries:
         ids = by_stack.get(sid)
         if ids is None:
-            ids = by_stack[sid] = _packed_varints(1, locs.ids(*table.refs(sid)))
+            ids = by_stack[sid] = _packed_varints(1, locs.ids(*table.refs(sid, keys)))
         prof.sample(ids, pid, tid, comm, count)
     return prof.finish(time_nanos, duration_nanos, compress)

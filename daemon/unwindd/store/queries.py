@@ -366,18 +366,20 @@ def top_lines_ids(entries: Iterable[tuple[Key, int]], table: StackTable, limit: 
     get = by_sid.get
     for key, n in entries:
         by_sid[key[3]] = get(key[3], 0) + n
-    line_of: dict[int, LineKey] = {}  # id(frame key) -> its line key (the keys stay alive)
+    # frame id -> its line key (the entries' stacks, so their frames, stay while it runs)
+    line_of: dict[int, LineKey] = {}
     self_c: Counter[LineKey] = Counter()
     total_c: Counter[LineKey] = Counter()
     for sid, count in by_sid.items():
-        ks = table.frame_keys(sid)
-        if not ks:
+        fids = table.frame_ids(sid)
+        if not fids:
             continue
         keys = []
-        for k in ks:
-            lk = line_of.get(id(k))
+        for fid in fids:
+            lk = line_of.get(fid)
             if lk is None:  # frame_name: the symbol, else UNKNOWN
-                lk = line_of[id(k)] = (k[6], k[7], k[1] or UNKNOWN, k[0])
+                k = table.frame_key(fid)
+                lk = line_of[fid] = (k[6], k[7], k[1] or UNKNOWN, k[0])
             keys.append(lk)
         self_c[keys[0]] += count
         for lk in dict.fromkeys(keys):

@@ -40,7 +40,7 @@ KeysOf = Callable[[int], Keys]
 # retains (a dict slot: the key tuples are shared with the store's).
 _TEXT_BYTES = 150
 # A rebuilt stack costs its tuple and dict slot plus a pointer per frame; a pooled frame its
-# object, ip int, pool key, entry pair and slot.
+# object, ip int, pool key (with its serial int) and slot.
 _STACK_TUPLE_BYTES = 120
 _POOL_FRAME_BYTES = 336
 # A stack's function keys: the two tuples and dict slot, and a (name, dso) tuple per function.

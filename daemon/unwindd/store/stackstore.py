@@ -130,7 +130,7 @@ class StackStore(Queries):
         bucket_ns: int = 10_000_000_000,
         max_buckets: int = 360,
         max_entries: int = 1_000_000,
-        max_bytes: int = 32 << 20,
+        max_bytes: int = 28 << 20,
     ) -> None:
         if bucket_ns <= 0 or max_buckets <= 0 or max_entries <= 0 or max_bytes <= 0:
             raise ValueError("bucket_ns, max_buckets, max_entries and max_bytes must be > 0")
@@ -284,6 +284,7 @@ class StackStore(Queries):
         return sid
 
     def _batch(self) -> None:
+        self._table.forget_frames()  # the table's frame objects go with the batch
         self._batches += 1
         if self._batches >= _SWEEP_BATCHES:
             self._sweep()

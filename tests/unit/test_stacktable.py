@@ -1,0 +1,141 @@
+"""The stack table's packed frame rows against a plain dict: random frames (None and
+out-of-range fields too) added in random stacks and freed in random order rebuild equal, with
+the same types; equal frames share one id, ids are reused, and what the queries read of a
+stack (keys, refs, frame keys) is what its frames say."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from unwindd.store.queries import func_keys
+from unwindd.store.stacktable import StackTable, frame_key
+from unwindd.unwind.stackfmt import Frame
+
+FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line",
+          "decl_file", "decl_line")  # fmt: skip
+I64 = (-(1 << 63), (1 << 63) - 1)
+
+strs = st.sampled_from([None, "", "/lib/a.so", "/bin/b", "f", "g", "a.c", "[kernel.kallsyms]"])
+# ints a row holds, and now and then one it cannot (the frame then keys as its tuple)
+small = st.integers(0, 1 << 20)
+wide = st.integers(-(1 << 70), 1 << 70)
+ints = st.one_of(small, small, small, wide)
+maybe = st.one_of(st.none(), ints)
+frames = st.builds(
+    Frame,
+    ip=st.one_of(small.map(lambda x: 0x7F00_0000_0000 + x), st.integers(0, (1 << 64) + 9)),
+    dso=strs,
+    sym=strs,
+    offset=maybe,
+    kernel=st.booleans(),
+    inlined=st.booleans(),
+    rel=st.one_of(st.none(), small, st.integers(0, (1 << 64) + 9)),
+    file=strs,
+    line=maybe,
+    decl_file=strs,
+    decl_line=maybe,
+)
+
+
+def exact(f: Frame) -> tuple[Any, ...]:
+    """All eleven fields with their types: what "rebuilt equal" means here."""
+    return tuple((type(getattr(f, n)), getattr(f, n)) for n in FIELDS)
+
+
+def ref_key(f: Frame) -> tuple[Any, ...]:
+    """The frame's key in the table: without its ip when its stack keeps a delta for it (a
+    stack here has fewer distinct deltas than a delta index can name)."""
+    if f.rel is not None and I64[0] <= f.ip - f.rel <= I64[1]:
+        return frame_key(f)
+    return (*frame_key(f), f.ip)
+
+
+def ref_stack(fr: tuple[Frame, ...]) -> tuple[Any, ...]:
+    """What makes two stacks one: their frames' keys and each frame's ip or delta."""
+    return tuple((ref_key(f), f.ip if len(ref_key(f)) == 11 else f.ip - f.rel)  # type: ignore
+                 for f in fr)  # fmt: skip
+
+
+def check(t: StackTable, live: dict[int, tuple[Frame, ...]], pool: dict[Any, Frame]) -> None:
+    slots: Counter[Any] = Counter()
+    fid_of: dict[Any, int] = {}
+    for sid, fr in live.items():
+        assert [exact(f) for f in t.frames(sid)] == [exact(f) for f in fr]
+        assert [exact(f) for f in t.frames(sid, pool)] == [exact(f) for f in fr]
+        assert t.keys(sid) == func_keys(fr)
+        memo: dict[int, Any] = {}
+        ks, ips = t.refs(sid, memo)
+        assert ks == [frame_key(f) for f in fr] and ips == [f.ip for f in fr]
+        assert [t.frame_key(fid) for fid in t.frame_ids(sid)] == ks
+        assert t.stack_len(sid) == len(fr)
+        for f, fid in zip(fr, t.frame_ids(sid), strict=True):
+            k = ref_key(f)
+            slots[k] += 1
+            assert fid_of.setdefault(k, fid) == fid  # one id per key ...
+    assert len(set(fid_of.values())) == len(fid_of) == t.nframes  # ... and one key per id
+    assert {fid_of[k]: n for k, n in slots.items()} == {
+        fid: n for fid, n in enumerate(t._frefs) if n}  # fmt: skip
+    assert t.slots == sum(map(len, live.values())) and len(t) == len(live)
+    assert sorted(t._ffree) == [fid for fid, n in enumerate(t._frefs) if not n]
+    # every string a row names is interned once and counted by the rows naming it
+    names: Counter[Any] = Counter()
+    for k in fid_of:
+        names.update(s for s in (k[0], k[1], k[6], k[8]) if s is not None)
+    assert {t._strs[sid]: n for sid, n in enumerate(t._srefs) if n} == dict(names)
+
+
+# ops: add a stack of the picked frames ("a"), free a live stack ("f"), end a batch ("-")
+ops = st.tuples(st.sampled_from("aaf-"), st.lists(st.integers(0, 39), max_size=12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(frames, min_size=1, max_size=40), st.lists(ops, max_size=60))
+def test_frames_round_trip_against_a_dict(objs: list[Frame], ops: list[Any]) -> None:
+    t = StackTable()
+    pool: dict[Any, Frame] = {}  # one query cache's rebuilt frames, across reuses of ids
+    live: dict[int, tuple[Frame, ...]] = {}  # stack id -> the frames added: the reference
+    by_ref: dict[tuple[Any, ...], int] = {}
+    high = 0  # the most frames live at once
+    for op, picks in ops:
+        if op == "a":
+            fr = tuple(objs[i % len(objs)] for i in picks)
+            sid, new = t.add(fr)
+            r = ref_stack(fr)
+            assert new == (r not in by_ref) and by_ref.setdefault(r, sid) == sid
+            live.setdefault(sid, fr)
+            high = max(high, t.nframes)
+            # a frame's id comes from the free list before the rows grow
+            assert len(t._frefs) <= high
+        elif op == "f" and live:
+            sid = list(live)[picks[0] % len(live) if picks else 0]
+            t.free(sid)
+            del by_ref[ref_stack(live.pop(sid))]
+        else:
+            t.forget_frames()
+        check(t, live, pool)
+    for sid in list(live):
+        t.free(sid)
+    assert t.nframes == 0 and t.nbytes == 0 and t._rows == bytearray()
+
+
+def test_a_reused_id_is_not_the_old_frame() -> None:
+    """A frame freed and its id (and row) reused by another: the table, its identity memo and a
+    query's pool of rebuilt frames all answer the new frame."""
+    t = StackTable()
+    pool: dict[Any, Frame] = {}
+    old = Frame(0xFFFF_FFFF_8100_0000, "[kernel.kallsyms]", "old", 0, kernel=True)
+    new = Frame(0xFFFF_FFFF_8100_0000, "[kernel.kallsyms]", "new", 0, kernel=True)
+    keep = Frame(0x7F00_0000_1000, "/lib/x.so", "x", 0, rel=0x1000)
+    a, _ = t.add((keep,))
+    b, _ = t.add((old,))
+    assert t.frames(b, pool) == (old,)
+    t.free(b)
+    c, _ = t.add((new,))
+    assert t.frame_ids(c)[0] == 1 and len(t._frefs) == 2  # the id and the row were reused
+    assert t.frames(c, pool) == (new,) and t.frames(c) == (new,)
+    t.free(c)
+    c, _ = t.add((old,))  # the identity memo's frame id now names another frame's serial
+    assert t.frames(c, pool) == (old,) and t.frames(a, pool) == (keep,)
