@@ -1,6 +1,7 @@
 /* unwcore.h: the native CFI compiler (cfi_int.h: arch.c, ehframe.c, cfaprog.c, cfitable.c,
  * cfilookup.c) and unwinder (unwind.c) of unwindd._unwcore, and the helpers beside them:
- * symbol table scans (symtab.c), library calls (libcall.c) and the side-band filter
+ * symbol table scans (symtab.c), library calls (libcall.c), the cache files' checksum
+ * (crc32c.c) and the side-band filter
  * (sideband.c). The pipeline context's interface is fastpath.h.
  *
  * This file is both the cffi cdef and the C header (see build_unwcore.py), so it includes
@@ -270,6 +271,14 @@ int64_t unw_cxa_demangle(const char *name, char *out, uint64_t cap);
 int unw_iberty_open(const char *path);
 int64_t unw_iberty_demangle(const char *name, int options, char *out, uint64_t cap);
 int unw_malloc_trim(int dry);
+
+/* crc32c.c: CRC-32C (Castagnoli) of p[0, n), continuing crc (0 to start; the result of the
+ * previous part to go on), as the disk cache files' checksum. The SSE4.2 instruction when the
+ * CPU has it, else portable tables: the same value. unw_crc32c_portable: always the tables (for
+ * tests). unw_crc32c_hw: 1 if unw_crc32c uses the instruction. */
+uint32_t unw_crc32c(const uint8_t *p, uint64_t n, uint32_t crc);
+uint32_t unw_crc32c_portable(const uint8_t *p, uint64_t n, uint32_t crc);
+int unw_crc32c_hw(void);
 
 /* ------------------------------------------------------------------ side-band (sideband.c) */
 

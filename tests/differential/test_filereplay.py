@@ -28,6 +28,7 @@ import itertools
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import struct
@@ -96,6 +97,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
                     str(src / "fpchain.c")], check=True, capture_output=True)  # fmt: skip
     out["fp"] = record_perf_data(tmp, [str(fpchain)], call_graph="fp", name="fp.data")
     out["nocg"] = record_perf_data(tmp, [str(fpchain)], call_graph=None, name="nocg.data")
+    # One PIE binary in three processes at once, so its code runs at three addresses (ASLR):
+    # the jsonl/perf-script replay names a frame once per binary address (fp_ctx_code_frames)
+    # and shows it at the others, in recorded callchains and lone ips too (test_code_frames_*)
+    three = ["sh", "-c", f"{fpchain} & {fpchain} & {fpchain} & wait"]
+    out["fp3"] = record_perf_data(tmp, three, call_graph="fp", name="fp3.data")
+    out["nocg3"] = record_perf_data(tmp, three, call_graph=None, name="nocg3.data")
     # JIT code: V8's, in anonymous executable memory without CFI, walked by frame pointer and
     # named from the /tmp/perf-<pid>.map node writes (removed when the module is done)
     js = tmp / "jit.js"
@@ -159,7 +166,7 @@ def _counts(
 @pytest.mark.parametrize(
     "name",
     ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
-     "fp", "nocg", "node"],
+     "fp", "nocg", "fp3", "nocg3", "node"],
 )
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
@@ -169,6 +176,21 @@ def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
         assert slow_counts["decode_records"]["MMAP2"] > 1000, slow_counts["decode_records"]
     assert_same_text(fast_out, slow_out, f"{name} {fmt}: fast vs slow")
     assert fast_counts == slow_counts
+
+
+def test_code_frames_shown_at_each_address(files: dict[str, Path]) -> None:
+    """The three processes of nocg3 run fpchain's spin at (at least) two load addresses, so
+    test_fast_equals_slow's nocg3 and fp3 cases compare frames shown at an address other
+    than the one their frame id was named at (lone ips: the absolute ip perf script prints)."""
+    out, _ = _fast(files["nocg3"], "perf-script")
+    by_pid: dict[str, set[int]] = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*fpchain\s+(\d+)/\d+\s+[\d.]+:\s+([0-9a-f]+) spin[+ ]", line)
+        if m:
+            by_pid.setdefault(m[1], set()).add(int(m[2], 16) >> 12)
+    assert len(by_pid) >= 2, out[:2000]
+    pages = [p for ps in by_pid.values() for p in ps]
+    assert len(set(pages)) >= 2, by_pid  # not one address: ASLR put them apart
 
 
 @pytest.mark.parametrize("where", ["inside", "boundary"])

@@ -13,6 +13,9 @@ symstore.SymbolStore).
    CRC recomputed so that only the structural checks can refuse them) are each either
    refused, counted and removed, or, for the resealed ones the checks cannot tell from a
    real table, loaded as a table whose lookups stay in bounds; never a crash.
+4. The checksum (cachefiles.checksum, CRC-32C: cffi_build/crc32c.c): the published check
+   values, the CPU instruction equal to the portable tables at every length and alignment and
+   across a split, and a file of the previous format (zlib's CRC-32) refused and made again.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from pathlib import Path
 import pytest
 from unwindd.binaries import cfi as cfimod
 from unwindd.binaries import symstore
-from unwindd.binaries.cachefiles import CacheFileError, map_cache_file, release_mapped
+from unwindd.binaries.cachefiles import CacheFileError, checksum, map_cache_file, release_mapped
 from unwindd.binaries.cfi import CfiStore, CfiTable
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.binaries.symstore import SymbolStore
+from unwindd.unwcore import ffi, lib
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LIBZ = os.path.realpath(f"{LIB}/libz.so.1")
@@ -195,7 +199,7 @@ def test_replay_unwinds_the_same_mapped_and_heap(perf_file: Path, tmp_path: Path
 def _reseal_cfi(data: bytes) -> bytes:
     body = data[cfimod.FILE_HEADER.size :]
     magic, version, arch, _size, _crc = cfimod.FILE_HEADER.unpack_from(data, 0)
-    return cfimod.FILE_HEADER.pack(magic, version, arch, len(body), zlib.crc32(body)) + body
+    return cfimod.FILE_HEADER.pack(magic, version, arch, len(body), checksum(body)) + body
 
 
 def _mutants(data: bytes, rng: random.Random, reseal: object, n: int) -> list[tuple[str, bytes]]:
@@ -252,7 +256,7 @@ def _reseal_sym(data: bytes) -> bytes:
     hdr = symstore._SYM_FILE
     f = list(hdr.unpack_from(data, 0))
     body = data[hdr.size :]
-    f[-1] = zlib.crc32(body)
+    f[-1] = checksum(body)
     return hdr.pack(*f) + body
 
 
@@ -286,3 +290,57 @@ def test_symbol_loader_fuzz(tmp_path: Path) -> None:
         for i in range(len(t)):
             t.name(i)
     assert refused > 200
+
+
+# --------------------------------------------------------------------------- 4. checksum
+
+
+def test_checksum_is_crc32c() -> None:
+    # RFC 3720 B.4's CRC-32C examples, and the catalogue's check value of "123456789"
+    assert checksum(b"123456789") == 0xE3069283
+    assert checksum(bytes(32)) == 0x8A9136AA
+    assert checksum(b"\xff" * 32) == 0x62A8AB43
+    assert checksum(bytes(range(32))) == 0x46DD794E
+    assert checksum(bytes(range(31, -1, -1))) == 0x113FDB5C
+    assert checksum(b"") == 0
+    # any buffer, and a running value as zlib.crc32 takes one
+    data = random.Random(5).randbytes(1 << 20)
+    assert checksum(memoryview(data)[100:]) == checksum(data[100:])
+    assert checksum(data[777:], checksum(data[:777])) == checksum(data)
+
+
+def test_checksum_instruction_equals_the_tables() -> None:
+    with open("/proc/cpuinfo") as f:
+        has = " sse4_2" in f.read()
+    assert lib.unw_crc32c_hw() == int(has)  # x86-64 here: the instruction when the CPU has it
+    data = random.Random(9).randbytes(4096 + 64)
+    buf = ffi.from_buffer(data)
+    for start in range(16):  # every alignment of the 8-byte loop, every tail length
+        for n in [*range(40), 1000, 4096]:
+            want = lib.unw_crc32c_portable(buf + start, n, 0)
+            assert lib.unw_crc32c(buf + start, n, 0) == want, (start, n)
+            assert want == checksum(data[start : start + n])
+            half = n // 2
+            assert lib.unw_crc32c(buf + start + half, n - half,
+                                  lib.unw_crc32c_portable(buf + start, half, 0)) == want
+    big = random.Random(11).randbytes(3 << 20)
+    assert checksum(big) == lib.unw_crc32c_portable(big, len(big), 0)
+
+
+def test_a_file_of_the_previous_checksum_is_made_again(tmp_path: Path) -> None:
+    store = CfiStore(tmp_path)
+    bid = b"\x33" * 20
+    good = store.get_or_compile(bid, LIBZ)
+    path = store.path_for(bid)
+    data = Path(path).read_bytes()
+    body = data[cfimod.FILE_HEADER.size :]
+    magic, version, arch, size, crc = cfimod.FILE_HEADER.unpack_from(data, 0)
+    assert version == cfimod.FILE_VERSION and crc == checksum(body) != zlib.crc32(body)
+    # what the previous format wrote: its version, zlib's CRC-32
+    old = cfimod.FILE_HEADER.pack(magic, version - 1, arch, size, zlib.crc32(body)) + body
+    Path(path).write_bytes(old)
+    assert store.lookup(bid) is None and store.stats["corrupt"] == 1
+    assert not os.path.exists(path)  # removed, to be made again
+    again = store.get_or_compile(bid, LIBZ)
+    assert again.mapped and again.rows() == good.rows() and store.stats["compiled"] == 2
+    assert Path(path).read_bytes() == data

@@ -127,7 +127,7 @@ class FakeSpace:
 
 
 class FakeUnwinder:
-    Module = FakeModule
+    new_module = FakeModule
     AddressSpace = FakeSpace
 
 

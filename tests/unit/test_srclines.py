@@ -383,7 +383,7 @@ def test_store_roundtrip_and_corruption(programs: dict[str, str], tmp_path: path
     assert t3 is not None and bytes(t3.blob) == b1 and store.stats["corrupt"] == 1
     # a file of the previous format (tables without decl lines) is refused and rebuilt
     data = bytearray(f.read_bytes())
-    assert struct.unpack_from("<I", data, 8)[0] == FILE_VERSION == 2
+    assert struct.unpack_from("<I", data, 8)[0] == FILE_VERSION == 3
     struct.pack_into("<I", data, 8, FILE_VERSION - 1)
     f.write_bytes(bytes(data))
     t4 = store.get(e)

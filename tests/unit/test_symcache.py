@@ -24,12 +24,11 @@ import struct
 import subprocess
 import sys
 import sysconfig
-import zlib
 from pathlib import Path
 
 import pytest
 from unwindd.binaries import symstore
-from unwindd.binaries.cachefiles import CacheFileError
+from unwindd.binaries.cachefiles import CacheFileError, checksum
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.binaries.elfentry import ElfEntry
 from unwindd.binaries.elfsyms import load_symbol_table
@@ -168,7 +167,7 @@ def _resealed(data: bytes, body: bytes | None = None, **fields: int) -> bytes:
     h = dict(zip(names, HDR.unpack_from(data, 0), strict=True))
     h.update(fields)
     body = data[HDR.size :] if body is None else body
-    h["crc"] = zlib.crc32(body)
+    h["crc"] = checksum(body)
     return HDR.pack(*h.values()) + body
 
 

@@ -12,7 +12,7 @@ Invariants:
 - The ELF parse here reads only the ELF header and section headers, every offset/size checked
   against the file size, section count capped; section data are handed to C as offsets into one
   read-only mmap (zero copies; ``.debug_frame`` is copied only when SHF_COMPRESSED).
-- ``CfiStore`` files are ``FILE_HEADER`` (64 bytes: magic, version, arch, blob size, CRC-32)
+- ``CfiStore`` files are ``FILE_HEADER`` (64 bytes: magic, version, arch, blob size, CRC-32C)
   + blob. A table loaded from one is used in place: the file is mapped read-only and shared
   (cachefiles' ``map_cache_file``) and the native unwinder reads the mapped bytes, so the
   table is page cache (``mapped``), not private heap; a freshly compiled table is written,
@@ -172,6 +172,8 @@ ELFCOMPRESS_ZLIB = 1
 
 @dataclass(frozen=True, slots=True)
 class _Sec:
+    """An ELF section's place in the file and in memory (from its section header)."""
+
     offset: int
     size: int
     addr: int
@@ -437,11 +439,11 @@ class CfiTable:
 
 # --------------------------------------------------------------------------- persistence
 
-# "UWCFI" file header: magic[8], format version u32, arch u32, blob size u64, blob CRC-32 u32,
-# padded to 64 bytes so that the blob, used in place from the mapped file, starts 64-byte
-# aligned (a page-aligned mapping + 64) like a malloc'd one.
+# "UWCFI" file header: magic[8], format version u32, arch u32, blob size u64, blob CRC-32C u32
+# (cachefiles.checksum), padded to 64 bytes so that the blob, used in place from the mapped
+# file, starts 64-byte aligned (a page-aligned mapping + 64) like a malloc'd one.
 FILE_MAGIC = b"UWCFI\x00\x00\x00"
-FILE_VERSION = 2
+FILE_VERSION = 3  # 3: the checksum is CRC-32C, not zlib's CRC-32
 FILE_HEADER = struct.Struct("<8sIIQI36x")
 assert FILE_HEADER.size == 64
 MAX_CACHE_FILE = 1 << 30

@@ -136,20 +136,26 @@ def _iberty_candidates() -> list[str]:
     dirs += ["/usr/lib64", "/lib64", "/usr/lib", "/lib"]
     found: list[tuple[list[int], str]] = []
     seen: set[str] = set()
+    listed: set[str] = set()
     for d in dirs:
+        real_dir = os.path.realpath(d)
+        if real_dir in listed:  # merged /usr: /lib/<multiarch> is /usr/lib/<multiarch>
+            continue
+        listed.add(real_dir)
         try:
-            entries = list(os.scandir(d))
+            names = os.listdir(d)  # (names only: a DirEntry per file costs more)
         except OSError:
             continue
-        for e in entries:
-            if not e.name.startswith("libbfd") or ".so" not in e.name:
+        for name in names:
+            if not name.startswith("libbfd") or ".so" not in name:
                 continue
-            real = os.path.realpath(e.path)
+            path = os.path.join(d, name)
+            real = os.path.realpath(path)
             if real in seen:
                 continue
             seen.add(real)
-            version = [int(x) for x in re.findall(r"\d+", e.name.split(".so")[0])]
-            found.append((version, e.path))
+            version = [int(x) for x in re.findall(r"\d+", name.split(".so")[0])]
+            found.append((version, path))
     found.sort(key=lambda f: f[0], reverse=True)
     return [p for _, p in found]
 

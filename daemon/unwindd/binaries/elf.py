@@ -93,6 +93,8 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Section:
+    """One ELF section header (Elf64_Shdr), its name resolved."""
+
     name: str
     type: int
     flags: int

@@ -37,6 +37,8 @@ __all__ = ["CacheConfig", "CacheStats", "ElfCache"]
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
+    """The ELF cache's bounds (bytes, file sizes, negative entries) and debug roots."""
+
     max_bytes: int = 512 << 20
     # malloc_trim(0) after this many bytes of entries loaded or dropped (0: never): parsing a
     # big binary leaves about as much freed heap as it caches, which glibc keeps unless asked
@@ -52,6 +54,8 @@ class CacheConfig:
 
 @dataclass
 class CacheStats:
+    """What the ELF cache holds and did: entries, bytes, hits, misses, evictions, errors."""
+
     entries: int = 0
     bytes: int = 0
     # of ``bytes``, the tables used in place from read-only mappings of the disk cache's files

@@ -85,6 +85,8 @@ def content_modules() -> list[ModuleType]:
 
 @dataclass(slots=True)
 class _Sym:
+    """One symbol while a table is built: [start, end), binding, name, symtab index."""
+
     start: int
     end: int
     bind: int

@@ -72,6 +72,8 @@ def is_jitdump_path(path: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class CodeLoad:
+    """A JIT_CODE_LOAD record: code placed at code_addr for code_size bytes, named name."""
+
     time: int
     pid: int
     tid: int
@@ -84,6 +86,8 @@ class CodeLoad:
 
 @dataclass(frozen=True, slots=True)
 class CodeMove:
+    """A JIT_CODE_MOVE record: code moved from old_code_addr to new_code_addr."""
+
     time: int
     pid: int
     tid: int

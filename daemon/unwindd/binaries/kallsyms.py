@@ -29,6 +29,8 @@ __all__ = ["Kallsyms", "KernelSymbol", "parse_kallsyms"]
 
 @dataclass(frozen=True, slots=True)
 class KernelSymbol:
+    """A kernel text symbol and an address's offset into it."""
+
     name: str
     offset: int
     module: str | None  # None for the kernel image ("[kernel.kallsyms]")
@@ -62,30 +64,32 @@ class Kallsyms:
         from ..unwcore import ffi, lib
 
         raw = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
-        cap = raw.count(b"\n") + 1
+        # Room for every line the parser can keep: ``A t N`` and a newline, 6 bytes at least
+        # (5 for the last). ffi.new zero-fills through calloc, so the room past the symbols is
+        # never touched (no page of it faulted in): cheaper than a pass counting the lines.
+        cap = len(raw) // 5 + 1
         out = ffi.new("struct unw_ksym[]", cap)
         n = int(lib.unw_kallsyms_parse(raw, len(raw), out, cap))
         words = memoryview(ffi.buffer(out, n * _KSYM)).cast("Q")
         self.starts = array("Q", words[0::4].tobytes())
         self.ends = array("Q", words[1::4].tobytes())
-        u32 = words.cast("B").cast("I")
-        lens = u32[6::8]  # name_len | mod_len << 16
         # Only the text symbols' names are kept, back to back (symbol i's is
         # _names_buf[_name_at[i] : _name_at[i + 1]]), and a module index per symbol: the whole
-        # text, other symbols' lines and addresses with it, was twice their size.
-        total = sum(ln & 0xFFFF for ln in lens)
-        buf = bytearray(total)
+        # text, other symbols' lines and addresses with it, was twice their size. Packed into
+        # room for the whole text (the names are parts of it; calloc'd as above), then copied
+        # out at their length, at[n].
+        room = ffi.new("uint8_t[]", max(1, len(raw)))
         at = array("I", bytes(4 * (n + 1)))
         mod_ix = array("H", bytes(2 * n))
         cap = n + 1  # (at most one module per symbol, plus "none")
         moff, mlen = ffi.new("uint32_t[]", cap), ffi.new("uint16_t[]", cap)
         # names and module indexes packed natively (symtab.c), not a Python pass per symbol
-        nm = int(lib.unw_kallsyms_pack(raw, out, n, ffi.from_buffer("uint8_t[]", buf),
+        nm = int(lib.unw_kallsyms_pack(raw, out, n, room,
                                        ffi.from_buffer("uint32_t[]", at),
                                        ffi.from_buffer("uint16_t[]", mod_ix), moff, mlen, cap))
         if nm < 0:
             raise ValueError("kallsyms: more than 65535 modules")
-        self._names_buf = buf
+        self._names_buf = ffi.buffer(room, at[n])[:]
         self._name_at = at
         self._mod_ix = mod_ix
         self._mods: list[str | None] = [None] + [

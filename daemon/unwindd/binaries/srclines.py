@@ -319,9 +319,11 @@ def _out_of(col: memoryview, n: int) -> bool:
 # ---------------------------------------------------------------------------- persistence
 
 # ".srcl" file: magic, version, stamp (symstore's code stamp << 32 | source stamp), blob
-# length, CRC-32 of the blob, then the blob.
+# length, CRC-32C of the blob (cachefiles.checksum), then the blob.
 FILE_MAGIC = b"UWSRCL\x00\x00"
-FILE_VERSION = 2  # 2: nodes carry their function's decl file and line
+# 2: nodes carry their function's decl file and line; 3: the checksum is CRC-32C
+# (cachefiles.checksum), not zlib's CRC-32
+FILE_VERSION = 3
 _FILE = struct.Struct("<8sIQQI4x")
 MAX_FILE = 1 << 31
 # ``SrcLineStore.stats`` keys

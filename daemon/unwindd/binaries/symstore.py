@@ -5,7 +5,7 @@ Rules:
 - A table read back answers every lookup and name exactly as the one it was saved from: the
   file holds the columns of ``SymbolTable._columns`` as ``load_symbol_table`` returned them,
   before any lookup.
-- A file is used only if every check of ``decode_symbol_table`` passes: size, CRC-32, build-id,
+- A file is used only if every check of ``decode_symbol_table`` passes: size, CRC-32C, build-id,
   layout version, a stamp of the code that decides the content (``_code_stamp``) and of the
   binary's size and debug file (``source_stamp``: stripped copies keep their build-id), name
   offsets in range. Else it is counted, removed, rebuilt and rewritten.
@@ -18,7 +18,7 @@ Rules:
   table over the bounds is not written and stays on the heap, as does every table when no
   cache dir is usable (no store).
 
-Cost: a hit is one open, fstat, mmap (~20 B a symbol plus the string table), one CRC pass,
+Cost: a hit is one open, fstat, mmap (~20 B a symbol plus the string table), one checksum pass,
 one native pass over the name offsets (symtab.c): O(n); a write is O(n) bulk copies + O(PLT).
 """
 
@@ -31,7 +31,13 @@ from array import array
 from collections.abc import Iterable
 
 from ..unwcore import ffi, lib
-from .cachefiles import CacheFileError, discard_cache_file, map_cache_file, write_cache_file
+from .cachefiles import (
+    CacheFileError,
+    checksum,
+    discard_cache_file,
+    map_cache_file,
+    write_cache_file,
+)
 from .elfentry import ElfEntry
 from .elfsyms import content_modules, load_symbol_table
 from .symtab import NO_NAME, Column, StrTab, SymbolTable
@@ -55,10 +61,11 @@ __all__ = [
 SYM_FILE_MAGIC = b"UWSYM\x00\x00\x00"
 # Bump when the file layout changes. Table content (elfsyms' rules, demangle.py's choices,
 # symtab.c) is covered by _code_stamp instead, so a code change never serves an old table.
-SYM_FILE_VERSION = 3
+SYM_FILE_VERSION = 4  # 4: the checksum is CRC-32C (cachefiles.checksum), not CRC-32
 # magic, version, flags (0), stamp (u64: _code_stamp() << 32 | source_stamp(entry)), build-id
 # length, n, m,
-# names length, string table length, CRC-32 of everything after the header, pad
+# names length, string table length, CRC-32C (cachefiles.checksum) of everything after the
+# header, pad
 _SYM_FILE = struct.Struct("<8sIIQIIIIQI4x")
 _EXTRA_RAW = 1 << 31
 MAX_SYM_FILE = 1 << 30  # > any real table (4M symbols x 20 B + string table); < 2**32 offsets
@@ -171,7 +178,7 @@ def encode_symbol_table(table: SymbolTable, build_id: bytes, source: int) -> lis
         return None
     crc = 0
     for part in body:
-        crc = zlib.crc32(part, crc)
+        crc = checksum(part, crc)
     head = _SYM_FILE.pack(SYM_FILE_MAGIC, SYM_FILE_VERSION, 0, _stamp_of(source),
                           len(build_id), n, len(names), len(blob), len(strtab), crc)  # fmt: skip
     return [head, *body]
@@ -207,7 +214,7 @@ def decode_symbol_table(data: bytes | memoryview, build_id: bytes, source: int) 
     if o_strtab + strtab_len != len(data):
         raise _BadFile("corrupt", "size")
     mv = memoryview(data)
-    if zlib.crc32(mv[o_bid:]) != crc:
+    if checksum(mv[o_bid:]) != crc:
         raise _BadFile("corrupt", "checksum")
     if data[o_bid : o_bid + bid_len] != build_id:
         raise _BadFile("corrupt", "build-id")

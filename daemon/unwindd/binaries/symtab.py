@@ -34,6 +34,8 @@ __all__ = ["NO_NAME", "Column", "StrTab", "Symbol", "SymbolTable", "c_string"]
 
 @dataclass(frozen=True, slots=True)
 class Symbol:
+    """One symbol of a table: its printed name and [start, end) in ELF vaddrs."""
+
     name: str
     start: int
     end: int

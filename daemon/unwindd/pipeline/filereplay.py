@@ -19,7 +19,8 @@ Invariants:
 
 Cost: O(records) native work plus O(table-changing side-band records + unique frames + runs)
 Python work for folded output; jsonl/perf-script add O(unique stacks) and one string format
-per sample.
+per sample, frames being named once per binary code address (not per process running it) and
+shown at each other address by a string join (jsonl) or as named (perf-script's rel).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import sys
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from ..binaries.symtab import SymbolTable
@@ -105,6 +106,8 @@ def _kernel_samples(types: bytes, rows: memoryview) -> bool:
 
 @dataclass
 class FastResult:
+    """What one native replay did: samples, unique stacks, runs, side-band records met."""
+
     samples: int
     unique_stacks: int
     runs: int
@@ -217,7 +220,14 @@ class _Replay:
         # only on the function.
         self.by_code = fmt == "folded"
         mode = (1 if self.engine.srclines is not None else 2) if self.by_code else 0
-        self.nctx = NativeContext(self.engine, by_code=mode,
+        # jsonl/perf-script print addresses, so stacks stay by address space, but a frame is
+        # named once per binary code address (fp_ctx_code_frames), not once per process
+        # running it: a frame id's text at another address of it is ``_moved``'s. (The live
+        # step may not do this while a binary's line table is still pending, ringstep.py; a
+        # replay reads every table before it names a frame: srclines.SrcLineCache without a
+        # worker.)
+        self.code_frames = not self.by_code
+        self.nctx = NativeContext(self.engine, by_code=mode, code_frames=self.code_frames,
                                   par_min=PAR_MIN, par_stress=PAR_STRESS)  # fmt: skip
         self.ctx = self.nctx.ctx
         # by function: the symbol tables whose arrays C searches, by module key (held here:
@@ -229,13 +239,22 @@ class _Replay:
         # kallsyms load (Symbolizer.preload_kernel) overlaps the whole unwind.
         self._stacks: list[tuple[str, str, int, int]] = []
         self._rendered: list[str] = []
-        # Per distinct user frame (fp_frame id, i.e. per (address space, pc): the same code in
-        # 200 processes is 200 ids): its rendering in self.fmt, interned, so that memory grows
-        # with distinct texts, not with processes; the Frame itself is not kept.
+        # Per distinct user frame (fp_frame id: by code, one per binary code address or, for
+        # folded, function; JIT and unmapped code per (address space, pc)): its rendering in
+        # self.fmt at the address it was named at, interned, so that memory grows with
+        # distinct texts, not with processes; the Frame itself is kept only where its text
+        # holds its address (``_frames``).
         self._frame_text: list[str] = []
         self._texts: dict[str, str] = {}
-        # perf-script, per frame id: its absolute ip (an ip_only stack prints it, not rel)
+        # jsonl/perf-script, per frame id: the absolute ip it was named at (an ip_only stack
+        # prints it, not rel), and whether its text holds that ip (jsonl's "ip", or a frame
+        # without rel in perf-script's address column): at another ip it is ``_moved``'s
         self._frame_ip: list[int] = []
+        self._frame_moves = bytearray()
+        self._frames: list[tuple[Frame, ...]] = []  # per frame id that moves: its frames
+        # (frame id, ip, unexpanded) -> the id's text at that ip, made once (``_moved``)
+        self._moved_text: dict[tuple[int, int, bool], str] = {}
+        self._tails: dict[tuple[int, bool], tuple[str, ...] | None] = {}  # (``_json_tails``)
         self._frame_n: list[int] = []  # per frame id: the frames it stands for (inline chain)
         self._frame_plain: list[str] = []  # per frame id: its text unexpanded (with srclines)
         # kernel callchain (raw u64s) -> its frames' renderings in self.fmt, leaf first; bounded
@@ -628,8 +647,13 @@ class _Replay:
                 t = render_frames(fmt, fs)
             text.append(texts.setdefault(t, t))
             self._frame_n.append(len(fs))
-            if fmt == "perf-script":
+            if self.code_frames:
                 self._frame_ip.append(fs[0].ip)
+                # perf-script prints rel, the same at every address of the code, where a
+                # frame has one (stackfmt.perf_script); jsonl prints the ip itself
+                moves = fmt == "jsonl" or any(f.rel is None for f in fs)
+                self._frame_moves.append(moves)
+                self._frames.append(fs if moves else ())
         if self.engine.srclines is not None:
             # the frames unexpanded: how stacks of recorded callchains and lone ips show them
             plain, first = self.nctx.plain, len(self._frame_plain)
@@ -644,10 +668,12 @@ class _Replay:
         """The new stacks: their kernel frames (rendered once per callchain), their unnamed
         frames counted, their rendering in self.fmt."""
         engine, nctx, fmt = self.engine, self.nctx, self.fmt
-        text_of, ktexts = self._frame_text.__getitem__, self._ktext
+        ktexts = self._ktext
         stacks, rendered = self._stacks, self._rendered
-        plain_of = self._frame_plain.__getitem__ if engine.srclines is not None else text_of
-        for comm, space, code, regs_none, ids, kkey, _ in nctx.new_stacks():
+        texts = self._frame_text
+        plains = self._frame_plain if engine.srclines is not None else texts
+        fip, moves, exact, moved = self._frame_ip, self._frame_moves, nctx.exact, self._moved
+        for comm, space, code, regs_none, ids, kkey, pcs in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
                 kframes = engine.kernel_frames(callchain(kkey)) if kkey else ()
@@ -657,24 +683,73 @@ class _Replay:
                 status, ids = "kernel_only", []
             else:
                 status = STATUS_NAMES[code]
-                nctx.count_unsymbolized(space, ids, [])
+                nctx.count_unsymbolized(space, ids, pcs)
             # recorded callchains and lone ips as they are (engine.expand); unwound stacks with
             # their inline chains
             fixed = status in (STATUS_CALLCHAIN, STATUS_IP_ONLY)
-            show = plain_of if fixed else text_of
+            shown = plains if fixed else texts
+            # each frame id's text at its pc (frames by code: an id is one binary address,
+            # named at one of the addresses processes run it at; by space: at its own)
+            ips: list[int] = []
+            if pcs:
+                ips = [pc if exact[i] else pc - 1 for i, pc in zip(ids, pcs, strict=True)]
+                show = [shown[i] if not moves[i] or ip == fip[i] else moved(i, ip, fixed)
+                        for i, ip in zip(ids, ips, strict=True)]  # fmt: skip
+            else:
+                show = [shown[i] for i in ids]
             nu = len(ids)
             if not fixed and engine.srclines is not None:
                 nu = sum(map(self._frame_n.__getitem__, ids))
             stacks.append((comm, status, nu, nk))
             if fmt == "jsonl":
-                rendered.append("[" + ",".join([*krendered, *map(show, ids)]) + "]")
+                rendered.append("[" + ",".join([*krendered, *show]) + "]")
             elif status == STATUS_IP_ONLY and nk + len(ids) == 1:  # (stackfmt.perf_script)
                 if ids:
-                    rendered.append(ip_only_text(show(ids[0]), self._frame_ip[ids[0]]))
+                    rendered.append(ip_only_text(show[0], ips[0] if ips else fip[ids[0]]))
                 else:  # a kernel ip: the callchain intern_sample made, {CONTEXT_KERNEL, ip}
                     rendered.append(ip_only_text(krendered[0], callchain(kkey)[-1]))
             else:
-                rendered.append("".join([*krendered, *map(show, ids)]) + "\n")
+                rendered.append("".join([*krendered, *show]) + "\n")
+
+    def _moved(self, fid: int, ip: int, plain: bool) -> str:
+        """Frames by code: frame id ``fid``'s text (``plain``: unexpanded) at ``ip``, another
+        address of the same code than the one it was named at: its frames with that ip, the
+        other fields being the same at every address of an id (context.NativeContext: its
+        module key is the binary and mapped name, its ELF vaddr gives the symbol, inline levels
+        and, by its segment, ``rel``). Made once per (id, ip)."""
+        key = (fid, ip, plain)
+        t = self._moved_text.get(key)
+        if t is not None:
+            return t
+        if plain or self.engine.srclines is None:
+            fs: tuple[Frame, ...] = (self.nctx.plain[fid],)
+        else:
+            fs = self._frames[fid]
+        tails = self._json_tails(fid, plain, fs) if self.fmt == "jsonl" else None
+        if tails is not None:  # only the ip differs (its frames share it: engine.expand)
+            t = ",".join([f'{{"ip":"{ip:#x}"{tail}' for tail in tails])
+        else:
+            at = tuple([replace(f, ip=ip) for f in fs])
+            t = render_frame(self.fmt, at[0]) if len(at) == 1 else render_frames(self.fmt, at)
+        self._moved_text[key] = t
+        return t
+
+    def _json_tails(self, fid: int, plain: bool, fs: tuple[Frame, ...]) -> tuple[str, ...] | None:
+        """jsonl: the text of each of ``fs`` (frame id ``fid``'s) after its leading ``"ip"``
+        member (stackfmt.to_json puts it first), once per id; None if another member shows the
+        ip too (a frame without ``rel`` shows the ip as its rel)."""
+        key = (fid, plain)
+        if key in self._tails:
+            return self._tails[key]
+        tails: list[str] = []
+        for f in fs:
+            t, head = render_frame("jsonl", f), f'{{"ip":"{f.ip:#x}"'
+            if f.rel is None or not t.startswith(head):
+                self._tails[key] = None
+                return None
+            tails.append(t[len(head) :])
+        self._tails[key] = out = tuple(tails)
+        return out
 
     def _render_kernel(self, f: Frame) -> str:
         """render_frame of a kernel frame, once per distinct frame: callchains share most of theirs

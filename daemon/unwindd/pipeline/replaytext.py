@@ -82,19 +82,25 @@ def emitter(
         import json
 
         dumps = json.dumps
+        # A line is json.dumps of stackfmt.to_json's dict with separators (",", ":"), written
+        # out here: its ints print as str() does, None as null, strings as dumps gives them;
+        # what is the same for every sample of a stack (comm, status, frames) is made once
+        # per stack id (``mid``: between cpu and period; ``tail``: after period).
+        mid: list[str] = []
+        tail: list[str] = []
 
         def emit(a: int, b: int) -> None:
+            for sid in range(len(mid), len(stacks)):
+                comm, status = stacks[sid][0], stacks[sid][1]
+                mid.append(f',"comm":{dumps(comm)},"period":')
+                tail.append(f',"unwind_status":{dumps(status)},"frames":{rendered[sid]}}}\n')
             parts = []
             for k in range(a, b):
                 sid = ids[k]
-                comm, status = stacks[sid][0], stacks[sid][1]
-                head = dumps({
-                    "time_ns": times[k], "pid": pids[k], "tid": tids[k],
-                    "cpu": cpus[k] if cpus is not None else None, "comm": comm,
-                    "period": periods[k] if periods is not None else None,
-                    "unwind_status": status,
-                }, separators=(",", ":"))  # fmt: skip
-                parts.append(f'{head[:-1]},"frames":{rendered[sid]}}}\n')
+                cpu = "null" if cpus is None else cpus[k]
+                period = "null" if periods is None else periods[k]
+                parts.append(f'{{"time_ns":{times[k]},"pid":{pids[k]},"tid":{tids[k]},'
+                             f'"cpu":{cpu}{mid[sid]}{period}{tail[sid]}')  # fmt: skip
             write("".join(parts))
 
         return emit

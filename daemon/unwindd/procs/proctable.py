@@ -108,6 +108,8 @@ DROP_REASONS = ("exit_grace", "cap_retired", "cap_live", "reused", "manual")
 
 @dataclass
 class TableStats:
+    """The process table's counts: records applied and ignored, spaces dropped."""
+
     records: Counter[str] = field(default_factory=Counter)
     ignored: Counter[str] = field(default_factory=Counter)
     drops: Counter[str] = field(default_factory=Counter)  # spaces dropped, by DROP_REASONS
@@ -127,7 +129,7 @@ class ProcessTable:
         on_retire: Callable[[int], None] | None = None,
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
-        """``unwinder``: an object with ``Module`` and ``AddressSpace`` attributes (the
+        """``unwinder``: an object with ``new_module`` and ``AddressSpace`` attributes (the
         ``unwindd.unwind.unwinder`` module, given by the stage above: the table builds native
         address spaces with it but does not import it); without one, spaces have mappings
         and no native form."""
@@ -169,7 +171,7 @@ class ProcessTable:
         return [*uids, *(key for (uid, _), key in self._code_keys.items() if uid in uids)]
 
     def module_factory(self) -> Callable[..., Any]:
-        return self._unwinder_module().Module  # type: ignore[no-any-return]
+        return self._unwinder_module().new_module  # type: ignore[no-any-return]
 
     def space_factory(self) -> Callable[..., Any]:
         return self._unwinder_module().AddressSpace  # type: ignore[no-any-return]

@@ -39,6 +39,8 @@ PLAIN: frozenset[type] = frozenset({Mmap2, Exit, Mmap})  # counted by type and C
 
 @dataclass
 class StreamStats:
+    """Counts of the record stream: by type and cpu, samples and comm by pid, losses."""
+
     by_type: Counter[str] = field(default_factory=Counter)
     by_cpu_type: dict[int | None, Counter[str]] = field(default_factory=dict)
     samples_by_pid: Counter[int] = field(default_factory=Counter)

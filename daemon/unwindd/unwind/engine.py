@@ -90,6 +90,8 @@ _KSTACKS_MAX = 4096
 
 @dataclass
 class EngineStats:
+    """The engine's counts: samples by unwind status, frames by kind, unnamed frames."""
+
     samples: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
     frames: int = 0

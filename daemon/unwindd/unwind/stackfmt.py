@@ -37,6 +37,8 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Frame:
+    """One frame of a stack, named: its ip, binary, symbol and offset, and how perf shows it."""
+
     ip: int
     dso: str | None
     sym: str | None
@@ -158,6 +160,8 @@ STATUS_IP_ONLY = "ip_only"
 
 @dataclass(frozen=True, slots=True)
 class UnwoundSample:
+    """One sample unwound and named: its pid, tid, time, comm, status and frames."""
+
     time_ns: int | None
     pid: int | None
     tid: int | None

@@ -30,7 +30,7 @@ from ..binaries.cfi import ARCH_X86_64, CfiTable
 from ..source import abi, records
 from ..unwcore import ffi, lib
 
-__all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder"]
+__all__ = ["AddressSpace", "Module", "UnwindResult", "UnwindStatus", "Unwinder", "new_module"]
 
 MAX_DEPTH_LIMIT = 1 << 16
 U64 = 1 << 64
@@ -69,6 +69,17 @@ class Module:
         j = ", jit" if self.jit else ""
         return (f"Module({self.start:#x}-{self.end:#x}, bias={self.bias:#x}, key={self.key}, "
                 f"{t}{j})")
+
+
+_make_module = records.frozen_maker(Module)
+
+
+def new_module(start: int, end: int, bias: int, table: CfiTable | None, key: int,
+               jit: bool = False) -> Module:  # fmt: skip
+    """``Module(start, end, bias, table, key, jit)`` without its ``__init__``'s
+    ``object.__setattr__`` per field (records.frozen_maker): a process table builds one per
+    executable mapping of every new address space, by the thousand in a churn of processes."""
+    return _make_module(start, end, bias, table, key, jit)
 
 
 class AddressSpace:
