@@ -362,6 +362,34 @@ def test_a_store_at_its_cap_keeps_its_caches() -> None:
     assert st.cache_bytes == cache_sum(store)
 
 
+def test_summaries_take_most_of_the_share() -> None:
+    """Summaries take up to ``SUMMARY_SHARE`` (3/4) of the caches' share from renderings: with every
+    bucket's summaries at 60 % of the share and the rest full of renderings, a top query keeps
+    them all (one left out is a pass over its bucket on every top query)."""
+    store = StackStore(bucket_ns=SEC, max_bytes=64 << 20)
+    now = 30 * SEC
+    rng = random.Random(11)
+    pool = frame_pool(rng, 60)
+    stacks: list[tuple[Frame, ...]] = [()]
+    for newest in range(20, 30):
+        store.add_counts(random_groups(rng, pool, stacks, newest, 400, True))
+    api = api_of(Source(store, now))
+    caches = store.caches
+    assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
+    total = caches.summary_bytes()
+    assert total > 0 and len(caches.summaries) == len(store._buckets)
+    caches.max_bytes = int(total / 0.6)
+    assert caches.max_bytes // 2 < total < caches.max_bytes * 0.65
+    store.drop_caches()
+    for k in range(caches.max_bytes // 20_000 + 1):
+        caches.render(store, f"k{k}", next(iter(store._table._enc)), (), lambda _: "x" * 20_000)
+    assert store.stats.cache_bytes > caches.max_bytes - 20_200
+    assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
+    assert len(caches.summaries) == len(store._buckets)
+    assert store.stats.cache_bytes <= caches.max_bytes
+    assert store.stats.cache_bytes == cache_sum(store)
+
+
 def test_summaries_displace_renderings() -> None:
     """A cache share full of renderings (a large JSON answer) still takes the per-bucket top
     summaries: they displace renderings, oldest first, so the next top query summarizes only

@@ -10,8 +10,8 @@ Rules:
   shared bucket before writing it); the next version's summary is the previous one plus what
   changed (counts only grow).
 - Priority: a summary saves a pass over a whole bucket on every top query, a rendering or a
-  rebuilt stack one stack's work: summaries (up to half the share) displace renderings, oldest
-  first, then the rebuilt stacks; the others only take what is free.
+  rebuilt stack one stack's work: summaries (up to ``SUMMARY_SHARE`` of the share) displace
+  renderings, oldest first, then the rebuilt stacks; the others only take what is free.
 - Bounded: their bytes (``stats.cache_bytes``, part of the store's ``bytes_estimate``) stay
   under ``max_bytes`` (the store's share for them, which its data leaves free), are never
   filled past the store's ``max_bytes``, and are dropped whole when, with the data, they pass
@@ -48,6 +48,10 @@ _KEYS_BYTES = 200
 _KEY_BYTES = 72
 _SUMMARY_KEY_BYTES = 100
 _SUMMARY_ENTRY_BYTES = 50
+# The part of the share summaries may take from renderings and rebuilt stacks: every bucket's
+# summary is read by every unfiltered top query, so one that does not fit is a whole pass over
+# its bucket on each of them.
+SUMMARY_SHARE = 3 / 4
 
 
 class CacheStats(Protocol):
@@ -192,7 +196,7 @@ class QueryCaches:
         return out
 
     def put_summary(self, owner: CacheOwner, idx: int, summ: Summary) -> None:
-        """Keep ``summ``, making room for it (up to half the share) by dropping renderings,
+        """Keep ``summ``, making room for it (up to ``SUMMARY_SHARE``) by dropping renderings,
         oldest first, then the rebuilt stacks: a summary saves a pass over a whole bucket
         on every top query while the bucket stays, a rendering one stack's."""
         st = self.stats
@@ -201,7 +205,7 @@ class QueryCaches:
             if old is not None:
                 st.cache_bytes -= old.nbytes
             if (owner.holds_bucket(idx) and st.cache_bytes + summ.nbytes > self.max_bytes
-                    and self.summary_bytes() + summ.nbytes <= self.max_bytes // 2):  # fmt: skip
+                    and self.summary_bytes() + summ.nbytes <= self.max_bytes * SUMMARY_SHARE):
                 self._make_room(summ.nbytes)
             if (owner.holds_bucket(idx) and st.cache_bytes + summ.nbytes <= self.max_bytes
                     and st.bytes_estimate + summ.nbytes <= owner.max_bytes):  # fmt: skip
