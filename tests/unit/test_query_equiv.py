@@ -362,18 +362,23 @@ def test_a_store_at_its_cap_keeps_its_caches() -> None:
     assert st.cache_bytes == cache_sum(store)
 
 
-def test_summaries_take_most_of_the_share() -> None:
-    """Summaries take up to ``SUMMARY_SHARE`` (3/4) of the caches' share from renderings: with every
-    bucket's summaries at 60 % of the share and the rest full of renderings, a top query keeps
-    them all (one left out is a pass over its bucket on every top query)."""
-    store = StackStore(bucket_ns=SEC, max_bytes=64 << 20)
-    now = 30 * SEC
-    rng = random.Random(11)
+def _ten_buckets(seed: int, max_bytes: int) -> tuple[StackStore, Any, int]:
+    """A store of ten one-second buckets of random stacks (400 groups each), its API, and
+    the time just after them."""
+    store = StackStore(bucket_ns=SEC, max_bytes=max_bytes)
+    rng = random.Random(seed)
     pool = frame_pool(rng, 60)
     stacks: list[tuple[Frame, ...]] = [()]
     for newest in range(20, 30):
         store.add_counts(random_groups(rng, pool, stacks, newest, 400, True))
-    api = api_of(Source(store, now))
+    return store, api_of(Source(store, 30 * SEC)), 30 * SEC
+
+
+def test_summaries_take_most_of_the_share() -> None:
+    """Summaries take up to ``SUMMARY_SHARE`` (3/4) of the caches' share from renderings: with
+    every bucket's summaries at 60 % of the share and the rest full of renderings, a top query
+    keeps them all (one left out is a pass over its bucket on every top query)."""
+    store, api, now = _ten_buckets(11, 64 << 20)
     caches = store.caches
     assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
     total = caches.summary_bytes()
@@ -394,14 +399,7 @@ def test_summaries_displace_renderings() -> None:
     """A cache share full of renderings (a large JSON answer) still takes the per-bucket top
     summaries: they displace renderings, oldest first, so the next top query summarizes only
     what changed. Answers stay those of the straightforward computation."""
-    store = StackStore(bucket_ns=SEC, max_bytes=4 << 20)
-    now = 30 * SEC
-    rng = random.Random(7)
-    pool = frame_pool(rng, 60)
-    stacks: list[tuple[Frame, ...]] = [()]
-    for newest in range(20, 30):
-        store.add_counts(random_groups(rng, pool, stacks, newest, 400, True))
-    api = api_of(Source(store, now))
+    store, api, now = _ten_buckets(7, 4 << 20)
     caches = store.caches
     for _ in range(3):
         get(api, "/v1/stacks", Peer(0))  # renders each stack (max_stacks: 50) ...
