@@ -11,7 +11,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from unwindd.store.queries import func_keys
-from unwindd.store.stacktable import StackTable, frame_key
+from unwindd.store.stacktable import _W, StackTable, frame_key
 from unwindd.unwind.stackfmt import Frame
 
 FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line",
@@ -139,3 +139,22 @@ def test_a_reused_id_is_not_the_old_frame() -> None:
     t.free(c)
     c, _ = t.add((old,))  # the identity memo's frame id now names another frame's serial
     assert t.frames(c, pool) == (old,) and t.frames(a, pool) == (keep,)
+
+
+def test_new_frames_while_a_reader_holds_the_rows() -> None:
+    """A query thread reads rows with struct.unpack_from, which exports the rows' buffer while
+    it makes the values (and a collection run then may let the owner in): new frames must
+    not resize a buffer a reader holds (BufferError, a failed add), and the rows the reader
+    can read (its stacks' frames) stay what they were."""
+    t = StackTable()
+    first = tuple(Frame(0x1000 + 16 * i, "/lib/a.so", f"f{i}", 0, rel=16 * i) for i in range(3))
+    sid, _ = t.add(first)
+    held = memoryview(t._rows)  # a reader's export
+    before = bytes(held[: 3 * _W])
+    for k in range(200):
+        fr = tuple(Frame(0x2000 + 16 * i, "/lib/b.so", f"g{k}_{i}", 0, rel=16 * i)
+                   for i in range(4))  # fmt: skip
+        t.add(fr)
+    assert bytes(held[: 3 * _W]) == before
+    assert t.frames(sid) == first
+    held.release()

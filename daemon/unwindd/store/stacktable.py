@@ -249,7 +249,13 @@ class StackTable:
             fid = len(self._frefs)
             self._frefs.append(1)
             self._uids.append(0)
-            self._rows += bytes(_W)
+            if (fid + 1) * _W > len(self._rows):
+                # a new, larger bytearray (capacity doubles), never one resized in place: a
+                # query thread may be reading the old one, and struct.unpack_from exports it
+                # while it makes the values (an allocation may run a collection, whose
+                # callbacks let this thread in); resizing an exported bytearray raises
+                # BufferError. The old one stays valid for the rows it has.
+                self._rows = self._rows + bytes(max(len(self._rows), 64 * _W))
         self._serial += 1
         self._uids[fid] = self._serial
         self._live += 1
