@@ -82,7 +82,7 @@ def test_native_step_context_bound_follows_the_table_cap() -> None:
 
     assert native_max_spaces(64) == 128
     assert native_max_spaces(1) == 64
-    assert native_max_spaces(16384) == 4096  # the daemon's default keeps ringstep's 4096
+    assert native_max_spaces(16384) == 1024  # the daemon's default: a context of 1,024 spaces
 
 
 def test_elf_cache_trims_the_heap_after_loading_and_dropping() -> None:

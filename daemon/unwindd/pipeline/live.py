@@ -50,7 +50,11 @@ from .ringstep import NativeStep, StepInfo, supported
 _DRAIN_PASSES = 8
 _DRAIN_BYTES = 4 << 20
 BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
-_NATIVE_MAX_SPACES = 4096  # ringstep.NativeStep's default
+# The native step's context, and its Python mirror (per-address frame instances and the
+# stacks' frame tuples of every process it saw), grow with the spaces it unwound against until
+# dropped whole: under process churn this bounds that peak, for naming the active frames again
+# at each drop (frames by code: once per binary address, not per process).
+_NATIVE_MAX_SPACES = 1024
 # At most one re-naming for arrived line/inline tables per this many seconds: at start many
 # binaries' tables arrive one after another, and each re-naming rebuilds the native step's
 # context (every active frame named again).
@@ -59,11 +63,11 @@ RENAME_INTERVAL = 1.0
 
 def native_max_spaces(max_processes: int) -> int:
     """Snapshots the native step's context may hold before it is dropped whole: 2x the
-    table's cap (live spaces plus as many dead ones), 64..4096. The native step keeps one
-    snapshot (mappings, named frames, stacks) per (pid, generation) it placed a sample in,
-    dead pids' too, until its context is dropped whole past ``max_spaces``; tying that bound
-    to ``LiveTableConfig.max_processes`` (at most ringstep's 4096) makes a small table cap
-    bound it too, where a fixed 4096 held memory no configured cap accounted for."""
+    table's cap (live spaces plus as many dead ones), 64..``_NATIVE_MAX_SPACES``. The native
+    step keeps one snapshot (mappings, named frames, stacks) per (pid, generation) it placed a
+    sample in, dead pids' too, until its context is dropped whole past ``max_spaces``; tying
+    that bound to ``LiveTableConfig.max_processes`` makes a small table cap bound it too,
+    where a fixed bound held memory no configured cap accounted for."""
     return max(64, min(_NATIVE_MAX_SPACES, 2 * max_processes))
 
 
