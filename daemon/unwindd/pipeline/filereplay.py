@@ -32,7 +32,7 @@ import sys
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..binaries.symtab import SymbolTable
@@ -51,7 +51,7 @@ from ..source.records import FinishedRound, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
 from ..unwcore import check, count, ffi, lib
 from ..unwind.engine import StackEngine
-from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, at_ip
 from .context import (
     END_ERRORS,
     STATUS_NAMES,
@@ -729,7 +729,7 @@ class _Replay:
         if tails is not None:  # only the ip differs (its frames share it: engine.expand)
             t = ",".join([f'{{"ip":"{ip:#x}"{tail}' for tail in tails])
         else:
-            at = tuple([replace(f, ip=ip) for f in fs])
+            at = tuple([at_ip(f, ip) for f in fs])
             t = render_frame(self.fmt, at[0]) if len(at) == 1 else render_frames(self.fmt, at)
         self._moved_text[key] = t
         return t

@@ -50,13 +50,13 @@ from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Fork, Lost, Mmap2, Record, frozen_maker, record_type_name
+from ..source.records import Comm, Fork, Lost, Mmap2, Record, record_type_name
 from ..source.streamstats import PLAIN
 from ..store.stackstore import CountGroup, StackStore
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
 from ..unwind.pyreader import EVAL_SYMBOL, PythonFrames
-from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample
+from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample, at_ip
 from .context import (
     END_ERRORS,
     HAS_CPU,
@@ -77,7 +77,6 @@ __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 _HELD = 0xFFFFFFFF
 _ARENA_MIN = 64 << 10  # each drain arena's least size (see NativeStep.__init__)
 _SHRINK_ROUNDS = 256  # rounds between two looks at the arenas' sizes (NativeStep._shrink)
-_new_frame = frozen_maker(Frame)
 _PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C ids stay below)
 PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
@@ -597,9 +596,9 @@ class NativeStep:
         process's EXIT, a data mapping over nothing): what C holds was built from exactly
         that state, so its next sample needs no placing again."""
         pid = getattr(rec, "pid", None)
-        spaces = self.engine.table.spaces  # (its dict and the spaces' state: no calls)
+        spaces = self.engine.table.spaces  # (its dict: no method call)
         sp = spaces.get(pid) if type(pid) is int else None
-        state = sp._state if sp is not None else None
+        state = sp.state if sp is not None else None
         self.engine.apply_side_band(rec)
         t = type(rec)  # record types are final classes: identity tests
         if t is Comm or t is Fork:
@@ -607,7 +606,7 @@ class NativeStep:
         elif t is Lost:
             self.nctx.forget_all_spaces()  # epoch bump: every space is re-verified
             return
-        if type(pid) is int and (sp is None or spaces.get(pid) is not sp or sp._state is not state):
+        if type(pid) is int and (sp is None or spaces.get(pid) is not sp or sp.state is not state):
             self.nctx.forget_space(pid)
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
@@ -746,9 +745,7 @@ class NativeStep:
             return frames
         inst = self._inst.get((fid, ip))
         if inst is None:
-            inst = self._inst[(fid, ip)] = tuple([
-                _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
-                           f.decl_file, f.decl_line, None) for f in frames])  # fmt: skip
+            inst = self._inst[(fid, ip)] = tuple([at_ip(f, ip) for f in frames])
         return inst
 
     def _plain_at(self, fid: int, pc: int) -> Frame:
@@ -757,8 +754,7 @@ class NativeStep:
         ip = pc if self.nctx.exact[fid] else pc - 1
         if ip == f.ip:
             return f
-        return _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
-                          f.decl_file, f.decl_line, None)  # fmt: skip
+        return at_ip(f, ip)
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,

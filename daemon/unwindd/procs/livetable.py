@@ -205,9 +205,13 @@ class LiveTable:
         if pid is None or pid <= 0 or s.regs_abi == abi.REGS_ABI_NONE or not s.regs:
             return True  # the idle task, kernel threads: no user stack to place
         t = s.time
+        pc = user_pc(s)
+        sp = self.mapped(pid, pc)
+        if sp is not None:  # the common case: verified, pc mapped
+            self.place_mapped(sp, t)
+            return True
         if t is not None and t > self.record_time:
             self.record_time = t
-        pc = user_pc(s)
         sp = self.table.get(pid)
         now = self.clock()
         if sp is not None:
@@ -236,17 +240,18 @@ class LiveTable:
     def mapped(self, pid: int, pc: int) -> AddressSpace | None:
         """``pid``'s space if ``place`` would take a sample of it at user pc ``pc`` as it is,
         reading nothing (verified in the current epoch, ``pc`` inside a mapping); else None.
-        No effect: ``place_mapped`` then does what ``place`` does with such a sample."""
+        No effect: ``place_mapped`` then does what ``place`` does with such a sample (``place``
+        itself takes that path first)."""
         sp = self.table.get(pid)
         if sp is None or sp.verified_epoch < self.table.epoch or sp.verified_epoch < 0:
             return None
         return sp if sp.find(pc) is not None else None
 
-    def place_mapped(self, sp: AddressSpace, t: int) -> None:
+    def place_mapped(self, sp: AddressSpace, t: int | None) -> None:
         """``place`` of a sample at record time ``t`` that ``mapped`` found placeable in
         ``sp``, without its decoded form: the same effects in the same order (the clock is
         read as ``place`` reads it: a test clock counts its reads)."""
-        if t > self.record_time:
+        if t is not None and t > self.record_time:
             self.record_time = t
         self.clock()
         sp.last_used = self.record_time

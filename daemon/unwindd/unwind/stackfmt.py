@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..source.records import frozen_maker
+
 
 @dataclass(frozen=True, slots=True)
 class Frame:
@@ -89,6 +91,15 @@ class Frame:
 
 _FRAME_FIELDS = ("ip", "dso", "sym", "offset", "kernel", "inlined", "rel", "file", "line",
                  "decl_file", "decl_line")  # fmt: skip
+_new_frame = frozen_maker(Frame)
+
+
+def at_ip(f: Frame, ip: int) -> Frame:
+    """``f`` at ``ip``, another address of the same code: every other field the same (frames
+    by code, fastpath.h fp_ctx_code_frames: a binary address is named once, and its name,
+    inline levels and ``rel`` are the same wherever a process maps it)."""
+    return _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
+                      f.decl_file, f.decl_line, None)  # fmt: skip
 
 # The name of a frame without a symbol, and of a frame's binary when no mapping covers it:
 # perf's spelling (util/evsel_fprintf.c sample__fprintf_callchain, scripts/python/
