@@ -100,7 +100,7 @@ def dechunk(body: bytes) -> bytes:
 
 class DaemonProc:
     def __init__(self, tmp: Path, extra_toml: str = "", frequency: int = 499,
-                 ring_pages: int | None = 256) -> None:  # fmt: skip
+                 ring_pages: int | None = 256, sampling_toml: str = "") -> None:  # fmt: skip
         self.tmp = tmp
         # Its own world-traversable directory (pytest's tmp is 0700): non-root peers connect.
         self.sock_dir = Path(tempfile.mkdtemp(prefix="unwindd-test-"))
@@ -110,6 +110,7 @@ class DaemonProc:
         self.config = tmp / "config.toml"
         self.frequency = frequency
         self.ring_pages = ring_pages  # None: the daemon's default (auto sized)
+        self.sampling = sampling_toml  # more [sampling] keys (target, pids)
         self.extra = extra_toml
         self.write_config()
         self.notify_path = tmp / "notify.sock"
@@ -129,7 +130,8 @@ class DaemonProc:
         self.config.write_text(
             # Rings of 1 MiB per CPU: cold ELF loads stall a step for a while (see README).
             f'[sampling]\nfrequency = {frequency or self.frequency}\n'
-            + ("" if self.ring_pages is None else f"ring_pages = {self.ring_pages}\n") +
+            + ("" if self.ring_pages is None else f"ring_pages = {self.ring_pages}\n")
+            + self.sampling +
             f'[api]\nsocket = "{self.sock}"\nmode = "0666"\nrequest_timeout = 1.5\n'
             f'[metrics]\nlisten = "127.0.0.1:{self.port}"\n'
             f'[cache]\ndir = "{self.tmp / "cache"}"\n'

@@ -102,11 +102,14 @@ _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t") 
 class StepInfo:
     """For metrics: the samples one step processed and their pids; the depths of the samples
     it (or a ``flush_counts``) stored. Natively unwound samples are counted, with their pids,
-    when their round runs and stored, with their depths, when their counts are flushed."""
+    when their round runs and stored, with their depths, when their counts are flushed.
+    ``busy``: the samples of tasks other than the idle task (pid 0) as they left the ring (the
+    service's pace, service.py ``_pace``)."""
 
     samples: int = 0
     depths: Counter[int] = field(default_factory=Counter)
     pids: set[int] = field(default_factory=set)
+    busy: int = 0
 
 
 def supported(fmt: Any) -> bool:
@@ -316,6 +319,7 @@ class NativeStep:
             info.samples += info2.samples
             info.depths.update(info2.depths)
             info.pids |= info2.pids
+            info.busy += info2.busy
         self._rounds += 1
         if self._rounds % _SHRINK_ROUNDS == 0:
             self._shrink()
@@ -558,6 +562,7 @@ class NativeStep:
             for pid, c in by_pid:
                 s.samples_by_pid[pid] += c
         info.pids.update(pid for pid, _ in by_pid)
+        info.busy += sum([c for pid, c in by_pid if pid])
         for cpu, c in count_flagged(flags, view(cols[5], "I", k), out):
             per = s.by_cpu_type.get(cpu)
             if per is None:

@@ -261,6 +261,8 @@ class ExportSection:
 @dataclass(frozen=True, slots=True)
 class DaemonSection:
     tick_ms: int = _key(100, live=True, check=_positive)
+    idle_tick_ms: int = _key(1000, live=True, check=_positive,
+                             doc="the tick's period while the machine is idle (service.py _pace)")
     log_level: str = _key("info", live=True, check=_one_of("debug", "info", "warning", "error"))
     uid_cache_seconds: float = _key(10.0, live=True, check=_non_negative)
 

@@ -151,6 +151,7 @@ STATUS: Final = {
     "required": ["version", "pid", "uptime_s", "now_ns", "samples", "unwound", "lost",
                  "lost_samples", "throttled", "processes", "store", "api", "config"],
     "properties": {"version": {"type": "string"}, "pid": _INT, "uptime_s": {"type": "number"},
+                   "tick_ms": _INT,
                    "now_ns": _INT, "samples": _INT, "unwound": _INT, "lost": _INT,
                    "lost_samples": _INT, "throttled": _INT, "processes": _INT,
                    "store": {"type": "object"}, "api": {"type": "object"},

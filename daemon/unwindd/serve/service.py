@@ -10,7 +10,10 @@ Invariants:
   sizes, capture.drain_round) and unwinds it natively (ringstep.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
   ``[daemon] tick_ms`` (a tick is due that long after the last drain, whatever woke it,
-  unless Python threads are read: then every ``tick_ms``). A ring fd readable without
+  unless Python threads are read: then every ``tick_ms``); while the machine is idle each
+  tick comes twice as late, up to ``idle_tick_ms``, and every read of the store drains the
+  rings first when the tick is later than ``tick_ms`` (``_pace``, ``_flush``: answers are as
+  fresh as at ``tick_ms``). A ring fd readable without
   records (a sampled pid exited: POLLHUP) is dropped from the reader set until the next
   tick, so it cannot spin the loop.
 - Lifecycle: READY=1 once the rings are open and the socket listens; WATCHDOG=1 at half of
@@ -94,6 +97,10 @@ log = logging.getLogger("unwindd")
 # so cycles that reached the old generation are not kept for much longer than that.
 GC_THRESHOLDS = (20_000, 10, 10)
 
+# Samples of tasks other than the idle task, as a share of the CPUs' time, below which a step
+# is idle (_pace): kernel threads' housekeeping and the daemon's own steps come to less.
+IDLE_SHARE = 0.02
+
 def read_uid(proc_root: str, pid: int) -> int | None:
     """Real uid of a process from /proc/<pid>/status ("Uid:\\treal\\teffective\\t...")."""
     try:
@@ -166,6 +173,8 @@ class Daemon:
         self._drained = False  # a step drained the rings in this pass of the loop (_stepped)
         self._ready = False  # READY=1 sent: a stop is then a shutdown, not a failed start
         self._timer: asyncio.TimerHandle | None = None
+        self._tick_s = 0.0  # the next tick's delay (_pace); 0: tick_ms
+        self._ncpus = os.cpu_count() or 1
         self.trimmer = heap.Trimmer()  # free heap pages back to the kernel (heap.py)
         self.metrics_address: tuple[str, int] | None = None
         self.pull: PprofPull | None = None  # [export] pprof_listen
@@ -249,6 +258,7 @@ class Daemon:
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(self.uptime(), 3),
+            "tick_ms": round(1000 * self._tick_s) or self.config.daemon.tick_ms,  # _pace
             "started_unix": round(self.started_wall, 3),
             "now_ns": self.now_ns(),
             "samples": ps.by_type["SAMPLE"],
@@ -487,7 +497,8 @@ class Daemon:
         while not self._stop.is_set():
             # Ping only while the sampler makes progress: a wedged pipeline should be
             # restarted by systemd even though the loop itself still runs.
-            if time.monotonic() - self.last_step_mono < max(2 * interval, 1.0):
+            idle = self.config.daemon.idle_tick_ms / 1000
+            if time.monotonic() - self.last_step_mono < max(2 * interval, 2 * idle, 1.0):
                 self.notifier.ping()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)
@@ -534,7 +545,27 @@ class Daemon:
 
     def _schedule_tick(self) -> None:
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(self.config.daemon.tick_ms / 1000, self._tick)
+        self._timer = loop.call_later(self._tick_s or self.config.daemon.tick_ms / 1000,
+                                      self._tick)
+
+    def _pace(self, sideband: int, busy: int, now: float, last: float) -> None:
+        """The next tick's delay. The tick bounds how late records reach the store and how
+        long a short-lived process's binary waits to be pinned (live.py ``_pin``), so it is
+        ``tick_ms`` whenever there is anything to be late for: process events, samples of
+        tasks other than the idle task above 2 % of the CPUs' time (``IDLE_SHARE``: kernel
+        threads and the daemon itself stay below), a ``/v1/stream`` client, a Python thread
+        being read. Otherwise the machine is idle, where a wakeup costs more than the idle
+        task's samples it drains: each quiet step doubles the delay, up to ``idle_tick_ms``.
+        Store reads catch up first (``_flush``)."""
+        d = self.config.daemon
+        base = d.tick_ms / 1000
+        py = self.profiler.python
+        allowed = IDLE_SHARE * self._ncpus * self.config.sampling.frequency * (now - last)
+        if (sideband or busy > allowed or d.idle_tick_ms <= d.tick_ms
+                or self.profiler.store.subscribers or (py is not None and py.reading)):
+            self._tick_s = base
+        else:
+            self._tick_s = min(2 * max(self._tick_s, base), d.idle_tick_ms / 1000)
 
     def _tick(self) -> None:
         self._debuginfod_arrivals()
@@ -594,11 +625,15 @@ class Daemon:
 
     def _step(self) -> bool:
         t0 = time.perf_counter()
-        before = self.profiler.pipeline.stats.by_type.total()
+        by_type = self.profiler.pipeline.stats.by_type
+        before, samples = by_type.total(), by_type["SAMPLE"]
         self.profiler.step()
         info = self.profiler.last_step  # counts even when no sample objects were built
         dt = time.perf_counter() - t0
-        self.last_step_mono = time.monotonic()
+        last, self.last_step_mono = self.last_step_mono, time.monotonic()
+        after = by_type.total()
+        self._pace(after - before - (by_type["SAMPLE"] - samples), info.busy,
+                   self.last_step_mono, last)  # fmt: skip
         m = self.m
         m.step_seconds.observe(dt)
         if dt > 0.25:
@@ -606,7 +641,7 @@ class Daemon:
         if info.samples:
             m.sample_seconds.observe(dt / info.samples, info.samples)
         self._observe_stored(info)
-        return self.profiler.pipeline.stats.by_type.total() != before
+        return after != before
 
     def _observe_stored(self, info: StepInfo) -> None:
         """Metrics of samples that reached the store (depths), and each new sampled pid's uid
@@ -620,7 +655,13 @@ class Daemon:
                 self._proc_facts(pid)
 
     def _flush(self) -> None:
-        """Counts the sampler holds (see open_profiler_for) into the store, before a read."""
+        """Counts the sampler holds (see open_profiler_for) into the store, before a read;
+        while the idle tick is later than ``tick_ms``, the rings drained first if the last
+        step is older than that (``_pace``)."""
+        tick = self.config.daemon.tick_ms / 1000
+        if (self._tick_s > tick and self._ready and not self._stop.is_set()
+                and time.monotonic() - self.last_step_mono > tick):
+            self._tick()
         self._observe_stored(self.profiler.flush())
 
     # -- requests
