@@ -53,7 +53,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -381,8 +381,7 @@ class Api:
                                          comm=f.comm, limit=limit)  # fmt: skip
             window = self.window(f)
             if fmt == "folded":
-                return self.folded(folded_of_ids(entries, store.table).encode(), n > limit,
-                                   window)  # fmt: skip
+                return self.folded(folded_of_ids(entries, store.table), n > limit, window)
             return self.pprof(partial(encode_profile_ids, entries, store.table), window)
         if inline:
             stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
@@ -576,14 +575,18 @@ def render_folded(
     return stackfmt.render_folded(folded)
 
 
-def folded_of_ids(entries: Iterable[tuple[Key, int]], table: StackTable) -> str:
-    """``render_folded`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
-    same text, from ``table``'s frame keys: a folded name depends on no ip, so each distinct
-    frame is named once (``stackfmt.folded_names``) and each stack once per stack id."""
+def folded_of_ids(entries: Sequence[tuple[Key, int]], table: StackTable) -> bytes:
+    """``render_folded`` of a query's ranked entries ((pid, tid, comm, stack id), count),
+    encoded: the same text, from ``table``'s frame keys. A folded name depends on no ip, so
+    each distinct frame is named once (``stackfmt.folded_names``) and each stack's names are
+    joined once per stack id, as the bytes the answer shows them in
+    (``stackfmt.render_folded_bytes``: no tuple or str per line, the text not rebuilt). A name
+    or comm holding a NUL of its own (which that join cannot tell apart) takes the tuples'
+    way."""
     # frame id -> its name (the entries' stacks, so their frames, stay while the query runs)
-    name_of: dict[int, str] = {}
-    names_of: dict[int, tuple[str, ...]] = {}  # stack id -> its names, outermost first
-    folded: Counter[tuple[str, ...]] = Counter()
+    name_of: dict[int, bytes] = {}
+    names_of: dict[int, bytes] = {}  # stack id -> its names, outermost first, NUL-joined
+    folded: stackfmt.FoldedBytes = {}
     unknown = stackfmt.UNKNOWN
     for (_, _, comm, sid), n in entries:
         names = names_of.get(sid)
@@ -595,11 +598,29 @@ def folded_of_ids(entries: Iterable[tuple[Key, int]], table: StackTable) -> str:
                     # sym, kernel and inlined are all a folded name shows
                     k = table.frame_key(fid)
                     frame = stackfmt.Frame(0, k[0], k[1], k[2], kernel=k[3], inlined=k[4])
-                    name = name_of[fid] = stackfmt.folded_names((frame,))[0]
+                    name = name_of[fid] = stackfmt.folded_names((frame,))[0].encode()
+                    if b"\0" in name:
+                        return _folded_of_ids_tuples(entries, table)
                 out.append(name)
-            names = names_of[sid] = tuple(out)
-        folded[(comm or unknown, *names)] += n
-    return stackfmt.render_folded(folded)
+            names = names_of[sid] = b"\0".join(out)
+        comm = comm or unknown
+        per = folded.get(comm)
+        if per is None:
+            if "\0" in comm:
+                return _folded_of_ids_tuples(entries, table)
+            per = folded[comm] = {}
+        per[names] = per.get(names, 0) + n
+    names_of.clear()  # the keys of ``folded`` are then its last holder (written, then freed)
+    return stackfmt.render_folded_bytes(folded)
+
+
+def _folded_of_ids_tuples(entries: Sequence[tuple[Key, int]], table: StackTable) -> bytes:
+    """``folded_of_ids`` by tuples of names (``stackfmt.render_folded``)."""
+    folded: Counter[tuple[str, ...]] = Counter()
+    for (_, _, comm, sid), n in entries:
+        frames = table.frames(sid)
+        folded[(comm or stackfmt.UNKNOWN, *stackfmt.folded_names(frames))] += n
+    return stackfmt.render_folded(folded).encode()
 
 
 def stream_line(s: UnwoundSample) -> bytes:

@@ -119,7 +119,7 @@ class Connections:
                     return
                 if result.rejected is not None:
                     self.rejected[result.rejected] += 1
-                writer.write(session.respond(result))
+                writer.writelines(session.respond_parts(result))
                 await asyncio.wait_for(writer.drain(), api.request_timeout)
                 if not session.keep_alive:
                     return

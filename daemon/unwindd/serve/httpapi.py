@@ -193,22 +193,28 @@ class HttpSession:
 
     def respond(self, resp: Response) -> bytes:
         """Bytes for a complete response. After it, ``keep_alive`` says whether to read on."""
+        return b"".join(self.respond_parts(resp))
+
+    def respond_parts(self, resp: Response) -> list[bytes]:
+        """``respond`` as the pieces to write in turn: the head, the body object itself (h11
+        passes a content-length body through as it is), the end. An answer of many MiB is
+        not copied once more into one buffer with its head."""
         headers = self._headers(resp.content_type, resp.headers)
         headers.append((b"content-length", str(len(resp.body)).encode()))
         try:
             head = h11.Response(
                 status_code=resp.status, headers=headers, reason=reason_phrase(resp.status)
             )
-            return (
-                (self.conn.send(head) or b"")
-                + (self.conn.send(h11.Data(data=resp.body)) or b"")
-                + (self.conn.send(h11.EndOfMessage()) or b"")
-            )
+            return [
+                self.conn.send(head) or b"",
+                self.conn.send(h11.Data(data=resp.body)) or b"",
+                self.conn.send(h11.EndOfMessage()) or b"",
+            ]
         except h11.LocalProtocolError:
             # h11 refuses to answer in its current state (e.g. the request line itself was
             # unparseable): write the minimal response by hand.
             self.must_close = True
-            return _raw_response(resp)
+            return [_raw_response(resp)]
 
     def start_stream(self, content_type: str,
                      extra: tuple[tuple[str, str], ...] = ()) -> bytes:  # fmt: skip
