@@ -135,6 +135,48 @@ def main() -> None:
           f"(nbytes / tracemalloc {t2.nbytes / whole:.3f}); add (untraced) "
           f"{cpu * 1e6 / slots:.2f} us per frame slot, {cpu * 1e6 / len(everything):.1f} us "
           f"per stack")  # fmt: skip
+    if hasattr(StackTable, "sweep_code_frames"):
+        code_stacks(rows, args.copies, args.more)
+
+
+def code_stacks(rows: list[Any], n: int, more: int) -> None:
+    """New processes of known binaries as the live step hands them to the store: ``more`` ASLR
+    copies after ``n``, each stack as new frames (``at_ip`` once per frame and copy, then
+    ``add``: the step's mirror before CodeStacks) or as a CodeStack (``add(base, ips)``), into
+    a table holding the first ``n`` copies; the CPU of making and adding them."""
+    from unwindd.store.stacktable import StackTable
+    from unwindd.unwind.stackfmt import Frame, at_ip
+
+    pool: dict[tuple[Any, ...], Any] = {}
+    base = [tuple(pool.get(fr) or pool.setdefault(fr, Frame(*fr)) for fr in r[4]) for r in rows]
+
+    def ips(fr: tuple[Any, ...], k: int) -> list[int]:
+        return [f.ip + k * ASLR_STEP if f.rel is not None and not f.kernel else f.ip
+                for f in fr]  # fmt: skip
+
+    out = []
+    for how in ("frames", "code"):
+        t = StackTable()
+        for k in range(n + more):
+            if k == n:
+                gc.collect()
+                c0 = time.process_time()
+            if how == "code":
+                for fr in base:
+                    t.add(fr, ips(fr, k))
+                t.forget_frames()
+                t.sweep_code_frames()
+            else:
+                moved: dict[tuple[int, int], Any] = {}
+                for fr in base:
+                    t.add(tuple([moved.get((id(f), ip)) or moved.setdefault((id(f), ip),
+                                 f if ip == f.ip else at_ip(f, ip))
+                                 for f, ip in zip(fr, ips(fr, k), strict=True)]))  # fmt: skip
+                t.forget_frames()
+        out.append((time.process_time() - c0) * 1e6 / (more * sum(map(len, base))))
+    print(f"+{more} ASLR copies as the live step hands them: as new frames {out[0]:.2f} us, "
+          f"as CodeStacks {out[1]:.2f} us per frame slot")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

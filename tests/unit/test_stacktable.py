@@ -158,3 +158,90 @@ def test_new_frames_while_a_reader_holds_the_rows() -> None:
     assert bytes(held[: 3 * _W]) == before
     assert t.frames(sid) == first
     held.release()
+
+
+# a CodeStack's frames: base frames picked from the pool, each at its own ip, at its ip moved
+# (another process's ASLR base) or at any ip (a delta out of range: the ip keys the frame)
+moves = st.one_of(st.just(0), st.just(0x1000), st.just(-0x2000), st.integers(-(1 << 70), 1 << 70))
+code_ops = st.tuples(st.sampled_from("aacf-s"),
+                     st.lists(st.tuples(st.integers(0, 39), moves), max_size=12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(frames, min_size=1, max_size=40), st.lists(code_ops, max_size=60))
+def test_code_stacks_intern_as_their_frames(objs: list[Frame], ops: list[Any]) -> None:
+    """``add(base, ips)`` (a CodeStack, stackfmt.py) is ``add`` of the frames it stands for,
+    ``at_ip(base[i], ips[i])``: the same stack ids, bytes and rebuilt frames as a table that
+    is given those frames, whatever the batches and sweeps of the identity memos between."""
+    from unwindd.unwind.stackfmt import CodeStack, at_ip
+
+    code, plain = StackTable(), StackTable()
+    pool: dict[Any, Frame] = {}
+    live: dict[int, tuple[Frame, ...]] = {}
+    held: list[CodeStack] = []  # the caller's stacks: their base frames stay remembered
+    for op, picks in ops:
+        base = tuple(objs[i % len(objs)] for i, _ in picks)
+        ips = [max(0, f.ip + m) for f, (_, m) in zip(base, picks, strict=True)]
+        fr = tuple(f if f.ip == ip else at_ip(f, ip) for f, ip in zip(base, ips, strict=True))
+        if op in "ac":
+            got = code.add(base, ips) if op == "a" else code.add(fr)  # (both kinds mixed)
+            assert got == plain.add(fr)
+            assert code.encoded(got[0]) == plain.encoded(got[0])
+            live.setdefault(got[0], fr)
+            if op == "a" and len(held) < 8:
+                held.append(CodeStack(base, ips))  # type: ignore[arg-type]
+        elif op == "f" and live:
+            sid = list(live)[picks[0][0] % len(live) if picks else 0]
+            code.free(sid)
+            plain.free(sid)
+            del live[sid]
+        elif op == "s":
+            held.clear()
+            code.sweep_code_frames()
+        else:
+            code.forget_frames()
+            plain.forget_frames()
+        check(code, live, pool)
+
+
+def test_code_stacks_past_the_delta_index() -> None:
+    """More distinct deltas than a stack's delta index names: the frames past it key with
+    their ip, at the CodeStack's ip (not their base frame's), as ``add`` of the frames does."""
+    from unwindd.unwind.stackfmt import at_ip
+
+    base = tuple(Frame(0x5500_0000_0000 + 16 * i, "/bin/app", f"f{i}", 0, rel=16 * i)
+                 for i in range(300))  # fmt: skip
+    ips = [f.ip + (i << 20) for i, f in enumerate(base)]  # one delta per frame
+    fr = tuple(at_ip(f, ip) for f, ip in zip(base, ips, strict=True))
+    code, plain = StackTable(), StackTable()
+    sid, _ = code.add(base, ips)
+    assert (sid, True) == plain.add(fr) and code.encoded(sid) == plain.encoded(sid)
+    assert code.frames(sid) == fr
+
+
+def test_code_frames_are_remembered_while_the_caller_holds_them() -> None:
+    """A CodeStack's base frames stay in the table's identity memo across batches while the
+    caller holds them (a new process's stack of them looks none up again) and go at the first
+    sweep after the caller let go of them: the table keeps no frame alive by itself."""
+    t = StackTable()
+    kept = [Frame(0x5500_0000_0000 + 16 * i, "/bin/app", f"f{i}", 0, rel=16 * i)
+            for i in range(4)]  # fmt: skip
+    gone = [Frame(0x5600_0000_0000 + 16 * i, "/bin/other", f"g{i}", 0, rel=16 * i)
+            for i in range(4)]  # fmt: skip
+    t.add(tuple(kept), [f.ip + 0x1000 for f in kept])
+    t.add(tuple(gone), [f.ip + 0x1000 for f in gone])
+    t.forget_frames()  # a batch ends: the base frames stay remembered
+    looked = 0
+    lookup = t._lookup
+
+    def counting(*a: Any) -> int:
+        nonlocal looked
+        looked += 1
+        return lookup(*a)
+
+    t._lookup = counting  # type: ignore[method-assign]
+    t.add(tuple(kept), [f.ip + 0x2000 for f in kept])  # another process of the binary
+    assert looked == 0 and len(t) == 3
+    del gone
+    t.sweep_code_frames()
+    assert sorted(f.sym for f, _, _ in t._code_memo.values()) == ["f0", "f1", "f2", "f3"]

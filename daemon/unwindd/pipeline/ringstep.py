@@ -13,14 +13,18 @@ Invariants:
 - Each distinct frame is named once, each unique stack built once (``_name_new``): a frame is
   (snapshot, pc), or with ``code_frames`` (binary, mapped name, ELF vaddr) in a module, so a new
   process of a known binary, or a process whose mappings changed, names no frame again
-  (``_at``). A frame named while its binary's line table was still being read is retired when
+  (``_code_stack``): its stacks are ``CodeStack``s, the frames named once and each one's ip in
+  this process, no ``Frame`` built per process (the store interns them from those; subscribers
+  and Python-frame merging build the frames, once per stack, when they need them).
+  A frame named while its binary's line table was still being read is retired when
   the table arrives (``retire_code``): stacks added from then on name it afresh, as frames by
   snapshot would in a new process; the stacks already added keep it until the next re-naming
   (live.py RENAME_INTERVAL).
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
   stacks (the JIT stats' cache); the counts they name reach the store first, and at close
-  (``flush_counts``). ``nctx.native_bytes`` is the C context's heap (O(1)).
+  (``flush_counts``). ``nctx.native_bytes`` is the C context's heap (O(1)). Per stack by code
+  the mirror holds a tuple of shared frames and an array of ips (8 bytes a frame).
 - Python frames (``python``, unwind/pyreader.py): a delivered sample whose stack holds
   ``_PyEval_EvalFrameDefault`` frames gets its thread's Python frames, the reader thread's
   read nearest the sample's time, in place of or beside them (``_python_frames``); its stack
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import struct
 import time
+from array import array
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
@@ -52,11 +57,19 @@ from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
 from ..source.records import Comm, Fork, Lost, Mmap2, Record, record_type_name
 from ..source.streamstats import PLAIN
-from ..store.stackstore import CountGroup, StackStore
+from ..store.stackstore import StackStore, StoreGroup
 from ..unwcore import check, count, ffi, lib, owned
 from ..unwind.engine import StackEngine
 from ..unwind.pyreader import EVAL_SYMBOL, PythonFrames
-from ..unwind.stackfmt import STATUS_CALLCHAIN, STATUS_IP_ONLY, Frame, UnwoundSample, at_ip
+from ..unwind.stackfmt import (
+    STATUS_CALLCHAIN,
+    STATUS_IP_ONLY,
+    CodeStack,
+    Frame,
+    UnwoundSample,
+    at_ip,
+    frames_of,
+)
 from .context import (
     END_ERRORS,
     HAS_CPU,
@@ -82,6 +95,7 @@ PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
 # (time, cpu, flags): computed once, rewritten when the record is carried to the next round.
 _Marked = tuple[Record, tuple[int, int, int]]
+_Frames = tuple[Frame, ...] | CodeStack  # a mirrored stack's frames (stackfmt.frames_of)
 
 
 class DrainSource(Protocol):
@@ -223,13 +237,13 @@ class NativeStep:
         self._reset = False
         self.contexts += 1
         self._frames: list[tuple[Frame, ...]] = []  # per frame id (several: an inline chain)
-        self._inst: dict[tuple[int, int], tuple[Frame, ...]] = {}  # (frame id, ip): see _at
-        # per stack id: (frames, comm, status, user frame count, kernel frame count)
-        self._stacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+        # per stack id: (frames, comm, status, user frame count, kernel frame count); with
+        # code frames the frames are a CodeStack (see _name_new)
+        self._stacks: list[tuple[_Frames, str, str, int, int]] = []
         self._evals: list[int] = []  # per stack id: its _PyEval_EvalFrameDefault frames
         self._any_eval = False
         # stacks merged with Python frames, id _PY_BASE + i, interned by (stack id, segments)
-        self._pystacks: list[tuple[tuple[Frame, ...], str, str, int, int]] = []
+        self._pystacks: list[tuple[_Frames, str, str, int, int]] = []
         self._pymerged: dict[tuple[int, object], int] = {}
 
     @property
@@ -243,7 +257,7 @@ class NativeStep:
         """Frame ids the context's mirror has named."""
         return len(self._frames)
 
-    def _stack(self, sid: int) -> tuple[tuple[Frame, ...], str, str, int, int]:
+    def _stack(self, sid: int) -> tuple[_Frames, str, str, int, int]:
         return self._stacks[sid] if sid < _PY_BASE else self._pystacks[sid - _PY_BASE]
 
     def reset_context(self) -> None:
@@ -541,7 +555,7 @@ class NativeStep:
                 fr, comm, status, _, _ = self._stack(ids[k])
                 period = periods[k] if has_period else None
                 out.append(UnwoundSample(times[k], pids[k], tids[k], s_cpus[k], comm, period,
-                                         status, fr))  # fmt: skip
+                                         status, frames_of(fr)))  # fmt: skip
         return out
 
     def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int,
@@ -706,14 +720,14 @@ class NativeStep:
     def _name_new(self) -> None:
         """Frames and stacks the last run added, named now (the table is in the state the
         reference step names them in): each frame id once (``NativeContext.new_frames``), and each
-        unique stack's frames tuple built once (the same tuple object each time: the store
-        interns by identity first). With ``code_frames`` frame ids are by code
-        (fp_ctx_code_frames): a frame id at another address than the one it was named at is the
-        same frames at that address (``_at``)."""
+        unique stack once (the same object each time: the store interns by identity first).
+        With ``code_frames`` frame ids are by code (fp_ctx_code_frames): a frame id at another
+        address than the one it was named at is the same frames at that address
+        (``stackfmt.at_ip``), so a stack is a ``CodeStack``: the named frames and each one's ip
+        here, no ``Frame`` built for it (``_code_stack``)."""
         nctx, kernel_frames = self.nctx, self.engine.kernel_frames  # cached by callchain
         self._frames += nctx.new_frames()
-        at, plain_at, stacks = self._at, self._plain_at, self._stacks
-        frame_of = self._frames.__getitem__
+        stacks, frame_of = self._stacks, self._frames.__getitem__
         for comm, space, code, regs_none, ids, kc, pcs in nctx.new_stacks():
             kframes = kernel_frames(callchain(kc)) if kc else ()
             if regs_none and kframes:
@@ -722,44 +736,52 @@ class NativeStep:
                     self._evals.append(0)  # one entry per stack id, in id order
                 continue
             nctx.count_unsymbolized(space, ids, pcs)
+            fr: _Frames
             if not pcs:  # frames by address space: a frame id is one address
                 uframes = (tuple(map(nctx.plain.__getitem__, ids)) if code in _FIXED
                            else tuple([f for i in ids for f in frame_of(i)]))  # fmt: skip
-            elif code in _FIXED:  # a recorded callchain or a lone ip: as recorded (expand)
-                uframes = tuple(map(plain_at, ids, pcs))
+                fr = kframes + uframes if kframes else uframes
             else:
-                uframes = tuple([f for i, pc in zip(ids, pcs, strict=True) for f in at(i, pc)])
-            stacks.append((kframes + uframes if kframes else uframes, comm,
-                           STATUS_NAMES[code], len(uframes), len(kframes)))  # fmt: skip
+                fr, uframes = self._code_stack(kframes, ids, pcs, code in _FIXED)
+            stacks.append((fr, comm, STATUS_NAMES[code], len(uframes), len(kframes)))
             if self.python is not None:
                 n = _eval_frames(uframes)
                 self._any_eval |= n > 0
                 self._evals.append(n)
         nctx.release_snapshots()
 
-    def _at(self, fid: int, pc: int) -> tuple[Frame, ...]:
-        """Frame id ``fid``'s frames at user pc ``pc``: as named if that is where they were
-        named, else the same frames with the ip of ``pc`` (one tuple per (id, ip), kept for the
-        context's life). Their other fields are the same at every address of a frame id: its
-        module key is the binary and the mapped name, its ELF vaddr gives the symbol and the
-        inline levels, and the vaddr's segment the ``rel`` (ElfEntry.bias_for: rel - vaddr is
-        the segment's p_offset - p_vaddr)."""
-        ip = pc if self.nctx.exact[fid] else pc - 1
-        frames = self._frames[fid]
-        if ip == frames[0].ip:
-            return frames
-        inst = self._inst.get((fid, ip))
-        if inst is None:
-            inst = self._inst[(fid, ip)] = tuple([at_ip(f, ip) for f in frames])
-        return inst
-
-    def _plain_at(self, fid: int, pc: int) -> Frame:
-        """``_at`` of the frame unexpanded (``NativeContext.plain``: recorded callchains)."""
-        f = self.nctx.plain[fid]
-        ip = pc if self.nctx.exact[fid] else pc - 1
-        if ip == f.ip:
-            return f
-        return at_ip(f, ip)
+    def _code_stack(self, kframes: tuple[Frame, ...], ids: list[int], pcs: list[int],
+                    fixed: bool) -> tuple[_Frames, tuple[Frame, ...]]:  # fmt: skip
+        """Frames by code: (the stack, its user frames as named) of frame ids ``ids`` at user
+        pcs ``pcs``, kernel frames ``kframes`` first. Each frame id's frames (one per inline
+        level, engine.expand: all at one ip), or unexpanded (``fixed``: a recorded callchain
+        or a lone ip, ``NativeContext.plain``), at the ip of its pc: the pc itself where the
+        frame id was named at it (``exact``), else pc - 1 (a return address). Their other
+        fields are the same at every address of a frame id: its module key is the binary and
+        the mapped name, its ELF vaddr gives the symbol and the inline levels, and the vaddr's
+        segment the ``rel`` (ElfEntry.bias_for: rel - vaddr is the segment's p_offset -
+        p_vaddr)."""
+        exact = self.nctx.exact
+        ips = [f.ip for f in kframes]
+        if fixed:
+            ubase = tuple(map(self.nctx.plain.__getitem__, ids))
+            ips += [pc if exact[i] else pc - 1 for i, pc in zip(ids, pcs, strict=True)]
+        else:
+            frames = self._frames
+            ub: list[Frame] = []
+            for i, pc in zip(ids, pcs, strict=True):
+                fs = frames[i]
+                ub += fs
+                ip = pc if exact[i] else pc - 1
+                if len(fs) == 1:
+                    ips.append(ip)
+                else:
+                    ips += [ip] * len(fs)
+            ubase = tuple(ub)
+        base = kframes + ubase if kframes else ubase
+        if min(ips, default=0) < 0:  # (no u64 for it: the frames themselves)
+            return tuple(map(at_ip, base, ips)), ubase
+        return CodeStack(base, array("Q", ips)), ubase
 
     def flush_counts(self, info: StepInfo | None = None) -> StepInfo:
         """Store the sample counts accumulated since the last flush (``StackStore.add_counts``,
@@ -780,7 +802,7 @@ class NativeStep:
         lib.fp_live_groups_take(acc, gt, gp, gtid, gs, gc)
         es = self.engine.stats
         stack = self._stack
-        out: list[CountGroup] = []
+        out: list[StoreGroup] = []
         # the columns as lists, one call each (not a cffi index per field per group)
         cols = (view(gt, "Q", ng).tolist(), view(gp, "I", ng).tolist(),
                 view(gtid, "I", ng).tolist(), view(gs, "I", ng).tolist(),
@@ -794,8 +816,10 @@ class NativeStep:
             by_status[status] = by_status.get(status, 0) + c  # (Counter's += costs two calls)
             kframes += nk * c
             uframes += nu * c
-            jit_count(pid, fr, c)
-            depths[len(fr)] = depths.get(len(fr), 0) + c
+            # (a CodeStack's base frames: JIT stats read no ip)
+            jit_count(pid, fr.base if isinstance(fr, CodeStack) else fr, c)
+            n = nk + nu
+            depths[n] = depths.get(n, 0) + c
         es.samples += samples
         es.kernel_frames += kframes
         es.user_frames += uframes
@@ -862,7 +886,7 @@ class NativeStep:
             return got
         fr, comm, status, nu, nk = self._stacks[sid]
         assert isinstance(segs, tuple)
-        out = merge(fr, _is_eval, segs, status == "ok", self.python_beside)
+        out = merge(frames_of(fr), _is_eval, segs, status == "ok", self.python_beside)
         if out is None:
             self._pymerged[key] = -1
             return -1

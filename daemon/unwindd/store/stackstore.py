@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any
 
 from ..procs.cgroups import CgroupLabels, Labels
-from ..unwind.stackfmt import UnwoundSample
+from ..unwind.stackfmt import CodeStack, UnwoundSample, frames_of
 from .queries import (
     FunctionCount,
     Key,
@@ -119,8 +119,10 @@ class _Bucket:
     shared: bool = False  # a snapshot holds ``counts``: copy before writing
 
 
-# (time ns, pid, tid, comm, frames, count): what ``add_counts`` takes, one per group of samples
+# (time ns, pid, tid, comm, frames, count): one group of samples, as count subscribers get it
 CountGroup = tuple[int | None, int | None, int | None, str, Stack, int]
+# what ``add_counts`` takes: the same, its stack as frames or as a ``CodeStack``
+StoreGroup = tuple[int | None, int | None, int | None, str, Stack | CodeStack, int]
 
 
 class StackStore(Queries):
@@ -154,7 +156,8 @@ class StackStore(Queries):
         # called with each add_counts' groups: a consumer of every count that needs no sample
         # objects (unwindd record's folded output)
         self.count_subscribers: list[Callable[[Sequence[CountGroup]], None]] = []
-        self._by_obj: dict[int, tuple[Stack, int]] = {}  # id(tuple) -> (it, stack id)
+        # id(stack) -> (it, stack id): tuples and CodeStacks
+        self._by_obj: dict[int, tuple[Stack | CodeStack, int]] = {}
         self._batches = 0  # since the last _sweep
         self._dirty: set[int] = set()  # stack ids whose refcount dropped since the last release
         self._lock = threading.Lock()  # guards _readers/_deferred (snapshots close off-thread)
@@ -196,23 +199,26 @@ class StackStore(Queries):
         for cb in list(self.subscribers):
             cb(samples)
 
-    def add_counts(self, groups: Sequence[CountGroup]) -> None:
+    def add_counts(self, groups: Sequence[StoreGroup]) -> None:
         """Aggregated samples: each group is ``count`` samples with the same bucket (any time
-        in it), pid, tid, comm and frames. Same result as ``add`` of those samples, without a
-        Python object per sample; subscribers are not called (they need samples), count
-        subscribers are."""
+        in it), pid, tid, comm and frames (a ``CodeStack``: its ``frames()``, interned
+        without building them). Same result as ``add`` of those samples, without a Python
+        object per sample; subscribers are not called (they need samples), count subscribers
+        are, with the groups' frames."""
         self._last = {}
         for t, pid, tid, comm, frames, n in groups:
             self._count(t, pid, tid, comm, frames, n)
         self._release_unreferenced()
         self._enforce_bounds()
         self._batch()
-        for cb in list(self.count_subscribers):
-            cb(groups)
+        if self.count_subscribers:
+            out = [(t, pid, tid, comm, frames_of(fr), n) for t, pid, tid, comm, fr, n in groups]
+            for cb in list(self.count_subscribers):
+                cb(out)
 
     def _count(
-        self, time_ns: int | None, pid_: int | None, tid: int | None, comm: str, frames: Stack,
-        n: int,
+        self, time_ns: int | None, pid_: int | None, tid: int | None, comm: str,
+        frames: Stack | CodeStack, n: int,
     ) -> None:  # fmt: skip
         t = time_ns if time_ns is not None else self._newest * self.bucket_ns
         b = self._bucket(t // self.bucket_ns)
@@ -264,16 +270,19 @@ class StackStore(Queries):
                 self._buckets = dict(sorted(self._buckets.items()))
         return b
 
-    def _intern(self, frames: Stack) -> int:
-        # The engine hands the same tuple object for a stack it has cached: an identity hit
-        # skips encoding every frame.
+    def _intern(self, frames: Stack | CodeStack) -> int:
+        # The engine hands the same tuple object for a stack it has cached (the live step the
+        # same CodeStack): an identity hit skips encoding every frame.
         hit = self._by_obj.get(id(frames))
         if hit is not None and hit[0] is frames and hit[1] in self._table:
             sid = hit[1]
         else:
             if len(self._by_obj) >= _BY_OBJ_MAX:
                 self._by_obj.clear()  # bounded: a miss only costs an encoding
-            sid, new = self._table.add(frames)
+            if isinstance(frames, CodeStack):
+                sid, new = self._table.add(frames.base, frames.ips)
+            else:
+                sid, new = self._table.add(frames)
             self._by_obj[id(frames)] = (frames, sid)
             if new:
                 self._account(sid, len(frames))
@@ -291,12 +300,14 @@ class StackStore(Queries):
 
     def _sweep(self) -> None:
         """Forget the fast path's tuples no one else holds (freed by the engine: they would
-        otherwise stay alive here with their frames). O(entries), at most ``_BY_OBJ_MAX``."""
+        otherwise stay alive here with their frames), and the table's frames of CodeStacks
+        likewise. O(entries), at most ``_BY_OBJ_MAX`` and the table's memo."""
         self._batches = 0
         by_obj, only = self._by_obj, _ONLY_OURS
         gone = [k for k, (fr, _) in by_obj.items() if sys.getrefcount(fr) <= only]
         for k in gone:
             del by_obj[k]
+        self._table.sweep_code_frames()  # the frame objects it remembers, likewise
 
     def _undefer(self, sid: int, n: int) -> None:
         """A stack waiting for snapshots to close is used again: it is counted again (and

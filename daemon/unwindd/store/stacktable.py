@@ -30,9 +30,11 @@ Invariants:
   counts, serials, index, string table: free rows included) and each interned string with its
   object (the table may be its last holder). O(1) to read. The frame containers start over
   when the last frame goes.
-- Cost: ``add`` is O(frames): a frame object seen earlier in the caller's batch (remembered by
-  identity until ``forget_frames``, while its frame lives) is one dict lookup, another one row
-  packed and probed; ``free`` O(frames); ``frames`` O(frames) (one object per frame not in the
+- Cost: ``add`` is O(frames): a frame object seen earlier (remembered by identity while the
+  caller holds it, see ``forget_frames``, and its frame lives) is one dict lookup, another one
+  row packed and probed; with ``ips`` (a ``CodeStack``: frames named once by code, each at
+  another ip per process) a frame keyed without its ip is that same lookup, no frame built;
+  ``free`` O(frames); ``frames`` O(frames) (one object per frame not in the
   caller's pool); ``keys``, ``refs`` and ``frame_ids`` O(frames) without building any frame;
   the index grows and shrinks in amortized O(1) per frame.
 """
@@ -42,11 +44,12 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
+from collections.abc import Sequence
 from operator import attrgetter
 from typing import Any
 
 from ..source.records import frozen_maker
-from ..unwind.stackfmt import UNKNOWN, Frame
+from ..unwind.stackfmt import UNKNOWN, Frame, at_ip
 
 Stack = tuple[Frame, ...]
 FrameKey = tuple[Any, ...]  # dso, sym, offset, kernel, inlined, rel, file, line, decl_*
@@ -78,6 +81,16 @@ _BOOL = (False, True)
 _EMPTY, _GONE = -1, -2  # index slots without a frame (never used, freed)
 _MIN_SLOTS = 8
 _MEMO_MAX = 16384  # frame objects ``add`` remembers at most (see forget_frames)
+
+
+def _probe_refs() -> int:
+    """sys.getrefcount of a frame only ``sweep_code_frames``' memo entry refers to
+    (CPython's reference counts: what tells that the caller let go of it)."""
+    d = {0: (object(), 0, 0)}
+    return next(sys.getrefcount(v[0]) for v in d.values())
+
+
+_ONLY_OURS = _probe_refs()
 
 # Bytes beyond the containers' and bytes objects' own sizes, as tracemalloc shows them
 # retained (CPython 3.11+, 64-bit): per stack, its slots in the table's two dicts and its id
@@ -119,8 +132,10 @@ class StackTable:
         self._srefs = array("I", [0])  # string id -> rows naming it
         self._sfree = array("I")
         self._str_bytes = 0
-        # id(frame object) -> (it, its frame id, that frame's serial): see forget_frames
+        # id(frame object) -> (it, its frame id, that frame's serial): see forget_frames; a
+        # CodeStack's base frames in the other (they outlive the caller's batch)
         self._memo: dict[int, tuple[Frame, int, int]] = {}
+        self._code_memo: dict[int, tuple[Frame, int, int]] = {}
 
     def _containers(self) -> int:
         size = sys.getsizeof
@@ -151,9 +166,12 @@ class StackTable:
         """The bytes ``sid`` adds to ``nbytes`` beyond its frames."""
         return _size(self._enc[sid]) + STACK_OVERHEAD
 
-    def add(self, frames: Stack) -> tuple[int, bool]:
-        """(stack id, whether it is new) of ``frames``."""
-        enc, new_ids = self._encode(frames)
+    def add(self, frames: Stack, ips: Sequence[int] | None = None) -> tuple[int, bool]:
+        """(stack id, whether it is new) of ``frames``; with ``ips``, of the stack whose frame
+        ``i`` is ``stackfmt.at_ip(frames[i], ips[i])`` (a ``CodeStack``), without building
+        those frames: frames keyed without their ip (a ``rel``) are found by identity as
+        themselves, only the delta differs."""
+        enc, new_ids = self._encode(frames) if ips is None else self._encode_at(frames, ips)
         sid = self._ids.get(enc)
         if sid is not None:
             if new_ids:
@@ -324,16 +342,59 @@ class StackTable:
                     memo[id(f)] = (f, fid, uids[fid])
             ids.append(fid)
             idx.append(di)
-        w = 2 if not ids or max(ids) < 1 << 16 else 4
-        enc = (_HEAD.pack(len(ids), len(deltas), w)
-               + (array("H", ids).tobytes() if w == 2 else ids.tobytes())
-               + array("q", list(deltas)).tobytes() + bytes(idx))  # fmt: skip
-        return enc, new
+        return _pack(ids, deltas, idx), new
+
+    def _encode_at(self, frames: Stack, ips: Sequence[int]) -> tuple[bytes, list[int]]:
+        """``_encode`` of the stack whose frame ``i`` is ``frames[i]`` at ``ips[i]`` (``add``):
+        a frame keyed without its ip is found as ``frames[i]`` itself (its identity, then its
+        row), the stack keeps the delta of ``ips[i]``; one keyed with its ip is looked up at
+        that ip."""
+        memo, uids = self._code_memo, self._uids
+        ids = array("I")
+        idx = bytearray()
+        deltas: dict[int, int] = {}  # delta -> its index
+        new: list[int] = []
+        for f, ip in zip(frames, ips, strict=True):
+            rel = f.rel
+            if rel is None:
+                di = NO_DELTA
+            else:
+                delta = ip - rel
+                di = deltas.get(delta, NO_DELTA)
+                if di == NO_DELTA and len(deltas) < NO_DELTA and _DELTA_MIN <= delta <= _DELTA_MAX:
+                    di = deltas[delta] = len(deltas)
+            if di == NO_DELTA and (rel is not None or ip != f.ip):
+                fid = self._lookup(f if ip == f.ip else at_ip(f, ip), di, new)
+                ids.append(fid)
+                idx.append(di)
+                continue
+            hit = memo.get(id(f))
+            if hit is not None and hit[0] is f and uids[hit[1]] == hit[2]:
+                fid = hit[1]
+            else:
+                fid = self._lookup(f, di, new)
+                if len(memo) >= _MEMO_MAX:
+                    memo.clear()
+                memo[id(f)] = (f, fid, uids[fid])
+            ids.append(fid)
+            idx.append(di)
+        return _pack(ids, deltas, idx), new
 
     def forget_frames(self) -> None:
         """Let go of the frame objects ``add`` remembers by identity (the caller's batch is
-        done: the table keeps no frame objects for longer)."""
+        done: the table keeps no frame objects for longer), but for those of ``CodeStack``s
+        (``add``'s ``ips``): see ``sweep_code_frames``."""
         self._memo.clear()
+
+    def sweep_code_frames(self) -> None:
+        """Let go of the ``CodeStack`` base frames ``add`` remembers by identity that only it
+        still holds. Those the caller holds stay remembered across its batches (the live
+        step's frames by code, held for its context's life: every new process's stacks are
+        made of them, and each would otherwise be looked up again per batch). O(frames
+        remembered): the store calls it every few batches (``StackStore._sweep``)."""
+        code, only = self._code_memo, _ONLY_OURS
+        if code:  # (a new dict: one emptied in place keeps its size)
+            self._code_memo = {k: v for k, v in code.items() if sys.getrefcount(v[0]) > only}
 
     def _lookup(self, f: Frame, di: int, new: list[int]) -> int:
         """The id of frame ``f``'s key (with its ip when ``di`` is NO_DELTA), interned if new
@@ -496,6 +557,14 @@ class StackTable:
             dso, sym = unpack(rows, fid * _W)
             out.append((strs[sym] or UNKNOWN, strs[dso]))
         return out[0], tuple(dict.fromkeys(out))
+
+
+def _pack(ids: array[int], deltas: dict[int, int], idx: bytearray) -> bytes:
+    """A stack's bytes: its header, frame ids, distinct deltas and delta indices."""
+    w = 2 if not ids or max(ids) < 1 << 16 else 4
+    return (_HEAD.pack(len(ids), len(deltas), w)
+            + (array("H", ids).tobytes() if w == 2 else ids.tobytes())
+            + array("q", list(deltas)).tobytes() + bytes(idx))  # fmt: skip
 
 
 def _ids_of(enc: bytes) -> array[int]:

@@ -4,7 +4,8 @@ script's callchain text.
 Invariants:
 - Value types only: an ``UnwoundSample`` is the complete answer for one sample (who, when, how
   the unwind ended, every frame leaf first with kernel frames first); renderers are pure
-  functions of it.
+  functions of it. A ``CodeStack`` stands for a stack's frames (``frames()`` builds them)
+  where they are frames by code at other addresses (``at_ip``).
 - ``perf_script`` reproduces ``perf script -F comm,pid,tid,time,ip,sym,dso --ns`` byte for byte
   for the fields it prints (tools/perf/builtin-script.c ``perf_sample__fprintf_start`` and
   util/evsel_fprintf.c ``sample__fprintf_callchain``): ``comm`` then ``%5d/%-5d``, the time as
@@ -29,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -100,6 +102,38 @@ def at_ip(f: Frame, ip: int) -> Frame:
     inline levels and ``rel`` are the same wherever a process maps it)."""
     return _new_frame(ip, f.dso, f.sym, f.offset, f.kernel, f.inlined, f.rel, f.file, f.line,
                       f.decl_file, f.decl_line, None)  # fmt: skip
+
+
+class CodeStack:
+    """A stack as frames named by code and the ip each one has in its process: ``frames()`` is
+    ``at_ip(base[i], ips[i])`` for each frame (``base[i]`` itself where the ips agree). The
+    base frames are shared by every process that runs that code (frames by code,
+    fp_ctx_code_frames), so a new process of a known binary costs one ip per frame here, not
+    a ``Frame``; the store interns it from the base frames and the ips (StackTable.add's
+    ``ips``) without building its frames. ``frames()`` builds them once, on first use.
+    Compared and hashed by identity (an owner's handle on one stack of one process)."""
+
+    __slots__ = ("_frames", "base", "ips")
+
+    def __init__(self, base: tuple[Frame, ...], ips: array[int]) -> None:
+        self.base = base  # leaf first, kernel frames first
+        self.ips = ips  # per base frame (array "Q")
+        self._frames: tuple[Frame, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def frames(self) -> tuple[Frame, ...]:
+        fr = self._frames
+        if fr is None:
+            fr = self._frames = tuple([f if f.ip == ip else at_ip(f, ip)
+                                       for f, ip in zip(self.base, self.ips, strict=True)])
+        return fr
+
+
+def frames_of(stack: tuple[Frame, ...] | CodeStack) -> tuple[Frame, ...]:
+    """A stack's frames, whichever form it is held in."""
+    return stack.frames() if isinstance(stack, CodeStack) else stack
 
 # The name of a frame without a symbol, and of a frame's binary when no mapping covers it:
 # perf's spelling (util/evsel_fprintf.c sample__fprintf_callchain, scripts/python/
