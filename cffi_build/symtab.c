@@ -293,18 +293,44 @@ uint32_t unw_symtab_max_offset(const uint8_t *offs, uint64_t n, uint32_t skip, u
     return top;
 }
 
+/* The function-padding symbol the kernel names after the function that follows it
+ * (CONFIG_FUNCTION_PADDING_BYTES: "__pfx_" + name, 16 bytes before it, so next in address
+ * order): about half of a recent x86-64 kernel's text symbols. */
+static const char PFX[] = "__pfx_";
+#define PFX_LEN (sizeof PFX - 1)
+#define KSYM_BLOCK 16 /* kallsyms.py _BLOCK */
+
 int64_t unw_kallsyms_pack(const uint8_t *text, const struct unw_ksym *syms, uint64_t n,
-                          uint8_t *names, uint32_t *at, uint16_t *mod_ix, uint32_t *mods_off,
-                          uint16_t *mods_len, uint64_t mods_cap)
+                          uint8_t *names, uint64_t *names_len, uint32_t *block_at,
+                          uint32_t *run_at, uint16_t *run_mod, uint64_t *nruns,
+                          uint32_t *mods_off, uint16_t *mods_len, uint64_t mods_cap,
+                          uint64_t base, uint32_t *starts32)
 {
     uint64_t pos = 0, nmods = 1; /* module 0: the kernel image (no module) */
-    uint64_t last = 0;
-    at[0] = 0;
+    uint64_t last = 0, runs = 0;
     for (uint64_t i = 0; i < n; i++) {
         const struct unw_ksym *s = &syms[i];
-        memcpy(names + pos, text + s->name_off, s->name_len);
-        pos += s->name_len;
-        at[i + 1] = (uint32_t)pos;
+        if (starts32)
+            starts32[i] = (uint32_t)(s->addr - base);
+        if (i % KSYM_BLOCK == 0)
+            block_at[i / KSYM_BLOCK] = (uint32_t)pos;
+        const struct unw_ksym *nx = i + 1 < n ? &syms[i + 1] : NULL;
+        /* "__pfx_" + the next symbol's name: kept as an empty name (a parsed name never is
+         * one), spelled out again on lookup */
+        uint64_t len = s->name_len;
+        if (nx && len == PFX_LEN + nx->name_len && memcmp(text + s->name_off, PFX, PFX_LEN) == 0 &&
+            memcmp(text + s->name_off + PFX_LEN, text + nx->name_off, nx->name_len) == 0)
+            len = 0;
+        if (len < 255) {
+            names[pos++] = (uint8_t)len;
+        } else {
+            names[pos] = 255;
+            names[pos + 1] = (uint8_t)(len & 0xff);
+            names[pos + 2] = (uint8_t)(len >> 8);
+            pos += 3;
+        }
+        memcpy(names + pos, text + s->name_off, len);
+        pos += len;
         uint64_t m = 0;
         if (s->mod_len) {
             const uint8_t *mp = text + s->mod_off;
@@ -325,7 +351,12 @@ int64_t unw_kallsyms_pack(const uint8_t *text, const struct unw_ksym *syms, uint
                 last = m;
             }
         }
-        mod_ix[i] = (uint16_t)m;
+        if (runs == 0 || run_mod[runs - 1] != m) {
+            run_at[runs] = (uint32_t)i;
+            run_mod[runs++] = (uint16_t)m;
+        }
     }
+    *names_len = pos;
+    *nruns = runs;
     return (int64_t)nmods;
 }

@@ -252,12 +252,19 @@ struct unw_ksym {
 int64_t unw_kallsyms_parse(const uint8_t *text, uint64_t len, struct unw_ksym *out,
                            uint64_t cap);
 
-/* The names of syms[0, n) back to back into names (sum of name_len bytes), at[i + 1] the end
- * of symbol i's; mod_ix[i] its module's index among the distinct modules, whose text ranges go
- * to mods_off/mods_len[1, result) (0: no module). -1 when more than mods_cap modules. */
+/* The names of syms[0, n) back to back into names (room: the text's length), each after its
+ * length (a byte, or 255 and a little-endian u16), *names_len bytes in all; a name that is
+ * "__pfx_" and the next symbol's name is stored empty. block_at[k] (k <= n / 16): where symbol
+ * 16k's entry starts. The modules in runs of symbols: run r starts at symbol run_at[r] and is
+ * of module run_mod[r] (an index among the distinct modules, whose text ranges go to
+ * mods_off/mods_len[1, result); 0: no module), *nruns of them (at most n). Unless starts32 is
+ * NULL, starts32[i] = addr - base (the caller checks the span fits). -1 when more than
+ * mods_cap modules. */
 int64_t unw_kallsyms_pack(const uint8_t *text, const struct unw_ksym *syms, uint64_t n,
-                          uint8_t *names, uint32_t *at, uint16_t *mod_ix, uint32_t *mods_off,
-                          uint16_t *mods_len, uint64_t mods_cap);
+                          uint8_t *names, uint64_t *names_len, uint32_t *block_at,
+                          uint32_t *run_at, uint16_t *run_mod, uint64_t *nruns,
+                          uint32_t *mods_off, uint16_t *mods_len, uint64_t mods_cap,
+                          uint64_t base, uint32_t *starts32);
 
 /* libcall.c: libstdc++'s __cxa_demangle of the NUL-terminated name into out[0, cap) (not
  * NUL-terminated): its length; -1 no libstdc++ (or no __cxa_demangle in it), -2 the name does

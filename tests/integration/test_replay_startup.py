@@ -41,6 +41,7 @@ NOT_IMPORTED = (
     "asyncio", "uvloop", "h11", "prometheus_client", "elftools", "tomllib", "json", "tempfile",
     "subprocess", "socket", "selectors", "select", "signal", "ssl", "http", "urllib", "email",
     "logging", "zipfile", "pathlib", "gzip", "shutil", "bz2", "lzma", "fnmatch",
+    "dataclasses", "inspect",  # (classes are lightdc's: no per-method compiles, no inspect)
     "unwindd.serve", "unwindd.store", "unwindd.record", "unwindd.ctl", "unwindd.source.capture",
     "unwindd.source.output", "unwindd.pipeline.streamreplay", "unwindd.pipeline.live",
     "unwindd.pipeline.ringstep", "unwindd.procs.livetable", "unwindd.procs.procscan",

@@ -187,7 +187,7 @@ def test_native_kallsyms_equals_regex_parser() -> None:
         ref = [r for r in ref if r[0] < 1 << 64]
         k = Kallsyms(t)
         assert len(k) == len(ref)
-        got = [(k.starts[i], k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+        got = [(k.start(i), k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
         assert got == ref
 
 
@@ -211,9 +211,10 @@ def test_native_kallsyms_equals_regex_parser_on_any_table(lines: list[Any], sort
     ref = parse_kallsyms(text)
     k = Kallsyms(text)
     assert len(k) == len(ref)
-    got = [(k.starts[i], k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+    got = [(k.start(i), k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
     assert sorted(got, key=repr) == sorted(ref, key=repr)
-    assert list(k.starts) == sorted(k.starts)
+    starts = [k.start(i) for i in range(len(k))]
+    assert starts == sorted(starts)
 
 
 # --------------------------------------------------------------------------- demangling
@@ -317,6 +318,58 @@ def test_perf_map_reread_on_change(tmp_path: Path) -> None:
     assert parse_perf_map("10 10 a\n10 20 b\n") == [(0x10, 0x30, "b")]
     pm = PerfMap(str(tmp_path / "missing.map"))
     assert pm.lookup(0x10) is None
+
+
+def test_kallsyms_padding_names_and_ends() -> None:
+    """Padding symbols (``__pfx_`` + the next symbol's name) are stored without their bytes
+    and named in full; chains, a ``__pfx_`` name that is not the next symbol's, the last
+    symbol, and ends across the kernel/module boundary, all as the reference parser and
+    symbols__fixup_end say (wide and narrow address spans)."""
+    for last_at in ("ffffffffc0000000", "fffffffff0000000"):  # narrow span, then >= 4 GiB
+        lines = [
+            "ffffffff81000000 T _stext", "ffffffff81000010 t __pfx___pfx_f",
+            "ffffffff81000020 t __pfx_f", "ffffffff81000030 T f", "ffffffff81000040 t __pfx_g",
+            "ffffffff81000050 T h", "ffffffff81000060 t __pfx_", "ffffffff81000070 T x",
+            "ffffffff81000080 t __pfx_m\t[mod]", "ffffffff81000090 t m\t[mod]",
+            f"{last_at} t __pfx_last\t[mod]",
+        ]  # fmt: skip
+        text = "\n".join(lines) + "\n"
+        ref = parse_kallsyms(text)
+        k = Kallsyms(text)
+        got = [(k.start(i), k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+        assert got == ref
+        assert k._names_buf.count(b"__pfx_f") == 0 and k._names_buf.count(b"__pfx_g") == 1
+        ends = [k._end(i) for i in range(len(k))]
+        nxt = [ref[i + 1][0] for i in range(len(ref) - 1)]
+        # f's padding ends at f; x (kernel) before __pfx_m (module): one page past x's page
+        assert ends[:7] == nxt[:7]
+        assert ends[7] == 0xFFFFFFFF81000000 + 2 * 4096 and ends[8] == nxt[8]
+        last = ref[-1][0]
+        assert ends[-1] == (last + 4095) // 4096 * 4096 + 4096
+        s = k.lookup(0xFFFFFFFF81000025)
+        assert s is not None and (s.name, s.offset) == ("__pfx_f", 5)
+
+
+def test_kallsyms_long_names_and_module_runs() -> None:
+    """Names of 254, 255 and 300+ bytes (one length byte, then three), their padding twins,
+    more symbols than one block of names, and modules that come back after another (runs):
+    every name, module and end as the reference parser and symbols__fixup_end say."""
+    long1, long2, long3 = "a" * 254, "b" * 255, "c" * 301
+    names = [long1, "__pfx_" + long2, long2, long3, "__pfx_" + long3] + [
+        f"s{j}" for j in range(40)]
+    mods = [None, None, "m1", "m1", "m2"] + [
+        (None, "m1", "m1", "m2", None)[j % 5] for j in range(40)]
+    lines = [f"{0xFFFFFFFF81000000 + 16 * i:016x} t {n}" + (f"\t[{m}]" if m else "")
+             for i, (n, m) in enumerate(zip(names, mods, strict=True))]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    ref = parse_kallsyms(text)
+    k = Kallsyms(text)
+    got = [(k.start(i), k._symbol(i).name, k._symbol(i).module) for i in range(len(k))]
+    assert got == ref and len(got) == len(names)
+    for i in range(len(k) - 1):
+        boundary = (ref[i][2] is None) != (ref[i + 1][2] is None)
+        want = (ref[i][0] + 4096) // 4096 * 4096 + 4096 if boundary else ref[i + 1][0]
+        assert k._end(i) == want, i
 
 
 def test_kallsyms_fake() -> None:

@@ -28,15 +28,14 @@ Cost: compiling is O(E log E + R) for E FDEs and R rows (bench/bench_cfi.py meas
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import struct
 import zlib
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from ..lightdc import dataclass, replace
 from ..unwcore import check, ffi, lib
 from .cachefiles import (
     CacheFileError,
@@ -414,7 +413,7 @@ class CfiTable:
         for page in range(npages):
             top = base + (page << 16)
             for i in range(page_first[page], page_first[page + 1]):
-                out.append(dataclasses.replace(rules[idx[i]], pc=top + lo[i]))
+                out.append(replace(rules[idx[i]], pc=top + lo[i]))
         return out
 
     def lookup(self, pc: int) -> CfiRow | None:

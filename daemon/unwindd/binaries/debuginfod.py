@@ -26,27 +26,24 @@ Rules:
   event loop (its fetches would run there) that truncates rather than refusing a long body.
 
 Cost: per binary named one section-header read and a few stats (owner thread); per fetch one
-HTTP exchange per server and kind tried, and a copy of the file to disk (worker).
+HTTP exchange per server and kind tried, and a copy of the file to disk (worker). urllib and
+http.client are imported by the first fetch, not with this module (the daemon imports it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import queue
 import socket
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ..lightdc import dataclass, field
 from .cachefiles import CACHE_STORES
 from .elf import ElfError, ElfReader
 
@@ -173,6 +170,12 @@ def fetch(cfg: DebuginfodConfig, build_id: bytes) -> str:
 
 
 def _get(cfg: DebuginfodConfig, url: str, build_id: bytes, dest: str, deadline: float) -> None:
+    # urllib's HTTP stack (http.client, email, ...) is imported by the first fetch: a daemon
+    # without debuginfod servers, or whose binaries all have their debug info, never pays it
+    import http.client
+    import urllib.error
+    import urllib.request
+
     left = deadline - time.monotonic()
     if left <= 0:
         raise _Answer("timeout")
@@ -195,6 +198,9 @@ def _get(cfg: DebuginfodConfig, url: str, build_id: bytes, dest: str, deadline: 
 
 def _store(cfg: DebuginfodConfig, resp: Any, build_id: bytes, dest: str,
            deadline: float) -> None:  # fmt: skip
+    import http.client
+    import tempfile
+
     length = resp.headers.get("Content-Length")
     if length is not None and length.isdigit() and int(length) > cfg.max_bytes:
         raise _Answer("too_big")

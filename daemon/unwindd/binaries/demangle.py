@@ -127,10 +127,16 @@ def _iberty_candidates() -> list[str]:
     """Shared libraries that export libiberty's cplus_demangle: binutils' libbfd
     (``libbfd-2.40-system.so`` on Debian, ``libbfd-2.41.so``-like elsewhere), newest version
     first, in the directories the dynamic linker searches by default."""
-    import sysconfig
+    import sys
 
     dirs = []
-    multiarch = sysconfig.get_config_var("MULTIARCH")
+    # the build's multiarch triplet, what sysconfig's MULTIARCH says (sysconfig itself derives
+    # its data module's name from it), without importing sysconfig and its data
+    multiarch = getattr(sys.implementation, "_multiarch", None)
+    if multiarch is None:
+        import sysconfig
+
+        multiarch = sysconfig.get_config_var("MULTIARCH")
     if multiarch:
         dirs += [f"/usr/lib/{multiarch}", f"/lib/{multiarch}"]
     dirs += ["/usr/lib64", "/lib64", "/usr/lib", "/lib"]

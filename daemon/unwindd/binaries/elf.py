@@ -25,7 +25,8 @@ import stat
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+from ..lightdc import dataclass
 
 __all__ = [
     "ElfError",

@@ -27,8 +27,8 @@ import stat
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
+from ..lightdc import dataclass, field
 from .elf import ElfError, ElfReader, find_debug_file
 from .elfentry import CfiFactory, ElfEntry, SymbolFactory
 

@@ -27,11 +27,11 @@ import struct
 from array import array
 from bisect import bisect_left
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import pairwise
 from types import ModuleType
 from typing import Protocol, TypeVar
 
+from ..lightdc import dataclass
 from .demangle import demangle, demangle_full, demangle_rust_legacy
 from .elf import ElfError, ElfReader
 from .symtab import NO_NAME, SymbolTable

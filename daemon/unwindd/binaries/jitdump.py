@@ -35,7 +35,8 @@ import re
 import struct
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import dataclass, field
+
+from ..lightdc import dataclass, field
 
 __all__ = ["CodeLoad", "CodeMove", "JitCodeTable", "Jitdump", "JitdumpParser", "is_jitdump_path"]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TypeAlias
 
+from ..lightdc import dataclass
 from .demangle import demangle
 
 __all__ = ["NO_NAME", "Column", "StrTab", "Symbol", "SymbolTable", "c_string"]

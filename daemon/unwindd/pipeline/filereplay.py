@@ -32,10 +32,10 @@ import sys
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..binaries.symtab import SymbolTable
+from ..lightdc import dataclass
 from ..procs.mapping import PROT_EXEC, Mapping
 from ..source.abi import (
     MISC_CPUMODE_MASK,

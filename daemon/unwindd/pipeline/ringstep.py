@@ -46,9 +46,9 @@ from array import array
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..lightdc import dataclass, field
 from ..procs.livetable import LiveTable
 from ..procs.pyframes import merge
 from ..source import abi

@@ -16,9 +16,9 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from ..lightdc import dataclass
 from ..source.capture import StreamPipeline
 from ..source.output import render_summary, render_unwind_summary
 from ..unwind.engine import StackEngine, frame_sources

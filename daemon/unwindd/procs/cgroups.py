@@ -34,8 +34,8 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from ..lightdc import dataclass
 from .procscan import ProcFS
 
 __all__ = ["NO_LABELS", "CgroupLabels", "CgroupStats", "Labels", "cgroup_path", "labels_of_path"]

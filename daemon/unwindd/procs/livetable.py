@@ -41,8 +41,8 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
+from ..lightdc import dataclass, field
 from ..source import abi
 from ..source.records import Comm, Fork, Lost, Record, Sample
 from .cgroups import CgroupLabels

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 
 from ..binaries.elfentry import ElfEntry
+from ..lightdc import dataclass, field, replace
 from ..source.records import frozen_maker
 
 __all__ = [

@@ -25,8 +25,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from ..lightdc import dataclass
 from .mapping import PROT_EXEC, Mapping
 from .procmaps import parse_proc_maps
 

@@ -45,10 +45,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..binaries.elfentry import ElfEntry
+from ..lightdc import dataclass, field, replace
 from ..source.abi import MISC_MMAP_DATA
 from ..source.records import Comm, Exit, Fork, Mmap, Mmap2, Record
 from .mapping import (

@@ -40,8 +40,9 @@ import ctypes
 import errno
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
+
+from ..lightdc import dataclass, field
 
 # Why a sample's Python frames could not be named (metrics labels: a fixed set).
 # "self": the daemon's own process is not read (pyreader): reading itself would make each of its

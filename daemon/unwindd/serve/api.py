@@ -54,11 +54,11 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final, Protocol
 
+from ..lightdc import dataclass
 from ..store.pprof import encode_profile, encode_profile_ids
 from ..store.queries import Key, Stack, StackCount, top_functions, top_lines, top_lines_ids
 from ..store.stackstore import StackStore

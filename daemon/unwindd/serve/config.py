@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
 from ..binaries.cachefiles import DIR_MAX_BYTES
+from ..lightdc import dataclass, field
 from ..source.sampling import EVENTS
 
 DEFAULT_PATH = "/etc/unwindd/config.toml"

@@ -33,12 +33,11 @@ at most once per call.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..binaries.cachefiles import release_mapped
+from ..lightdc import dataclass
 
 __all__ = ["ARENA_MAX", "MMAP_THRESHOLD", "HeapStats", "Trimmer", "limit_arenas", "stats"]
 
@@ -58,12 +57,22 @@ class _Mallinfo2(ctypes.Structure):
                                               "keepcost")]  # fmt: skip
 
 
+_FUNCS = ("mallopt", "malloc_trim", "mallinfo2")
+
+
 def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    if not all(hasattr(libc, f) for f in ("mallopt", "malloc_trim", "mallinfo2")):
+    # The process's own symbols first (dlopen(NULL): the interpreter links the C library),
+    # so importing this module runs nothing; find_library (which runs ldconfig -p, or gcc)
+    # only when they lack these functions.
+    libc = ctypes.CDLL(None)
+    if not all(hasattr(libc, f) for f in _FUNCS):
+        from ctypes.util import find_library
+
+        try:
+            libc = ctypes.CDLL(find_library("c") or "libc.so.6")
+        except OSError:
+            return None
+    if not all(hasattr(libc, f) for f in _FUNCS):
         return None  # not glibc, or one too old for mallinfo2
     libc.mallinfo2.restype = _Mallinfo2
     libc.malloc_trim.argtypes = [ctypes.c_size_t]

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
@@ -28,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from .. import __version__
+from ..lightdc import dataclass, field
 
 SERVER = f"unwindd/{__version__}".encode()
 

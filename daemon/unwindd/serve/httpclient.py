@@ -19,10 +19,11 @@ import asyncio
 import contextlib
 import os
 import ssl
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import h11
+
+from ..lightdc import dataclass
 
 _READ = 65536
 

@@ -24,18 +24,8 @@ Invariants:
 from __future__ import annotations
 
 import bisect
-import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..binaries.cfi import CFI_STORE_RESULTS
@@ -43,6 +33,7 @@ from ..binaries.debuginfod import FETCH_RESULTS as DEBUGINFOD_RESULTS
 from ..binaries.elfcache import ERROR_KINDS as ELF_ERRORS
 from ..binaries.srclines import SRC_STORE_RESULTS
 from ..binaries.symstore import SYM_STORE_RESULTS
+from ..lightdc import dataclass
 from ..pipeline.context import END_ERRORS, SAMPLE_ERRORS, STATUS_NAMES
 from ..procs.livetable import GIVE_UPS, RESCAN_FAILURES, RESCAN_TRIGGERS
 from ..procs.proctable import DROP_REASONS
@@ -56,6 +47,12 @@ from .pprofpull import ENDPOINTS as PULL_ENDPOINTS
 from .pprofpull import PULL_REJECTIONS
 from .pyroscope import DROPS as PUSH_DROPS
 from .pyroscope import FAILURES as PUSH_FAILURES
+
+# prometheus_client (with http.server, wsgiref, gzip, ... its package imports) is imported by the
+# first scrape's collect, not with this module: a daemon with [metrics] enabled = false never
+# loads it. UnwinddCollector meets its registry's Collector protocol (a collect method).
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 NS = 1e-9
 
@@ -320,7 +317,7 @@ def gauge_specs() -> list[Spec]:
     ]  # fmt: skip
 
 
-class UnwinddCollector(Collector):
+class UnwinddCollector:
     def __init__(self, daemon: Any, measurements: Measurements) -> None:
         self.daemon = daemon
         self.m = measurements
@@ -328,6 +325,14 @@ class UnwinddCollector(Collector):
         self.gauges = gauge_specs()
 
     def collect(self) -> Iterator[Metric]:
+        import platform
+
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
         info = GaugeMetricFamily("unwindd_build_info", "Version of the running daemon.",
                                  labels=["version", "python"])  # fmt: skip
         info.add_metric([__version__, platform.python_version()], 1)

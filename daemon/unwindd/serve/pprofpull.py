@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hmac
 import ipaddress
 import logging
 import threading
@@ -46,6 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar, cast
 
+from ..lightdc import replace
 from ..store.pprof import encode_profile
 from ..store.queries import Stack, StackCount
 from .api import PARAMS, Api, BadParam, Peer, Source, float_param, window_headers, window_json
@@ -166,7 +165,7 @@ class PprofPull:
             return error_response(405, "only GET", headers=ALLOW_GET,
                                   rejected="method_not_allowed")
         if self._token and not self._authorized(req):
-            return dataclasses.replace(
+            return replace(
                 error_response(401, "a bearer token is required", "unauthorized"),
                 headers=(("www-authenticate", 'Bearer realm="unwindd"'),))
         if path == INDEX:
@@ -191,6 +190,8 @@ class PprofPull:
             self.active -= 1
 
     def _authorized(self, req: Request) -> bool:
+        import hmac  # (with hashlib: only a daemon that pulls with a token needs it)
+
         got = b""
         for k, v in req.headers:
             if k.lower() == "authorization":

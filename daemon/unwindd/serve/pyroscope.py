@@ -49,10 +49,10 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from ..lightdc import dataclass, field
 from ..store.pprof import encode_profile
 from ..store.queries import Queries, StackCount
 from .httpclient import ConnectFailed, Endpoint, ProtocolFailed, post

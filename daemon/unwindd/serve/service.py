@@ -39,11 +39,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
 from ..binaries.debuginfod import Debuginfod, DebuginfodStats
+from ..lightdc import dataclass
 from ..pipeline.live import LiveProfiler
 from ..pipeline.ringstep import StepInfo
 from . import heap

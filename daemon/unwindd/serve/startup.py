@@ -120,10 +120,9 @@ def attach_debuginfod(engine: StackEngine, dcfg: DebuginfodConfig, *,
                       ) -> Debuginfod:  # fmt: skip
     """A debuginfod client on ``engine``'s ELF cache: its dir searched for debug files, every
     binary whose symbols are loaded from now on (its frames are being named) offered to it."""
-    from dataclasses import replace
-
     from ..binaries.debuginfod import Debuginfod
     from ..binaries.elfcache import ElfCache
+    from ..lightdc import replace
 
     cache = engine.table.binaries
     assert isinstance(cache, ElfCache)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import select
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..lightdc import dataclass, field
 from .decoder import MAX_RECORD_SIZE, RecordDecoder
 from .formats import EventFormat
 from .ordering import RoundOrderer

@@ -28,8 +28,8 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
+from ..lightdc import dataclass, field
 from .abi import MISC_MMAP_BUILD_ID, RecordType, SampleType
 from .formats import NONE1, EventFormat, SampleIdLayout, SampleLayout
 from .records import (

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+from ..lightdc import dataclass, field
 from .abi import BRANCH_COUNTERS, BRANCH_HW_INDEX, ReadFormat, SampleType
 
 

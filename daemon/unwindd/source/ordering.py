@@ -43,9 +43,9 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from ..lightdc import dataclass, field
 from . import records
 
 

@@ -36,11 +36,11 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 from .._perfcore import ffi, lib
+from ..lightdc import replace
 from . import decoder, formats
 from .sampling import (
     EVENTS,

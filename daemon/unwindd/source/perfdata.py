@@ -30,7 +30,6 @@ Only little-endian files are read (see ``perfheader``).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 import struct
@@ -40,6 +39,7 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import IO, cast
 
+from ..lightdc import replace
 from .abi import RecordType
 from .decoder import DecodeStats, RecordDecoder
 from .formats import EventFormat
@@ -445,7 +445,7 @@ class PerfData:
                 self.errors["event_desc_unmatched"] += 1
                 continue
             a = attrs[idx]
-            attrs[idx] = dataclasses.replace(a, fmt=dataclasses.replace(a.fmt, name=name),
+            attrs[idx] = replace(a, fmt=replace(a.fmt, name=name),
                                              name=name)  # fmt: skip
         self._set_attrs(attrs)
 

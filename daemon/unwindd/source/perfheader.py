@@ -20,9 +20,9 @@ that recorded. A byte-swapped magic is a ``PerfDataError`` that says so.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 
+from ..lightdc import dataclass
 from .abi import MISC_BUILD_ID_SIZE
 from .formats import EventFormat
 

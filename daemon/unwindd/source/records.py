@@ -19,9 +19,9 @@ Field meanings follow ``include/uapi/linux/perf_event.h`` (Linux 6.x), ``enum pe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from ..lightdc import dataclass, field_names
 from .abi import MISC_COMM_EXEC, MISC_CPUMODE_MASK, RecordType
 
 _T = TypeVar("_T")
@@ -35,7 +35,7 @@ def frozen_maker(cls: type[_T]) -> Callable[..., _T]:
     equality, hash and immutability are its own); CPython refuses the ``__class__``
     assignment unless the two layouts are identical, so a mismatch fails loudly here, at
     import. Every field is a required positional argument (no defaults applied)."""
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    names = list(field_names(cls))
     if tuple(names) != tuple(getattr(cls, "__slots__", ())):
         raise TypeError(f"{cls.__name__}: fields and slots differ")
     twin = type(f"_{cls.__name__}Fill", (), {"__slots__": tuple(names)})

@@ -25,8 +25,8 @@ import errno
 import os
 import resource
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 
+from ..lightdc import dataclass, replace
 from . import abi
 
 # include/uapi/linux/perf_event.h: enum perf_type_id, perf_hw_id, perf_sw_ids.

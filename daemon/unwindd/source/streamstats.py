@@ -15,8 +15,8 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
+from ..lightdc import dataclass, field
 from .comms import default_comm
 from .records import (
     BadRecord,

@@ -31,9 +31,10 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
+
+from ..lightdc import dataclass, field
 
 KERNEL_SUFFIX = "_[k]"
 INLINE_SUFFIX = "_[i]"

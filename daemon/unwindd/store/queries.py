@@ -27,10 +27,10 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+from ..lightdc import dataclass
 from ..procs.cgroups import NO_LABELS, Labels
 from ..unwind.stackfmt import UNKNOWN, Frame, frame_name
 from .stacktable import FuncKey, StackTable

@@ -38,10 +38,10 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from ..lightdc import dataclass, field
 from ..procs.cgroups import CgroupLabels, Labels
 from ..unwind.stackfmt import CodeStack, UnwoundSample, frames_of
 from .queries import (

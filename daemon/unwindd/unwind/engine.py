@@ -33,7 +33,6 @@ import weakref
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..binaries.cachefiles import CACHE_STORES
@@ -41,6 +40,7 @@ from ..binaries.cfiprefetch import CFI_INLINE_MAX_BYTES, CfiPrefetcher
 from ..binaries.elfcache import CacheConfig, ElfCache
 from ..binaries.jitdump import is_jitdump_path
 from ..binaries.symbolize import Symbolizer
+from ..lightdc import dataclass, field
 from ..procs.mapping import PROT_EXEC, Mapping, find_mapping
 from ..procs.proctable import ProcessTable
 from ..procs.space import SpaceState

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from ..binaries.jitdump import is_jitdump_path
+from ..lightdc import dataclass, field
 from ..procs.space import is_jit_name
 from .stackfmt import Frame
 

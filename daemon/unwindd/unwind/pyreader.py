@@ -45,9 +45,9 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from ..binaries.elf import ElfError, ElfReader
+from ..lightdc import dataclass, field
 from ..procs.proctable import ProcessTable
 from ..procs.pyframes import (
     FAILURES,

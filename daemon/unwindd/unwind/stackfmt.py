@@ -33,9 +33,9 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+from ..lightdc import dataclass, field
 from ..source.records import frozen_maker
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from ..binaries.cfi import ARCH_X86_64, CfiTable
+from ..lightdc import dataclass
 from ..source import abi, records
 from ..unwcore import ffi, lib
 
