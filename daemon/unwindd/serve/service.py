@@ -101,6 +101,7 @@ GC_THRESHOLDS = (20_000, 10, 10)
 # is idle (_pace): kernel threads' housekeeping and the daemon's own steps come to less.
 IDLE_SHARE = 0.02
 
+
 def read_uid(proc_root: str, pid: int) -> int | None:
     """Real uid of a process from /proc/<pid>/status ("Uid:\\treal\\teffective\\t...")."""
     try:
