@@ -3,7 +3,7 @@ code alternated, as the daemon configures the step (inline frames on, counts flu
 once a second): deterministic, beside bench_daemon.py's live numbers on a noisy machine.
 
     python3 bench/bench_step_replay.py [--capture FILE] [--record-seconds 8] [--warm 80]
-        [--only-comm chain_o2] [--idle] [--runs 3] CODE [CODE ...]
+        [--only-comm chain_o2] [--idle] [--runs 3] [--steps N] [--callgrind] CODE [CODE ...]
 
 Capture (once, reused when FILE exists; root): every CPU at 999 Hz, 8 KiB stacks, 256-page
 rings, one ``chain_o2 100`` re-exec loop per CPU, drained every 25 ms (about the daemon's
@@ -13,7 +13,10 @@ in the capture (and the idle task's) are replayed, every side-band record kept: 
 processes of the machine (present before the capture: unknown to the replay's empty /proc)
 would only measure their placement failures. ``--idle``: every sample replaced by a
 kernel-only idle-task sample of the capture (pid 0, same time and cpu): an idle machine at
-999 Hz.
+999 Hz. ``--steps N``: at most N timed drains. ``--callgrind``: each replay under valgrind's
+callgrind, collection on only around the timed drains (``callgrind_control -i``): the
+instructions the main thread took in them (the step's; the CFI and line-table workers run
+beside it, as scheduled), nearly deterministic on a shared machine, beside the CPU time.
 Replay (per CODE, its own interpreter with ``PYTHONPATH=CODE``, bench_sideband.code_path):
 ``LiveProfiler`` over the drains (an empty /proc, line tables from a persistent cache dir
 ``FILE``.cache, as a daemon that ran before; the daemon's garbage collector thresholds), the
@@ -127,7 +130,24 @@ def idle(fmt: Any, drains: list[list[tuple[int, bytes]]]) -> list[Any]:
     return out
 
 
-def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path) -> None:
+def _collect(on: bool) -> None:
+    """Callgrind's collection on or off for this process (no-op outside valgrind)."""
+    if os.environ.get("UNWINDD_BENCH_CALLGRIND"):
+        subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(os.getpid())],
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def _instructions(path: Path) -> int:
+    """The Ir total of a callgrind output file (its ``totals:`` line: ``summary:`` stays 0
+    when collection starts off)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    raise SystemExit(f"{path}: no callgrind totals")
+
+
+def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path,
+          steps: int | None = None) -> None:  # fmt: skip
     from captured import Replayed
     from unwindd.pipeline.live import LiveProfiler
     from unwindd.procs.livetable import LiveTable
@@ -160,20 +180,23 @@ def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path) -> Non
         prof.step()
         if i % 40 == 39:  # ~1 s of 25 ms drains: the daemon's flush interval
             prof.flush()
+    timed = len(drains) - warm if steps is None else min(steps, len(drains) - warm)
+    _collect(True)
     n0, c0 = by_type["SAMPLE"], time.process_time()
-    for i in range(len(drains) - warm):
+    for i in range(timed):
         prof.step()
         if i % 40 == 39:
             prof.flush()
     prof.flush()
     cpu, n = time.process_time() - c0, by_type["SAMPLE"] - n0
+    _collect(False)
     prof.close()
     h = hashlib.sha256()
     for line in sorted(repr((x.pid, x.tid, x.comm, x.frames, x.count))
                        for x in prof.store.query()):  # fmt: skip
         h.update(line.encode())
     out.write_text(json.dumps({"cpu_s": cpu, "samples": n, "us_per_sample": 1e6 * cpu / max(n, 1),
-                               "steps": len(drains) - warm, "digest": h.hexdigest()[:16]}))
+                               "steps": timed, "digest": h.hexdigest()[:16]}))
 
 
 def main() -> None:
@@ -185,17 +208,21 @@ def main() -> None:
     ap.add_argument("--only-comm", help="replay only the samples of processes of this comm")
     ap.add_argument("--idle", action="store_true", help="idle-task samples in place of all")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, help="at most this many timed drains")
+    ap.add_argument("--callgrind", action="store_true",
+                    help="count the timed drains' instructions under callgrind")  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cap = Path(a.capture)
     if a.child:
-        child(cap, a.warm, a.only_comm, a.idle, Path(a.child))
+        child(cap, a.warm, a.only_comm, a.idle, Path(a.child), a.steps)
         return
     if not cap.exists():
         record(cap, a.record_seconds)
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-step-"))
     paths = {c: code_path(c, tmp) for c in a.codes}
     res: dict[str, list[float]] = {c: [] for c in a.codes}
+    irs: dict[str, list[int]] = {c: [] for c in a.codes}
     for i in range(a.runs):
         for c in a.codes:
             env = dict(os.environ)
@@ -204,15 +231,28 @@ def main() -> None:
             out = tmp / "out.json"
             cmd = [sys.executable, __file__, "--child", str(out), "--capture", str(cap),
                    "--warm", str(a.warm), *(["--only-comm", a.only_comm] if a.only_comm else []),
-                   *(["--idle"] if a.idle else [])]  # fmt: skip
-            subprocess.run(cmd, env=env, check=True)
+                   *(["--idle"] if a.idle else []),
+                   *(["--steps", str(a.steps)] if a.steps is not None else [])]  # fmt: skip
+            cg = tmp / "callgrind.out"
+            if a.callgrind:
+                env["UNWINDD_BENCH_CALLGRIND"] = "1"
+                cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                       "--separate-threads=yes", f"--callgrind-out-file={cg}",
+                       *cmd]  # fmt: skip
+            subprocess.run(cmd, env=env, check=True,
+                           stderr=subprocess.DEVNULL if a.callgrind else None)  # fmt: skip
             r = json.loads(out.read_text())
             res[c].append(r["us_per_sample"])
+            ir = ""
+            if a.callgrind:
+                irs[c].append(_instructions(Path(f"{cg}-01")))  # the main thread's
+                ir = f", {irs[c][-1] / 1e6:.1f} M instructions"
             print(f"run {i + 1} {c}: {r['cpu_s']:.3f} s CPU, {r['samples']} samples in "
-                  f"{r['steps']} steps, {r['us_per_sample']:.2f} us per sample, "
+                  f"{r['steps']} steps, {r['us_per_sample']:.2f} us per sample{ir}, "
                   f"digest {r['digest']}", flush=True)  # fmt: skip
     for c, xs in res.items():
-        print(f"median of {a.runs}, {c}: {statistics.median(xs):.2f} us CPU per sample")
+        ir = f", {statistics.median(irs[c]) / 1e6:.1f} M instructions" if irs[c] else ""
+        print(f"median of {a.runs}, {c}: {statistics.median(xs):.2f} us CPU per sample{ir}")
 
 
 if __name__ == "__main__":

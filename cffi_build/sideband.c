@@ -1,7 +1,7 @@
 /* sideband.c: find the side-band records a replay may skip, natively (filereplay.py); list
  * and mark the live step's side-band records in bulk (ringstep.py: unw_sb_rows, unw_sb_marks,
- * unw_sb_slots, each the C form of a Python loop it replaced, tests/unit/test_sideband_live.py
- * holds them to it; they read and write only the index entries and arrays they are given,
+ * unw_sb_trailer_marks, unw_sb_slots, each the C form of a Python loop it replaced,
+ * tests/unit/test_sideband_live.py holds them to it; they read and write only the index entries and arrays they are given,
  * O(entries)).
  *
  * Why: deep CPython recursion mmaps/munmaps frame chunks, so a profile can carry hundreds of
@@ -33,6 +33,9 @@
 #include "fastpath.h"
 
 #define REC_MMAP 1
+#define REC_COMM 3
+#define REC_EXIT 4
+#define REC_FORK 7
 #define REC_MMAP2 10
 #define MISC_MMAP_DATA 0x2000
 #define MISC_MMAP_BUILD_ID 0x4000
@@ -240,6 +243,45 @@ void unw_sb_marks(void *recs_, const uint32_t *idx, const uint64_t *marks, uint6
             r->cpu = (uint32_t)m[1];
         r->flags = flags;
     }
+}
+
+/* The live step marks the common side-band records of a round here, new and carried ones
+ * alike (the carry keeps each record's bytes), as their decoded values would
+ * (ringstep.py _decode_others marks the rest, rare: LOST, THROTTLE, a SAMPLE that failed
+ * the C checks, a build-id MMAP2, from their decoded values). Layouts: decoder.py (MMAP2's
+ * fixed part is 64 bytes, FORK/EXIT's pid, ppid, tid, ptid, time 24, COMM's pid, tid 8). */
+uint64_t unw_sb_trailer_marks(const uint8_t *data, uint64_t len, void *recs_, const uint32_t *idx,
+                              uint64_t k, uint32_t sid_size, int32_t t_off, int32_t c_off,
+                              uint32_t *rest)
+{
+    struct fp_rec *recs = recs_;
+    uint64_t nrest = 0;
+    for (uint64_t j = 0; j < k; j++) {
+        struct fp_rec *r = &recs[idx[j]];
+        uint64_t fixed;
+        if (r->type == REC_MMAP2 && !(r->misc & MISC_MMAP_BUILD_ID))
+            fixed = 64;
+        else if (r->type == REC_COMM)
+            fixed = 8;
+        else if (r->type == REC_FORK || r->type == REC_EXIT)
+            fixed = 24;
+        else {
+            rest[nrest++] = idx[j];
+            continue;
+        }
+        uint64_t blen = r->size >= 8 ? r->size - 8u : 0;
+        if (blen < fixed + sid_size || r->off + r->size > len) {
+            r->flags = 0; /* short_body / short_sample_id: a BadRecord, no time, no cpu */
+            continue;
+        }
+        const uint8_t *b = data + r->off + 8;
+        mark(r, b + blen - sid_size, t_off, c_off);
+        if (r->type == REC_FORK || r->type == REC_EXIT) {
+            r->time = rd64(b + 16); /* Fork.time / Exit.time: the body's, never absent */
+            r->flags |= FP_TIMED;
+        }
+    }
+    return nrest;
 }
 
 /* The carried side-band records' new index entries (ringstep.py _carry_round): the carry is

@@ -326,6 +326,18 @@ uint64_t unw_sb_rows(const void *recs, uint64_t n, uint64_t *rows);
  * flags); time and cpu written only where flags has FP_TIMED / FP_HAS_CPU. O(k). */
 void unw_sb_marks(void *recs, const uint32_t *idx, const uint64_t *marks, uint64_t k);
 
+/* context.mark_record of each side-band entry recs[idx[j]], j < k, of data (len bytes) whose
+ * decoded value RecordDecoder gives without the body's help beyond fixed offsets: a MMAP2 not
+ * flagged PERF_RECORD_MISC_MMAP_BUILD_ID (10), a COMM (3): time and cpu of its sample_id
+ * trailer (sid_size bytes at its end; t_off, c_off its time and cpu offsets, < 0 when
+ * absent); a FORK (7) or EXIT (4): the time of its body, always set, and the trailer's cpu;
+ * each too short for its fixed part and trailer gets flags 0 (its BadRecord's). Any other
+ * entry is left as it is (the caller marks it) and listed in rest (room for k). Returns how
+ * many were left. O(k). */
+uint64_t unw_sb_trailer_marks(const uint8_t *data, uint64_t len, void *recs, const uint32_t *idx,
+                              uint64_t k, uint32_t sid_size, int32_t t_off, int32_t c_off,
+                              uint32_t *rest);
+
 /* The positions in keep[0..nkeep) (distinct record indices < n) of want[0..k) (each in keep):
  * out[t] = the j with keep[j] == want[t]; inv: scratch of n entries. O(nkeep + k). */
 void unw_sb_slots(const uint32_t *keep, uint64_t nkeep, const uint32_t *want, uint64_t k,

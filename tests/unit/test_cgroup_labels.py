@@ -303,3 +303,39 @@ def test_cut_file_never_yields_a_cut_path(proc: Path) -> None:
     put(proc, 5, v1 + v2)
     got = CgroupLabels(ProcFS(str(proc))).read(5)
     assert got == Labels("/system.slice/v1.service", "v1.service", None)
+
+
+def test_exec_of_a_new_process_reads_at_its_first_placed_sample(proc: Path) -> None:
+    """A new process's exec (its FORK forgot its labels) is read when its first sample is
+    placed, not at the exec: a process that exits unsampled is never read (process churn);
+    one whose labels are held is read at the exec itself (the test above). Its drop forgets
+    the pending read."""
+    from unwindd.procs.livetable import LiveTable
+    from unwindd.procs.proctable import ProcessTable
+    from unwindd.source import abi
+    from unwindd.source.abi import MISC_COMM_EXEC
+    from unwindd.source.records import NO_SAMPLE_ID, Comm, Fork, Sample
+
+    def sample(pid: int) -> Sample:
+        regs = [0] * bin(abi.X86_64_REGS_MASK).count("1")
+        return Sample(0, pid, pid, 5, 0, 0x1000, None, 1, (), abi.REGS_ABI_64,
+                      abi.X86_64_REGS_MASK, tuple(regs), b"", 0)  # fmt: skip
+
+    live = LiveTable(ProcessTable(), ProcFS(str(proc)))
+    store = StackStore()
+    store.attach_labels(live.labels)
+    for pid in (41, 42):
+        put(proc, pid, b"0::/system.slice/a.service\n")
+        live.observe(Fork(0, pid, 1, pid, 1, 10, NO_SAMPLE_ID))
+        put(proc, pid, f"0::/system.slice/docker-{ID}.scope\n".encode())  # moved, then exec
+        live.observe(Comm(MISC_COMM_EXEC, pid, pid, "x", NO_SAMPLE_ID))
+    assert live.labels.stats.reads == 0 and set(live.labels.due) == {41, 42}
+    live.place(sample(41))
+    assert live.labels.stats.reads == 1 and live.labels.get(41) == labels_of_path(
+        f"/system.slice/docker-{ID}.scope")  # fmt: skip
+    live.place(sample(41))
+    assert live.labels.stats.reads == 1  # once
+    live.forget(42)  # the table dropped it unsampled: never read
+    assert not live.labels.due and live.labels.stats.reads == 1
+    store.add([_sample(41, 12, "f")])
+    assert store.labels_of(41)["container_id"] == ID and live.labels.stats.reads == 1

@@ -55,7 +55,7 @@ from ..source import abi
 from ..source.capture import StreamPipeline, round_drained
 from ..source.mapfile import layout_of
 from ..source.perfcore import MAX_RECORD_SIZE
-from ..source.records import Comm, Fork, Lost, Mmap2, Record, record_type_name
+from ..source.records import Comm, Fork, Lost, Mmap2, Record
 from ..source.streamstats import PLAIN
 from ..store.stackstore import StackStore, StoreGroup
 from ..unwcore import check, count, ffi, lib, owned
@@ -94,7 +94,8 @@ _PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C id
 PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
 # (time, cpu, flags): computed once, rewritten when the record is carried to the next round.
-_Marked = tuple[Record, tuple[int, int, int]]
+# (None: marked from its bytes, unw_sb_trailer_marks)
+_Marked = tuple[Record, tuple[int, int, int] | None]
 _Frames = tuple[Frame, ...] | CodeStack  # a mirrored stack's frames (stackfmt.frames_of)
 
 
@@ -110,6 +111,7 @@ _IP_BIT = abi.X86_REG_NAMES.index("ip")
 _U64 = struct.Struct("<Q")
 _NO_STOP = (1 << 64) - 1
 _COLS = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")  # fp_columns
+_PLAIN_NAMES = {t: t.__name__.upper() for t in PLAIN}  # record_type_name of each (MMAP2, ...)
 
 
 @dataclass
@@ -163,6 +165,9 @@ class NativeStep:
         self.unpin = unpin
         assert engine.live is not None
         self.live: LiveTable = engine.live
+        # MMAP2s after an exec built only when the process is asked for (proctable.py): under
+        # churn most processes exit unsampled and never build one
+        engine.table.defer_mappings = True
         fmt = pipeline.decoder.formats[0]
         self.lay = layout_of(fmt)
         # the byte offset of the ip register in a sample's REGS_USER regs[] (-1: not sampled)
@@ -385,7 +390,7 @@ class NativeStep:
         mv, cbuf = memoryview(buf), ffi.from_buffer(buf)
         recs, n, ends = self._index(cbuf, bounds)
         ncarry = self._ncarry
-        new_other = self._decode_others(recs, n, mv, cpus, bounds)
+        new_other = self._decode_others(recs, n, mv, cbuf, cpus, bounds)
         errors = self.pipeline.decoder.stats.errors
         for end in ends:
             if end in END_ERRORS:
@@ -459,53 +464,75 @@ class NativeStep:
         self._grow(n)
         return recs, n, list(ends[1:nparts])
 
-    def _decode_others(self, recs: Any, n: int, mv: memoryview, cpus: list[int],
+    def _decode_others(self, recs: Any, n: int, mv: memoryview, cbuf: Any, cpus: list[int],
                        bounds: list[int]) -> int:  # fmt: skip
         """The records that are not good SAMPLEs: the new ones decoded, counted and pinned in
-        drain order, each index entry marked; their number (carried ones not counted)."""
+        drain order (``RecordDecoder.decode_side_band``: one call), each index entry marked
+        (the common ones from their bytes in C, ``unw_sb_trailer_marks``, the others from their
+        decoded values); their number (carried ones not counted)."""
         if not int(self._u64s[1]):
             return 0
         ncarry, objs, idx = self._ncarry, self._carry_objs, self._idx
-        decode, observe = self.pipeline.decoder.decode_one, self.pipeline.stats.observe
-        pin = self.pin
-        new_other = 0
-        # MMAP2/EXIT/MMAP records carrying their cpu (all of them with sample_id_all): counted
-        # by (type, cpu) after the loop (StreamStats.observe_plain), not one by one
-        plain: dict[tuple[str, int], int] = {}
+        observe, pin = self.pipeline.stats.observe, self.pin
         # (index, type, misc, off, size) of every side-band entry, read in C (unw_sb_rows)
         k = int(lib.unw_sb_rows(recs, n, self._rows))
         flat = view(self._rows, "Q", 5 * k).tolist()
-        marks: list[int] = []  # (time, cpu, flags) per entry, written back by unw_sb_marks
-        it = iter(flat)
-        for i, typ, misc, off, size in zip(it, it, it, it, it, strict=True):
-            if i < ncarry:
-                marks += objs[i][1]  # carried: decoded and marked once already
-                continue
-            new_other += 1
-            rec = decode(typ, misc, mv[off + 8 : off + size])
-            kind = type(rec)
-            rtime, rcpu = rec.time, rec.cpu
-            if rcpu is not None and kind in PLAIN:
-                key = (record_type_name(rec), rcpu)
-                plain[key] = plain.get(key, 0) + 1
-            else:
-                observe(rec, cpus[bisect_right(bounds, off) - 2])
-            if kind is Mmap2:
-                pin(rec)  # (LiveProfiler._pin: only MMAP2s pin a binary)
-            # context.record_marks, inline
-            m = (rtime or 0, rcpu or 0,
-                 (0 if rtime is None else TIMED) | (0 if rcpu is None else HAS_CPU))  # fmt: skip
-            objs[i] = (rec, m)
-            marks += m
-        # the marks computed at decode time: context.mark_record for every side-band record of
-        # the round (and again when carried), in C
+        # the new ones (past the carry) decoded in one call, in drain order
+        first = 0
+        while first < k and flat[5 * first] < ncarry:
+            first += 1
+        new = flat[5 * first :]
+        del new[0::5]  # (type, misc, off, size) each
+        mark_i: list[int] = []  # the entries marked from Python (unw_sb_marks) ...
+        marks: list[int] = []  # ... and their (time, cpu, flags)
+        dec = self.pipeline.decoder
+        decoded, times, rcpus = dec.decode_side_band(mv, new)
+        # the marks (context.mark_record) of the common records from their bytes, in C, of
+        # carried ones again (re-indexed from the carry); the rest from their decoded values
         idx[0:k] = flat[0::5]
-        self._marks[0 : 3 * k] = marks
-        lib.unw_sb_marks(recs, idx, self._marks, k)
-        if plain:
-            observe_plain = self.pipeline.stats.observe_plain
-            for (name, cpu), c in plain.items():
-                observe_plain(name, cpu, c)
+        trailer = dec.sample_id_trailer()
+        if trailer is not None:
+            left = int(lib.unw_sb_trailer_marks(cbuf, len(mv), recs, idx, k, *trailer,
+                                                self._inv))  # fmt: skip
+            rest = set(view(self._inv, "I", left).tolist()) if left else set()
+        else:  # (several trailer layouts: every record from its decoded value)
+            rest = set(flat[0::5])
+        for j in range(first):
+            i = flat[5 * j]
+            if i in rest:
+                m = objs[i][1]
+                assert m is not None  # (a rest entry is one both rounds mark from Python)
+                mark_i.append(i)
+                marks += m  # carried: decoded and marked once already
+        new_idx = flat[5 * first :: 5]
+        objs.update(zip(new_idx, zip(decoded, [None] * len(decoded), strict=True),
+                        strict=True))  # (marked in C: no marks kept)
+        if rest:  # the few marked from Python: their marks kept for when they are carried
+            for i, rec, rtime, rcpu in zip(new_idx, decoded, times, rcpus, strict=True):
+                if i in rest:  # context.record_marks, inline
+                    fl = (0 if rtime is None else TIMED) | (0 if rcpu is None else HAS_CPU)
+                    m = (rtime or 0, rcpu or 0, fl)
+                    objs[i] = (rec, m)
+                    mark_i.append(i)
+                    marks += m
+        for rec in [r for r in decoded if type(r) is Mmap2]:
+            pin(rec)  # (LiveProfiler._pin: only MMAP2s pin a binary)
+        # MMAP2/EXIT/MMAP records carrying their cpu (all of them with sample_id_all) counted
+        # by (type, cpu) in bulk (StreamStats.observe_plain), the others one by one, in order
+        kinds = list(map(type, decoded))
+        observe_plain = self.pipeline.stats.observe_plain
+        for (kind, cpu), c in Counter(zip(kinds, rcpus, strict=True)).items():
+            if cpu is not None and kind in PLAIN:
+                observe_plain(_PLAIN_NAMES[kind], cpu, c)
+        for rec, off in [(rec, off) for rec, kind, rcpu, off
+                         in zip(decoded, kinds, rcpus, new[2::4], strict=True)
+                         if rcpu is None or kind not in PLAIN]:  # fmt: skip
+            observe(rec, cpus[bisect_right(bounds, off) - 2])
+        new_other = len(decoded)
+        if mark_i:
+            idx[0 : len(mark_i)] = mark_i
+            self._marks[0 : len(marks)] = marks
+            lib.unw_sb_marks(recs, idx, self._marks, len(mark_i))
         return new_other
 
     def _order(self, recs: Any, n: int, flush: bool) -> tuple[int, int]:
@@ -535,10 +562,12 @@ class NativeStep:
                     self._run(mv, size, cbuf, recs, perm, k, m, stack_ids)
             if p < 0:
                 break
-            rec = objs.pop(perm[p])[0]
-            self._apply(rec)
-            applied.append(rec)
-            pos = p + 1
+            q = is_sample.find(b"\1", p)  # the side-band records up to the next sample
+            q = d if q < 0 else q
+            batch = [objs.pop(i)[0] for i in perm[p:q]]
+            self._apply(batch)
+            applied += batch
+            pos = q
         return applied
 
     def _stream_samples(self, is_sample: bytes, d: int) -> list[UnwoundSample]:
@@ -608,25 +637,35 @@ class NativeStep:
 
     # -- side-band and samples
 
-    def _apply(self, rec: Record) -> None:
-        """StackEngine.feed's handling of a side-band record, then the C tables follow. The
-        C pid table keeps a pid's space when the record left it as it was (the same
-        ``AddressSpace`` with the same immutable state: a thread's FORK or EXIT, a rename, a
-        process's EXIT, a data mapping over nothing): what C holds was built from exactly
-        that state, so its next sample needs no placing again."""
-        pid = getattr(rec, "pid", None)
+    def _apply(self, batch: list[Record]) -> None:
+        """StackEngine.feed's handling of side-band records delivered one after another (no
+        sample between them), then the C tables follow, once for the batch: comms forgotten
+        if a COMM or FORK renamed a task; every space after a LOST (epoch bump); else the
+        space of each pid C holds whose space a record changed. C keeps a pid's space when the
+        records left it as it was (the same ``AddressSpace`` with the same immutable state: a
+        thread's FORK or EXIT, a rename, a process's EXIT, a data mapping over nothing, a
+        deferred MMAP2): what C holds was built from exactly that state, so its next sample
+        needs no placing again. A pid C does not hold (most side-band records are of
+        processes C never saw) costs no look at its space."""
+        nctx, apply = self.nctx, self.engine.apply_side_band
+        held = nctx._pid_sid  # the pids C holds a space for (NativeContext.forget_space)
         spaces = self.engine.table.spaces  # (its dict: no method call)
-        sp = spaces.get(pid) if type(pid) is int else None
-        state = sp.state if sp is not None else None
-        self.engine.apply_side_band(rec)
-        t = type(rec)  # record types are final classes: identity tests
-        if t is Comm or t is Fork:
-            self.nctx.forget_comms()  # COMM renames; FORK names a new task after its parent
-        elif t is Lost:
-            self.nctx.forget_all_spaces()  # epoch bump: every space is re-verified
+        before: dict[int, tuple[Any, object]] = {}
+        if held:  # (a held pid's space changes only by its own records: C holds no queued one)
+            for pid in held.keys() & {getattr(rec, "pid", None) for rec in batch}:
+                sp = spaces.get(pid)
+                before[pid] = (sp, sp.state if sp is not None else None)
+        for rec in batch:
+            apply(rec)
+        kinds = set(map(type, batch))  # (record types are final classes)
+        if Comm in kinds or Fork in kinds:
+            nctx.forget_comms()  # COMM renames; FORK names a new task after its parent
+        if Lost in kinds:
+            nctx.forget_all_spaces()  # epoch bump: every space is re-verified
             return
-        if type(pid) is int and (sp is None or spaces.get(pid) is not sp or sp.state is not state):
-            self.nctx.forget_space(pid)
+        for pid, (was, state) in before.items():
+            if was is None or was.state is not state or spaces.get(pid) is not was:
+                nctx.forget_space(pid)
 
     def _run(self, mv: memoryview, size: int, cbuf: Any, recs: Any, perm: Any, a: int, b: int,
              stack_ids: Any) -> None:  # fmt: skip

@@ -21,7 +21,11 @@ Invariants:
   dockerPattern, kubePattern, systemdKubePattern). conmon's scopes (``crio-conmon-``,
   ``libpod-conmon-``) are the runtime monitor, not the container: no id.
 - ``CgroupLabels`` reads a pid's file once per event that may change it (bootstrap, a /proc
-  rescan, exec; a FORK only forgets the pid: read lazily at its first stored sample), keeps
+  rescan, exec; a FORK only forgets the pid: read lazily at its first stored sample). An exec
+  of a pid whose labels are not held (a new process: its FORK forgot it) is not read at once
+  but marked ``due``: read at the pid's first placed sample (``read_due``, livetable.py), or
+  at its first stored sample; a process that exits before either (most of a churning
+  machine's) is never read. It keeps
   at most ``max_pids`` pids (oldest read dropped first) and parses each distinct path once
   (``max_paths`` cached, then the cache starts over). A pid whose file cannot be read (the
   process is gone) has no labels, counted in ``stats.unreadable``; never another's.
@@ -160,6 +164,9 @@ class CgroupLabels:
         self.max_paths = max_paths
         self.stats = CgroupStats()
         self._by_pid: dict[int, Labels] = {}
+        # pids exec'd while their labels were not held: read at their first placed sample
+        # (insertion order: the oldest dropped past max_pids, read lazily by labels_for then)
+        self.due: dict[int, None] = {}
         self._by_path: dict[str, Labels] = {}
         self.listeners: list[Callable[[int, Labels | None], None]] = []
 
@@ -167,6 +174,8 @@ class CgroupLabels:
         """Read ``pid``'s cgroup now; None (and the pid forgotten) if it cannot be read."""
         st = self.stats
         st.reads += 1
+        if self.due:
+            self.due.pop(pid, None)
         text = self.procfs.read(pid, "cgroup", _READ_LIMIT)
         if text is None:
             st.unreadable += 1
@@ -199,10 +208,29 @@ class CgroupLabels:
             cb(pid, labels)
         return labels
 
+    def exec(self, pid: int) -> None:
+        """``pid`` exec'd (its cgroup may have changed: runtimes move a process before its
+        exec): read now if its labels are held (the store shows them), else when its first
+        sample is placed (``read_due``) or stored (``labels_for``)."""
+        if pid in self._by_pid:
+            self.read(pid)
+            return
+        due = self.due
+        due[pid] = None
+        if len(due) > self.max_pids:
+            del due[next(iter(due))]
+
+    def read_due(self, pid: int) -> None:
+        """A sample of ``pid`` was placed: its labels, if an exec left them due, read now."""
+        if pid in self.due:
+            self.read(pid)
+
     def forget(self, pid: int) -> None:
         """``pid`` may now be another process (FORK) or its cgroup may have changed: its
         labels are read again when next wanted."""
         self._by_pid.pop(pid, None)
+        if self.due:
+            self.due.pop(pid, None)
         for cb in self.listeners:
             cb(pid, None)
 

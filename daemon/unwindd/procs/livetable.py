@@ -27,8 +27,10 @@ Invariants:
   ``max_processes``. Every drop is counted by reason (``table.stats.drops``).
 - Labels (``labels``, cgroups.py): a process's cgroup is read with its /proc at bootstrap and
   at each rescan, and again at its exec (COMM with the exec flag: runtimes and ``systemd-run``
-  move a process before it execs); a FORK of a new process forgets the pid's labels (the
-  store reads them at its first stored sample). Never per sample.
+  move a process before it execs): at once when its labels are held, else at its first
+  placed sample (``place``, ``place_mapped``), so a process that exits unsampled costs no
+  read; a FORK of a new process forgets the pid's labels (the store reads them at its first
+  stored sample). Never per sample.
 - Sans-IO apart from the injected ``ProcFS`` (tests give a fake tree) and ``clock``.
 
 Cost: ``place`` of a placeable sample is one dict lookup and one bisect; a rescan is one
@@ -182,7 +184,7 @@ class LiveTable:
             self.record_time = t
         if isinstance(rec, Comm):
             if rec.exec and rec.pid == rec.tid:
-                self.labels.read(rec.pid)
+                self.labels.exec(rec.pid)
         elif isinstance(rec, Fork):
             if rec.pid != rec.tid:
                 return
@@ -204,6 +206,8 @@ class LiveTable:
         pid = s.pid
         if pid is None or pid <= 0 or s.regs_abi == abi.REGS_ABI_NONE or not s.regs:
             return True  # the idle task, kernel threads: no user stack to place
+        if self.labels.due:
+            self.labels.read_due(pid)  # its exec's read, deferred to its first sample
         t = s.time
         pc = user_pc(s)
         sp = self.mapped(pid, pc)
@@ -251,6 +255,8 @@ class LiveTable:
         """``place`` of a sample at record time ``t`` that ``mapped`` found placeable in
         ``sp``, without its decoded form: the same effects in the same order (the clock is
         read as ``place`` reads it: a test clock counts its reads)."""
+        if self.labels.due:
+            self.labels.read_due(sp.pid)  # as place does
         if t is not None and t > self.record_time:
             self.record_time = t
         self.clock()
@@ -311,6 +317,7 @@ class LiveTable:
         """The table dropped ``pid`` (``ProcessTable.on_drop``)."""
         self._last_read.pop(pid, None)
         self._recent.pop(pid, None)
+        self.labels.due.pop(pid, None)  # gone: no sample will want its exec's read
 
     # -- internals
 

@@ -34,6 +34,15 @@ Invariants:
   non-overlapping mappings are kept for samples still in flight).
 - References: each space holds one reference per distinct binary (ELF cache entry) it maps,
   taken when the first mapping of it arrives and released when the last one goes.
+- Deferred mappings (``defer_mappings``, the live step's): after an exec, a process's MMAP2s
+  are queued, not inserted, until something asks for its space (``get``, ``space_for``,
+  a FORK of a child, a /proc merge, any other mapping change); then they are inserted at once
+  (``_build``), one new state for all. Queued mappings are disjoint (one that overlaps a
+  queued one builds the queue first and is applied as usual), so building them in one go
+  gives the mappings the records would have; their binaries are resolved and held as each
+  MMAP2 is applied, as without deferral (the references, the ELF cache's opens and releases
+  are the same, in the same order). A process that exits and is dropped before anything
+  asks (most of a churning machine's: sampled by nobody) never builds a mapping.
 - Cost: a mapping change is O(n) in the space's mapping count (tens to hundreds) for the new
   immutable tuple, and finding what it overlaps is one bisect on the cached starts (a MMAP2
   over nothing, most of them, cuts nothing and copies the tuple once). MMAP2 identities are
@@ -97,6 +106,10 @@ class BinaryResolver(Protocol):
     def release_all(self, entries: Iterable[ElfEntry]) -> None: ...
 
 
+def _start_of(e: tuple[Any, ...]) -> int:
+    return e[0]  # type: ignore[no-any-return]
+
+
 # Module keys past every ElfEntry uid (a process-wide counter): aliased mapping names.
 _ALIAS_KEYS = 1 << 48
 
@@ -147,6 +160,10 @@ class ProcessTable:
         # (build_id, maj, min, ino, gen) -> Identity: one immutable value per mapped file,
         # shared by its mappings (MMAP2 churn re-maps the same few files)
         self._idents: dict[tuple[Any, ...], Identity] = {}
+        # Deferred mappings (see the module doc): pid -> its queued MMAP2s since its exec,
+        # (start, end, pgoff, prot, flags, filename, identity, entry, bias) each
+        self.defer_mappings = False
+        self._queued: dict[int, list[tuple[Any, ...]]] = {}
 
     def code_key(self, entry: ElfEntry, m: Mapping) -> int:
         """The unwinder module key of ``m`` (a mapping of ``entry``): everything a frame's
@@ -184,12 +201,16 @@ class ProcessTable:
     # -- queries
 
     def space_for(self, pid: int) -> AddressSpace:
+        if self._queued and pid in self._queued:
+            self._build(pid)
         sp = self.spaces.get(pid)
         if sp is None:
             sp = self.spaces[pid] = AddressSpace(pid, self)
         return sp
 
     def get(self, pid: int) -> AddressSpace | None:
+        if self._queued and pid in self._queued:
+            self._build(pid)
         return self.spaces.get(pid)
 
     def __contains__(self, pid: int) -> bool:
@@ -200,16 +221,7 @@ class ProcessTable:
     def apply(self, rec: Record) -> None:
         """Apply one record; records other than MMAP/MMAP2/COMM/FORK/EXIT are ignored."""
         if isinstance(rec, Mmap2):
-            counts = self.stats.records
-            counts["MMAP2"] = counts.get("MMAP2", 0) + 1  # (Counter's += costs two calls)
-            k = (rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
-            ident = self._idents.get(k)
-            if ident is None:
-                if len(self._idents) >= 4096:
-                    self._idents.clear()  # costs only re-creating equal values
-                ident = self._idents[k] = Identity(*k)
-            self.add_mapping(rec.pid, rec.start, rec.start + rec.length, rec.pgoff, rec.prot,
-                             rec.flags, rec.filename, ident)  # fmt: skip
+            self.apply_mmap2(rec)
         elif isinstance(rec, Mmap):
             self.stats.records["MMAP"] += 1
             prot = PROT_READ if rec.misc & MISC_MMAP_DATA else PROT_READ | PROT_EXEC
@@ -219,6 +231,8 @@ class ProcessTable:
             if rec.exec and rec.pid == rec.tid:
                 self.stats.records["EXEC"] += 1
                 self.exec(rec.pid)
+                if self.defer_mappings:
+                    self._queued[rec.pid] = []  # its new image's MMAP2s: queued
         elif isinstance(rec, Fork):
             self.stats.records["FORK"] += 1
             self.fork(rec.pid, rec.ppid)
@@ -226,6 +240,23 @@ class ProcessTable:
             self.stats.records["EXIT"] += 1
             if rec.pid == rec.tid:
                 self.retire(rec.pid, rec.time)
+
+    def apply_mmap2(self, rec: Mmap2) -> None:
+        """``apply`` of a MMAP2 (the engine's side-band path calls it directly)."""
+        counts = self.stats.records
+        counts["MMAP2"] = counts.get("MMAP2", 0) + 1  # (Counter's += costs two calls)
+        k = (rec.build_id, rec.maj, rec.min, rec.ino, rec.ino_generation)
+        ident = self._idents.get(k)
+        if ident is None:
+            if len(self._idents) >= 4096:
+                self._idents.clear()  # costs only re-creating equal values
+            ident = self._idents[k] = Identity(*k)
+        pid, start = rec.pid, rec.start
+        q = self._queued.get(pid) if self._queued else None
+        if q is None or not self._queue(q, pid, start, start + rec.length, rec.pgoff, rec.prot,
+                                        rec.flags, rec.filename, ident):  # fmt: skip
+            self.add_mapping(pid, start, start + rec.length, rec.pgoff, rec.prot, rec.flags,
+                             rec.filename, ident)  # fmt: skip
 
     def apply_all(self, recs: Iterable[Record]) -> None:
         for r in recs:
@@ -246,6 +277,8 @@ class ProcessTable:
         if end <= start:
             self.stats.ignored["empty_mapping"] += 1
             return None
+        if self._queued and pid in self._queued:
+            self._build(pid)
         sp = self.spaces.get(pid)
         if sp is None:
             sp = self.spaces[pid] = AddressSpace(pid, self)
@@ -273,6 +306,40 @@ class ProcessTable:
             self._release(sp._unhold(m.entry))
         sp._set(tuple(kept))
         return new
+
+    def _queue(self, q: list[tuple[Any, ...]], pid: int, start: int, end: int, pgoff: int,
+               prot: int, flags: int, name: str, identity: Identity) -> bool:  # fmt: skip
+        """``add_mapping`` of a MMAP2 of a pid whose mappings are deferred, queued: its binary
+        resolved and held now, its Mapping built by ``_build``. False (nothing done) when it
+        must be applied as usual: empty, overlapping a queued mapping, or past the queue's
+        bound (a JIT's many mappings: built, deferral ends)."""
+        if end <= start or len(q) >= 64:
+            return False
+        for e in q:
+            if e[0] < end and start < e[1]:
+                return False  # a cut: add_mapping builds the queue first
+        if not prot & PROT_EXEC:
+            return True  # a data mapping over nothing (the space is the queue): no change
+        sp = self.spaces[pid]
+        entry = self._resolve(pid, start, end, name, identity)
+        bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
+            start - pgoff
+        )  # fmt: skip
+        if not sp._hold(entry):
+            self._release(entry)  # the space already had its one reference
+        q.append((start, end, pgoff, prot, flags, name, identity, entry, bias))
+        return True
+
+    def _build(self, pid: int) -> None:
+        """Insert ``pid``'s queued mappings (disjoint, into the space its exec emptied: no cut)
+        and end its deferral."""
+        q = self._queued.pop(pid)
+        sp = self.spaces.get(pid)
+        if not q or sp is None:
+            return
+        assert not sp._state.mappings
+        q.sort(key=_start_of)
+        sp._set(tuple([make_mapping(*e) for e in q]), [e[0] for e in q])
 
     def _new_mapping(self, sp: AddressSpace, pid: int, start: int, end: int, pgoff: int,
                      prot: int, flags: int, name: str, identity: Identity) -> Mapping:  # fmt: skip
@@ -312,6 +379,8 @@ class ProcessTable:
         sp._set(())
 
     def exec(self, pid: int) -> None:
+        if self._queued:
+            self._queued.pop(pid, None)  # cleared below all the same: nothing to build
         sp = self.space_for(pid)
         self._clear(sp)
         self._unretire(sp)
@@ -326,7 +395,7 @@ class ProcessTable:
         child = self.space_for(pid)
         child.start_time = start_time
         child.verified_epoch = self.epoch
-        parent = self.spaces.get(ppid)
+        parent = self.get(ppid)
         if parent is None:
             self.stats.ignored["fork_unknown_parent"] += 1
             return
@@ -361,6 +430,8 @@ class ProcessTable:
             self._drop(pid, reason)
 
     def _drop(self, pid: int, reason: str) -> None:
+        if self._queued:
+            self._queued.pop(pid, None)  # never built: its binaries are released below
         sp = self.spaces.pop(pid)
         self.retired.pop(pid, None)
         self._clear(sp)
@@ -432,7 +503,7 @@ class ProcessTable:
         Cost: O(n + m) list work plus one resolver call per inserted mapping."""
         if mode not in MERGE_MODES:
             raise ValueError(f"mode must be one of {MERGE_MODES}, got {mode!r}")
-        sp = self.spaces.get(pid)
+        sp = self.get(pid)
         if sp is not None and start_time is not None and not self.same_process(sp, start_time):
             self._drop(pid, "reused")
             sp = None

@@ -150,6 +150,9 @@ class RecordDecoder:
         ):
             self._id_pos = self._is_pos = -1
         self._multi = len(self.formats) > 1  # else every record has format 0
+        # MMAP2 file names by their raw bytes (``decode_side_band``): churn maps the same few
+        # files over and over (bounded: cleared past 4096 names)
+        self._names: dict[bytes, str] = {}
 
     # -- format selection
 
@@ -213,6 +216,86 @@ class RecordDecoder:
             return BadRecord(rtype, misc, len(body) + HEADER_SIZE, reason)
         self.stats.records[record_type_name(rec)] += 1
         return rec
+
+    def decode_side_band(self, mv: memoryview, rows: list[int]
+                         ) -> tuple[list[Record], list[int | None], list[int | None]]:  # fmt: skip
+        """``decode_one`` of each record ``rows`` lists (flat: type, misc, offset of its header
+        in ``mv``, size), in order: (the records, their times, their cpus), the same values
+        and counts. One call for a round's side-band records: the common MMAP2 (inode form),
+        FORK, EXIT and COMM of a single-format stream are unpacked here, their counts taken in
+        bulk, their file names decoded once per distinct name (``_names``); anything else,
+        or any body that does not fit its layout, is ``decode_one``'s."""
+        out: list[Record] = []
+        times: list[int | None] = []
+        cpus: list[int | None] = []
+        it = iter(rows)
+        lay = self._sid_layouts[0]
+        if self._multi or not lay.struct.size:  # (no trailer: decode_one's NO_SAMPLE_ID)
+            for typ, misc, off, size in zip(it, it, it, it, strict=True):
+                rec = self.decode_one(typ, misc, mv[off + HEADER_SIZE : off + size])
+                out.append(rec)
+                times.append(rec.time)
+                cpus.append(rec.cpu)
+            return out, times, cpus
+        sid_size, sid_unpack, pick = lay.struct.size, lay.struct.unpack_from, lay.pick
+        i_time, i_cpu = lay.i_time, lay.i_cpu
+        mm2, fork, two = _MMAP2_INODE_FIXED.unpack_from, _FORK.unpack_from, _2U32.unpack_from
+        names = self._names
+        n_mmap2 = n_fork = n_exit = n_comm = 0
+        for typ, misc, off, size in zip(it, it, it, it, strict=True):
+            b = off + HEADER_SIZE
+            end = size - HEADER_SIZE - sid_size  # the fixed part and strings: [b, b + end)
+            try:
+                if typ == _T_MMAP2 and end >= 64 and not misc & MISC_MMAP_BUILD_ID:
+                    v = sid_unpack(mv, b + end)
+                    pid, tid, addr, length, pgoff, maj, mnr, ino, gen, prot, flags = mm2(mv, b)
+                    raw = mv[b + 64 : b + end].tobytes()
+                    name = names.get(raw)
+                    if name is None:
+                        name = raw.partition(b"\0")[0].decode("utf-8", "surrogateescape")
+                        if len(names) >= 4096:
+                            names.clear()
+                        names[raw] = name
+                    rec = _new_mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen,
+                                     None, prot, flags, name,
+                                     _new_sample_id(*pick(v + NONE1)))  # fmt: skip
+                    n_mmap2 += 1
+                elif (typ == _T_FORK or typ == _T_EXIT) and end >= 24:
+                    v = sid_unpack(mv, b + end)
+                    pid, ppid, tid, ptid, time = fork(mv, b)
+                    make = _new_fork if typ == _T_FORK else _new_exit
+                    rec = make(misc, pid, ppid, tid, ptid, time, _new_sample_id(*pick(v + NONE1)))
+                    if typ == _T_FORK:
+                        n_fork += 1
+                    else:
+                        n_exit += 1
+                elif typ == _T_COMM and end >= 8:
+                    v = sid_unpack(mv, b + end)
+                    pid, tid = two(mv, b)
+                    comm = _cstr(mv, b + 8, b + end)
+                    rec = _new_comm(misc, pid, tid, comm, _new_sample_id(*pick(v + NONE1)))
+                    n_comm += 1
+                else:
+                    rec = self.decode_one(typ, misc, mv[b : off + size])
+                    out.append(rec)
+                    times.append(rec.time)
+                    cpus.append(rec.cpu)
+                    continue
+            except (struct.error, UnicodeError, ValueError):
+                rec = self.decode_one(typ, misc, mv[b : off + size])  # its error, counted
+                out.append(rec)
+                times.append(rec.time)
+                cpus.append(rec.cpu)
+                continue
+            out.append(rec)
+            times.append(rec.time if typ == _T_FORK or typ == _T_EXIT  # (its body's time)
+                         else v[i_time] if i_time >= 0 else None)  # fmt: skip
+            cpus.append(v[i_cpu] if i_cpu >= 0 else None)
+        counts = self.stats.records
+        for name, k in (("MMAP2", n_mmap2), ("FORK", n_fork), ("EXIT", n_exit), ("COMM", n_comm)):
+            if k:
+                counts[name] += k
+        return out, times, cpus
 
     def redecode(self, rtype: int, misc: int, body: memoryview) -> Record:
         """``decode_one`` again for a record already decoded (and counted) once: the same

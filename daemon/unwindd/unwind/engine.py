@@ -365,7 +365,19 @@ class StackEngine:
         """A non-SAMPLE record, in time order (``feed``; the native live step calls it
         between its runs of samples)."""
         t = type(rec)  # record types are final classes: identity tests
-        if t is Mmap2 or t is Mmap:  # (the only records note_jitdump looks at)
+        if t is Mmap2:  # most side-band records under churn: note_jitdump, the table's
+            # apply and the live table's observe of a MMAP2, without their type dispatch
+            m: Mmap2 = rec  # type: ignore[assignment]  # (narrowed by the identity test)
+            if m.prot & PROT_EXEC and is_jitdump_path(m.filename):
+                self.symbolizer.open_jitdump(m.pid, m.filename)
+            self.table.apply_mmap2(m)
+            live = self.live
+            if live is not None:
+                rtime = m.sample_id.time
+                if rtime is not None and rtime > live.record_time:
+                    live.record_time = rtime
+            return
+        if t is Mmap:  # (the only other record note_jitdump looks at)
             self.note_jitdump(rec)
         elif t is Comm or t is Fork:  # (the only records note_comm looks at)
             self.note_comm(rec)
@@ -533,7 +545,7 @@ class StackEngine:
         """The base name of ``pid``'s executable (the lowest mapping of a file: where the
         kernel's ELF loader puts it), for counts by runtime; None if the table has no such
         mapping for it. Cached per address-space generation."""
-        sp = self.table.spaces.get(pid) if pid is not None else None
+        sp = self.table.get(pid) if pid is not None else None  # (builds deferred mappings)
         if sp is None:
             return None
         hit = self._runtimes.get(sp.pid)
