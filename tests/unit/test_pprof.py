@@ -4,13 +4,15 @@ type."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pprofcheck import check_valid, decode, fields_of, read_varint
-from unwindd.store.pprof import encode_profile, varint
+from unwindd.store.pprof import encode_profile, encode_profile_ids, varint
 from unwindd.store.queries import StackCount
+from unwindd.store.stacktable import StackTable
 from unwindd.unwind.stackfmt import Frame
 
 SPIN = Frame(0x401136, "/w/chain_o2", "spin", 6, rel=0x1136)
@@ -166,3 +168,43 @@ def test_bytes_equal_the_straightforward_encoder(pool: list[Frame], data: st.Dat
     for kw in ({}, {"labels_of": labels_of, "time_nanos": 5, "duration_nanos": 1 << 40}):
         got = encode_profile(entries, period_ns=period, compress=False, **kw)  # type: ignore[arg-type]
         assert got == reference(entries, period_ns=period, compress=False, **kw)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_pool, min_size=1, max_size=8), st.data())
+def test_ids_encoder_bytes_equal_the_straightforward_encoder(pool: list[Frame],
+                                                             data: st.DataObject) -> None:
+    """``encode_profile_ids`` of a stack table's stacks writes the bytes of building every
+    message from the stacks' frames, for a few entries (a code per frame named) and for many
+    (a code per row of the table), with inline chains at one pc and frames keyed by their
+    ``rel`` at another address per stack."""
+    from pprofref import encode_profile as reference
+
+    pool += [dataclasses.replace(f, rel=0x10) for f in pool if f.ip == 0x1010]
+    t = StackTable()
+    stacks = data.draw(st.lists(st.lists(st.sampled_from(pool), max_size=7), min_size=1,
+                                max_size=4))  # fmt: skip
+    sids = []
+    for i, fr in enumerate(stacks):
+        # frames with a rel: another address in each stack (another process's mapping)
+        moved = tuple(dataclasses.replace(f, ip=f.ip + (i << 20)) if f.rel is not None else f
+                      for f in fr)  # fmt: skip
+        sids.append(t.add(moved)[0])
+    picks = data.draw(st.lists(st.tuples(
+        st.integers(0, len(stacks) - 1), st.integers(-1, 300), st.integers(-1, 300),
+        st.sampled_from(["", "w"]), st.integers(1, 1 << 40)), min_size=1, max_size=12))  # fmt: skip
+    for few in (picks[:2], picks + picks * (t.frame_bound() // 16 // len(picks))):
+        entries = [((pid, tid, comm, sids[i]), n) for i, pid, tid, comm, n in few]
+        want = reference([StackCount(pid, tid, comm, t.frames(sid), n)
+                          for (pid, tid, comm, sid), n in entries], period_ns=7)  # fmt: skip
+        assert encode_profile_ids(entries, t, period_ns=7) == want
+
+
+def test_samples_compressed_as_written_are_gzips_bytes() -> None:
+    """A profile whose samples span many compressed pieces is ``gzip.compress`` of the whole
+    (deflate's output does not depend on how its input was split)."""
+    stacks = [StackCount(i % 97, i, f"c{i % 13}", (KERN, SPIN, C, LIBC)[i % 3:], i % 7 + 1)
+              for i in range(20_000)]  # fmt: skip
+    raw = encode_profile(stacks, period_ns=10_101_010, compress=False)
+    assert raw.count(b"\x12") > 20_000 and len(raw) > 8 * 65536  # many pieces of samples
+    assert encode_profile(stacks, period_ns=10_101_010) == gzip.compress(raw, 6, mtime=0)

@@ -70,6 +70,8 @@ def check(t: StackTable, live: dict[int, tuple[Frame, ...]], pool: dict[Any, Fra
         ks, ips = t.refs(sid, memo)
         assert ks == [frame_key(f) for f in fr] and ips == [f.ip for f in fr]
         assert [t.frame_key(fid) for fid in t.frame_ids(sid)] == ks
+        fids, ips2 = t.ips(sid)
+        assert fids == t.frame_ids(sid) and ips2 == ips and max(fids, default=-1) < t.frame_bound()
         assert t.stack_len(sid) == len(fr)
         for f, fid in zip(fr, t.frame_ids(sid), strict=True):
             k = ref_key(f)

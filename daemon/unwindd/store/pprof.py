@@ -25,11 +25,16 @@ Invariants:
   Mapping per dso: a profile's size is O(distinct frames + samples),
   not O(samples * depth).
 - Cost: O(distinct stacks * depth + entries). Each part of a Sample is encoded once per query
-  and reused: its location ids per frames tuple or stack id (a query's entries share one per
-  stack), a one-frame location per (frame key, ip) (``_Locations``, both encoders), the values
-  per count, the comm label per comm, the pid's labels per pid; an entry then costs its tid
-  label and a join. The bytes are those of
+  and reused: its location ids per frames tuple or stack id (kept from a stack's first entry
+  to its last only), a one-frame Location's mapping and Lines per frame (``_Locations``, both
+  encoders), the values per count, the comm label per comm, the pid's labels per pid; an
+  entry then costs its tid label and a join. The bytes are those of
   building every message from its frames (tests/support/pprofref.py, test_pprof.py).
+- Memory: what a query holds while it is written is flat (``_Locations``): an int code per
+  frame, an id per distinct (binary, names), one dict entry per Location (an int key, its id
+  as a varint), the Location/Function messages, and the samples compressed as they are
+  written; no frame key is kept. The uncompressed profile is never held whole, and the
+  bookkeeping is freed before the last bytes are compressed.
 - Each sample carries two values: ``samples/count`` and ``cpu/nanoseconds`` (count times the
   sampling period), with the comm, pid and tid as labels, and the process's cgroup labels
   (``labels_of(pid)``: ``cgroup``, ``unit``, ``container_id``; procs/cgroups.py) when known:
@@ -42,13 +47,13 @@ Invariants:
 
 from __future__ import annotations
 
-import gzip
-from collections.abc import Callable, Iterable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..unwind.stackfmt import UNKNOWN, Frame
+from ..unwind.stackfmt import UNKNOWN
 from .queries import Key, StackCount
-from .stacktable import FrameKey, KeyMemo, StackTable, frame_key
+from .stacktable import FrameKey, StackTable, frame_key
 
 _ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 
@@ -83,12 +88,6 @@ def _packed(field: int, values: Iterable[int]) -> bytes:
     return _bytes(field, body) if body else b""
 
 
-def _packed_varints(field: int, varints: list[bytes]) -> bytes:
-    """``_packed`` of values already encoded."""
-    body = b"".join(varints)
-    return _bytes(field, body) if body else b""
-
-
 class _Strings:
     def __init__(self) -> None:
         self.index: dict[str, int] = {"": 0}
@@ -103,25 +102,33 @@ class _Strings:
 # What a Line and its Function need of one level of an inline chain: the function's name,
 # the level's line, the function's file and start line (0: unknown).
 Level = tuple[str, int | None, str, int]
-# A Location is one per (binary, address, name and line of each level of its inline chain):
-# keyed by the binary and the names and lines, then by the address (an address per process
-# under ASLR), to its id as a varint
-Names = tuple[tuple[str, int | None], ...]
+_CHUNK = 1 << 16  # sample bytes gathered before they are compressed
+# A frame's code (``_Locations.codes``): bit 0 whether it is inlined, then 32 bits the index
+# of its raw dso, 31 bits the index of its Location's mapping and Lines once written (0: not
+# yet), and from bit 64 its names id: a Location's key is its code's high bits | its address
+# (a u64). Fewer than 2**31 of either fit in memory.
+_M32, _M31 = (1 << 32) - 1, (1 << 31) - 1
+_HI = -(1 << 64)  # the bits from 64 up
+_PIECE_AT = 33
 
 
 class _Profile:
     """One profile being written: the string, mapping, function and location tables, and the
-    messages so far. Locations and functions are written once, when first named."""
+    messages so far. Locations and functions are written once, when first named. The samples
+    come first in a profile: compressed as they are written (``zlib.compressobj`` with gzip's
+    header, the bytes of ``gzip.compress(profile, 6, mtime=0)``: deflate's output does not
+    depend on how its input is split), the rest held until ``finish``."""
 
-    def __init__(self, period_ns: int, labels_of: Callable[[int], Mapping[str, str]] | None
-                 ) -> None:  # fmt: skip
+    def __init__(self, period_ns: int, labels_of: Callable[[int], Mapping[str, str]] | None,
+                 compress: bool) -> None:  # fmt: skip
         self.strings = strings = _Strings()
         self.period_ns = period_ns
         self.labels_of = labels_of
         self.mappings: dict[str, int] = {}
-        self.functions: dict[tuple[str, str, int], int] = {}
-        self.locations: dict[tuple[str, Names], dict[int, bytes]] = {}
+        self.functions: dict[int, int] = {}  # (start line, file, name) -> id
         self.nlocations = 0
+        self.z = zlib.compressobj(6, zlib.DEFLATED, 31) if compress else None
+        self.packed: list[bytes] = []  # the compressed bytes so far
         # the messages: written into two buffers (no object per message), the samples and
         # then the mapping/location/function messages
         self.out = bytearray(_bytes(1, self.vtype("samples", "count"))
@@ -140,55 +147,40 @@ class _Profile:
         return _uint(1, self.strings(t)) + _uint(2, self.strings(unit))
 
     def function(self, name: str, src: str, start: int) -> int:
-        fid = self.functions.get((name, src, start))
+        # keyed by the string indices (a new function's name is interned before its file:
+        # those of a known one are already) and the start line: one int
+        n = self.strings(name)
+        s = self.strings(src)
+        key = start << 64 | s << 32 | n
+        fid = self.functions.get(key)
         if fid is None:
-            fid = self.functions[(name, src, start)] = len(self.functions) + 1
-            n = self.strings(name)
-            body = (_uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, self.strings(src))
-                    + _uint(5, start))  # fmt: skip
+            fid = self.functions[key] = len(self.functions) + 1
+            body = _uint(1, fid) + _uint(2, n) + _uint(3, n) + _uint(4, s) + _uint(5, start)
             self.tail += _bytes(5, body)
         return fid
 
-    def location(self, dso: str, ip: int, levels: list[Level]) -> bytes:
-        """The id (a varint) of the one Location for the frames of one pc: an inline chain
-        (innermost first, the frame it sits in last) is one Location with one Line per level,
-        pprof's inline model (profile.proto: "the last entry represents the caller into which
-        the preceding entries were inlined")."""
-        at = self.at(dso, tuple((lv[0], lv[1]) for lv in levels))
-        lid = at.get(ip)
-        if lid is None:
-            lid = self.new_location(at, ip, self.lines(dso, levels))
-        return lid
-
-    def at(self, dso: str, names: Names) -> dict[int, bytes]:
-        """address -> Location id of the Locations of ``dso`` and ``names``."""
-        got = self.locations.get((dso, names))
-        if got is None:
-            got = self.locations[(dso, names)] = {}
-        return got
-
-    def lines(self, dso: str, levels: list[Level]) -> tuple[bytes, bytes]:
+    def lines(self, dso: str, levels: list[Level]) -> bytes:
         """A Location's mapping id field and its Lines (their mapping and functions written
-        when new): all of its message but its id and address."""
+        when new): all of its message but its id and address, after one byte giving the
+        mapping field's length."""
         mid = self.mappings.get(dso)
         if mid is None:
             mid = self.mappings[dso] = len(self.mappings) + 1
             self.tail += _bytes(3, _uint(1, mid) + _uint(5, self.strings(dso)) + _uint(7, 1))
-        return _uint(2, mid), b"".join(_bytes(4, _uint(1, self.function(name, src, start))
-                                               + (_uint(2, line) if line else b""))
-                                        for name, line, src, start in levels)  # fmt: skip
+        m = _uint(2, mid)
+        return _ONE_BYTE[len(m)] + m + b"".join(
+            _bytes(4, _uint(1, self.function(name, src, start)) + (_uint(2, line) if line else b""))
+            for name, line, src, start in levels)
 
-    def new_location(self, at: dict[int, bytes], ip: int, lines: tuple[bytes, bytes]) -> bytes:
-        """The id of a Location not yet written (at ``ip`` of ``at``), written with its
-        ``lines``."""
-        mid, lns = lines
+    def new_location(self, ip: int, piece: bytes) -> bytes:
+        """The id (a varint) of a new Location at ``ip``, written with ``piece`` (``lines``)."""
         self.nlocations += 1
-        lid = at[ip] = varint(self.nlocations)
-        body = b"\x08" + lid + mid + _uint(3, ip) + lns  # id (never 0), mapping, address, lines
-        tail = self.tail
-        tail += b"\x22"  # Profile.location: field 4, length-delimited
-        tail += varint(len(body))
-        tail += body
+        lid = varint(self.nlocations)
+        m = piece[0] + 1
+        addr = b"\x18" + varint(ip) if ip else b""  # _uint(3, ip)
+        # Profile.location (field 4, length-delimited): id (never 0), mapping, address, lines
+        self.tail += b"".join((b"\x22", varint(len(lid) + len(piece) + len(addr)), b"\x08", lid,
+                               piece[1:m], addr, piece[m:]))  # fmt: skip
         return lid
 
     def pid_labels(self, pid: int) -> bytes:
@@ -220,11 +212,20 @@ class _Profile:
         out += c
         out += p
         out += t
+        if len(out) >= _CHUNK and self.z is not None:
+            self.packed.append(self.z.compress(out))
+            self.out = bytearray()
 
-    def finish(self, time_nanos: int, duration_nanos: int, compress: bool) -> bytes:
-        out = self.out
-        out += self.tail
+    def finish(self, time_nanos: int, duration_nanos: int) -> bytes:
+        out, tail = self.out, self.tail
+        if self.z is not None:
+            self.packed.append(self.z.compress(out))
+            self.out = out = bytearray()
+            self.packed.append(self.z.compress(tail))
+        else:
+            out += tail
         self.tail = bytearray()
+        del tail
         period_type = self.vtype("cpu", "nanoseconds")
         # The string table goes last: every index above is already assigned.
         for s in self.strings.index:
@@ -233,61 +234,188 @@ class _Profile:
         out += _uint(10, duration_nanos)
         out += _bytes(11, period_type)
         out += _uint(12, self.period_ns)
-        return gzip.compress(out, compresslevel=6, mtime=0) if compress else bytes(out)
+        if self.z is None:
+            return bytes(out)
+        self.packed += (self.z.compress(out), self.z.flush())
+        body = b"".join(self.packed)
+        self.packed = []
+        return body
 
 
 class _Locations:
-    """The location ids of stacks given as frame keys and ips (``StackTable.refs``), written
-    into ``prof`` when new: each one-frame Location once per (frame key, ip), its mapping and
-    Lines once per frame key (the same at every address). The caller keeps the keys alive
-    while it encodes (an id names one key)."""
+    """The location ids of stacks given as frame handles (a frame's id in the stack table, or
+    its object's), their ips, and their keys on demand, written into ``prof`` when new: one
+    Location per (binary, names and lines of its frames, address), a one-frame Location's
+    mapping and Lines encoded once per handle (the same at every address). Held per handle:
+    its code (an int); per distinct binary and names: an id; per inline chain: its names id
+    by its handles (one int key); per Location: its id (a varint) by names id and address
+    (one int key). The caller keeps a handle's frame alive while it encodes. With
+    ``by_key``, handles of equal keys (equal frames as distinct objects, one per address)
+    share a code, so their mapping and Lines are encoded once."""
 
-    def __init__(self, prof: _Profile) -> None:
+    def __init__(self, prof: _Profile, codes: dict[int, int] | list[int | None],
+                 by_key: dict[FrameKey, int] | None = None) -> None:  # fmt: skip
         self.prof = prof
-        # id(frame key) -> its binary, its level, its (mapping, Lines) once written, and its
-        # Locations by address
-        self.per_key: dict[int, list[Any]] = {}
+        # handle -> its code (_M32's comment): a dict, or a list indexed by handle
+        self.codes = codes
+        self.code_of: Callable[[int], int | None] = (
+            codes.get if isinstance(codes, dict) else codes.__getitem__)  # fmt: skip
+        self.by_key = by_key
+        self.dsos: dict[Any, int] = {}  # a key's dso (as it is: None, "" or a path) -> index
+        # (binary, name, line) of one frame, (binary, ((name, line), ...)) of an inline
+        # chain -> names id
+        self.names: dict[tuple[Any, ...], int] = {}
+        self.at: dict[int, bytes] = {}  # names id << 64 | address -> Location id
+        # an inline chain's handles, 65 bits each -> its names id << 64 | its piece's index
+        # << _PIECE_AT (0: not yet)
+        self.runs: dict[int, int] = {}
+        self.pieces: list[bytes] = [b""]  # what ``_Profile.lines`` wrote, by code
 
-    def _one(self, k: FrameKey) -> list[Any]:
+    def _code(self, h: int, k: FrameKey) -> int:
+        by_key = self.by_key
+        if by_key is not None:
+            c0 = by_key.get(k)
+            if c0 is not None:
+                self.codes[h] = c0
+                return c0
         dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
-        # a Function's file: the file it is declared in, else the source file when line info
-        # names it, else the binary (the location's mapping)
-        level = (k[1] or UNKNOWN, k[7], k[8] or k[6] or dso, k[9] or 0)
-        pk = self.per_key[id(k)] = [dso, level, None, self.prof.at(dso, ((level[0], level[1]),))]
-        return pk
+        names = self.names
+        nk = names.setdefault((dso, k[1] or UNKNOWN, k[7]), len(names))
+        dsos = self.dsos
+        di = dsos.setdefault(k[0], len(dsos))
+        c = self.codes[h] = nk << 64 | di << 1 | (1 if k[4] else 0)
+        if by_key is not None:
+            by_key[k] = c
+        return c
 
-    def _new_one(self, pk: list[Any], ip: int) -> bytes:
-        if pk[2] is None:
-            pk[2] = self.prof.lines(pk[0], [pk[1]])
-        return self.prof.new_location(pk[3], ip, pk[2])
+    def _new_one(self, h: int, c: int, ip: int, k: FrameKey | None) -> bytes:
+        """A one-frame Location of handle ``h`` (code ``c``) at ``ip``; ``k``, the frame's key,
+        is needed when its mapping and Lines are not written yet."""
+        pi = c >> _PIECE_AT & _M31
+        if not pi:
+            assert k is not None
+            dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
+            # a Function's file: the file it is declared in, else the source file when line
+            # info names it, else the binary (the location's mapping)
+            pi = len(self.pieces)
+            self.pieces.append(self.prof.lines(dso, [(k[1] or UNKNOWN, k[7], k[8] or k[6] or dso,
+                                                      k[9] or 0)]))  # fmt: skip
+            self.codes[h] = c | pi << _PIECE_AT
+            if self.by_key is not None:
+                self.by_key[k] = c | pi << _PIECE_AT
+        lid = self.at[c & _HI | ip] = self.prof.new_location(ip, self.pieces[pi])
+        return lid
 
-    def _run(self, ks: list[FrameKey], ip: int) -> bytes:
-        k = ks[-1]
-        dso = k[0] or ("[kernel]" if k[3] else UNKNOWN)
-        return self.prof.location(dso, ip, [(g[1] or UNKNOWN, g[7], g[8] or g[6] or dso,
-                                             g[9] or 0) for g in ks])  # fmt: skip
+    def _run(self, hs: Sequence[int], ip: int, key_at: Callable[[int], FrameKey]) -> bytes:
+        """The Location of an inline chain, the frames ``hs`` (innermost first, the frame they
+        sit in last; ``key_at(i)``: the key of ``hs[i]``) at ``ip``: one Location with one
+        Line per level, pprof's inline model (profile.proto: "the last entry represents the
+        caller into which the preceding entries were inlined")."""
+        chain = 0
+        for h in hs:  # 65 bits a handle (a 64-bit id, a marker): no two chains share one
+            chain = chain << 65 | 1 << 64 | h
+        r = self.runs.get(chain)
+        levels: list[Level] | None = None
+        dso = ""
+        if r is None:
+            dso, levels = self._levels(hs, key_at)
+            names = self.names
+            r = self.runs[chain] = names.setdefault(
+                (dso, tuple((lv[0], lv[1]) for lv in levels)), len(names)) << 64
+        key = r & _HI | ip
+        lid = self.at.get(key)
+        if lid is None:
+            pi = r >> _PIECE_AT & _M31
+            if not pi:
+                if levels is None:
+                    dso, levels = self._levels(hs, key_at)
+                pi = len(self.pieces)
+                self.pieces.append(self.prof.lines(dso, levels))
+                self.runs[chain] = r | pi << _PIECE_AT
+            lid = self.at[key] = self.prof.new_location(ip, self.pieces[pi])
+        return lid
 
-    def ids(self, ks: list[FrameKey], ips: list[int]) -> list[bytes]:
-        """The stack's location ids, as varints."""
-        per_key = self.per_key
+    @staticmethod
+    def _levels(hs: Sequence[int], key_at: Callable[[int], FrameKey]) -> tuple[str, list[Level]]:
+        """An inline chain's binary and levels."""
+        ks = [key_at(i) for i in range(len(hs))]
+        dso = ks[-1][0] or ("[kernel]" if ks[-1][3] else UNKNOWN)
+        return dso, [(g[1] or UNKNOWN, g[7], g[8] or g[6] or dso, g[9] or 0) for g in ks]
+
+    def ids(self, hs: Sequence[int], ips: list[int], key_at: Callable[[int], FrameKey]
+            ) -> list[bytes]:  # fmt: skip
+        """The stack's location ids (varints), its frames' handles ``hs`` at ``ips``
+        (``key_at(i)``: the key of frame ``i``)."""
+        code_of, at = self.code_of, self.at
         ids: list[bytes] = []
-        run: list[FrameKey] = []
-        last = len(ks) - 1
-        for i, k in enumerate(ks):
+        run = 0  # frames of an inline chain so far, before frame i
+        last = len(hs) - 1
+        for i, h in enumerate(hs):
             ip = ips[i]
-            # an inlined frame joins the next one when that is at the same pc
-            if k[4] and i < last and ips[i + 1] == ip and ks[i + 1][0] == k[0]:
-                run.append(k)
-                continue
+            c = code_of(h)
+            k = None  # the frame's key, when made here
+            if c is None:
+                k = key_at(i)
+                c = self._code(h, k)
+            # an inlined frame joins the next one when that is at the same pc in its binary
+            if c & 1 and i < last and ips[i + 1] == ip:
+                c2 = code_of(hs[i + 1])
+                if c2 is None:
+                    c2 = self._code(hs[i + 1], key_at(i + 1))
+                if not (c ^ c2) >> 1 & _M32:
+                    run += 1
+                    continue
             if run:
-                run.append(k)
-                ids.append(self._run(run, ip))
-                run = []
+                j = i - run
+                ids.append(self._run(hs[j:i + 1], ip, lambda n, j=j: key_at(j + n)))  # type: ignore[misc]
+                run = 0
                 continue
-            pk = per_key.get(id(k)) or self._one(k)
-            lid = pk[3].get(ip)
-            ids.append(lid if lid is not None else self._new_one(pk, ip))
+            lid = at.get(c & _HI | ip)
+            if lid is None:
+                lid = self._new_one(h, c, ip, k if k is not None or c >> _PIECE_AT & _M31
+                                    else key_at(i))  # fmt: skip
+            ids.append(lid)
         return ids
+
+
+def _packed_ids(ids: list[bytes]) -> bytes:
+    """A Sample's location_id field of ``ids`` (varints)."""
+    body = b"".join(ids)
+    return _bytes(1, body) if body else b""
+
+
+def _later_uses(keys: Iterable[int]) -> dict[int, int]:
+    """Each key's uses after its first, for those used more than once."""
+    seen: set[int] = set()
+    later: dict[int, int] = {}
+    for k in keys:
+        if k in seen:
+            later[k] = later.get(k, 0) + 1
+        else:
+            seen.add(k)
+    return later
+
+
+class _ByStack:
+    """A stack's packed location ids, kept from its first entry to its last only."""
+
+    def __init__(self, keys: Iterable[int]) -> None:
+        self.later = _later_uses(keys)
+        self.held: dict[int, bytes] = {}
+
+    def get(self, key: int) -> bytes | None:
+        got = self.held.get(key)
+        if got is not None:
+            n = self.later[key] - 1
+            if n:
+                self.later[key] = n
+            else:
+                del self.later[key], self.held[key]
+        return got
+
+    def put(self, key: int, ids: bytes) -> None:
+        if key in self.later:
+            self.held[key] = ids
 
 
 def encode_profile(
@@ -299,30 +427,23 @@ def encode_profile(
     compress: bool = True,
     labels_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> bytes:
-    prof = _Profile(period_ns, labels_of)
-    locs = _Locations(prof)
-    # Each frame's key, by the frame object: queries hand out one object per distinct frame
-    # (querycache.py's pool), shared by every stack that has it. Each entry holds its frame
-    # and its key, so neither id is reused while the profile is written.
-    keys: dict[int, tuple[Frame, FrameKey]] = {}
-
-    def key_of(f: Frame) -> FrameKey:
-        hit = keys.get(id(f))
-        if hit is None or hit[0] is not f:
-            hit = keys[id(f)] = (f, frame_key(f))
-        return hit[1]
-
-    # The location ids by stack: a query's entries share one frames tuple per stack (the
-    # entry holds it, so its id is not reused).
-    by_stack: dict[int, tuple[tuple[Frame, ...], bytes]] = {}
+    prof = _Profile(period_ns, labels_of, compress)
+    locs = _Locations(prof, {}, {})
+    # Frames are handled by object (queries hand out one object per distinct frame,
+    # querycache.py's pool), stacks by their frames tuple (a query's entries share one per
+    # stack): the list holds them all, so no id is reused while the profile is written.
+    stacks = stacks if isinstance(stacks, list) else list(stacks)
+    by_stack = _ByStack(id(sc.frames) for sc in stacks)
     for sc in stacks:
         fr = sc.frames
-        hit = by_stack.get(id(fr))
-        if hit is None or hit[0] is not fr:
-            ids = locs.ids(list(map(key_of, fr)), [f.ip for f in fr])
-            hit = by_stack[id(fr)] = (fr, _packed_varints(1, ids))
-        prof.sample(hit[1], sc.pid, sc.tid, sc.comm, sc.count)
-    return prof.finish(time_nanos, duration_nanos, compress)
+        ids = by_stack.get(id(fr))
+        if ids is None:
+            ids = _packed_ids(locs.ids([id(f) for f in fr], [f.ip for f in fr],
+                                       lambda i, fr=fr: frame_key(fr[i])))  # type: ignore[misc]
+            by_stack.put(id(fr), ids)
+        prof.sample(ids, sc.pid, sc.tid, sc.comm, sc.count)
+    del locs, by_stack  # before the profile's last bytes are compressed
+    return prof.finish(time_nanos, duration_nanos)
 
 
 def encode_profile_ids(
@@ -336,17 +457,26 @@ def encode_profile_ids(
     labels_of: Callable[[int], Mapping[str, str]] | None = None,
 ) -> bytes:
     """``encode_profile`` of a query's ranked entries ((pid, tid, comm, stack id), count), the
-    same bytes, from ``table``'s frame keys and ips (``StackTable.refs``) without building a
-    frame: each location once per (frame key, ip) and each stack's ids once per stack id. The
-    keys stay alive (``keys`` holds them; the stacks of a query's entries, so their frame ids,
-    are not freed while it runs)."""
-    prof = _Profile(period_ns, labels_of)
-    locs = _Locations(prof)
-    by_stack: dict[int, bytes] = {}
-    keys: KeyMemo = {}  # each frame's key, made once and kept while the profile is written
+    same bytes, from ``table``'s frame ids and ips (``StackTable.ips``) without building a
+    frame: a frame's key is made when its handle (its id) is first seen or its Location's
+    Lines are first written, then dropped. The stacks of a query's entries, so their frame
+    ids, are not freed while it runs."""
+    prof = _Profile(period_ns, labels_of, compress)
+    entries = entries if isinstance(entries, list) else list(entries)
+    # The codes by frame id: a slot per row (8 bytes) where a query names more than a few
+    # frames per row, else a dict entry per frame named (an int key, some 100 bytes)
+    bound = table.frame_bound()
+    codes: dict[int, int] | list[int | None] = (
+        [None] * bound if bound <= 16 * len(entries) else {})  # fmt: skip
+    locs = _Locations(prof, codes)
+    by_stack = _ByStack(e[0][3] for e in entries)
+    frame_key_of = table.frame_key
     for (pid, tid, comm, sid), count in entries:
         ids = by_stack.get(sid)
         if ids is None:
-            ids = by_stack[sid] = _packed_varints(1, locs.ids(*table.refs(sid, keys)))
+            fids, ips = table.ips(sid)
+            ids = _packed_ids(locs.ids(fids, ips, lambda i, f=fids: frame_key_of(f[i])))  # type: ignore[misc]
+            by_stack.put(sid, ids)
         prof.sample(ids, pid, tid, comm, count)
-    return prof.finish(time_nanos, duration_nanos, compress)
+    del locs, codes, by_stack  # before the profile's last bytes are compressed
+    return prof.finish(time_nanos, duration_nanos)

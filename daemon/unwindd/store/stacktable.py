@@ -35,8 +35,8 @@ Invariants:
   row packed and probed; with ``ips`` (a ``CodeStack``: frames named once by code, each at
   another ip per process) a frame keyed without its ip is that same lookup, no frame built;
   ``free`` O(frames); ``frames`` O(frames) (one object per frame not in the
-  caller's pool); ``keys``, ``refs`` and ``frame_ids`` O(frames) without building any frame;
-  the index grows and shrinks in amortized O(1) per frame.
+  caller's pool); ``keys``, ``refs``, ``ips`` and ``frame_ids`` O(frames) without building any
+  frame; the index grows and shrinks in amortized O(1) per frame.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ _DSO_SYM = struct.Struct("<II")  # a row's first two fields
 _STRS = struct.Struct("<IIII")  # a row's string ids
 _IP = struct.Struct("<Q")
 _IP_AT = 32  # the ip's offset in a row
+_REL_AT = 24  # the rel's offset
 _KERNEL, _INLINED, _NO_OFFSET, _NO_REL, _NO_LINE, _NO_DLINE, _WITH_IP, _ODD = (
     1, 2, 4, 8, 16, 32, 64, 128)  # fmt: skip
 _BOOL = (False, True)
@@ -544,6 +545,24 @@ class StackTable:
         ip_of = self._ip
         return ks, [ip_of(fid) if di == NO_DELTA else k[5] + deltas[di]
                     for fid, k, di in zip(ids, ks, enc[o + 8 * d:], strict=True)]  # fmt: skip
+
+    def frame_bound(self) -> int:
+        """One more than the largest frame id (rows, free ones included)."""
+        return len(self._rows) // _W
+
+    def ips(self, sid: int) -> tuple[array[int], list[int]]:
+        """The stack's frame ids and its frames' ips, leaf first: ``refs`` without a key (a
+        frame's ``rel`` read from its row)."""
+        enc = self._enc[sid]
+        n, d, w = _HEAD.unpack_from(enc)
+        o = _H + w * n
+        ids = array("H" if w == 2 else "I", enc[_H:o])
+        deltas = array("q", enc[o:o + 8 * d])
+        rows, odd, ip_of, q = self._rows, self._odd, self._ip, _IP.unpack_from
+        return ids, [ip_of(fid) if di == NO_DELTA
+                     else (odd[fid][5] if fid in odd else q(rows, fid * _W + _REL_AT)[0])
+                     + deltas[di]
+                     for fid, di in zip(ids, enc[o + 8 * d:], strict=True)]  # fmt: skip
 
     def keys(self, sid: int) -> _Keys | tuple[()]:
         """``queries.func_keys`` of the stack: (leaf function, distinct functions), a function
