@@ -586,23 +586,31 @@ def folded_of_ids(entries: Sequence[tuple[Key, int]], table: StackTable) -> byte
     # frame id -> its name (the entries' stacks, so their frames, stay while the query runs)
     name_of: dict[int, bytes] = {}
     names_of: dict[int, bytes] = {}  # stack id -> its names, outermost first, NUL-joined
+    # the same by the stack's frame ids: the stacks of one code in many processes (other ips,
+    # other stack ids, the same frame ids) share one joined text
+    by_fids: dict[bytes, bytes] = {}
     folded: stackfmt.FoldedBytes = {}
     unknown = stackfmt.UNKNOWN
     for (_, _, comm, sid), n in entries:
         names = names_of.get(sid)
         if names is None:
-            out = []
-            for fid in reversed(table.frame_ids(sid)):
-                name = name_of.get(fid)
-                if name is None:
-                    # sym, kernel and inlined are all a folded name shows
-                    k = table.frame_key(fid)
-                    frame = stackfmt.Frame(0, k[0], k[1], k[2], kernel=k[3], inlined=k[4])
-                    name = name_of[fid] = stackfmt.folded_names((frame,))[0].encode()
-                    if b"\0" in name:
-                        return _folded_of_ids_tuples(entries, table)
-                out.append(name)
-            names = names_of[sid] = b"\0".join(out)
+            fids = table.frame_ids(sid)
+            key = fids.tobytes()
+            names = by_fids.get(key)
+            if names is None:
+                out = []
+                for fid in reversed(fids):
+                    name = name_of.get(fid)
+                    if name is None:
+                        # sym, kernel and inlined are all a folded name shows
+                        k = table.frame_key(fid)
+                        frame = stackfmt.Frame(0, k[0], k[1], k[2], kernel=k[3], inlined=k[4])
+                        name = name_of[fid] = stackfmt.folded_names((frame,))[0].encode()
+                        if b"\0" in name:
+                            return _folded_of_ids_tuples(entries, table)
+                    out.append(name)
+                names = by_fids[key] = b"\0".join(out)
+            names_of[sid] = names
         comm = comm or unknown
         per = folded.get(comm)
         if per is None:
@@ -610,7 +618,8 @@ def folded_of_ids(entries: Sequence[tuple[Key, int]], table: StackTable) -> byte
                 return _folded_of_ids_tuples(entries, table)
             per = folded[comm] = {}
         per[names] = per.get(names, 0) + n
-    names_of.clear()  # the keys of ``folded`` are then its last holder (written, then freed)
+    names_of.clear()  # the keys of ``folded`` are then their last holder (written, then freed)
+    by_fids.clear()
     return stackfmt.render_folded_bytes(folded)
 
 
