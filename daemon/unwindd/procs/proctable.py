@@ -320,13 +320,7 @@ class ProcessTable:
                 return False  # a cut: add_mapping builds the queue first
         if not prot & PROT_EXEC:
             return True  # a data mapping over nothing (the space is the queue): no change
-        sp = self.spaces[pid]
-        entry = self._resolve(pid, start, end, name, identity)
-        bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
-            start - pgoff
-        )  # fmt: skip
-        if not sp._hold(entry):
-            self._release(entry)  # the space already had its one reference
+        entry, bias = self._held(self.spaces[pid], pid, start, end, pgoff, name, identity)
         q.append((start, end, pgoff, prot, flags, name, identity, entry, bias))
         return True
 
@@ -344,13 +338,19 @@ class ProcessTable:
     def _new_mapping(self, sp: AddressSpace, pid: int, start: int, end: int, pgoff: int,
                      prot: int, flags: int, name: str, identity: Identity) -> Mapping:  # fmt: skip
         """The Mapping of an executable mapping, its binary resolved and held by ``sp``."""
+        entry, bias = self._held(sp, pid, start, end, pgoff, name, identity)
+        return make_mapping(start, end, pgoff, prot, flags, name, identity, entry, bias)
+
+    def _held(self, sp: AddressSpace, pid: int, start: int, end: int, pgoff: int, name: str,
+              identity: Identity) -> tuple[ElfEntry | None, int]:  # fmt: skip
+        """The binary of an executable mapping, resolved and held by ``sp``, and its bias."""
         entry = self._resolve(pid, start, end, name, identity)
         bias = entry.bias_for(start, pgoff) if entry is not None and entry.usable else (
             start - pgoff
         )  # fmt: skip
         if not sp._hold(entry):
             self._release(entry)  # the space already had its one reference
-        return make_mapping(start, end, pgoff, prot, flags, name, identity, entry, bias)
+        return entry, bias
 
     def _resolve(
         self, pid: int, start: int, end: int, filename: str, ident: Identity
