@@ -53,7 +53,9 @@ def test_replay_names_equal_perf_script(
             bad.append((ps.key, want, got))
         frames += len(want)
         names.update(s for _, s in want if s)
-    assert not bad, bad[:3]
+    # every frame of the first differing samples, one per line (a repr of the list is cut)
+    assert not bad, f"{len(bad)} of {len(script.samples)} samples differ:\n" + "\n".join(
+        f"{key}:\n  perf:    {want}\n  unwindd: {got}" for key, want, got in bad[:3])
     assert frames >= 100, frames
     # the samples cover the workload's shapes, named by perf (so the comparison is not trivial)
     assert any(" as rustnames::outer::inner::Spin>::spin" in n for n in names), names
