@@ -375,5 +375,9 @@ def test_drain_arenas_give_back_a_burst(workloads: dict[str, Workload], tmp_path
     assert counts(shrunk) == counts(kept)
     grown = max(len(a) for a in kept.native_step._arenas)
     assert grown >= size // 2, (grown, size)
-    assert max(len(a) for a in shrunk.native_step._arenas) <= grown // 4, (
-        [len(a) for a in shrunk.native_step._arenas], grown)
+    # after the burst an arena is twice the largest recent round (a drain and its carry), which
+    # a loaded machine makes larger: the bound is a quarter of the burst's arena or that
+    later = max(sum(len(b) for _, b in d) for d in drains[half:])
+    assert 4 * later < grown, (later, grown)  # the burst still stands out: the check can fail
+    assert max(len(a) for a in shrunk.native_step._arenas) <= max(grown // 4, 4 * later), (
+        [len(a) for a in shrunk.native_step._arenas], grown, later)
