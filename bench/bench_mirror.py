@@ -64,25 +64,13 @@ def child(cap: Path, cache: str, max_spaces: int, trace: bool, out: Path) -> Non
     if trace:
         tracemalloc.start(1)
     import unwindd.pipeline.live as live_mod
-    from captured import Replayed
-    from unwindd.pipeline.live import LiveProfiler
+    from replaylive import replay_profiler, run
     from unwindd.pipeline.ringstep import NativeStep
-    from unwindd.procs.livetable import LiveTable
-    from unwindd.procs.procscan import ProcFS
-    from unwindd.serve.service import GC_THRESHOLDS
-    from unwindd.store.stackstore import StackStore
-    from unwindd.unwind.engine import StackEngine
 
     live_mod._NATIVE_MAX_SPACES = max_spaces
-    gc.set_threshold(*GC_THRESHOLDS)
     fmt, drains = pickle.loads(cap.read_bytes())
-    tmp = Path(tempfile.mkdtemp(prefix="unwindd-mirror-"))
-    (tmp / "proc").mkdir()
-    engine = StackEngine.create(inline=True, cache_dir=cache)
-    ticks = iter(range(1, 1 << 40))
-    live = LiveTable(engine.table, ProcFS(str(tmp / "proc")),
-                     clock=lambda: next(ticks) * 100_000_000)  # fmt: skip
-    store = StackStore(bucket_ns=10_000_000_000, max_buckets=360, max_bytes=28 << 20)
+    prof = replay_profiler(fmt, drains, cache, tick_ns=100_000_000, max_bytes=28 << 20)
+    store = prof.store
     drops: list[dict[str, int]] = []
     new_ctx = NativeStep._new_ctx
 
@@ -100,15 +88,10 @@ def child(cap: Path, cache: str, max_spaces: int, trace: bool, out: Path) -> Non
         drops.append({"freed": freed, "stacks": stacks, "spaces": spaces, "native": native})
 
     NativeStep._new_ctx = spy  # type: ignore[method-assign]
-    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live,  # type: ignore[arg-type]
-                        bootstrap=False, flush_interval=1e9)  # fmt: skip
     prof.forget_stream_pids()
     c0 = time.process_time()
     prof.start()
-    for i in range(len(drains)):
-        prof.step()
-        if i % 10 == 9:  # ~1 s of 100 ms drains: the daemon's flush interval
-            prof.flush()
+    run(prof, len(drains), 10)  # ~1 s of 100 ms drains: the daemon's flush interval
     prof.flush()
     cpu = time.process_time() - c0
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status")

@@ -23,7 +23,6 @@ import gc
 import importlib.util
 import pickle
 import sys
-import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -35,35 +34,17 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 
 def build_store(cap: Path, cache: str) -> Any:
-    from captured import Replayed
-    from unwindd.pipeline.live import LiveProfiler
-    from unwindd.procs.livetable import LiveTable
-    from unwindd.procs.procscan import ProcFS
-    from unwindd.serve.service import GC_THRESHOLDS
-    from unwindd.store.stackstore import StackStore
-    from unwindd.unwind.engine import StackEngine
+    from replaylive import replay_profiler, run
 
-    gc.set_threshold(*GC_THRESHOLDS)
     fmt, drains = pickle.loads(cap.read_bytes())
-    tmp = Path(tempfile.mkdtemp(prefix="unwindd-pprof-"))
-    (tmp / "proc").mkdir()
-    engine = StackEngine.create(inline=True, cache_dir=cache)
-    ticks = iter(range(1, 1 << 40))
-    live = LiveTable(engine.table, ProcFS(str(tmp / "proc")),
-                     clock=lambda: next(ticks) * 100_000_000)  # fmt: skip
-    store = StackStore(bucket_ns=10_000_000_000, max_buckets=360, max_bytes=28 << 20)
-    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live,  # type: ignore[arg-type]
-                        bootstrap=False, flush_interval=1e9)  # fmt: skip
+    prof = replay_profiler(fmt, drains, cache, tick_ns=100_000_000, max_bytes=28 << 20)
     prof.forget_stream_pids()
     prof.start()
-    for i in range(len(drains)):
-        prof.step()
-        if i % 10 == 9:
-            prof.flush()
+    run(prof, len(drains), 10)
     prof.flush()
     del drains
     gc.collect()
-    return store
+    return prof.store
 
 
 def load_baseline(path: str) -> Any:

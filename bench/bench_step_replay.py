@@ -27,7 +27,6 @@ what was stored (same capture, same digest: the codes agree on every stack and c
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import os
@@ -148,45 +147,21 @@ def _instructions(path: Path) -> int:
 
 def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path,
           steps: int | None = None) -> None:  # fmt: skip
-    from captured import Replayed
-    from unwindd.pipeline.live import LiveProfiler
-    from unwindd.procs.livetable import LiveTable
-    from unwindd.procs.procscan import ProcFS
-    from unwindd.store.stackstore import StackStore
-    from unwindd.unwind.engine import StackEngine
+    from replaylive import replay_profiler, run
 
-    try:
-        from unwindd.serve.service import GC_THRESHOLDS
-    except ImportError:  # code from before it was named: the same numbers, inline
-        GC_THRESHOLDS = (20_000, 10, 10)
-    gc.set_threshold(*GC_THRESHOLDS)  # the daemon's collector, not the interpreter's default
     fmt, drains = pickle.loads(cap.read_bytes())
     if comm:
         drains = only_comm(fmt, drains, comm)
     if idle_:
         drains = idle(fmt, drains)
-    tmp = Path(tempfile.mkdtemp(prefix="unwindd-step-"))
-    (tmp / "proc").mkdir()
-    engine = StackEngine.create(inline=True, cache_dir=f"{cap}.cache")
-    ticks = iter(range(1, 1 << 40))
-    live = LiveTable(engine.table, ProcFS(str(tmp / "proc")),
-                     clock=lambda: next(ticks) * 1_000_000_000)  # fmt: skip
-    store = StackStore(bucket_ns=10_000_000_000, max_buckets=360)
-    prof = LiveProfiler(Replayed(fmt, drains), engine, store, live=live,  # type: ignore[arg-type]
-                        bootstrap=False, flush_interval=1e9)  # fmt: skip
+    prof = replay_profiler(fmt, drains, f"{cap}.cache", tick_ns=1_000_000_000)
     prof.start()
     by_type = prof.pipeline.stats.by_type
-    for i in range(warm):
-        prof.step()
-        if i % 40 == 39:  # ~1 s of 25 ms drains: the daemon's flush interval
-            prof.flush()
+    run(prof, warm, 40)  # ~1 s of 25 ms drains: the daemon's flush interval
     timed = len(drains) - warm if steps is None else min(steps, len(drains) - warm)
     _collect(True)
     n0, c0 = by_type["SAMPLE"], time.process_time()
-    for i in range(timed):
-        prof.step()
-        if i % 40 == 39:
-            prof.flush()
+    run(prof, timed, 40)
     prof.flush()
     cpu, n = time.process_time() - c0, by_type["SAMPLE"] - n0
     _collect(False)
