@@ -367,6 +367,7 @@ def test_drain_arenas_give_back_a_burst(workloads: dict[str, Workload], tmp_path
     assert half >= 8, len(drains)
     burst.write_bytes(pickle.dumps((fmt, [[c for d in drains[:half] for c in d], *drains[half:]])))
     size = sum(len(b) for d in drains[:half] for _, b in d)
+    monkeypatch.setattr(ringstep, "_RECS_MIN", 16)  # (below this capture's rounds)
     monkeypatch.setattr(ringstep, "_SHRINK_ROUNDS", 1 << 30)
     kept = replay(burst, True, tmp_path)
     monkeypatch.setattr(ringstep, "_SHRINK_ROUNDS", 4)
@@ -381,3 +382,18 @@ def test_drain_arenas_give_back_a_burst(workloads: dict[str, Workload], tmp_path
     assert 4 * later < grown, (later, grown)  # the burst still stands out: the check can fail
     assert max(len(a) for a in shrunk.native_step._arenas) <= max(grown // 4, 4 * later), (
         [len(a) for a in shrunk.native_step._arenas], grown, later)
+    # the per-round arrays likewise, by records: sized for the burst's round, then for twice
+    # the recent rounds' most (a drain and its carry)
+    later_n = max(sum(map(n_records, (b for _, b in d))) for d in drains[half:])
+    kept_cap, cap = kept.native_step._cap, shrunk.native_step._cap
+    assert 4 * later_n < kept_cap, (later_n, kept_cap)
+    assert cap <= 4 * later_n, (cap, later_n, kept_cap)
+
+
+def n_records(b: bytes) -> int:
+    """The perf records in a drained chunk (struct perf_event_header: size at offset 6)."""
+    n = pos = 0
+    while pos + 8 <= len(b):
+        pos += int.from_bytes(b[pos + 6 : pos + 8], "little")
+        n += 1
+    return n

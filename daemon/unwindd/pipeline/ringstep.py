@@ -90,6 +90,7 @@ __all__ = ["DrainSource", "NativeStep", "StepInfo", "supported"]
 _HELD = 0xFFFFFFFF
 _ARENA_MIN = 64 << 10  # each drain arena's least size (see NativeStep.__init__)
 _SHRINK_ROUNDS = 256  # rounds between two looks at the arenas' sizes (NativeStep._shrink)
+_RECS_MIN = 1024  # records the per-round arrays hold at least (NativeStep._grow)
 _PY_BASE = 0x80000000  # stack ids of stacks merged with Python frames (the C ids stay below)
 PYTHON_MODES = ("replace", "beside", "off")
 # A decoded non-SAMPLE record with what context.mark_record writes into its C index entry
@@ -192,14 +193,16 @@ class NativeStep:
         # (``_shrink``): a burst does not keep its memory for the step's life.
         self._arenas = [bytearray(_ARENA_MIN), bytearray(_ARENA_MIN)]
         self._peak = 0  # the largest round since the last _shrink
+        self._peak_n = 0  # the most records a round indexed since then
         self._rounds = 0
         self._cur = 0
         self._carry_len = 0
         self._carry_objs: dict[int, _Marked] = {}
         self._ncarry = 0
-        # per-round arrays, reused and grown to the largest round (cffi zero-fills each new)
+        # per-round arrays, reused and grown to the largest round (cffi zero-fills each new);
+        # ``_shrink`` gives them back after a burst as it does the arenas
         self._cap = 0
-        self._grow(1024)
+        self._grow(_RECS_MIN)
         self._pp = ffi.new("struct fp_rec **")
         self._u64s = ffi.new("uint64_t[9]")  # out-params: [0, 6) _round's, [6, 9) _run's
         self._u32s = ffi.new("uint32_t[2]")
@@ -212,11 +215,13 @@ class NativeStep:
         self._new_ctx()
         engine.drop_listeners.append(self._dropped)
 
-    def _grow(self, n: int) -> None:
-        """Room for ``n`` records in every per-round array (doubling: O(1) amortized)."""
-        if n <= self._cap:
+    def _grow(self, n: int, cap: int = 0) -> None:
+        """Room for ``n`` records in every per-round array (doubling: O(1) amortized); with
+        ``cap``, arrays of exactly that many (``_shrink``). Nothing in them outlives a round."""
+        self._peak_n = max(self._peak_n, n)
+        if n <= self._cap and not cap:
             return
-        cap = max(n, 2 * self._cap)
+        cap = cap or max(n, 2 * self._cap)
         self._cap = cap
         self._perm, self._keep = ffi.new("uint32_t[]", cap), ffi.new("uint32_t[]", cap)
         self._late = ffi.new("uint64_t[]", cap)
@@ -346,7 +351,8 @@ class NativeStep:
 
     def _shrink(self) -> None:
         """Each arena more than twice the size the recent rounds needed (``_peak``) is replaced
-        by one of that size, the carry (at the current arena's head) kept."""
+        by one of that size, the carry (at the current arena's head) kept; the per-round arrays
+        likewise, past twice the most records a recent round indexed (``_peak_n``)."""
         keep = max(_ARENA_MIN, 2 * self._peak)
         for i, buf in enumerate(self._arenas):
             if len(buf) > 2 * keep:
@@ -355,6 +361,10 @@ class NativeStep:
                     new[: self._carry_len] = memoryview(buf)[: self._carry_len]
                 self._arenas[i] = new
         self._peak = 0
+        want = max(_RECS_MIN, 2 * self._peak_n)
+        if self._cap > 2 * want:  # the per-round arrays likewise
+            self._grow(0, want)
+        self._peak_n = 0
 
     def _reserve(self, used: int, size: int) -> None:
         """The current arena holds at least ``size`` bytes, its first ``used`` kept (doubling:
