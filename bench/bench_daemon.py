@@ -2,10 +2,11 @@
 same run, plus lost samples and /v1/stacks query latency while sampling.
 
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
-                                  [--repeat N] [--before DIR] [--ring-pages 256|0|64,0,256]
-                                  [--record]
+                                  [--rounds 100] [--repeat N] [--before DIR]
+                                  [--ring-pages 256|0|64,0,256] [--record]
 
-For each frequency, with a steady load (one C workload looping per CPU):
+For each frequency, with a steady load (one C workload looping per CPU, re-run every
+``--rounds`` rounds: by default twice a second, so every half second brings new processes):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
   what we measure), then two windows of the same length: sampling only (its CPU time, utime
   + stime from /proc/<pid>/stat, per sample; samples and lost from /v1/status: the cost to
@@ -178,6 +179,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--freqs", default="99,1000")
     ap.add_argument("--stack-size", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=100,
+                    help="the workload's rounds per run: 100 re-runs it about twice a second "
+                    "(every run a new process, its stacks new to the daemon); a large number "
+                    "keeps one process per CPU for the whole run (stacks seen before)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
     ap.add_argument("--record", action="store_true",
@@ -191,7 +196,7 @@ def main() -> None:
         os.chmod(tmp, 0o755)
         wl = build_workloads(tmp / "wl")["c_o2"]
         # One looping workload per CPU: steady, known stacks for the whole run.
-        loop = f'while :; do "{wl.argv[0]}" 100 >/dev/null; done'
+        loop = f'while :; do "{wl.argv[0]}" {args.rounds} >/dev/null; done'
         load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
                 for _ in range(os.cpu_count() or 1)]
         try:
