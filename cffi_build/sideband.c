@@ -209,6 +209,451 @@ int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs_, uint32_t *id
     return nlazy;
 }
 
+/* ---- unw_sb_unsampled: side-band records no sample depends on (filereplay.py)
+ *
+ * A replay applies side-band records only for what its samples read: pid P's address space
+ * (ProcessTable.space_for, for placing and naming) and thread T's name (engine.comm_of: T's,
+ * else P's). What each record type does to those (proctable.py, engine.note_comm):
+ * - MMAP/MMAP2 of pid P changes space(P) from its previous value (cuts, inserts);
+ * - COMM of tid T sets comm(T); with PERF_RECORD_MISC_COMM_EXEC and pid == tid it also clears
+ *   space(P) (exec: nothing before it survives, fs/exec.c begin_new_exec);
+ * - FORK (pid P, ppid Q, tid T, ptid U) sets comm(T) from comm(U), else comm(Q) (perf's
+ *   thread__fork); for a new process (P != Q) space(P) becomes a copy of space(Q) (a thread,
+ *   P == Q, leaves every space alone);
+ * - EXIT only retires a space, which no replay reads;
+ * - any other record type changes neither (LOST, THROTTLE, ... are kept all the same).
+ * So the records that matter are found backwards, as liveness: walking the delivered order
+ * from its end, a set D holds every space(P) and comm(T) some later sample or kept record
+ * reads before it is wholly set again. A sample of (P, T) adds space(P), comm(T), comm(P). A
+ * record is kept iff it sets something in D; a record that sets a value wholly (COMM, FORK,
+ * exec) removes it from D, then a kept FORK adds what it copied from: comm(U) and comm(Q) for
+ * comm(T), space(Q) for space(P). A MMAP keeps space(P) in D (it changes what was there).
+ * Every other record changes nothing a sample reads, at any later time: skipping it leaves
+ * each sample's space mappings and comm as they were (pid reuse is a FORK that sets the new
+ * process's space wholly; a process not sampled after a point keeps its records from then on
+ * only as far as a child forked later reads them). A space a kept record creates exists as
+ * before: spaces are created by their pid's MMAPs, exec, FORK as a child, or a sample, and
+ * never dropped for good in a replay; while space(P) is in D every record that could have
+ * created it before is kept back to the one that set it wholly (itself a creator).
+ * A record that may not decode (too short for its fixed part and the trailer, or a MMAP2
+ * flagged PERF_RECORD_MISC_MMAP_BUILD_ID with a build-id size over 20: a BadRecord, no effect,
+ * decoder.py) is kept and sets nothing, so a record dropped is one ProcessTable.apply counts
+ * as ``counts`` does. A file with a jitdump mapping (a name ending in ".dump":
+ * the replay cuts runs at its code replacements, across pids) skips nothing.
+ * Cost: O(m) time, O(distinct pids and tids) memory. */
+
+#define PERF_RECORD_MISC_COMM_EXEC 0x2000
+#define KIND_SPACE (1ULL << 32)
+#define KIND_COMM (2ULL << 32)
+
+/* A growable open-addressing set of u64 keys (never 0), each on or off. */
+struct kset {
+    uint64_t *keys;
+    uint8_t *on;
+    uint64_t cap, n;
+};
+
+static uint64_t kslot(const struct kset *s, uint64_t key)
+{
+    uint64_t h = (key * 0x9E3779B97F4A7C15ULL) >> 17 & (s->cap - 1);
+    while (s->keys[h] && s->keys[h] != key)
+        h = (h + 1) & (s->cap - 1);
+    return h;
+}
+
+static int kset_has(const struct kset *s, uint64_t key)
+{
+    uint64_t h = kslot(s, key);
+    return s->keys[h] == key && s->on[h];
+}
+
+static int kset_put(struct kset *s, uint64_t key, uint8_t on)
+{
+    if (2 * (s->n + 1) > s->cap) {
+        struct kset t = { calloc(2 * s->cap, 8), calloc(2 * s->cap, 1), 2 * s->cap, s->n };
+        if (!t.keys || !t.on) {
+            free(t.keys);
+            free(t.on);
+            return -1;
+        }
+        for (uint64_t i = 0; i < s->cap; i++)
+            if (s->keys[i]) {
+                uint64_t h = kslot(&t, s->keys[i]);
+                t.keys[h] = s->keys[i];
+                t.on[h] = s->on[i];
+            }
+        free(s->keys);
+        free(s->on);
+        *s = t;
+    }
+    uint64_t h = kslot(s, key);
+    if (!s->keys[h]) {
+        if (!on)
+            return 0; /* off and absent are the same */
+        s->keys[h] = key;
+        s->n++;
+    }
+    s->on[h] = on;
+    return 0;
+}
+
+/* The body of r and the end of its fixed part and strings (before the sample_id trailer), or
+ * NULL when the record is not inside data or too short for fixed + trailer bytes. */
+static const uint8_t *sb_body(const uint8_t *data, uint64_t len, const struct fp_rec *r,
+                              uint64_t fixed, uint32_t sid_size, uint64_t *end)
+{
+    uint64_t blen = r->size >= 8 ? r->size - 8u : 0;
+    if (r->off + r->size > len || blen < fixed + (uint64_t)sid_size)
+        return NULL;
+    *end = blen - sid_size;
+    return data + r->off + 8;
+}
+
+/* Whether the C string at b[from, end) (to its NUL) ends with ".dump". */
+static int dump_name(const uint8_t *b, uint64_t from, uint64_t end)
+{
+    const uint8_t *z = memchr(b + from, 0, end - from);
+    uint64_t n = z ? (uint64_t)(z - (b + from)) : end - from;
+    return n >= 5 && memcmp(b + from + n - 5, ".dump", 5) == 0;
+}
+
+int64_t unw_sb_unsampled(const uint8_t *data, uint64_t len, const void *recs_, uint32_t *perm,
+                         uint64_t m, uint32_t sid_size, uint64_t *counts)
+{
+    const struct fp_rec *recs = recs_;
+    for (int i = 0; i < UNW_SB_NCOUNTS; i++)
+        counts[i] = 0;
+    uint8_t *keep = malloc(m ? m : 1);
+    struct kset d = { calloc(1024, 8), calloc(1024, 1), 1024, 0 };
+    int64_t rc = -1;
+    if (!keep || !d.keys || !d.on)
+        goto out;
+    for (uint64_t k = m; k-- > 0;) {
+        const struct fp_rec *r = &recs[perm[k]];
+        uint64_t end;
+        const uint8_t *b;
+        keep[k] = 1;
+        if (r->flags & FP_SAMPLE) {
+            if (kset_put(&d, KIND_SPACE | r->pid, 1) || kset_put(&d, KIND_COMM | r->tid, 1)
+                || kset_put(&d, KIND_COMM | r->pid, 1))
+                goto out;
+            continue;
+        }
+        switch (r->type) {
+        case REC_MMAP:
+        case REC_MMAP2: {
+            uint64_t fixed = r->type == REC_MMAP ? 32 : 64;
+            if (!(b = sb_body(data, len, r, fixed, sid_size, &end)))
+                break; /* a BadRecord: kept, sets nothing */
+            if (dump_name(b, fixed, end)) {
+                rc = (int64_t)m; /* a jitdump: nothing skipped */
+                for (int i = 0; i < UNW_SB_NCOUNTS; i++)
+                    counts[i] = 0;
+                goto out;
+            }
+            if (r->type == REC_MMAP2 && (r->misc & MISC_MMAP_BUILD_ID) && b[32] > 20)
+                break; /* maybe a BadRecord: kept (it can change only its pid's space) */
+            if (!kset_has(&d, KIND_SPACE | rd32(b))) {
+                keep[k] = 0;
+                counts[r->type == REC_MMAP ? UNW_SB_MMAP : UNW_SB_MMAP2]++;
+            }
+            break;
+        }
+        case REC_COMM: {
+            if (!(b = sb_body(data, len, r, 8, sid_size, &end)))
+                break;
+            uint32_t pid = rd32(b), tid = rd32(b + 4);
+            int exec = (r->misc & PERF_RECORD_MISC_COMM_EXEC) && pid == tid;
+            if (!kset_has(&d, KIND_COMM | tid) && !(exec && kset_has(&d, KIND_SPACE | pid))) {
+                keep[k] = 0;
+                counts[exec ? UNW_SB_EXEC : UNW_SB_COMM]++;
+            }
+            if (kset_put(&d, KIND_COMM | tid, 0) || (exec && kset_put(&d, KIND_SPACE | pid, 0)))
+                goto out;
+            break;
+        }
+        case REC_FORK: {
+            if (!(b = sb_body(data, len, r, 24, sid_size, &end)))
+                break;
+            uint32_t pid = rd32(b), ppid = rd32(b + 4), tid = rd32(b + 8), ptid = rd32(b + 12);
+            int comm = kset_has(&d, KIND_COMM | tid);
+            int space = pid != ppid && kset_has(&d, KIND_SPACE | pid);
+            if (!comm && !space) {
+                keep[k] = 0;
+                counts[UNW_SB_FORK]++;
+                break;
+            }
+            /* what it sets wholly first, then what it reads (a FORK reading what it sets
+             * keeps it in D) */
+            if ((comm && kset_put(&d, KIND_COMM | tid, 0))
+                || (space && kset_put(&d, KIND_SPACE | pid, 0))
+                || (comm && (kset_put(&d, KIND_COMM | ptid, 1)
+                             || kset_put(&d, KIND_COMM | ppid, 1)))
+                || (space && kset_put(&d, KIND_SPACE | ppid, 1)))
+                goto out;
+            break;
+        }
+        case REC_EXIT:
+            if (sb_body(data, len, r, 24, sid_size, &end)) {
+                keep[k] = 0;
+                counts[UNW_SB_EXIT]++;
+            }
+            break;
+        default:
+            break;
+        }
+    }
+    uint64_t w = 0;
+    for (uint64_t k = 0; k < m; k++)
+        if (keep[k])
+            perm[w++] = perm[k];
+    rc = (int64_t)w;
+out:
+    free(keep);
+    free(d.keys);
+    free(d.on);
+    return rc;
+}
+
+/* ---- unw_sb_noop_mmaps: data MMAP2s that change no space, found by following each space
+ *
+ * ProcessTable.add_mapping of a non-executable mapping only cuts the executable mappings it
+ * overlaps (and creates the pid's space): one of a pid that has a space and overlapping none
+ * of its mappings changes nothing (filereplay.py _raw_noop asks the same of the table). Here
+ * the union of each pid's executable ranges is followed through the delivered records the
+ * replay applies, as proctable.py changes them: an executable MMAP2 (or MMAP without
+ * PERF_RECORD_MISC_MMAP_DATA) cuts what it overlaps and is inserted, a data one cuts, an exec
+ * (COMM with PERF_RECORD_MISC_COMM_EXEC, pid == tid) empties the space, a FORK of a new
+ * process copies its parent's (empty if the parent has none), an empty mapping changes
+ * nothing. A space exists from its pid's first sample, non-empty mapping, exec or FORK as a
+ * child (never dropped in a replay). The ranges followed are a superset of the table's and
+ * "exists" implies the table has the space: a MMAP2 that may or may not decode (flagged
+ * PERF_RECORD_MISC_MMAP_BUILD_ID with a build-id size over 20) adds its range if executable
+ * and cuts nothing; a record too short to decode is a BadRecord, no change. So a data MMAP2
+ * found here to overlap nothing of an existing space is a no-op for the table: dropped.
+ * A range past 2^64 (addr + len wraps: Python's are unbounded) drops nothing at all.
+ * Cost: O(m + mappings per pid per change) time, O(mappings of all pids) memory. */
+
+struct pranges {
+    uint32_t pid;
+    uint8_t used, exists;
+    uint32_t n, cap;
+    struct range *r; /* sorted, disjoint (a union: adjacent ranges may be merged) */
+};
+
+struct ptable {
+    struct pranges *p;
+    uint64_t cap, n;
+};
+
+static struct pranges *pt_get(struct ptable *t, uint32_t pid)
+{
+    if (2 * (t->n + 1) > t->cap) {
+        struct ptable u = { calloc(2 * t->cap, sizeof *t->p), 2 * t->cap, 0 };
+        if (!u.p)
+            return NULL;
+        for (uint64_t i = 0; i < t->cap; i++)
+            if (t->p[i].used) {
+                uint64_t h = (t->p[i].pid * 0x9E3779B97F4A7C15ULL) >> 20 & (u.cap - 1);
+                while (u.p[h].used)
+                    h = (h + 1) & (u.cap - 1);
+                u.p[h] = t->p[i];
+                u.n++;
+            }
+        free(t->p);
+        *t = u;
+    }
+    uint64_t h = (pid * 0x9E3779B97F4A7C15ULL) >> 20 & (t->cap - 1);
+    while (t->p[h].used && t->p[h].pid != pid)
+        h = (h + 1) & (t->cap - 1);
+    if (!t->p[h].used) {
+        t->p[h].used = 1;
+        t->p[h].pid = pid;
+        t->n++;
+    }
+    return &t->p[h];
+}
+
+static int pr_reserve(struct pranges *s, uint32_t n)
+{
+    if (n <= s->cap)
+        return 0;
+    uint32_t cap = s->cap ? s->cap : 8;
+    while (cap < n)
+        cap *= 2;
+    struct range *r = realloc(s->r, cap * sizeof *r);
+    if (!r)
+        return -1;
+    s->r = r;
+    s->cap = cap;
+    return 0;
+}
+
+/* The index of the first range ending after lo. */
+static uint32_t pr_first(const struct pranges *s, uint64_t lo)
+{
+    uint32_t a = 0, z = s->n;
+    while (a < z) {
+        uint32_t mid = a + (z - a) / 2;
+        if (s->r[mid].hi <= lo)
+            a = mid + 1;
+        else
+            z = mid;
+    }
+    return a;
+}
+
+static int pr_overlaps(const struct pranges *s, uint64_t lo, uint64_t hi)
+{
+    uint32_t i = pr_first(s, lo);
+    return i < s->n && s->r[i].lo < hi;
+}
+
+/* Remove [lo, hi) (keeping the pieces before and after it); with ins, insert it then. */
+static int pr_cut(struct pranges *s, uint64_t lo, uint64_t hi, int ins)
+{
+    uint32_t i = pr_first(s, lo), j = i;
+    while (j < s->n && s->r[j].lo < hi)
+        j++;
+    /* ranges [i, j) overlap [lo, hi): they become a head piece, [lo, hi) if ins, a tail */
+    struct range head = { 0, 0 }, tail = { 0, 0 };
+    int nh = 0, nt = 0;
+    if (i < j && s->r[i].lo < lo) {
+        head.lo = s->r[i].lo;
+        head.hi = lo;
+        nh = 1;
+    }
+    if (i < j && s->r[j - 1].hi > hi) {
+        tail.lo = hi;
+        tail.hi = s->r[j - 1].hi;
+        nt = 1;
+    }
+    uint32_t put = (uint32_t)(nh + nt + (ins ? 1 : 0)), old = j - i;
+    if (pr_reserve(s, s->n - old + put))
+        return -1;
+    memmove(s->r + i + put, s->r + j, (s->n - j) * sizeof *s->r);
+    s->n = s->n - old + put;
+    if (nh)
+        s->r[i++] = head;
+    if (ins) {
+        s->r[i].lo = lo;
+        s->r[i++].hi = hi;
+    }
+    if (nt)
+        s->r[i] = tail;
+    return 0;
+}
+
+int64_t unw_sb_noop_mmaps(const uint8_t *data, uint64_t len, const void *recs_, uint32_t *perm,
+                          uint64_t m, uint32_t sid_size)
+{
+    const struct fp_rec *recs = recs_;
+    struct ptable t = { calloc(256, sizeof(struct pranges)), 256, 0 };
+    uint8_t *keep = malloc(m ? m : 1);
+    int64_t rc = -1;
+    if (!t.p || !keep)
+        goto out;
+    for (uint64_t k = 0; k < m; k++) {
+        const struct fp_rec *r = &recs[perm[k]];
+        uint64_t end;
+        const uint8_t *b;
+        struct pranges *s, *q;
+        keep[k] = 1;
+        if (r->flags & FP_SAMPLE) {
+            if (!(s = pt_get(&t, r->pid)))
+                goto out;
+            s->exists = 1;
+            continue;
+        }
+        switch (r->type) {
+        case REC_MMAP:
+        case REC_MMAP2: {
+            uint64_t fixed = r->type == REC_MMAP ? 32 : 64;
+            if (!(b = sb_body(data, len, r, fixed, sid_size, &end)))
+                break; /* a BadRecord */
+            uint64_t addr = rd64(b + 8), l = rd64(b + 16);
+            if (addr + l < addr) {
+                rc = (int64_t)m; /* past 2^64: nothing dropped */
+                goto out;
+            }
+            if (!l)
+                break; /* add_mapping ignores it */
+            int exec = r->type == REC_MMAP ? !(r->misc & MISC_MMAP_DATA)
+                                           : (rd32(b + 56) & PROT_EXEC) != 0;
+            if (!(s = pt_get(&t, rd32(b))))
+                goto out;
+            if (r->type == REC_MMAP2 && (r->misc & MISC_MMAP_BUILD_ID) && b[32] > 20) {
+                /* maybe a BadRecord: its range kept if executable, nothing cut or created */
+                if (exec && pr_cut(s, addr, addr + l, 1))
+                    goto out;
+                break;
+            }
+            if (!exec && s->exists && !pr_overlaps(s, addr, addr + l)
+                && r->type == REC_MMAP2) {
+                keep[k] = 0;
+                break;
+            }
+            s->exists = 1;
+            if (pr_cut(s, addr, addr + l, exec))
+                goto out;
+            break;
+        }
+        case REC_COMM:
+            if (!(b = sb_body(data, len, r, 8, sid_size, &end)) || !(r->misc & PERF_RECORD_MISC_COMM_EXEC)
+                || rd32(b) != rd32(b + 4))
+                break;
+            if (!(s = pt_get(&t, rd32(b))))
+                goto out;
+            s->exists = 1;
+            s->n = 0;
+            break;
+        case REC_FORK: {
+            if (!(b = sb_body(data, len, r, 24, sid_size, &end)) || rd32(b) == rd32(b + 4))
+                break;
+            if (!(q = pt_get(&t, rd32(b + 4))))
+                goto out;
+            uint32_t ppid_exists = q->exists, nq = q->n;
+            struct range *copy = NULL;
+            if (ppid_exists && nq) {
+                if (!(copy = malloc(nq * sizeof *copy)))
+                    goto out;
+                memcpy(copy, q->r, nq * sizeof *copy);
+            }
+            if (!(s = pt_get(&t, rd32(b)))) { /* (may move q: the table grows) */
+                free(copy);
+                goto out;
+            }
+            s->exists = 1;
+            s->n = 0;
+            if (copy) {
+                if (pr_reserve(s, nq)) {
+                    free(copy);
+                    goto out;
+                }
+                memcpy(s->r, copy, nq * sizeof *copy);
+                s->n = nq;
+                free(copy);
+            }
+            break;
+        }
+        default:
+            break;
+        }
+    }
+    uint64_t w = 0;
+    for (uint64_t k = 0; k < m; k++)
+        if (keep[k])
+            perm[w++] = perm[k];
+    rc = (int64_t)w;
+out:
+    if (t.p)
+        for (uint64_t i = 0; i < t.cap; i++)
+            free(t.p[i].r);
+    free(t.p);
+    free(keep);
+    return rc;
+}
+
 /* The live step reads every side-band entry's header fields once, here, instead of one cffi
  * attribute access per field per record; and writes back the marks its decoded records give
  * (context.mark_record: a field is written only when its flag is set). */

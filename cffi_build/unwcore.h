@@ -317,6 +317,31 @@ int64_t unw_sb_lazy(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx
                     uint32_t sid_size, int32_t t_off, int32_t c_off, uint32_t *lazy,
                     uint64_t *nrest);
 
+/* Drop from perm[0..m) (delivered order; recs, data, len and sid_size as in unw_sb_lazy)
+ * every side-band record no sample's address space or comm depends on (sideband.c states the
+ * rule and its proof): MMAP/MMAP2/COMM/FORK of processes and threads no later sample reads,
+ * through FORK ancestry included, and every EXIT. perm keeps the rest, in order. counts
+ * (UNW_SB_NCOUNTS) gets the dropped records by what ProcessTable.apply would count them as
+ * (UNW_SB_COMM: a COMM it counts nothing for). Nothing is dropped from a file that maps a
+ * jitdump. Returns the new length, -1 on allocation failure. O(m). */
+#define UNW_SB_MMAP2 0
+#define UNW_SB_MMAP 1
+#define UNW_SB_FORK 2
+#define UNW_SB_EXIT 3
+#define UNW_SB_EXEC 4
+#define UNW_SB_COMM 5
+#define UNW_SB_NCOUNTS 6
+int64_t unw_sb_unsampled(const uint8_t *data, uint64_t len, const void *recs, uint32_t *perm,
+                         uint64_t m, uint32_t sid_size, uint64_t *counts);
+
+/* Drop from perm[0..m) (as in unw_sb_unsampled) every data MMAP2 (decoding without error)
+ * of a pid whose space exists and has no executable mapping it overlaps, at its place in the
+ * order: ProcessTable.apply would change nothing (sideband.c follows each pid's executable
+ * ranges to tell). perm keeps the rest, in order. Returns the new length, -1 on allocation
+ * failure. O(m + changed ranges). */
+int64_t unw_sb_noop_mmaps(const uint8_t *data, uint64_t len, const void *recs, uint32_t *perm,
+                          uint64_t m, uint32_t sid_size);
+
 /* The live step's side-band records (ringstep.py _decode_others): every entry of recs[0..n)
  * (struct fp_rec, fastpath.h) not flagged FP_SAMPLE, in index order, as one row of rows
  * (room for 5 n): (index, type, misc, off, size). Returns the number of rows. O(n). */

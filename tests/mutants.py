@@ -92,6 +92,9 @@ class Mutation:
 UNWIND_C = "cffi_build/unwind.c"
 INDEX_C = "cffi_build/index.c"
 ORDER_C = "cffi_build/order.c"
+SIDEBAND_C = "cffi_build/sideband.c"
+_SKIP_TEST = ("tests/differential/test_replay_unsampled.py"
+              "::test_skipping_replay_equals_applying_every_record")
 
 # The end of unw_unwind_one: every walk (whatever stopped it) stores its frame count here.
 _UNWIND_END = "    *count = n;\n    *fpf = nfp;\n"
@@ -329,6 +332,59 @@ MUTATIONS: tuple[Mutation, ...] = (
             "tests/integration/test_service.py",
             "tests/integration/test_cli.py",
         ),
+    ),
+    # -- the replay's side-band skips (sideband.c unw_sb_unsampled, unw_sb_noop_mmaps): the
+    # skipping replay against the one applying every record (test_replay_unsampled.py).
+    Mutation(
+        name="skip-forgets-fork-parent",
+        what="unw_sb_unsampled: a FORK kept for its child's space no longer makes the parent's "
+        "space needed (the parent's mappings before the fork are dropped)",
+        edits=(
+            Edit(
+                SIDEBAND_C,
+                old="|| (space && kset_put(&d, KIND_SPACE | ppid, 1)))",
+                new="|| 0) /* MUTANT */",
+            ),
+        ),
+        tests=(_SKIP_TEST,),
+    ),
+    Mutation(
+        name="skip-forgets-comm-fallback",
+        what="unw_sb_unsampled: a sample needs its thread's comm but not its process's (which "
+        "engine.comm_of falls back to)",
+        edits=(
+            Edit(
+                SIDEBAND_C,
+                old="|| kset_put(&d, KIND_COMM | r->pid, 1))",
+                new="|| 0) /* MUTANT */",
+            ),
+        ),
+        tests=(_SKIP_TEST,),
+    ),
+    Mutation(
+        name="noop-fork-copies-nothing",
+        what="unw_sb_noop_mmaps: a forked child starts with no executable ranges, not its "
+        "parent's (a data MMAP2 over inherited code is taken for a no-op)",
+        edits=(
+            Edit(
+                SIDEBAND_C,
+                old="            if (ppid_exists && nq) {",
+                new="            if (0 && ppid_exists && nq) { /* MUTANT */",
+            ),
+        ),
+        tests=(_SKIP_TEST,),
+    ),
+    Mutation(
+        name="noop-cut-loses-head",
+        what="unw_sb_noop_mmaps: a cut forgets the piece of a range before it",
+        edits=(
+            Edit(
+                SIDEBAND_C,
+                old="    if (i < j && s->r[i].lo < lo) {",
+                new="    if (0) { /* MUTANT */",
+            ),
+        ),
+        tests=(_SKIP_TEST,),
     ),
 )
 

@@ -402,3 +402,31 @@ def read_format(
     for v, gid, glost in group:
         out += [v, *(x for x in (gid, glost) if x is not None)]
     return out
+
+
+# --------------------------------------------------------------------------- a whole file
+
+SAMPLE_ID_ALL = 1 << 18  # perf_event_attr flags bit: sample_id_all
+
+
+def perf_data_file(sample_type: int, data: bytes, *, flags: int = SAMPLE_ID_ALL,
+                   sample_regs_user: int = 0) -> bytes:  # fmt: skip
+    """A perf.data file (tools/perf/util/header.h ``perf_file_header``, 104 bytes) of one
+    event (``perf_event_attr`` VER8, 136 bytes: type 1 (software), sample_period 999,
+    ``sample_type``, ``flags``, ``sample_regs_user`` at 80; its ids section one id, 7) whose
+    data section is ``data``; no feature sections. Layout: [0, 104) header | [104, 112) the
+    id | [112, 264) attr + its ids section {offset, size} | data."""
+    attr = bytearray(136)
+    struct.pack_into("<IIQQQQQ", attr, 0, 1, 136, 0, 999, sample_type, 0, flags)
+    struct.pack_into("<Q", attr, 80, sample_regs_user)
+    entry = bytes(attr) + u64(104) + u64(8)
+    hdr = (
+        b"PERFILE2"  # u64 magic;
+        + u64(104)  # u64 size;
+        + u64(len(entry))  # u64 attr_size;
+        + u64(112) + u64(len(entry))  # struct perf_file_section attrs;
+        + u64(112 + len(entry)) + u64(len(data))  # struct perf_file_section data;
+        + u64(0) + u64(0)  # struct perf_file_section event_types;
+        + bytes(32)  # DECLARE_BITMAP(adds_features, HEADER_FEAT_BITS);
+    )  # fmt: skip
+    return hdr + u64(7) + entry + data

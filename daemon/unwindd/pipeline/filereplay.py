@@ -86,6 +86,13 @@ _FINISHED_ROUND_NAME = record_type_name(FinishedRound())
 PAR_MIN: int | None = None
 # Tests: the worker made to take blocks (fp_ctx_par_stress), so the threaded path surely runs.
 PAR_STRESS = False
+# Tests: False applies the side-band records ``_skip_unsampled`` (``_skip_noop_mmaps``) would
+# drop, to compare.
+SKIP_UNSAMPLED = True
+SKIP_NOOP_MMAPS = True
+# unw_sb_unsampled's counts -> what ProcessTable.apply counts each as (a plain COMM: nothing)
+_TABLE_COUNTS = (("MMAP2", lib.UNW_SB_MMAP2), ("MMAP", lib.UNW_SB_MMAP), ("FORK", lib.UNW_SB_FORK),
+                 ("EXIT", lib.UNW_SB_EXIT), ("EXEC", lib.UNW_SB_EXEC))  # fmt: skip
 
 
 _MMAP2_HEAD = struct.Struct("<IIQQ")  # pid, tid, addr, len
@@ -113,6 +120,8 @@ class FastResult:
     runs: int
     side_band: int
     worker_samples: int = 0  # unwound by the parallel unwind's worker thread
+    unsampled: int = 0  # side-band records no sample depends on: counted, never applied
+    noop_mmaps: int = 0  # data MMAP2s over nothing of their pid's space: counted, never applied
 
 
 def replay(
@@ -263,6 +272,9 @@ class _Replay:
         self._kframe_text: dict[Frame, str] = {}
         self._run_out = (ffi.new("uint64_t *"), ffi.new("uint32_t *"), ffi.new("uint32_t *"))
         self.runs = 0
+        # whether ``_runs`` asks the table if a data MMAP2 would change it (``_raw_noop``):
+        # not once ``_skip_noop_mmaps`` dropped every such record in C
+        self.check_noops = True
 
     # -- the whole file
 
@@ -318,6 +330,8 @@ class _Replay:
         skipped = 0
         if ncand:
             m, skipped = self._skip_data_mmaps(recs, perm, m, cand, cand_pids, ncand)
+        m, unsampled = self._skip_unsampled(recs, perm, m)
+        m, noops = self._skip_noop_mmaps(recs, perm, m)
 
         # -- columns of the delivered stream, stream counts
         ctypes = ("uint8_t", "uint64_t", "uint64_t", "uint32_t", "uint32_t", "uint32_t")
@@ -343,8 +357,9 @@ class _Replay:
         self.buf = ffi.NULL
         self.mapped.close(background=True)
         self._finish()
-        return FastResult(nsamples, self.nctx.nstacks, self.runs, side + skipped,
-                          int(lib.fp_ctx_par_stats(self.ctx)))  # fmt: skip
+        return FastResult(nsamples, self.nctx.nstacks, self.runs,
+                          side + skipped + unsampled + noops, int(lib.fp_ctx_par_stats(self.ctx)),
+                          unsampled, noops)  # fmt: skip
 
     def _scan_data_mmaps(self, recs: Any, n: int, others: Any, nother: int
                          ) -> tuple[Any, Any, int, int]:  # fmt: skip
@@ -451,6 +466,7 @@ class _Replay:
         side-band record between them applied to the process table (a data MMAP2 that cannot
         change it only counted); the side-band records met."""
         engine, nctx, m = self.engine, self.nctx, len(is_sample)
+        check = self.check_noops  # (else unw_sb_noop_mmaps dropped every one already)
         pos = side = 0
         while pos < m:
             p = is_sample.find(b"\0", pos)
@@ -465,11 +481,11 @@ class _Replay:
             pos = p + 1
             rec = objs.pop(i, None)
             if rec is None:  # a MMAP2 counted in bulk, not decoded yet
-                if self._raw_noop(recs[i]):
+                if check and self._raw_noop(recs[i]):
                     engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
                     continue
                 rec = self._record(recs, i)
-            elif type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
+            elif check and type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
                 engine.table.stats.records["MMAP2"] += 1
                 continue
             if engine.note_comm(rec):
@@ -513,6 +529,41 @@ class _Replay:
             else:
                 s.by_cpu_type.setdefault(None, Counter())["MMAP2"] += skipped
         return new_m, skipped
+
+    def _skip_unsampled(self, recs: Any, perm: Any, m: int) -> tuple[int, int]:
+        """Drop from the delivered order the side-band records no sample's address space or
+        comm depends on (sideband.c ``unw_sb_unsampled``: the records of processes and threads
+        no later sample reads, through FORK ancestry, and every EXIT; most of a churning
+        machine's processes are never sampled). Their decode and stream counts were taken
+        already; what ``ProcessTable.apply`` would have counted for them is counted here in
+        bulk. Returns (new length of perm, records dropped)."""
+        trailer = self.data.decoder.sample_id_trailer()
+        if not SKIP_UNSAMPLED or trailer is None or not m:
+            return m, 0
+        counts = ffi.new("uint64_t[]", lib.UNW_SB_NCOUNTS)
+        new_m = check(lib.unw_sb_unsampled(self.buf, self.length, recs, perm, m, trailer[0],
+                                           counts), "unw_sb_unsampled")  # fmt: skip
+        table = self.engine.table.stats.records
+        for name, k in _TABLE_COUNTS:
+            if counts[k]:
+                table[name] += counts[k]
+        return new_m, m - new_m
+
+    def _skip_noop_mmaps(self, recs: Any, perm: Any, m: int) -> tuple[int, int]:
+        """Drop from the delivered order the data MMAP2s that find their pid's space there and
+        overlapping none of its mappings (sideband.c ``unw_sb_noop_mmaps`` follows each pid's
+        executable ranges through the records left to apply): what ``_raw_noop`` would find,
+        found in C. Counted where ``ProcessTable.apply`` would have counted them. Returns (new
+        length of perm, records dropped)."""
+        trailer = self.data.decoder.sample_id_trailer()
+        if not SKIP_NOOP_MMAPS or trailer is None or not m:
+            return m, 0
+        new_m = check(lib.unw_sb_noop_mmaps(self.buf, self.length, recs, perm, m, trailer[0]),
+                      "unw_sb_noop_mmaps")  # fmt: skip
+        self.check_noops = False
+        if new_m < m:
+            self.engine.table.stats.records["MMAP2"] += m - new_m
+        return new_m, m - new_m
 
     def _record(self, recs: Any, i: int) -> Record:
         """Record i (a MMAP2 counted in bulk before ordering, ``_lazy_mmaps``) decoded, once."""
