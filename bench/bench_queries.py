@@ -15,10 +15,13 @@ churn makes), their user code loaded elsewhere (ASLR: each copy's stacks are new
 spread over the last 60 s. A round adds one more copy 60 s / copies later
 (the window slides, the store moves on between queries as in the daemon), then answers
 each query once through ``Api.handle`` on a snapshot, as the daemon's query thread does,
-timing its thread CPU. Workers take rounds in turn (before, after, before, ...); the last
-round runs again under tracemalloc for each query's peak above what was allocated before it.
-Every answer's sha256 is compared between the versions: a difference is reported and the
-exit status is 1.
+timing its thread CPU. An answer written as it is rendered (``ChunkedResponse``: a JSON stacks
+answer past one chunk) is consumed whole inside the measure, each chunk dropped once hashed,
+as the socket would take it: its CPU and peak are those of the whole answer. Workers take
+rounds in turn (before, after, before, ...); the last round runs again under tracemalloc for
+each query's peak above what was allocated before it. Every answer's sha256 is compared
+between the versions: a difference is reported and the exit status is 1. ``chunks`` is how
+many pieces the answer came in (1: a whole body).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from urllib.parse import parse_qs
 from apisource import QuerySource  # (the bench dir is sys.path[0]: scripts run as files)
 
 QUERIES = ("/v1/stacks?since=60&limit=200", "/v1/stacks?since=60",
-           "/v1/stacks?since=60&format=folded", "/v1/stacks?since=60&format=pprof",
+           "/v1/stacks?since=60&inline=0", "/v1/stacks?since=60&format=folded",
+           "/v1/stacks?since=60&format=pprof",
            "/v1/top?since=60&limit=50", "/v1/top?since=60&limit=50&by=line",
            "/v1/stacks?since=60&format=pprof&inline=0")  # fmt: skip
 WINDOW_NS = 60_000_000_000
@@ -147,15 +151,25 @@ class Worker:
                 base = tracemalloc.get_traced_memory()[0]
             c0 = time.thread_time()
             res = api.handle(req, Peer(0))
+            sha, size, chunks = hashlib.sha256(), 0, 0
+            # a ChunkedResponse's chunks as the connection takes them (one at a time, each
+            # dropped once written); a Response's body whole
+            for piece in getattr(res, "chunks", None) or (res.body,):  # type: ignore[union-attr]
+                sha.update(piece)
+                size += len(piece)
+                chunks += 1
+                del piece
+            if hasattr(res, "chunks"):
+                res.close()
+            del res
             cpu = time.thread_time() - c0
             peak = 0
             if traced:
                 peak = tracemalloc.get_traced_memory()[1] - base
                 tracemalloc.stop()
             snap.close()
-            body: bytes = res.body  # type: ignore[union-attr]
-            out[q] = {"cpu": cpu, "peak": peak, "sha": hashlib.sha256(body).hexdigest()[:16],
-                      "len": len(body)}
+            out[q] = {"cpu": cpu, "peak": peak, "sha": sha.hexdigest()[:16], "len": size,
+                      "chunks": chunks}
         return out
 
 
@@ -248,7 +262,8 @@ def main() -> None:
                     bad += 1
                     print(f"DIFFERENT ANSWER: {q}", file=sys.stderr)
                     break
-        print(f"{q:45s} " + "  ".join(cols) + f"  {runs['after'][-1][q]['len']}")
+        last = runs["after"][-1][q]
+        print(f"{q:45s} " + "  ".join(cols) + f"  {last['len']} ({last['chunks']} chunks)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f)

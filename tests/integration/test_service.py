@@ -5,6 +5,7 @@ one daemon; the lifecycle tests at the end stop it."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -18,7 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemonutil import DaemonProc, dechunk, held, metric_values, raw_http, release
+from daemonutil import (
+    DaemonProc,
+    dechunk,
+    held,
+    metric_values,
+    parse_response,
+    raw_http,
+    release,
+)
 from pprofcheck import check_valid, decode
 from stacks import (
     CHAIN,
@@ -30,7 +39,7 @@ from stacks import (
     thread_ids,
 )
 from unwindd.source.sampling import auto_ring_pages, online_cpus, system_ring_cap
-from workloads.build import Workload, build_workloads
+from workloads.build import Workload, build_deep, build_workloads
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +344,88 @@ def test_200_concurrent_clients(daemon: DaemonProc) -> None:
     finally:
         spin.kill()
         spin.wait()
+
+
+@pytest.fixture(scope="module")
+def deep_pid(daemon: DaemonProc, tmp_path_factory: pytest.TempPathFactory) -> int:
+    """An exited process whose stacks (many depths, up to ~180 frames: workloads/deep.c) are
+    all stored: a JSON answer of megabytes, many chunks."""
+    deep = build_deep(tmp_path_factory.mktemp("deep"))
+    proc = subprocess.Popen(deep.argv, stdout=subprocess.DEVNULL)
+    assert proc.wait(60) == 0
+    daemon.wait_settled(proc.pid)
+    return proc.pid
+
+
+def _get_http10(sock: Path, target: str) -> tuple[int, dict[str, str], bytes]:
+    """An HTTP/1.0 request: the answer's body ends where the connection does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(sock))
+        s.sendall(f"GET {target} HTTP/1.0\r\n\r\n".encode())
+        buf = bytearray()
+        while chunk := s.recv(1 << 16):
+            buf += chunk
+    return parse_response(bytes(buf))
+
+
+def test_a_big_json_answer_is_written_in_chunks(daemon: DaemonProc, deep_pid: int) -> None:
+    """A JSON stacks answer of megabytes comes chunked (no content-length), and curl,
+    http.client and an HTTP/1.0 client (its body delimited by the close) read the same stacks
+    byte for byte (the window's end moves with the clock); then no snapshot is held."""
+    target = f"/v1/stacks?pid={deep_pid}"
+    got = subprocess.run(["curl", "-sS", "--unix-socket", str(daemon.sock), "-D", "-",
+                          f"http://x{target}"], capture_output=True, check=True,
+                         timeout=60).stdout  # fmt: skip
+    head, _, body = got.partition(b"\r\n\r\n")  # curl undid the chunked coding
+    assert head.startswith(b"HTTP/1.1 200") and b"\r\nTransfer-Encoding: chunked" in head
+    assert b"content-length" not in head.lower()
+    answer = json.loads(body)
+    assert len(body) > 4 * (256 << 10) and answer["truncated"] is False
+    assert answer["samples"] == sum(s["count"] for s in answer["stacks"]) > 0
+    assert {s["pid"] for s in answer["stacks"]} == {deep_pid}
+    conn = http.client.HTTPConnection("x", timeout=30)
+    conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.sock.connect(str(daemon.sock))
+    for _ in range(2):  # one connection, kept alive after a chunked answer
+        conn.request("GET", target)
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("transfer-encoding") == "chunked"
+        again = r.read()
+        assert again.rpartition(b'],"window":')[0] == body.rpartition(b'],"window":')[0]
+    conn.close()
+    status, headers, old = _get_http10(daemon.sock, target)
+    assert status == 200 and headers["connection"] == "close"
+    assert "transfer-encoding" not in headers and "content-length" not in headers
+    assert old.rpartition(b'],"window":')[0] == body.rpartition(b'],"window":')[0]
+    daemon.wait_status(lambda st: st["store"]["snapshots"] == 0 and
+                       st["api"]["connections"] == 1, "no snapshot held")  # fmt: skip
+
+
+def test_slow_and_vanishing_readers_of_a_big_answer(daemon: DaemonProc, deep_pid: int) -> None:
+    """A client that asks for a big JSON answer and never reads, and clients that read a
+    little and go: the daemon answers others meanwhile, drops the stalled one once its waits
+    pass request_timeout (1.5 s here), lets go of every snapshot and logs no error."""
+    target = f"/v1/stacks?pid={deep_pid}"
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(str(daemon.sock))
+    stalled.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    for _ in range(3):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+            gone.connect(str(daemon.sock))
+            gone.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            gone.recv(20000)
+    whole = daemon.json(target)  # answered while the stalled one waits
+    assert whole["samples"] > 0
+    daemon.wait_status(lambda st: st["store"]["snapshots"] == 0 and
+                       st["api"]["connections"] == 1, "the stalled reader dropped")  # fmt: skip
+    stalled.settimeout(30)
+    got = bytearray()
+    while chunk := stalled.recv(1 << 16):
+        got += chunk
+    stalled.close()
+    assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"\r\n0\r\n\r\n")  # cut
+    assert "Traceback" not in daemon.log.read_text()
 
 
 def test_sighup_reloads_without_losing_state(daemon: DaemonProc) -> None:

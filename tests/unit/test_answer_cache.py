@@ -5,7 +5,7 @@ when the cache is far from full."""
 from __future__ import annotations
 
 from unwindd.serve.answers import ANSWER_TTL, MAX_ANSWERS, AnswerCache
-from unwindd.serve.httpapi import Response
+from unwindd.serve.httpapi import ChunkedResponse, Response
 
 
 def _ok(n: int) -> Response:
@@ -39,3 +39,11 @@ def test_a_full_cache_of_live_answers_keeps_no_more() -> None:
     assert c.get((f"/v1/top?limit={MAX_ANSWERS}", 0), 10.0) is None
     c.put(("/v1/processes", 0), _ok(10), 10.0 + ANSWER_TTL)
     assert len(c) == 1
+
+
+def test_an_answer_written_as_it_is_rendered_is_not_kept() -> None:
+    """A ChunkedResponse (a JSON stacks answer past one chunk) is never held whole: each such
+    query renders its own."""
+    c = AnswerCache()
+    c.put(("/v1/stacks", 0), ChunkedResponse(iter([b"{", b"}"])), 10.0)
+    assert len(c) == 0 and c.get(("/v1/stacks", 0), 10.0) is None

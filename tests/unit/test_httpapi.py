@@ -11,7 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pprofcheck import check_valid, decode
 from unwindd.serve.api import Api, Peer
-from unwindd.serve.httpapi import CLOSED, NEED_DATA, HttpSession, Request, Response, StreamStart
+from unwindd.serve.httpapi import (
+    CLOSED,
+    NEED_DATA,
+    ChunkedResponse,
+    HttpSession,
+    Request,
+    Response,
+    StreamStart,
+)
 from unwindd.serve.openapi import spec_bytes
 from unwindd.store.stackstore import StackStore
 from unwindd.unwind.stackfmt import Frame, UnwoundSample
@@ -164,6 +172,61 @@ def test_stream_is_chunked() -> None:
     wire = s.start_stream("application/x-ndjson") + s.stream_data(b'{"a":1}\n') + s.end_stream()
     _status, headers, body = parse_response(wire)
     assert headers["transfer-encoding"] == "chunked" and body == b'{"a":1}\n'
+
+
+def _wire_of_chunked(version: str) -> tuple[HttpSession, bytes, bytes, int]:
+    """(the session, the bytes written, the whole body, the chunks) of a JSON stacks answer
+    in chunks of 64 bytes, written to an HTTP/``version`` client as connections.write_chunked
+    writes it."""
+    src = FakeSource()
+    src.store.add([sample(10, 50.5)] * 3 + [sample(10, 95.5, CHAIN[1:])] +
+                  [sample(20, 96.5, (frame("idle"),), comm="root")] * 2)
+    s = HttpSession()
+    s.receive(f"GET /v1/stacks HTTP/{version}\r\nHost: x\r\n\r\n".encode())
+    req = s.next_request()
+    assert isinstance(req, Request)
+    whole = Api(src, chunk_bytes=1 << 30, clock_offset=lambda: 0).handle(req, ROOT)
+    res = Api(src, chunk_bytes=64, clock_offset=lambda: 0).handle(req, ROOT)
+    assert isinstance(whole, Response) and isinstance(res, ChunkedResponse)
+    wire = [s.start_stream(res.content_type, res.headers)]
+    n = 0
+    for c in res.chunks:
+        wire += s.stream_parts(c)
+        n += 1
+    wire.append(s.end_answer())
+    res.close()
+    return s, b"".join(wire), whole.body, n
+
+
+def test_chunked_answer_framing() -> None:
+    """A ChunkedResponse as h11 frames it: chunked for HTTP/1.1 (the connection then serves
+    the next request), delimited by the close for HTTP/1.0; the same body as the whole
+    answer. Parsed by h11 as a client."""
+    import h11
+
+    for version in ("1.1", "1.0"):
+        s, wire, whole, chunks = _wire_of_chunked(version)
+        assert chunks > 2
+        client = h11.Connection(h11.CLIENT)  # (h11 sends 1.1 only: it reads either answer)
+        client.send(h11.Request(method="GET", target="/v1/stacks", headers=[("Host", "x")]))
+        client.send(h11.EndOfMessage())
+        client.receive_data(wire)
+        if version == "1.0":
+            client.receive_data(b"")  # the daemon closes: the end of the body
+        head = client.next_event()
+        assert isinstance(head, h11.Response) and head.status_code == 200
+        headers = dict(head.headers)
+        assert b"content-length" not in headers
+        body = b""
+        while isinstance(ev := client.next_event(), h11.Data):
+            body += ev.data
+        assert isinstance(ev, h11.EndOfMessage) and body == whole
+        if version == "1.1":
+            assert headers[b"transfer-encoding"] == b"chunked"
+            assert s.keep_alive
+        else:
+            assert b"transfer-encoding" not in headers and headers[b"connection"] == b"close"
+            assert not s.keep_alive
 
 
 def error_of(data: bytes, **limits: int) -> int:

@@ -1,7 +1,9 @@
 """The query API's cached paths (rendered stacks, per-bucket top summaries, nlargest) answer the
 same bytes as the straightforward computation (``stack_json`` / ``top_functions`` over
 ``StackStore.query``), on random store contents with eviction and late samples, queried
-directly and through snapshots while the store keeps changing."""
+directly and through snapshots while the store keeps changing. JSON stacks answers are
+rendered in small chunks here (``CHUNKS``), so most are written as they are rendered
+(``ChunkedResponse``): their chunks joined are those bytes too."""
 
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pprofref import encode_profile as reference_profile
+from unwindd.serve import api as api_module
 from unwindd.serve.api import Api, Peer, rank_without_inline, stack_json, window_json
-from unwindd.serve.httpapi import Request
+from unwindd.serve.httpapi import ChunkedResponse, Request, Response
 from unwindd.store.queries import top_functions, top_lines
 from unwindd.store.querycache import top_summaries
 from unwindd.store.stackstore import StackStore
@@ -24,6 +29,8 @@ from unwindd.unwind import stackfmt
 from unwindd.unwind.stackfmt import Frame, UnwoundSample
 
 SEC = 1_000_000_000
+# The JSON stacks answers' chunk here: a few stacks each (the daemon's is 256 KiB)
+CHUNKS = 1000
 
 
 class Source:
@@ -144,8 +151,74 @@ def reference_folded(store: Any, since: int | None, limit: int) -> bytes:
     return stackfmt.render_folded(folded).encode()
 
 
-def api_of(src: Source) -> Api:
-    return Api(src, clock_offset=lambda: 0)
+def api_of(src: Source, chunk_bytes: int = CHUNKS) -> Api:
+    return Api(src, clock_offset=lambda: 0, chunk_bytes=chunk_bytes)
+
+
+def reference_plain(store: Any, now: int, since: int | None, limit: int) -> bytes:
+    """``reference_stacks`` of ``inline=0``: the stacks without inline frames, merged."""
+    stacks, n = rank_without_inline(store.query(since, None), limit)
+    obj = {"samples": sum(s.count for s in stacks), "truncated": n > limit,
+           "stacks": [stack_json(s) for s in stacks],
+           "window": reference_window(store, now, since)}  # fmt: skip
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 1 << 20), chunk=st.integers(1, 6000), snapshot=st.booleans(),
+       inline=st.booleans(), limit=st.sampled_from([1, 5, 50]))  # fmt: skip
+def test_chunked_json_answer_is_the_whole_answer(seed: int, chunk: int, snapshot: bool,
+                                                 inline: bool, limit: int) -> None:  # fmt: skip
+    """A JSON stacks answer in chunks of any size: past one chunk a ChunkedResponse, whose
+    chunks joined are the whole answer's bytes (stack_json over query), each chunk at least
+    the size but the last and at most the size plus one stack; rendered only as the chunks
+    are taken (a stack's frames are rendered when its chunk is); one chunk: a Response."""
+    rng = random.Random(seed)
+    store = StackStore(bucket_ns=SEC, max_buckets=6)
+    pool = frame_pool(rng, 30)
+    stacks: list[tuple[Frame, ...]] = [()]
+    for newest in range(100, 100 + rng.randrange(1, 5)):
+        store.add_counts(random_groups(rng, pool, stacks, newest, rng.randrange(1, 80), True))
+    now = 105 * SEC
+    view = store.snapshot() if snapshot else store
+    target = f"/v1/stacks?limit={limit}" + ("" if inline else "&inline=0")
+    want = (reference_stacks(view, now, None, limit) if inline
+            else reference_plain(view, now, None, limit))  # fmt: skip
+    rendered: list[int] = []
+    real = api_module.frames_json_bytes
+
+    def counted(frames: Any) -> bytes:
+        rendered.append(len(frames))
+        return real(frames)
+
+    api_module.frames_json_bytes = counted  # type: ignore[assignment]
+    try:
+        store.drop_caches()  # every stack's frames rendered by this answer
+        res = api_of(Source(view, now), chunk).handle(
+            Request("GET", target, "/v1/stacks", {"limit": [str(limit)]} |
+                    ({} if inline else {"inline": ["0"]})), Peer(0))  # fmt: skip
+        tail = len(want) - want.rindex(b'],"window":')
+        rows = json.loads(want)["stacks"]
+        # one chunk: the head and every stack (but the last's "}") under the size
+        if not rows or len(want) - tail - 1 < chunk:
+            assert isinstance(res, Response) and res.body == want
+            return
+        assert isinstance(res, ChunkedResponse)
+        chunks = []
+        biggest = max(len(json.dumps(s, separators=(",", ":"))) for s in rows)
+        for c in res.chunks:
+            chunks.append(c)
+            # nothing rendered ahead: only the stacks of the chunks taken so far
+            assert len(rendered) <= b"".join(chunks).count(b'{"pid":')
+            # a chunk ends with the stack that reaches the size; the last has the tail too
+            assert len(c) <= chunk + biggest + 1 + tail
+        res.close()
+        assert b"".join(chunks) == want
+        assert all(len(c) >= chunk for c in chunks[:-1])
+    finally:
+        api_module.frames_json_bytes = real  # type: ignore[assignment]
+        if snapshot:
+            view.close()
 
 
 def cache_sum(store: StackStore) -> int:
@@ -163,8 +236,13 @@ def get(api: Api, target: str, peer: Peer) -> bytes:
 
     path, _, q = target.partition("?")
     res = api.handle(Request("GET", target, path, parse_qs(q, keep_blank_values=True)), peer)
-    assert res.status == 200, res.body  # type: ignore[union-attr]
-    return res.body  # type: ignore[union-attr]
+    if isinstance(res, ChunkedResponse):
+        try:
+            return b"".join(res.chunks)
+        finally:
+            res.close()
+    assert isinstance(res, Response) and res.status == 200, res
+    return res.body
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -393,6 +471,26 @@ def test_summaries_take_most_of_the_share() -> None:
     assert len(caches.summaries) == len(store._buckets)
     assert store.stats.cache_bytes <= caches.max_bytes
     assert store.stats.cache_bytes == cache_sum(store)
+
+
+def test_summaries_displace_function_keys() -> None:
+    """A filtered top first (it walks every entry: the stacks' function keys take the free
+    share), then unfiltered ones: the summaries still take up to ``SUMMARY_SHARE``,
+    displacing function keys too, so every bucket's is kept (one left out is a pass over its
+    bucket on every top query)."""
+    store, api, now = _ten_buckets(11, 64 << 20)
+    caches = store.caches
+    assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
+    total = caches.summary_bytes()
+    store.drop_caches()
+    caches.max_bytes = int(total / 0.7)
+    get(api, "/v1/top?pid=1,2,3,4,5", Peer(0))
+    assert caches.keys_bytes > caches.max_bytes * 0.3 and not caches.summaries
+    for _ in range(2):
+        assert get(api, "/v1/top", Peer(0)) == reference_top(store, now, None, 50)
+        assert len(caches.summaries) == len(store._buckets)
+        assert store.stats.cache_bytes <= caches.max_bytes
+        assert store.stats.cache_bytes == cache_sum(store)
 
 
 def test_summaries_displace_renderings() -> None:

@@ -5,7 +5,9 @@ Rules:
   keyed by (request target, peer uid), so one uid never sees an answer filtered for another.
   Status is never cached (it is cheap and reload tests read it back at once).
 - An answer lives ``ANSWER_TTL`` seconds: a burst of dashboards or scripts costs one pass over
-  the store, not one each. Only 200 answers are kept.
+  the store, not one each. Only 200 answers held whole are kept: a ``ChunkedResponse`` (a
+  JSON stacks answer past one chunk, api.py) is written as it is rendered and never held, so
+  each such query renders its own.
 - Bounded: at most ``MAX_ANSWERS``, none kept past its TTL for long: expired answers go at
   every ``put`` and every ``expire`` (the daemon's, with each heap trim), so a body (up to
   megabytes: a pprof or folded answer) is not held after its time; when the cache is full of
@@ -16,7 +18,7 @@ Rules:
 
 from __future__ import annotations
 
-from .httpapi import Request, Response, StreamStart
+from .httpapi import ChunkedResponse, Request, Response, StreamStart
 
 ANSWER_TTL = 0.5
 MAX_ANSWERS = 64
@@ -43,9 +45,11 @@ class AnswerCache:
     def __len__(self) -> int:
         return len(self._answers)
 
-    def put(self, key: AnswerKey, res: Response | StreamStart, now: float) -> None:
+    def put(self, key: AnswerKey, res: Response | ChunkedResponse | StreamStart,
+            now: float) -> None:  # fmt: skip
         """Keep a 200 answer for ANSWER_TTL; at most MAX_ANSWERS answers (expired ones go
-        first, then new ones are not kept until some expire)."""
+        first, then new ones are not kept until some expire). A ``ChunkedResponse`` is never
+        kept: it is never held whole."""
         self.expire(now)
         if not isinstance(res, Response) or res.status != 200:
             return

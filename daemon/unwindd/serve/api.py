@@ -21,7 +21,8 @@ Endpoints (GET only; JSON unless a format says otherwise)::
 
 Invariants:
 - Sans-IO: handlers read the ``Source`` (store, counters, injected clock and uid lookup) and
-  return a ``Response`` or a ``StreamStart``; the shell owns sockets and subscriptions.
+  return a ``Response``, a ``ChunkedResponse`` or a ``StreamStart``; the shell owns sockets,
+  subscriptions and where chunks are rendered.
 - Visibility: a peer whose uid is not 0 sees only processes owned by its uid (the uid of a pid
   comes from ``Source.uid_of``; an unknown uid hides the process). The status endpoint shows
   machine-wide totals only, never per-process data.
@@ -37,12 +38,18 @@ Invariants:
   (``x-unwindd-clock-offset-ns``) so clients can show sample times on the wall clock.
 - Cost: a stacks query is O(entries in the window) in C-level dict merges, plus O(limit log)
   to rank and O(limit) to render: each stack's frames are rendered once while it stays in the
-  store (``StackStore.render``). pprof and folded answers, and ``top?by=line``, are written
-  from the stack table's frame keys (``Queries.query_ids``): no frame object is built, each
-  distinct frame key is named once per answer. A top query without filters merges per-bucket
-  summaries the store keeps (O(entries added since the last query) to bring them up to
-  date); with filters, or when functions tie where the order matters, it walks the entries
-  (O(entries)).
+  store (``StackStore.render``, ``render_id``). pprof and folded answers, and
+  ``top?by=line``, are written from the stack table's frame keys (``Queries.query_ids``): no
+  frame object is built, each distinct frame key is named once per answer. A top query
+  without filters merges per-bucket summaries the store keeps (O(entries added since the last
+  query) to bring them up to date); with filters, or when functions tie where the order
+  matters, it walks the entries (O(entries)).
+- Bounded while written: a JSON stacks answer is rendered from the ranked entries a chunk at a
+  time (``JsonStacks``, ``CHUNK_BYTES``); past one chunk it is a ``ChunkedResponse`` whose
+  chunks are rendered as the socket takes them, so beyond the ranked entries (with
+  ``inline=0``, the merged stacks) it holds a chunk and one stack's frames, not the answer.
+  An answer of one chunk is an ordinary ``Response`` (content-length; the answer cache keeps
+  it).
 - Answers are the same bytes as the straightforward computation (``stack_json``,
   ``top_functions`` over ``StackStore.query``); test_query_equiv.py checks it.
 """
@@ -53,7 +60,7 @@ import json
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any, Final, Protocol
@@ -67,12 +74,17 @@ from ..unwind import stackfmt
 from ..unwind.stackfmt import UnwoundSample
 from .httpapi import (
     ALLOW_GET,
+    ChunkedResponse,
     Request,
     Response,
     StreamStart,
     error_response,
     json_response,
 )
+
+# A JSON stacks answer is rendered and written this many bytes at a time (a chunk ends after
+# the stack that reaches it): what an answer holds while a slow reader takes it.
+CHUNK_BYTES: Final = 256 * 1024
 
 FILTER_PARAMS: Final = ("since", "until", "since_ns", "until_ns", "pid", "comm", "tid", "unit",
                         "container", "cgroup")
@@ -93,6 +105,10 @@ def clock_offset_ns() -> int:
     """CLOCK_REALTIME minus CLOCK_MONOTONIC (perf's sample clock): a sample time plus this is
     its wall-clock time. Read per answer: the wall clock may be stepped while we run."""
     return time.time_ns() - time.monotonic_ns()
+
+
+# What a handler answers: a whole response, a body written as it is rendered, the live stream.
+Answer = Response | ChunkedResponse | StreamStart
 
 
 class Source(Protocol):
@@ -247,8 +263,10 @@ def _iso(wall_ns: int) -> str:
 class Api:
     def __init__(self, source: Source, clock_offset: Callable[[], int] = clock_offset_ns,
                  describe: Callable[[], bytes] | None = None,
-                 plain_symbol: stackfmt.PlainSymbol | None = None) -> None:  # fmt: skip
+                 plain_symbol: stackfmt.PlainSymbol | None = None,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:  # fmt: skip
         self.source = source
+        self.chunk_bytes = chunk_bytes  # a JSON stacks answer's chunk (JsonStacks)
         # inline=0's names of frames whose inline chain holds no level named as the symbol
         # (engine.plain_symbol; None: their DWARF names, stackfmt.without_inline)
         self.plain_symbol = plain_symbol
@@ -256,7 +274,7 @@ class Api:
         # The OpenAPI document (openapi.spec_bytes, given by the service: openapi.py is
         # generated from this module's PARAMS, so this module cannot import it)
         self.describe = describe
-        self.routes: dict[str, Callable[[Request, Peer], Response | StreamStart]] = {
+        self.routes: dict[str, Callable[[Request, Peer], Answer]] = {
             "/": self.index,
             "/v1/status": self.status,
             "/v1/processes": self.processes,
@@ -273,7 +291,7 @@ class Api:
         """Every ``requests`` label: the routes, and "other" for the rest."""
         return (*self.routes, "other")
 
-    def handle(self, req: Request, peer: Peer) -> Response | StreamStart:
+    def handle(self, req: Request, peer: Peer) -> Answer:
         path = req.path.rstrip("/") or "/"
         route = self.routes.get(path)
         self.requests[path if route is not None else "other"] += 1
@@ -365,7 +383,7 @@ class Api:
         ]  # fmt: skip
         return json_response({"processes": out, "truncated": len(procs) > limit})
 
-    def stacks(self, req: Request, peer: Peer) -> Response:
+    def stacks(self, req: Request, peer: Peer) -> Response | ChunkedResponse:
         fmt = req.arg("format") or "json"
         if fmt not in ("json", "folded", "pprof"):
             raise BadParam(f"format: one of json, folded, pprof, got {fmt!r}")
@@ -374,22 +392,24 @@ class Api:
         f = parse_filters(req, self.source.now_ns())
         pids = self.visible_pids(peer, self.wanted_pids(f))
         store = self.source.store
-        if inline and fmt != "json":
-            # written from the stack table: no frame is built (a JSON answer's frames are
-            # rendered once per stack and cached by the store instead)
+        if inline:
+            # written from the stack table: no frame is built for folded and pprof; a JSON
+            # answer's frames are rendered once per stack and cached by the store
             entries, n = store.query_ids(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
                                          comm=f.comm, limit=limit)  # fmt: skip
             window = self.window(f)
             if fmt == "folded":
                 return self.folded(folded_of_ids(entries, store.table), n > limit, window)
-            return self.pprof(partial(encode_profile_ids, entries, store.table), window)
-        if inline:
-            stacks, n = store.query_top(f.since_ns, f.until_ns, pids=pids, tid=f.tid,
-                                        comm=f.comm, limit=limit)  # fmt: skip
-        else:
-            stacks, n = rank_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
-                                                        tid=f.tid, comm=f.comm), limit,
-                                            self.plain_symbol)  # fmt: skip
+            if fmt == "pprof":
+                return self.pprof(partial(encode_profile_ids, entries, store.table), window)
+            render = partial(store.render_id, "json", fn=frames_json_bytes)
+            samples = sum(c for _, c in entries)
+            rows: Iterator[JsonRow] = ((pid, tid, comm, c, render(sid))
+                                       for (pid, tid, comm, sid), c in entries)  # fmt: skip
+            return self.json_stacks(samples, n > limit, rows, window)
+        stacks, n = rank_without_inline(store.query(f.since_ns, f.until_ns, pids=pids,
+                                                    tid=f.tid, comm=f.comm), limit,
+                                        self.plain_symbol)  # fmt: skip
         truncated = n > limit
         window = self.window(f)
         if fmt == "folded":
@@ -397,21 +417,23 @@ class Api:
             return self.folded(render_folded(stacks, names).encode(), truncated, window)
         if fmt == "pprof":
             return self.pprof(partial(encode_profile, stacks), window)
-        # json_response's bytes, with each stack's frames rendered once per stack (cached, as
-        # bytes: the answer is one join of the pieces, each rendering shared, not copied)
-        dumps, render = json.dumps, store.render
-        pieces = [b""]  # the head, once the samples are counted
-        samples = 0
-        for s in stacks:
-            samples += s.count
-            pieces += (f'{{"pid":{s.pid},"tid":{s.tid},"comm":{dumps(s.comm)},"count":{s.count},'
-                       f'"frames":'.encode(), render("json", s.frames, frames_json_bytes), b"},")
-        if stacks:
-            pieces[-1] = b"}"
-        pieces[0] = (f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},'
-                     f'"stacks":[').encode()  # fmt: skip
-        pieces.append(f'],"window":{json.dumps(window, separators=(",", ":"))}}}\n'.encode())
-        return Response(200, b"".join(pieces))
+        rend = store.render
+        rows = ((s.pid, s.tid, s.comm, s.count, rend("json", s.frames, frames_json_bytes))
+                for s in stacks)  # fmt: skip
+        return self.json_stacks(sum(s.count for s in stacks), truncated, rows, window)
+
+    def json_stacks(self, samples: int, truncated: bool, rows: Iterator[JsonRow],
+                    window: dict[str, Any]) -> Response | ChunkedResponse:  # fmt: skip
+        """json_response's bytes of ``{"samples", "truncated", "stacks", "window"}``, the
+        stacks being ``rows`` (rendered as they are read): a ``Response`` when they fit in one
+        chunk, else a ``ChunkedResponse`` of the rest to come."""
+        head = (f'{{"samples":{samples},"truncated":{"true" if truncated else "false"},'
+                f'"stacks":[').encode()  # fmt: skip
+        tail = f'],"window":{json.dumps(window, separators=(",", ":"))}}}\n'.encode()
+        body = JsonStacks(head, rows, tail, self.chunk_bytes)
+        if body.done:
+            return Response(200, body.take_first())
+        return ChunkedResponse(body)
 
     def folded(self, body: bytes, truncated: bool, window: dict[str, Any]) -> Response:
         return Response(200, body, "text/plain; charset=utf-8",
@@ -494,6 +516,73 @@ class Api:
             return s.pid is not None and peer.uid is not None and uid_of(s.pid) == peer.uid
 
         return accept
+
+
+# One stack of a JSON stacks answer: pid, tid, comm, count and its frames as JSON bytes.
+JsonRow = tuple[int, int, str, int, bytes]
+
+
+class JsonStacks:
+    """The body of a JSON stacks answer as chunks of at least ``chunk_bytes`` (the last may be
+    shorter; a chunk ends after the stack that reaches the size, so it is at most that plus one
+    stack's rendering): ``head``, each of ``rows`` as ``stack_json`` writes it, comma
+    separated, ``tail``; the same bytes as the whole body joined at once. Rows are read (and
+    so rendered) only as chunks are asked for; the first chunk is rendered at once, so
+    ``done`` then says whether the answer is one chunk."""
+
+    def __init__(self, head: bytes, rows: Iterator[JsonRow], tail: bytes,
+                 chunk_bytes: int) -> None:  # fmt: skip
+        self._head: bytes | None = head
+        self._rows = rows
+        self._tail = tail
+        self._chunk_bytes = chunk_bytes
+        self._sep = ""  # what goes before the next stack: "}," once one is written
+        self.done = False  # the last chunk has been rendered
+        self._first: bytes | None = self._chunk()
+
+    def take_first(self) -> bytes:
+        """The first chunk (the whole body when ``done``), handed over once."""
+        first, self._first = self._first, None
+        assert first is not None
+        return first
+
+    def __iter__(self) -> JsonStacks:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._first is not None:
+            return self.take_first()
+        if self.done:
+            raise StopIteration
+        return self._chunk()
+
+    def close(self) -> None:
+        """Render no more (the answer is abandoned): the rows and what they hold go."""
+        self.done = True
+        self._first = None
+        self._rows = iter(())
+
+    def _chunk(self) -> bytes:
+        buf: list[bytes] = []
+        size = 0
+        if self._head is not None:
+            buf.append(self._head)
+            size = len(self._head)
+            self._head = None
+        sep, limit, dumps = self._sep, self._chunk_bytes, json.dumps
+        for pid, tid, comm, count, frames in self._rows:
+            pre = (f'{sep}{{"pid":{pid},"tid":{tid},"comm":{dumps(comm)},"count":{count},'
+                   f'"frames":').encode()  # fmt: skip
+            buf += (pre, frames)
+            size += len(pre) + len(frames)
+            sep = "},"
+            if size >= limit:
+                self._sep = sep
+                return b"".join(buf)
+        buf.append(b"}" + self._tail if sep else self._tail)
+        self.done = True
+        self._rows = iter(())
+        return b"".join(buf)
 
 
 def frames_without_inline(stacks: list[StackCount], plain: stackfmt.PlainSymbol | None = None

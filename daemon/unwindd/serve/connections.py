@@ -9,12 +9,22 @@ Rules:
 - Every socket wait has a timeout (a response must drain within ``request_timeout``, a close
   within a second, else the transport is aborted), so a slow or silent client holds only its
   own coroutine, never the loop.
+- A ``ChunkedResponse`` is written a chunk at a time (``write_chunked``): the next chunk is
+  rendered (on ``render_on``: the service's query thread, off the loop) only once the previous
+  one has drained, so a slow reader holds a chunk or two, not the answer. The time spent
+  waiting for the client to take the chunks adds up to at most ``request_timeout``, as a whole
+  response's single drain does; rendering is ours and does not count. An answer that cannot
+  be finished (a timeout, the client gone, a rendering error: logged) ends the connection
+  without the last chunk, so an HTTP/1.1 client sees it cut short (an HTTP/1.0 one, whose
+  body ends with the connection, only by its JSON ending early). Whatever ends it, the answer
+  is closed once no chunk is being rendered (its store snapshot released).
 - Keep-alive: requests on one connection are answered in order until the client or the
   daemon stops; a handler's exception is logged and answered 500, and the connection goes on.
 - A ``StreamStart`` answer hands the connection to the stream fan-out (streams.py) for good.
 - The limits are read per connection from the effective config, so a reload applies to new
   connections.
-- Cost: O(bytes received) of h11 parsing per request (httpapi.py) plus the handler.
+- Cost: O(bytes received) of h11 parsing per request (httpapi.py) plus the handler; a chunked
+  answer holds at most the chunk being written and the one being rendered.
 """
 
 from __future__ import annotations
@@ -25,12 +35,15 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from functools import partial
 
 from .api import Peer
 from .config import ApiSection
 from .httpapi import (
     CLOSED,
     NEED_DATA,
+    ChunkedResponse,
     HttpSession,
     Request,
     Response,
@@ -42,7 +55,7 @@ log = logging.getLogger("unwindd")
 
 _READ_CHUNK = 65536
 
-Handler = Callable[[Request, Peer], Awaitable[Response | StreamStart]]
+Handler = Callable[[Request, Peer], Awaitable[Response | ChunkedResponse | StreamStart]]
 StreamServer = Callable[
     [HttpSession, asyncio.StreamReader, asyncio.StreamWriter, StreamStart], Awaitable[None]
 ]
@@ -117,6 +130,12 @@ class Connections:
                 if isinstance(result, StreamStart):
                     await self._stream(session, reader, writer, result)
                     return
+                if isinstance(result, ChunkedResponse):
+                    if not await write_chunked(session, writer, result, api.request_timeout):
+                        return
+                    if not session.keep_alive:
+                        return
+                    continue
                 if result.rejected is not None:
                     self.rejected[result.rejected] += 1
                 writer.writelines(session.respond_parts(result))
@@ -128,6 +147,67 @@ class Connections:
         finally:
             self.open -= 1
             await close_writer(writer)
+
+
+def _render_now(fn: Callable[[], bytes | None]) -> Future[bytes | None]:
+    """``ChunkedResponse.render_on`` when none is given: the chunk is rendered in place."""
+    fut: Future[bytes | None] = Future()
+    try:
+        fut.set_result(fn())
+    except Exception as e:
+        fut.set_exception(e)
+    return fut
+
+
+async def write_chunked(session: HttpSession, writer: asyncio.StreamWriter,
+                        res: ChunkedResponse, timeout: float) -> bool:  # fmt: skip
+    """Write ``res`` a chunk at a time, each rendered once the previous one has drained; the
+    client's waits add up to at most ``timeout`` (else TimeoutError). True when the whole
+    answer was written (the connection may serve the next request), False when it had to stop
+    (the connection must close); ``res`` is closed in every case."""
+    loop = asyncio.get_running_loop()
+    submit = res.render_on or _render_now
+    pending: Future[bytes | None] | None = None
+    try:
+        writer.write(session.start_stream(res.content_type, res.headers))
+        while True:
+            try:
+                pending = submit(partial(next, res.chunks, None))
+            except RuntimeError:  # the query thread is shut down: the daemon is stopping
+                return False
+            try:
+                chunk = await asyncio.wrap_future(pending)
+            except Exception:
+                log.exception("rendering an answer")
+                writer.transport.abort()  # no last chunk: the body is seen cut short
+                return False
+            pending = None
+            if chunk is None:
+                break
+            writer.writelines(session.stream_parts(chunk))
+            del chunk  # the transport holds what the socket has not taken yet
+            timeout = await _drain(writer, timeout, loop)
+        writer.write(session.end_answer())
+        await _drain(writer, timeout, loop)
+        return True
+    finally:
+        if pending is not None and not pending.done():
+            # a chunk is being rendered on the query thread: close the answer after it
+            pending.add_done_callback(lambda _: res.close())
+        else:
+            res.close()
+
+
+async def _drain(writer: asyncio.StreamWriter, budget: float,
+                 loop: asyncio.AbstractEventLoop) -> float:  # fmt: skip
+    """Wait until the client has taken what is written, within ``budget`` seconds: what is left
+    of it (TimeoutError when it is spent)."""
+    t0 = loop.time()
+    await asyncio.wait_for(writer.drain(), budget)
+    left = budget - (loop.time() - t0)
+    if left <= 0:
+        raise TimeoutError
+    return left
 
 
 async def close_writer(writer: asyncio.StreamWriter) -> None:

@@ -11,15 +11,22 @@ Invariants:
   ``max_header_bytes`` (h11's ``max_incomplete_event_size``; 431 when exceeded) and a body may
   not exceed ``max_body_bytes`` (413). Nothing is buffered past those bounds.
 - Garbage gets a 400 with a JSON ``{"error": ...}`` body and the connection is closed; a
-  well-formed request gets exactly one response (plain, or a chunked stream), after which the
-  session accepts the next request on the same connection (keep-alive) unless either side
-  asked to close. Every response carries its status's standard reason phrase.
-- Cost: O(bytes received + bytes sent).
+  well-formed request gets exactly one response (plain, a ``ChunkedResponse`` written as it is
+  rendered, or the live stream), after which the session accepts the next request on the same
+  connection (keep-alive) unless either side asked to close. Every response carries its
+  status's standard reason phrase.
+- A body without a content-length (the live stream, a ``ChunkedResponse``) is framed by h11:
+  chunked transfer coding for an HTTP/1.1 client, delimited by closing the connection for an
+  HTTP/1.0 one (RFC 9112 6.3, which has no chunked coding).
+- Cost: O(bytes received + bytes sent); a chunk is passed to the writer as it is (its framing
+  beside it, not copied into one buffer with it).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from http import HTTPStatus
 from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
@@ -95,6 +102,36 @@ class StreamStart:
     content_type: str = "application/x-ndjson"
     params: dict[str, Any] = field(default_factory=dict)
     headers: tuple[tuple[str, str], ...] = ()
+
+
+# Where a ``ChunkedResponse``'s next chunk is rendered: ``submit(fn)`` runs ``fn`` (the
+# service's query thread: ``ThreadPoolExecutor.submit``) and returns its future.
+Submit = Callable[[Callable[[], bytes | None]], "Future[bytes | None]"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedResponse:
+    """A 200 answer too big to hold whole (a JSON ``/v1/stacks`` past one chunk): its body is
+    ``chunks``, in order, each pulled only once the previous one is written (back-pressure: a
+    slow reader holds a chunk or two, not the answer). Framed without a content-length.
+    ``render_on`` says where a chunk is rendered (None: in the caller); ``release`` lets go of
+    what the chunks read (the query's store snapshot). ``close`` must be called once the
+    answer is written or abandoned, and not while a chunk is being rendered."""
+
+    chunks: Iterator[bytes]
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    render_on: Submit | None = None
+    release: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        close = getattr(self.chunks, "close", None)
+        try:
+            if close is not None:
+                close()
+        finally:
+            if self.release is not None:
+                self.release()
 
 
 def json_response(obj: object, status: int = 200) -> Response:
@@ -227,11 +264,25 @@ class HttpSession:
     def stream_data(self, data: bytes) -> bytes:
         return self.conn.send(h11.Data(data=data)) or b"" if data else b""
 
+    def stream_parts(self, data: bytes) -> list[bytes]:
+        """``stream_data`` as the pieces to write in turn: the chunk's size line, the chunk
+        object itself, its CRLF (HTTP/1.0: the chunk alone), so a big chunk is not copied."""
+        if not data:
+            return []
+        return self.conn.send_with_data_passthrough(h11.Data(data=data)) or []
+
     def end_stream(self) -> bytes:
         self.must_close = True
+        return self.end_answer()
+
+    def end_answer(self) -> bytes:
+        """The end of a body without a content-length: the last chunk (HTTP/1.1; the
+        connection may then serve the next request, ``keep_alive``), or nothing (HTTP/1.0:
+        the close ends it)."""
         try:
             return self.conn.send(h11.EndOfMessage()) or b""
         except h11.LocalProtocolError:
+            self.must_close = True
             return b""
 
     @property

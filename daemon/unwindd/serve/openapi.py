@@ -210,6 +210,10 @@ def _responses(path: str, ok: tuple[str, dict[str, dict[str, Any]]]) -> dict[str
     out: dict[str, Any] = {"200": {"description": ok[0],
                                    "content": {t: {"schema": s} for t, s in ok[1].items()}}}
     if path == "/v1/stacks":
+        out["200"]["description"] += (
+            "; a JSON answer longer than one chunk (256 KiB) is written as it is rendered: "
+            "chunked transfer coding (HTTP/1.1) or until the connection closes (HTTP/1.0), "
+            "without Content-Length")
         out["200"]["headers"] = {
             "x-unwindd-truncated": {"description": "folded: stacks were left out (limit)",
                                     "schema": {"type": "string", "enum": ["true", "false"]}},

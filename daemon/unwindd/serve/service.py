@@ -6,6 +6,10 @@ Invariants:
   answer cache), so the sans-IO stages need no locks. The one exception is read-only: store
   queries run on one worker thread against a ``StackStore.snapshot()`` taken on the loop
   (O(buckets)), so a big window (O(entries in it) of Python) does not leave the rings undrained.
+  An answer written as it is rendered (``ChunkedResponse``) renders each chunk on that thread
+  too, from the same snapshot, which it releases when it is written or abandoned: the snapshot
+  is held for the answer's rendering plus at most ``request_timeout`` of the client's waits
+  (connections.py), so stacks the store drops meanwhile are freed that much later.
 - The loop is never blocked for long: a step drains at most one round (bounded by the ring
   sizes, capture.drain_round) and unwinds it natively (ringstep.py), and socket waits time out.
 - Rings are drained when they signal (``add_reader`` on the perf fds) and at least every
@@ -38,17 +42,17 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .. import __version__
 from ..binaries.debuginfod import Debuginfod, DebuginfodStats
-from ..lightdc import dataclass
+from ..lightdc import dataclass, replace
 from ..pipeline.live import LiveProfiler
 from ..pipeline.ringstep import StepInfo
 from . import heap
 from .answers import AnswerCache, cacheable
-from .api import Api, Peer, clock_offset_ns
+from .api import Answer, Api, Peer, clock_offset_ns
 from .config import (
     DEFAULT_SOCKET,
     Config,
@@ -62,6 +66,7 @@ from .connections import Connections, peer_of
 from .httpapi import (
     ALLOW_GET,
     TOO_MANY_STREAMS,
+    ChunkedResponse,
     Request,
     Response,
     StreamStart,
@@ -280,7 +285,8 @@ class Daemon:
                       "mapped_bytes": cache.mapped_bytes},
             "store": {"samples": st.samples, "stacks": st.stacks, "entries": st.entries,
                       "bytes": st.bytes_estimate, "evicted_samples": st.evicted_samples,
-                      "window_ns": list(window) if window else None},
+                      "window_ns": list(window) if window else None,
+                      "snapshots": p.store.snapshots},
             "api": {"socket": self.socket_path, "connections": self.connections,
                     "streams": len(self.streams.clients), "rejected": dict(self.rejected)},
             "reloads": self.reloads,
@@ -667,15 +673,15 @@ class Daemon:
 
     # -- requests
 
-    async def _api_answer(self, req: Request, peer: Peer) -> Response | StreamStart:
+    async def _api_answer(self, req: Request, peer: Peer) -> Answer:
         if self._offloaded(req):
             return await self._api_request_off_loop(req, peer)
         return self._api_request(req, peer)
 
-    async def _metrics_answer(self, req: Request, peer: Peer) -> Response | StreamStart:
+    async def _metrics_answer(self, req: Request, peer: Peer) -> Answer:
         return self._metrics_request(req, peer)
 
-    def _api_request(self, req: Request, peer: Peer) -> Response | StreamStart:
+    def _api_request(self, req: Request, peer: Peer) -> Answer:
         cached = cacheable(req)
         key = (req.target, peer.uid)
         now = time.monotonic()
@@ -693,26 +699,40 @@ class Daemon:
     def _offloaded(self, req: Request) -> bool:
         return cacheable(req) and hasattr(self.profiler.store, "snapshot")
 
-    async def _api_request_off_loop(self, req: Request, peer: Peer) -> Response | StreamStart:
+    async def _api_request_off_loop(self, req: Request, peer: Peer) -> Answer:
         """``_api_request`` for a store query: the cache on the loop, the query itself on the
-        worker thread against a snapshot (see the module doc)."""
+        worker thread against a snapshot (see the module doc); a ``ChunkedResponse`` renders
+        its chunks there too, and releases the snapshot when it is closed."""
         key = (req.target, peer.uid)
         if (hit := self._cached_answer(req, key, time.monotonic())) is not None:
             return hit
         if self._query_pool is None:
             self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="unwindd-query")
+        pool = self._query_pool
         self._flush()
         snap = self.profiler.store.snapshot()
 
-        def run() -> Response | StreamStart:
+        def run() -> Answer:
             self._tls.store = snap
             try:
-                return self.api.handle(req, peer)
+                res = self.api.handle(req, peer)
+            except BaseException:
+                snap.close()
+                raise
             finally:
                 self._tls.store = None
-                snap.close()
+            if isinstance(res, ChunkedResponse):
+                # its chunks read the snapshot (the handler's): kept open until it is closed
+                return replace(res, render_on=pool.submit, release=snap.close)
+            snap.close()
+            return res
 
-        res = await asyncio.get_running_loop().run_in_executor(self._query_pool, run)
+        fut = pool.submit(run)
+        try:
+            res = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_close_unwritten)  # its snapshot is released all the same
+            raise
         self._answers.put(key, res, time.monotonic())
         return res
 
@@ -766,6 +786,15 @@ def _stderr() -> Any:
     import sys
 
     return sys.stderr
+
+
+def _close_unwritten(fut: Future[Answer]) -> None:
+    """The answer of a query whose connection went while it ran: closed if it holds anything
+    (a ``ChunkedResponse``'s snapshot)."""
+    if not fut.cancelled() and fut.exception() is None:
+        res = fut.result()
+        if isinstance(res, ChunkedResponse):
+            res.close()
 
 
 def _stream_pids(p: LiveProfiler) -> int:

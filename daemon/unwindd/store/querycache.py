@@ -9,9 +9,10 @@ Rules:
 - A summary describes one frozen version of a bucket's counts (a snapshot's: the store copies a
   shared bucket before writing it); the next version's summary is the previous one plus what
   changed (counts only grow).
-- Priority: a summary saves a pass over a whole bucket on every top query, a rendering or a
-  rebuilt stack one stack's work: summaries (up to ``SUMMARY_SHARE`` of the share) displace
-  renderings, oldest first, then the rebuilt stacks; the others only take what is free.
+- Priority: a summary saves a pass over a whole bucket on every top query, a rendering, a
+  rebuilt stack or a stack's function keys one stack's work: summaries (up to
+  ``SUMMARY_SHARE`` of the share) displace renderings, oldest first, then the rebuilt stacks,
+  then function keys, oldest first; the others only take what is free.
 - Bounded: their bytes (``stats.cache_bytes``, part of the store's ``bytes_estimate``) stay
   under ``max_bytes`` (the store's share for them, which its data leaves free), are never
   filled past the store's ``max_bytes``, and are dropped whole when, with the data, they pass
@@ -139,7 +140,7 @@ class QueryCaches:
         if hit is not None:
             return hit
         keys = table.keys(sid)
-        size = _KEYS_BYTES + _KEY_BYTES * len(keys[1]) if keys else _KEYS_BYTES
+        size = _keys_size(keys)
         st = self.stats
         with self.lock:
             if (sid not in self.func_keys and owner.holds_stack(sid)
@@ -195,10 +196,21 @@ class QueryCaches:
             st.cache_bytes += size
         return out
 
+    def render_id(self, owner: CacheOwner, kind: str, sid: int,
+                  frames_of: Callable[[int], Stack],
+                  fn: Callable[[Stack], Any]) -> Any:  # fmt: skip
+        """``render`` of stack ``sid``, whose frames are rebuilt (``frames_of``) only when its
+        rendering is not cached."""
+        hit = self.texts.get((kind, sid))
+        if hit is not None:
+            return hit[0]
+        return self.render(owner, kind, sid, frames_of(sid), fn)
+
     def put_summary(self, owner: CacheOwner, idx: int, summ: Summary) -> None:
         """Keep ``summ``, making room for it (up to ``SUMMARY_SHARE``) by dropping renderings,
-        oldest first, then the rebuilt stacks: a summary saves a pass over a whole bucket
-        on every top query while the bucket stays, a rendering one stack's."""
+        oldest first, then the rebuilt stacks, then function keys: a summary saves a pass
+        over a whole bucket on every top query while the bucket stays, each of those one
+        stack's work."""
         st = self.stats
         with self.lock:
             old = self.summaries.pop(idx, None)
@@ -216,8 +228,10 @@ class QueryCaches:
         return sum(sm.nbytes for sm in self.summaries.values())
 
     def _make_room(self, size: int) -> None:
-        """Drop renderings, oldest first, then the rebuilt stacks, until ``size`` more bytes
-        fit the share (under the lock)."""
+        """Drop renderings, oldest first, then the rebuilt stacks, then function keys, oldest
+        first, until ``size`` more bytes fit the share (under the lock). Function keys fill
+        whatever is free (a filtered top walks every stack), so without this a top query
+        that came first would leave the summaries no room for good."""
         st = self.stats
         if self.texts:
             for key in list(self.texts):
@@ -226,6 +240,14 @@ class QueryCaches:
                 st.cache_bytes -= self.texts.pop(key)[1]
         if st.cache_bytes + size > self.max_bytes and self.stack_bytes:
             self._drop_stacks()
+        if st.cache_bytes + size > self.max_bytes and self.func_keys:
+            for sid in list(self.func_keys):
+                if st.cache_bytes + size <= self.max_bytes:
+                    return
+                keys = self.func_keys.pop(sid)
+                freed = _keys_size(keys)
+                self.keys_bytes -= freed
+                st.cache_bytes -= freed
 
     def drop_stack(self, sid: int) -> None:
         """The renderings and frames of a stack the store frees (its pooled frames stay until
@@ -234,7 +256,7 @@ class QueryCaches:
             with self.lock:
                 keys = self.func_keys.pop(sid, None)
                 if keys is not None:
-                    size = _KEYS_BYTES + _KEY_BYTES * len(keys[1]) if keys else _KEYS_BYTES
+                    size = _keys_size(keys)
                     self.keys_bytes -= size
                     self.stats.cache_bytes -= size
         if sid in self.stacks:
@@ -271,6 +293,11 @@ class QueryCaches:
             self.func_keys.clear()
             self.keys_bytes = 0
             self.stats.cache_bytes = 0
+
+
+def _keys_size(keys: Keys) -> int:
+    """What a stack's function keys cost the share (``keys_bytes``)."""
+    return _KEYS_BYTES + _KEY_BYTES * len(keys[1]) if keys else _KEYS_BYTES
 
 
 class Summary(NamedTuple):

@@ -441,6 +441,11 @@ class StackStore(Queries):
         ``fn`` must return a str, bytes or a tuple of str."""
         return self.caches.render(self, kind, self.stack_id(frames), frames, fn)
 
+    def render_id(self, kind: str, sid: int, fn: Callable[[Stack], Any]) -> Any:
+        """``render`` of stack ``sid`` (a stack id a query answered, ``query_ids``): its frames
+        are rebuilt only when its rendering is not cached."""
+        return self.caches.render_id(self, kind, sid, self._frames_of(), fn)
+
     def _frames_of(self) -> Callable[[int], Stack]:
         return partial(self.caches.frames, self, self._table, scratch={})
 
@@ -462,6 +467,12 @@ class StackStore(Queries):
             self._readers += 1
         return StoreSnapshot(self, self._bucket_counts(), dict(self._procs),
                              self.window(), dict(self._labels))  # fmt: skip
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots open: queries running, and answers still being written from theirs."""
+        with self._lock:
+            return self._readers
 
     def _close_snapshot(self) -> None:
         with self._lock:
@@ -522,6 +533,12 @@ class StoreSnapshot(Queries):
         if store is None:
             return fn(frames)
         return store.caches.render(store, kind, self.stack_id(frames), frames, fn)
+
+    def render_id(self, kind: str, sid: int, fn: Callable[[Stack], Any]) -> Any:
+        store = self._store
+        if store is None:
+            return fn(self._frames_of()(sid))
+        return store.caches.render_id(store, kind, sid, self._frames_of(), fn)
 
     def window(self) -> tuple[int, int] | None:
         return self._window

@@ -65,6 +65,15 @@ def _cc(compiler: str, out: Path, srcs: Sequence[str], flags: Sequence[str]) -> 
     return out
 
 
+def build_deep(dest: Path) -> Workload:
+    """``deep``: stacks of many depths, up to ~180 frames (big query answers). Not one of
+    ``build_workloads``' (the oracle runs those; perf's and our unwinds of a stack deeper
+    than the sampled stack copy need not end alike)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = _cc("gcc", dest / "deep", ("deep.c",), ("-O2",))
+    return Workload("deep", (str(out), "400"), (out,))
+
+
 def build_workloads(dest: Path) -> dict[str, Workload]:
     """Compile every workload into ``dest`` (created if needed); name -> Workload.
 
