@@ -317,6 +317,16 @@ static int dump_name(const uint8_t *b, uint64_t from, uint64_t end)
     return n >= 5 && memcmp(b + from + n - 5, ".dump", 5) == 0;
 }
 
+/* perm[0..m) with only the entries keep[] marks, in order; the new length. */
+static int64_t keep_only(uint32_t *perm, const uint8_t *keep, uint64_t m)
+{
+    uint64_t w = 0;
+    for (uint64_t k = 0; k < m; k++)
+        if (keep[k])
+            perm[w++] = perm[k];
+    return (int64_t)w;
+}
+
 int64_t unw_sb_unsampled(const uint8_t *data, uint64_t len, const void *recs_, uint32_t *perm,
                          uint64_t m, uint32_t sid_size, uint64_t *counts)
 {
@@ -403,11 +413,7 @@ int64_t unw_sb_unsampled(const uint8_t *data, uint64_t len, const void *recs_, u
             break;
         }
     }
-    uint64_t w = 0;
-    for (uint64_t k = 0; k < m; k++)
-        if (keep[k])
-            perm[w++] = perm[k];
-    rc = (int64_t)w;
+    rc = keep_only(perm, keep, m);
 out:
     free(keep);
     free(d.keys);
@@ -640,11 +646,7 @@ int64_t unw_sb_noop_mmaps(const uint8_t *data, uint64_t len, const void *recs_, 
             break;
         }
     }
-    uint64_t w = 0;
-    for (uint64_t k = 0; k < m; k++)
-        if (keep[k])
-            perm[w++] = perm[k];
-    rc = (int64_t)w;
+    rc = keep_only(perm, keep, m);
 out:
     if (t.p)
         for (uint64_t i = 0; i < t.cap; i++)
