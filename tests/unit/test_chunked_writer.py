@@ -280,3 +280,53 @@ def test_a_rendering_error_cuts_the_body(loop: str, tmp_path: Path,
         srv.wait_idle()
         assert srv.answers[0].pulled == 3
         assert any("rendering an answer" in r.getMessage() for r in caplog.records)
+
+
+class ClosingWriter:
+    """A StreamWriter whose transport closes while a chunk is rendered (the client went: the
+    loop saw the socket fail meanwhile); a write to it then raises, as uvloop's does."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.written: list[bytes] = []
+        self.transport = self
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def write(self, data: bytes) -> None:
+        self.writelines([data])
+
+    def writelines(self, parts: list[bytes]) -> None:
+        if self.closed:
+            raise RuntimeError("unable to perform operation: the handler is closed")
+        self.written += parts
+
+    async def drain(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.closed = True
+
+
+def test_nothing_is_written_once_the_transport_closes() -> None:
+    """The transport closes while the second chunk is rendered: the answer ends quietly (no
+    write, no exception), released."""
+    from unwindd.serve.connections import write_chunked
+    from unwindd.serve.httpapi import HttpSession
+
+    w = ClosingWriter()
+    released: list[bool] = []
+
+    def chunks() -> Iterator[bytes]:
+        yield b"[1,"
+        w.closed = True
+        yield b"2]"
+
+    session = HttpSession()
+    session.receive(b"GET /v1/stacks HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(session.next_request(), Request)
+    res = ChunkedResponse(chunks(), release=lambda: released.append(True))
+    done = asyncio.run(write_chunked(session, w, res, 1.0))  # type: ignore[arg-type]
+    assert done is False and released == [True]
+    assert b"".join(w.written).endswith(b"\r\n3\r\n[1,\r\n")

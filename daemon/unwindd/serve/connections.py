@@ -8,7 +8,8 @@ Rules:
 - More than ``max_connections`` open connections: the new one gets 503 at once.
 - Every socket wait has a timeout (a response must drain within ``request_timeout``, a close
   within a second, else the transport is aborted), so a slow or silent client holds only its
-  own coroutine, never the loop.
+  own coroutine, never the loop. Nothing is written to a transport already closing (a client
+  gone while its answer was made: uvloop raises there), the connection just ends.
 - A ``ChunkedResponse`` is written a chunk at a time (``write_chunked``): the next chunk is
   rendered (on ``render_on``: the service's query thread, off the loop) only once the previous
   one has drained, so a slow reader holds a chunk or two, not the answer. The time spent
@@ -138,6 +139,8 @@ class Connections:
                     continue
                 if result.rejected is not None:
                     self.rejected[result.rejected] += 1
+                if writer.is_closing():
+                    return  # the client went while the answer was made
                 writer.writelines(session.respond_parts(result))
                 await asyncio.wait_for(writer.drain(), api.request_timeout)
                 if not session.keep_alive:
@@ -182,6 +185,8 @@ async def write_chunked(session: HttpSession, writer: asyncio.StreamWriter,
                 writer.transport.abort()  # no last chunk: the body is seen cut short
                 return False
             pending = None
+            if writer.is_closing():
+                return False  # the client went while the chunk was rendered
             if chunk is None:
                 break
             writer.writelines(session.stream_parts(chunk))
