@@ -47,6 +47,7 @@ from nativebuild import CFI, FASTPATH
 from oracle import Workload
 from perfutil import perf_script_samples, record_perf_data
 from refreplay import python_replay, python_replay_bytes
+from replaycounts import replay_counts
 from texts import assert_same_text
 from unwindd import cli
 from unwindd.pipeline import context, filereplay
@@ -124,7 +125,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
 def _slow(path: Path, fmt: str) -> tuple[str, dict[str, Any]]:
     out, data, res = python_replay(path, fmt)
     assert res.engine is not None
-    return out, _counts(data, res.pipeline.stats, res.pipeline.orderer.stats, res.engine)
+    return out, replay_counts(data, res.pipeline.stats, res.pipeline.orderer.stats, res.engine)
 
 
 def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, dict[str, Any]]:
@@ -137,29 +138,7 @@ def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, d
     if result is not None:
         result.append(res)
     data.close()
-    return out.getvalue(), _counts(data, ss, os_, engine)
-
-
-def _counts(
-    data: PerfData, ss: StreamStats, os_: OrderStats, engine: StackEngine
-) -> dict[str, Any]:
-    e = engine.stats
-    return {
-        "decode_records": dict(data.decoder.stats.records),
-        "decode_errors": dict(data.decoder.stats.errors),
-        "file_errors": dict(data.errors),
-        "stream": ss,
-        "order": os_,
-        "table": dict(engine.table.stats.records),
-        "engine": (
-            e.samples,
-            dict(e.by_status),
-            e.frames,
-            e.user_frames,
-            e.kernel_frames,
-            e.unsymbolized,
-        ),
-    }
+    return out.getvalue(), replay_counts(data, ss, os_, engine)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from perfutil import record_perf_data
 from refreplay import python_replay
+from replaycounts import replay_counts
 from unwindd.pipeline import filereplay
 from unwindd.procs.mapping import PROT_EXEC
 from unwindd.procs.proctable import ProcessTable
@@ -76,18 +77,8 @@ def _replay(
     LAST_SPACES.clear()
     LAST_SPACES.update({pid: [(m.start, m.end, m.pgoff, m.prot, m.filename) for m in sp.mappings]
                         for pid, sp in engine.table.spaces.items()})  # fmt: skip
-    e = engine.stats
-    counts = {
-        "decode_records": dict(data.decoder.stats.records),
-        "decode_errors": dict(data.decoder.stats.errors),
-        "file_errors": dict(data.errors),
-        "stream": ss,
-        "order": os_,
-        "table": dict(engine.table.stats.records),
-        "engine": (e.samples, dict(e.by_status), e.frames, e.user_frames, e.kernel_frames,
-                   e.unsymbolized),
-        "result": (res.samples, res.unique_stacks, res.side_band),
-    }
+    counts = {**replay_counts(data, ss, os_, engine),
+              "result": (res.samples, res.unique_stacks, res.side_band)}
     return out.getvalue(), counts, res
 
 
