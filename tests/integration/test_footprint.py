@@ -6,7 +6,8 @@ per process and per context goes when the process or the context does.
   trimmed every 10 s, the mapped cache tables released from RSS with it); once the churn's
   processes have exited and their exit grace passed, the per-process state (the process
   table, the engine's per-pid snapshots and comms, the stream's per-pid counts) is back to
-  what the machine's own processes need, not grown by the churn.
+  what the machine's own processes need, not grown by the churn. A long-lived process that
+  starts and ends thousands of threads meanwhile leaves only its live threads' names.
 - The native live step over real ring chunks with a small ``max_stacks``: each context reset
   drops the old context's stacks everywhere, the JIT stats' stack cache included (it held
   the tuples, and so every frame, of a dropped context until it filled up).
@@ -58,6 +59,17 @@ def _churn(argv: list[str], seconds: float, rate: float, inflight: int) -> list[
     return pids
 
 
+# A server's shape: one process for the daemon's life, a short thread per request.
+_THREAD_CHURN = """
+import threading, time
+n, t0 = 0, time.monotonic()
+while time.monotonic() - t0 < float(__import__("sys").argv[1]):
+    t = threading.Thread(target=sum, args=(range(20000),)); t.start(); t.join(); n += 1
+    time.sleep(0.005)
+print(n)
+"""
+
+
 def _memory(d: DaemonProc) -> tuple[dict[str, Any], dict[str, Any]]:
     st = d.json("/v1/status")
     return st, st["memory"]
@@ -76,7 +88,11 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         # up to 400 processes of the chain workload, each running ~10-20 ms of its own code
         # (fewer when the machine is busy: at most 16 alive at once)
         argv = [*workloads["c_o2"].argv, "4"]
+        server = subprocess.Popen(["python3", "-c", _THREAD_CHURN, "20"], stdout=subprocess.PIPE)
         pids = _churn(argv, seconds=20, rate=20, inflight=16)
+        out, _ = server.communicate(timeout=60)
+        threads = int(out)
+        assert threads >= 500, threads
         assert len(pids) >= 20
         _, mem1 = _memory(d)
         # Their samples named: the churn reached the context (stacks, frames, bytes).
@@ -99,8 +115,9 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         # ... dropped from the table one by one (exit grace), not by a cap or a reset
         drops = sum(metric_values(d.metrics(), "unwindd_process_drops_total").values())
         assert drops - drops0 >= len(pids) // 2, (drops - drops0, len(pids))
-        # per-pid comms, held for the tids of tracked processes only
-        assert sizes["comms"] <= 4 * after["processes"] + 64, sizes
+        # per-pid comms, held for the tids of tracked processes only, and for live threads
+        # only: not one per thread the server ever ran
+        assert sizes["comms"] <= 4 * after["processes"] + 64, (sizes, threads)
         # the stream's per-pid counts (samples, comms by pid) went with the pids too: not one
         # entry per process that ever ran
         # (a few pids may be between their last record and their drop: not the churn's)

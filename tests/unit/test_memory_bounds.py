@@ -75,6 +75,43 @@ def test_a_dropped_pid_leaves_nothing_in_any_per_pid_table(tmp_path: Path) -> No
     assert engine.table.stats.drops["exit_grace"] + engine.table.stats.drops["cap_retired"] == 300
 
 
+def test_a_long_lived_process_churning_threads_keeps_only_its_live_threads_names(
+    tmp_path: Path,
+) -> None:
+    """A server that starts and ends a thread per request lives for the daemon's life: each
+    thread's name goes once its EXIT is past the grace, so what is kept is bounded by the
+    threads alive, not by how many ever ran (5,000 here). A late sample of a thread within
+    the grace still gets its name, and a reused tid keeps its new one, even when it came back
+    within its old EXIT's grace."""
+    fake, clock, engine, live = _live(tmp_path)
+    pid = 500
+    fake.put(pid, "server", 1, line(0x1000, 0x2000, "/bin/none"))
+    engine.feed([Fork(0, pid, 1, pid, 1, clock.now, NO_SAMPLE_ID),
+                 Comm(0, pid, pid, "server", NO_SAMPLE_ID)])  # fmt: skip
+    for i in range(5000):
+        tid = pid + 1 + i % 3000  # tids come back, as the kernel's do
+        engine.feed([Fork(0, pid, pid, tid, pid, clock.now, NO_SAMPLE_ID),
+                     Comm(0, pid, tid, f"req{i}", NO_SAMPLE_ID)])  # fmt: skip
+        clock.now += MS
+        engine.feed([Exit(0, pid, pid, tid, pid, clock.now, NO_SAMPLE_ID)])
+        assert engine.comm_of(pid, tid) == f"req{i}"  # late samples, within the grace
+    in_grace = CFG.exit_grace_ns // MS + 1
+    assert len(engine._comms) <= in_grace + 1 and len(engine._tids[pid]) <= in_grace
+    assert len(live._thread_exits) <= in_grace
+    clock.now += CFG.exit_grace_ns + MS
+    engine.feed([Fork(0, pid, pid, pid + 1, pid, clock.now, NO_SAMPLE_ID),  # a reused tid
+                 Comm(0, pid, pid + 1, "again", NO_SAMPLE_ID)])  # fmt: skip
+    assert set(engine._comms) == {pid, pid + 1} and engine._tids[pid] == {pid + 1}
+    assert engine.comm_of(pid, pid + 1) == "again" and engine.comm_of(pid, pid + 2) == "server"
+    # a tid that exits and comes back within the grace: the reap of its old EXIT spares it
+    engine.feed([Exit(0, pid, pid, pid + 1, pid, clock.now, NO_SAMPLE_ID),
+                 Fork(0, pid, pid, pid + 1, pid, clock.now + MS, NO_SAMPLE_ID),
+                 Comm(0, pid, pid + 1, "back", NO_SAMPLE_ID)])  # fmt: skip
+    clock.now += CFG.exit_grace_ns + 2 * MS
+    engine.feed([Fork(0, pid, pid, pid + 9, pid, clock.now, NO_SAMPLE_ID)])
+    assert engine.comm_of(pid, pid + 1) == "back"
+
+
 def test_native_step_context_bound_follows_the_table_cap() -> None:
     """The native step keeps dead pids' snapshots until its context is dropped whole: that
     bound follows max_processes (live.py), so a small cap bounds it too."""

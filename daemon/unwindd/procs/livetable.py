@@ -24,7 +24,10 @@ Invariants:
   process's mappings). FORK of a pid the table still holds clears it too (proctable).
 - Retirement. EXIT retires a pid (proctable); ``end_batch`` drops spaces retired more than
   ``exit_grace_ns`` (record time) ago, except pids with held samples, and then enforces
-  ``max_processes``. Every drop is counted by reason (``table.stats.drops``).
+  ``max_processes``. Every drop is counted by reason (``table.stats.drops``). A thread's EXIT
+  is kept the same grace (its late samples still want its name), then ``on_thread_gone`` is
+  told once, unless the tid came back meanwhile (a FORK or COMM of it): so what is kept per
+  thread is bounded by the live threads, however many a process starts and ends.
 - Labels (``labels``, cgroups.py): a process's cgroup is read with its /proc at bootstrap and
   at each rescan, and again at its exec (COMM with the exec flag: runtimes and ``systemd-run``
   move a process before it execs): at once when its labels are held, else at its first
@@ -42,11 +45,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from ..lightdc import dataclass, field
 from ..source import abi
-from ..source.records import Comm, Fork, Lost, Record, Sample
+from ..source.records import Comm, Exit, Fork, Lost, Record, Sample
 from .cgroups import CgroupLabels
 from .procscan import ProcFS, ProcInfo, ticks_from_monotonic
 from .proctable import ProcessTable
@@ -146,6 +149,9 @@ class LiveTable:
         self._held: dict[int, list[tuple[int, Sample]]] = {}  # pid -> (deadline, sample)
         # pids with samples held elsewhere (ringstep: waiting for a CFI compile): not reaped
         self.pinned: Counter[int] = Counter()
+        # tid -> (pid, its EXIT's record time), oldest first: threads gone, names kept in grace
+        self._thread_exits: dict[int, tuple[int, int]] = {}
+        self.on_thread_gone: Callable[[int, int], None] | None = None  # (pid, tid), past grace
 
     # -- bootstrap
 
@@ -182,6 +188,12 @@ class LiveTable:
         t = rec.time
         if t is not None and t > self.record_time:
             self.record_time = t
+        if isinstance(rec, Exit):
+            if rec.pid != rec.tid:
+                self._thread_exits[rec.tid] = (rec.pid, t if t is not None else self.record_time)
+            return
+        if self._thread_exits:
+            self._thread_exits.pop(getattr(rec, "tid", -1), None)  # the tid is back: keep it
         if isinstance(rec, Comm):
             if rec.exec and rec.pid == rec.tid:
                 self.labels.exec(rec.pid)
@@ -312,6 +324,8 @@ class LiveTable:
         pinned = self._held.keys() | self.pinned.keys() if self.pinned else self._held.keys()
         self.table.reap(self.record_time, self.config.exit_grace_ns, pinned)
         self.table.evict_to(self.config.max_processes, pinned)
+        if self._thread_exits:
+            self._reap_threads(pinned)
 
     def forget(self, pid: int) -> None:
         """The table dropped ``pid`` (``ProcessTable.on_drop``)."""
@@ -320,6 +334,20 @@ class LiveTable:
         self.labels.due.pop(pid, None)  # gone: no sample will want its exec's read
 
     # -- internals
+
+    def _reap_threads(self, pinned: Container[int]) -> None:
+        """Tell ``on_thread_gone`` of the threads that exited more than the grace ago, oldest
+        first; a thread of a pid with held samples waits with it."""
+        exits, cutoff, gone = self._thread_exits, self.record_time - self.config.exit_grace_ns, []
+        for tid, (pid, t) in exits.items():
+            if t > cutoff:
+                break
+            if pid not in pinned:
+                gone.append((tid, pid))
+        for tid, pid in gone:
+            del exits[tid]
+            if self.on_thread_gone is not None:
+                self.on_thread_gone(pid, tid)
 
     def _may_read(self, pid: int, now: int) -> bool:
         last = self._last_read.get(pid)

@@ -435,15 +435,23 @@ class StackEngine:
         output order is input order except for those, each still exactly once);
         ``unwind_held(live.flush_held())`` unwinds the rest at the end. After each batch is
         unwound ``live.end_batch()`` drops retired/over-cap pids, and a dropped pid's comms are
-        forgotten here."""
+        forgotten here, as is a thread's once its EXIT is past the grace."""
         if live.table is not self.table:
             raise ValueError("the LiveTable must wrap this engine's process table")
         self.live = live
         live.on_comm = self.set_comm
+        live.on_thread_gone = self._thread_gone
         self.table.on_drop = self._dropped
 
     def set_comm(self, tid: int, comm: str) -> None:
         self._comms[tid] = comm
+
+    def _thread_gone(self, pid: int, tid: int) -> None:
+        """A thread exited past the grace (``LiveTable.on_thread_gone``): its name goes."""
+        tids = self._tids.get(pid)
+        if tids is not None:
+            tids.discard(tid)
+        self._comms.pop(tid, None)
 
     def _dropped(self, pid: int) -> None:
         self.forget_pid(pid)
