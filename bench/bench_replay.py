@@ -20,7 +20,9 @@ same file:
 - with ``--before DIR``: ``--format folded`` with ``PYTHONPATH=DIR`` (an older checkout's
   ``daemon/``, e.g. from ``git archive``), for a before/after measured in the same run; it
   gets a cache dir of its own (``UNWINDD_CACHE_DIR``, warmed by one untimed run), as symbol
-  tables on disk are stamped with the code that wrote them.
+  tables on disk are stamped with the code that wrote them. ``--before-formats
+  folded,perf-script,jsonl`` times those formats of it (default folded), and adds ``--format
+  jsonl`` of the tree under test when jsonl is among them.
 
 and prints a Markdown table for BENCHMARKS.md, wall time and CPU (user + system of the child:
 on a loaded machine wall time mostly measures waiting for a CPU). Every command's stdout goes
@@ -206,6 +208,8 @@ def main() -> int:
                     help="the 1 vs 200 processes replay RSS check instead")
     ap.add_argument("--rss-dir", type=Path, help="where --rss keeps its recordings")
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
+    ap.add_argument("--before-formats", default="folded",
+                    help="the formats --before times, comma-separated (default folded)")
     args = ap.parse_args()
     if not shutil.which("perf"):
         print("perf is not installed", file=sys.stderr)
@@ -241,15 +245,19 @@ def main() -> int:
     ]  # fmt: skip
     envs: dict[str, dict[str, str]] = {}
     if args.before is not None:
-        name = f"unwindd replay --format folded (before: PYTHONPATH={args.before})"
-        rows.append((name, [*unwindd, "--format", "folded"]))
         # A cache dir of its own, warmed by one untimed run: symbol-table files are stamped
         # with the code that wrote them (symstore._code_stamp), so two builds sharing one dir
         # discard and rebuild each other's tables at every alternation (~0.1 s each).
         before_cache = tempfile.mkdtemp(prefix="unwindd-before-cache-")
-        envs[name] = {**os.environ, "PYTHONPATH": str(args.before),
-                      "UNWINDD_CACHE_DIR": before_cache}  # fmt: skip
-        timed([*unwindd, "--format", "folded"], 1, envs[name])
+        fmts = args.before_formats.split(",")
+        if "jsonl" in fmts:
+            rows.append(("unwindd replay --format jsonl", [*unwindd, "--format", "jsonl"]))
+        for fmt in fmts:
+            name = f"unwindd replay --format {fmt} (before: PYTHONPATH={args.before})"
+            rows.append((name, [*unwindd, "--format", fmt]))
+            envs[name] = {**os.environ, "PYTHONPATH": str(args.before),
+                          "UNWINDD_CACHE_DIR": before_cache}  # fmt: skip
+        timed([*unwindd, "--format", "folded"], 1, envs[rows[-1][0]])
     if args.slow:
         refreplay = str(Path(__file__).resolve().parents[1] / "tests/support/refreplay.py")
         rows.append(("Python replay to folded (tests/support/refreplay.py)",

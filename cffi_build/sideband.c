@@ -1,15 +1,18 @@
-/* sideband.c: find the side-band records a replay may skip, natively (filereplay.py); list
- * and mark the live step's side-band records in bulk (ringstep.py: unw_sb_rows, unw_sb_marks,
- * unw_sb_trailer_marks, unw_sb_slots, each the C form of a Python loop it replaced,
- * tests/unit/test_sideband_live.py holds them to it; they read and write only the index entries and arrays they are given,
- * O(entries)).
+/* sideband.c: find the side-band records a replay may skip, natively (filereplay.py:
+ * unw_sb_scan/unw_sb_compact below, unw_sb_unsampled and unw_sb_noop_mmaps further down, each
+ * with its proof; unw_sb_lazy, unw_sb_lazy_exits: records counted in bulk, decoded only if
+ * applied); list and mark the live step's side-band records in bulk (ringstep.py:
+ * unw_sb_rows, unw_sb_marks, unw_sb_trailer_marks, unw_sb_slots, each the C form of a Python
+ * loop it replaced, tests/unit/test_sideband_live.py holds them to it; they read and write
+ * only the index entries and arrays they are given, O(entries)).
  *
  * Why: deep CPython recursion mmaps/munmaps frame chunks, so a profile can carry hundreds of
  * thousands of MMAP2 records of anonymous read/write memory, each costly to decode and apply
  * in Python; none of them changes the process table (proctable.py: a non-executable mapping
  * is never inserted and cuts only what it overlaps).
  *
- * Invariants (the proof that a skipped record is a no-op for ProcessTable.apply in replay):
+ * Invariants of unw_sb_scan (the proof that a skipped record is a no-op for
+ * ProcessTable.apply in replay):
  * - Every mapping a replay's table ever holds is a piece of the range of an executable
  *   MMAP/MMAP2 record of the file (records are the only source in replay; cuts and FORK copies
  *   only shrink or copy ranges). A non-executable MMAP2 whose range overlaps no such range
@@ -23,7 +26,8 @@
  *   sample_id trailer, start + len not wrapping. Its time/cpu/flags are set in its index entry
  *   exactly as filereplay.py sets them from the decoded record.
  *
- * Cost: O(R log R) for R side-band records; memory O(exec ranges + candidate pids).
+ * Cost: O(R log R) for R side-band records; memory O(exec ranges + candidate pids); the later
+ * passes O(R) and O(pids + their ranges).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -437,7 +441,9 @@ out:
  * PERF_RECORD_MISC_MMAP_BUILD_ID with a build-id size over 20) adds its range if executable
  * and cuts nothing; a record too short to decode is a BadRecord, no change. So a data MMAP2
  * found here to overlap nothing of an existing space is a no-op for the table: dropped.
- * A range past 2^64 (addr + len wraps: Python's are unbounded) drops nothing at all.
+ * A range past 2^64 (addr + len wraps: Python's are unbounded) drops nothing at all, nor does
+ * a file that maps a jitdump (a dropped record would merge two runs of samples, and the replay
+ * names JIT frames per run: unw_sb_unsampled).
  * Cost: O(m + mappings per pid per change) time, O(mappings of all pids) memory. */
 
 struct pranges {
@@ -537,7 +543,8 @@ static int pr_cut(struct pranges *s, uint64_t lo, uint64_t hi, int ins)
     uint32_t put = (uint32_t)(nh + nt + (ins ? 1 : 0)), old = j - i;
     if (pr_reserve(s, s->n - old + put))
         return -1;
-    memmove(s->r + i + put, s->r + j, (s->n - j) * sizeof *s->r);
+    if (j < s->n) /* (s->r may be NULL when there is nothing to move) */
+        memmove(s->r + i + put, s->r + j, (s->n - j) * sizeof *s->r);
     s->n = s->n - old + put;
     if (nh)
         s->r[i++] = head;
@@ -578,8 +585,8 @@ int64_t unw_sb_noop_mmaps(const uint8_t *data, uint64_t len, const void *recs_, 
             if (!(b = sb_body(data, len, r, fixed, sid_size, &end)))
                 break; /* a BadRecord */
             uint64_t addr = rd64(b + 8), l = rd64(b + 16);
-            if (addr + l < addr) {
-                rc = (int64_t)m; /* past 2^64: nothing dropped */
+            if (addr + l < addr || dump_name(b, fixed, end)) {
+                rc = UNW_SB_UNTOUCHED; /* past 2^64, or a jitdump (as unw_sb_unsampled) */
                 goto out;
             }
             if (!l)
@@ -654,6 +661,36 @@ out:
     free(t.p);
     free(keep);
     return rc;
+}
+
+/* The EXIT records a replay never decodes (filereplay.py _lazy_exits): every EXIT whose body
+ * holds its fixed part (24 bytes) and the sample_id trailer, inside the data (what
+ * RecordDecoder decodes without error), gets the marks context.record_marks gives its value
+ * (the body's time, always set, and the trailer's cpu, as unw_sb_trailer_marks) and is listed
+ * in lazy; their counts are taken in bulk (an EXIT counts by type and cpu only). */
+int64_t unw_sb_lazy_exits(const uint8_t *data, uint64_t len, void *recs_, uint32_t *idx,
+                          uint64_t n, uint32_t sid_size, int32_t t_off, int32_t c_off,
+                          uint32_t *lazy, uint64_t *nrest)
+{
+    struct fp_rec *recs = recs_;
+    int64_t nlazy = 0;
+    uint64_t w = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t ri = idx[i];
+        struct fp_rec *r = &recs[ri];
+        uint64_t end;
+        const uint8_t *b;
+        if (r->type != REC_EXIT || !(b = sb_body(data, len, r, 24, sid_size, &end))) {
+            idx[w++] = ri;
+            continue;
+        }
+        mark(r, b + end, t_off, c_off);
+        r->time = rd64(b + 16);
+        r->flags |= FP_TIMED;
+        lazy[nlazy++] = ri;
+    }
+    *nrest = w;
+    return nlazy;
 }
 
 /* The live step reads every side-band entry's header fields once, here, instead of one cffi

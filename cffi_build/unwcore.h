@@ -338,9 +338,19 @@ int64_t unw_sb_unsampled(const uint8_t *data, uint64_t len, const void *recs, ui
  * of a pid whose space exists and has no executable mapping it overlaps, at its place in the
  * order: ProcessTable.apply would change nothing (sideband.c follows each pid's executable
  * ranges to tell). perm keeps the rest, in order. Returns the new length, -1 on allocation
- * failure. O(m + changed ranges). */
+ * failure, UNW_SB_UNTOUCHED (perm as it was) for a file that maps a jitdump or a range past
+ * 2^64. O(m + changed ranges). */
+#define UNW_SB_UNTOUCHED -2
 int64_t unw_sb_noop_mmaps(const uint8_t *data, uint64_t len, const void *recs, uint32_t *perm,
                           uint64_t m, uint32_t sid_size);
+
+/* Of idx[0..n) (as in unw_sb_lazy), every EXIT that decodes without error (body >= 24 +
+ * sid_size bytes) is listed in lazy (room for n), in idx order, its index entry marked as
+ * context.record_marks marks its value (the body's time; the trailer's cpu). idx[0..*nrest)
+ * keeps the other records, in order. Returns how many were listed. O(n). */
+int64_t unw_sb_lazy_exits(const uint8_t *data, uint64_t len, void *recs, uint32_t *idx,
+                          uint64_t n, uint32_t sid_size, int32_t t_off, int32_t c_off,
+                          uint32_t *lazy, uint64_t *nrest);
 
 /* The live step's side-band records (ringstep.py _decode_others): every entry of recs[0..n)
  * (struct fp_rec, fastpath.h) not flagged FP_SAMPLE, in index order, as one row of rows

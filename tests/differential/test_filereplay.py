@@ -663,9 +663,11 @@ def test_replay_does_not_import_live_or_service_stacks() -> None:
     assert out.strip() == "[]"
 
 
-def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["mmapstorm", "forkexec"])
+def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path, name: str) -> None:
     """symtab.c (ELF symbols, kallsyms) and sideband.c on truncated/mutated real inputs under
-    ASan/UBSan (tests/support/native/sym_fuzz.c)."""
+    ASan/UBSan (tests/support/native/sym_fuzz.c): side-band records of a CPython deep recursion
+    (data MMAP2s) and of processes forking and exec'ing (FORK, COMM, EXIT)."""
     from unwindd.binaries.elf import ElfReader
 
     cc = shutil.which("gcc")
@@ -681,8 +683,8 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path) -> N
         os.close(fd)
     kall = (SUPPORT / "fakeproc" / "kallsyms").read_bytes()
     (tmp_path / "kall").write_bytes(kall + Path("/proc/kallsyms").read_bytes()[:100_000])
-    data = PerfData.open(files["mmapstorm"])
-    raw = files["mmapstorm"].read_bytes()[data.data_offset : data.data_offset + data.data_size]
+    data = PerfData.open(files[name])
+    raw = files[name].read_bytes()[data.data_offset : data.data_offset + data.data_size]
     data.close()
     (tmp_path / "data").write_bytes(raw[:300_000])
     dec = RecordDecoder(data.decoder.formats)

@@ -9,16 +9,21 @@ does not take.
 Invariants:
 - Same output and same counts as the Python replay (test_filereplay.py compares them byte for
   byte; ``_Replay.run`` says how).
-- Side-band records that cannot change the process table are counted where the Python replay
-  counts them, never decoded or applied (``_Replay.run``, ``_data_mmap_is_noop``).
+- Side-band records that cannot change the process table, or change only what no sample
+  reads (the processes and threads no later sample depends on, ``_skip_unsampled``; data
+  MMAP2s over nothing, ``_skip_noop_mmaps``), are counted where the Python replay counts them
+  (decode, stream and process table counts), never decoded or applied. What they would have
+  changed, no sample reads: each sample meets the mappings and comm it meets in the Python
+  replay. Runs of samples merge where only such records separated them (fewer runs,
+  ``EngineStats.batches``).
 - ``Unsupported`` is raised before any state changes, for inputs the native path does not take
   (pipe mode, attrs whose SAMPLE layouts differ, no TID/TIME in samples, synthesized
   HEADER_ATTR records, record types > 255): the caller then runs the Python replay.
 - Memory: the file is mapped, never copied; per record 56 bytes of index plus 4 of order; per
   unique stack its key words and its rendering (``_Replay``).
 
-Cost: O(records) native work plus O(table-changing side-band records + unique frames + runs)
-Python work for folded output; jsonl/perf-script add O(unique stacks) and one string format
+Cost: O(records) native work plus O(side-band records some sample depends on + unique frames
++ runs) Python work for folded output; jsonl/perf-script add O(unique stacks) and one string format
 per sample, frames being named once per binary code address (not per process running it) and
 shown at each other address by a string join (jsonl) or as named (perf-script's rel).
 """
@@ -80,6 +85,7 @@ _NOT_USER = bytes(int(m & MISC_CPUMODE_MASK not in (MISC_USER, MISC_GUEST_USER))
                   for m in range(256))  # fmt: skip
 _CALLCHAIN = int(SampleType.CALLCHAIN)
 _T_FINISHED_ROUND = int(RecordType.FINISHED_ROUND)
+_T_MMAP2 = int(RecordType.MMAP2)
 _FINISHED_ROUND_NAME = record_type_name(FinishedRound())
 # fp_ctx_par's min_run for new contexts; None: the C default (fastpath_int.h PAR_MIN). Tests set 1
 # (unwind every run with the worker thread) or 0 (one thread) to compare the two.
@@ -316,6 +322,7 @@ class _Replay:
             self.engine.symbolizer.preload_kernel()
         cand, cand_pids, ncand, nrest = self._scan_data_mmaps(recs, n, others, nother)
         nrest = self._lazy_mmaps(recs, others, nrest)
+        nrest = self._lazy_exits(recs, others, nrest)
         mv = memoryview(self.mm)
         objs = self._decode_others(mv, recs, others, nrest)
         dec = self.data.decoder
@@ -349,7 +356,7 @@ class _Replay:
         emit = emitter(self.fmt, self.out.write, self._stacks, self._rendered,
                        (times, periods if has_period else None, pids, tids,
                         cpus if has_cpu else None), view(stack_ids, "I"))  # fmt: skip
-        side = self._runs(recs, perm, is_sample, stack_ids, objs, emit)
+        side = self._runs(mv, recs, perm, is_sample, stack_ids, objs, emit)
         # Nothing reads the file any more (names, counts and output come from the context):
         # unmapped on a thread while the output is built (munmap is O(pages)).
         mv.release()
@@ -401,19 +408,42 @@ class _Replay:
             cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
                     *cpus[:3]]  # fmt: skip
             lib.fp_columns(recs, lazy, k, *cols)
-            self._count_mmap2s(k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
+            self._count_plain("MMAP2", k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
         return int(p_rest[0])
 
-    def _count_mmap2s(self, k: int, cpus: memoryview | None) -> None:
-        """decode_one's and StreamStats.observe's counts of ``k`` MMAP2 records decoded
-        without error (of these cpus; None: their trailer carries none)."""
-        self.data.decoder.stats.records["MMAP2"] += k
+    def _lazy_exits(self, recs: Any, others: Any, nother: int) -> int:
+        """The EXIT records among ``others[0, nother)`` that decode without error (sideband.c
+        ``unw_sb_lazy_exits``): their index entries marked natively and their counts taken in
+        bulk, as ``_lazy_mmaps`` does for MMAP2s (an EXIT counts by type and cpu only). The
+        replay drops them all (``_skip_unsampled``: an EXIT changes nothing a sample reads),
+        so they are never decoded unless it skips nothing (``_record``). The others left, in
+        ``others[0, result)``."""
+        trailer = self.data.decoder.sample_id_trailer()
+        if trailer is None or not nother:
+            return nother
+        lazy = ffi.new("uint32_t[]", nother)
+        p_rest = ffi.new("uint64_t *")
+        k = check(lib.unw_sb_lazy_exits(self.buf, self.length, recs, others, nother, *trailer,
+                                        lazy, p_rest), "unw_sb_lazy_exits")  # fmt: skip
+        if k:
+            cpus = [ffi.new("uint32_t[]", k) for _ in range(3)]
+            cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
+                    *cpus]  # fmt: skip
+            lib.fp_columns(recs, lazy, k, *cols)
+            self._count_plain("EXIT", k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
+        return int(p_rest[0])
+
+    def _count_plain(self, name: str, k: int, cpus: memoryview | None) -> None:
+        """decode_one's and StreamStats.observe's counts of ``k`` records of type ``name``
+        (MMAP2, EXIT: counted by type and cpu only) decoded without error (of these cpus;
+        None: their trailer carries none)."""
+        self.data.decoder.stats.records[name] += k
         observe_plain = self.sstats.observe_plain
         if cpus is None:
-            observe_plain("MMAP2", None, k)
+            observe_plain(name, None, k)
             return
         for cpu, c in count_flagged(b"\x01" * k, cpus):
-            observe_plain("MMAP2", cpu, c)
+            observe_plain(name, cpu, c)
 
     def _decode_others(self, mv: memoryview, recs: Any, others: Any, nrest: int
                        ) -> dict[int, Record]:  # fmt: skip
@@ -460,7 +490,7 @@ class _Replay:
         self.ostats.add_native(ost, late[0 : int(nlate[0])])
         return perm, int(nout[0])
 
-    def _runs(self, recs: Any, perm: Any, is_sample: bytes, stack_ids: Any,
+    def _runs(self, mv: memoryview, recs: Any, perm: Any, is_sample: bytes, stack_ids: Any,
               objs: dict[int, Record], emit: Callable[[int, int], None]) -> int:  # fmt: skip
         """The delivered records in order: each run of samples unwound and written, each
         side-band record between them applied to the process table (a data MMAP2 that cannot
@@ -480,13 +510,17 @@ class _Replay:
             side += 1
             pos = p + 1
             rec = objs.pop(i, None)
-            if rec is None:  # a MMAP2 counted in bulk, not decoded yet
-                if check and self._raw_noop(recs[i]):
+            if rec is None:  # a MMAP2 or EXIT counted in bulk, not decoded yet
+                if check and recs[i].type == _T_MMAP2 and self._raw_noop(recs[i]):
                     engine.table.stats.records["MMAP2"] += 1  # what apply() would have counted
                     continue
-                rec = self._record(recs, i)
+                rec = self._record(mv, recs, i)
             elif check and type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
                 engine.table.stats.records["MMAP2"] += 1
+                continue
+            if type(rec) is Mmap2:  # most of them: the engine's own MMAP2 path (a jitdump
+                engine.apply_side_band(rec)  # opened, the table's apply_mmap2), no dispatch
+                nctx.forget_space(rec.pid)
                 continue
             if engine.note_comm(rec):
                 nctx.forget_comms()
@@ -515,7 +549,7 @@ class _Replay:
             kcpus = ffi.new("uint32_t[]", [recs[i].cpu for i in kept[0:nk]])
             trailer = dec.sample_id_trailer()
             has_cpu = trailer is not None and trailer[2] >= 0
-            self._count_mmap2s(nk, view(kcpus, "I", nk) if has_cpu else None)
+            self._count_plain("MMAP2", nk, view(kcpus, "I", nk) if has_cpu else None)
         skipped = m - new_m
         if skipped:
             dec.stats.records["MMAP2"] += skipped
@@ -558,18 +592,21 @@ class _Replay:
         trailer = self.data.decoder.sample_id_trailer()
         if not SKIP_NOOP_MMAPS or trailer is None or not m:
             return m, 0
-        new_m = check(lib.unw_sb_noop_mmaps(self.buf, self.length, recs, perm, m, trailer[0]),
-                      "unw_sb_noop_mmaps")  # fmt: skip
+        rc = lib.unw_sb_noop_mmaps(self.buf, self.length, recs, perm, m, trailer[0])
+        if rc == lib.UNW_SB_UNTOUCHED:
+            return m, 0  # (a file mapping a jitdump: the table is asked, run by run, as before)
+        new_m = check(rc, "unw_sb_noop_mmaps")
         self.check_noops = False
         if new_m < m:
             self.engine.table.stats.records["MMAP2"] += m - new_m
         return new_m, m - new_m
 
-    def _record(self, recs: Any, i: int) -> Record:
-        """Record i (a MMAP2 counted in bulk before ordering, ``_lazy_mmaps``) decoded, once."""
+    def _record(self, mv: memoryview, recs: Any, i: int) -> Record:
+        """Record i (a MMAP2 or EXIT counted in bulk before ordering, ``_lazy_mmaps``,
+        ``_lazy_exits``) decoded, once, nothing counted."""
         r = recs[i]
         off = self.start + r.off
-        body = memoryview(self.mm)[off + 8 : off + r.size]
+        body = mv[off + 8 : off + r.size]  # (``mv``: the mapping, released after the runs)
         return self.data.decoder.decode_quiet(r.type, r.misc, body)
 
     def _raw_noop(self, r: Any) -> bool:

@@ -127,15 +127,15 @@ class AddressSpace:
         assert isinstance(st, SpaceState)
         if st.modules is None:
             make = factory or self._table.module_factory()
+            code_key = self._table.code_key
             mods = []
             for m in st.mappings:
                 e = m.entry
-                if is_jit_code(m):
-                    mods.append(make(m.start, m.end, 0, None, 0, True))
+                if e is None or not e.usable:  # (is_jit_code, inlined: once per mapping of
+                    if is_jit_name(m.filename):  # every new space)
+                        mods.append(make(m.start, m.end, 0, None, 0, True))
                     continue
-                if e is None or not e.usable:
-                    continue
-                mods.append(make(m.start, m.end, m.bias, e.cfi(), self._table.code_key(e, m)))
+                mods.append(make(m.start, m.end, m.bias, e.cfi(), code_key(e, m)))
             st.modules = mods
         return st.modules
 

@@ -150,6 +150,10 @@ class RecordDecoder:
         ):
             self._id_pos = self._is_pos = -1
         self._multi = len(self.formats) > 1  # else every record has format 0
+        # every format lays the sample_id trailer out alike (perf -a's dummy event does): which
+        # format a non-SAMPLE record's id picks cannot change its decoding (decode_quiet)
+        self._sid_alike = len({(lay.struct.format, lay.i_pid, lay.i_time, lay.i_id,
+                                lay.i_stream, lay.i_cpu) for lay in self._sid_layouts}) == 1
         # MMAP2 file names by their raw bytes (``decode_side_band``): churn maps the same few
         # files over and over (bounded: cleared past 4096 names)
         self._names: dict[bytes, str] = {}
@@ -314,6 +318,24 @@ class RecordDecoder:
         sideband.c listed); any other record is decoded by ``redecode``. One decode, no
         stats swapped in and out."""
         if rtype == _T_MMAP2 and not misc & MISC_MMAP_BUILD_ID:
+            lay = self._sid_layouts[0]
+            end = len(body) - lay.struct.size
+            if self._sid_alike and end >= 64:
+                # (decode_side_band's MMAP2: one unpack each, the name decoded once per name)
+                pid, tid, addr, length, pgoff, maj, mnr, ino, gen, prot, flags = (
+                    _MMAP2_INODE_FIXED.unpack_from(body, 0))  # fmt: skip
+                sid = _new_sample_id(*lay.pick(lay.struct.unpack_from(body, end) + NONE1)
+                                     ) if lay.struct.size else NO_SAMPLE_ID  # fmt: skip
+                raw = body[64:end].tobytes()
+                names = self._names
+                name = names.get(raw)
+                if name is None:
+                    name = raw.partition(b"\0")[0].decode("utf-8", "surrogateescape")
+                    if len(names) >= 4096:
+                        names.clear()
+                    names[raw] = name
+                return _new_mmap2(misc, pid, tid, addr, length, pgoff, maj, mnr, ino, gen, None,
+                                  prot, flags, name, sid)  # fmt: skip
             try:
                 return self._decode(rtype, misc, body)
             except (DecodeError, struct.error, IndexError, UnicodeError, ValueError):

@@ -578,8 +578,9 @@ class StackEngine:
         if snap is None or snap.key != key:
             # Generations only grow (proctable: one global counter), so an older snapshot of
             # this pid is never wanted again; samples queued against it hold their own.
-            mappings = sp.mappings
-            snap = Snapshot(key, sp.native_space(), mappings, tuple(m.start for m in mappings))
+            state = sp.state
+            assert isinstance(state, SpaceState)
+            snap = Snapshot(key, sp.native_space(state), state.mappings, tuple(state.starts))
             self._snaps.pop(sp.pid, None)
             self._snaps[sp.pid] = snap
             if len(self._snaps) > _MAX_SNAPS and self.live is None:

@@ -47,6 +47,7 @@ class UnwindStatus(IntEnum):
     NO_REGS = int(lib.UNW_NO_REGS)  # the sample lacks user regs or a stack copy
 
 
+_MOD_JIT = int(lib.UNW_MOD_JIT)
 _STATUS = tuple(sorted(UnwindStatus))  # index = native status code (dense 0..7)
 assert all(int(v) == i for i, v in enumerate(_STATUS))
 
@@ -74,6 +75,10 @@ class Module:
 _make_module = records.frozen_maker(Module)
 
 
+def _start_of(m: Module) -> int:
+    return m.start
+
+
 def new_module(start: int, end: int, bias: int, table: CfiTable | None, key: int,
                jit: bool = False) -> Module:  # fmt: skip
     """``Module(start, end, bias, table, key, jit)`` without its ``__init__``'s
@@ -90,26 +95,30 @@ class AddressSpace:
     modules: tuple[Module, ...]
 
     def __init__(self, modules: Sequence[Module]) -> None:
-        mods = tuple(sorted(modules, key=lambda m: m.start))
-        for i, m in enumerate(mods):
-            if not 0 <= m.start < m.end <= U64:
+        mods = tuple(sorted(modules, key=_start_of))
+        # struct unw_module's fields in order, one tuple per module: the array is filled by
+        # one ffi.new (a snapshot of every new address space, by the thousand under churn)
+        rows: list[tuple[int, int, int, Any, int, int]] = []
+        blobs: list[Any] = []  # keeps every table (its cbuf) alive while _c points at it
+        prev: Module | None = None
+        for m in mods:
+            start, end = m.start, m.end
+            if not 0 <= start < end <= U64:
                 raise ValueError(f"bad module range {m!r}")
-            if i and m.start < mods[i - 1].end:
-                raise ValueError(f"overlapping modules {mods[i - 1]!r} and {m!r}")
+            if prev is not None and start < prev.end:
+                raise ValueError(f"overlapping modules {prev!r} and {m!r}")
+            prev = m
+            table = m.table
+            if table is None:
+                buf = ffi.NULL
+            else:
+                buf = table.cbuf
+                blobs.append(table)
+            rows.append((start, end, m.bias % U64, buf, m.key % U64, _MOD_JIT if m.jit else 0))
         self.modules = mods
         self._starts = [m.start for m in mods]
-        self._c: Any = ffi.new("struct unw_module[]", max(1, len(mods)))
-        self._blobs: list[Any] = []  # keeps every table (its cbuf) alive while _c points at it
-        for i, m in enumerate(mods):
-            c = self._c[i]
-            c.start, c.end, c.bias, c.key = m.start, m.end, m.bias % U64, m.key % U64
-            c.flags = lib.UNW_MOD_JIT if m.jit else 0
-            if m.table is not None:
-                buf = m.table.cbuf
-                self._blobs.append(m.table)
-                c.table = buf
-            else:
-                c.table = ffi.NULL
+        self._c: Any = ffi.new("struct unw_module[]", rows or 1)
+        self._blobs = blobs
 
     def module_for(self, addr: int) -> Module | None:
         i = bisect.bisect_right(self._starts, addr) - 1

@@ -7,8 +7,8 @@
  * perf.data data section. Each iteration copies truncated, byte-mutated versions into buffers
  * malloc'd at their exact size (any over-read is reported) and runs unw_symtab_scan +
  * unw_symtab_compact (random section flags, both arm modes), unw_kallsyms_parse, and
- * fp_index + fp_order + unw_sb_scan + unw_sb_lazy + unw_sb_compact, checking the outputs'
- * invariants.
+ * fp_index + fp_order + unw_sb_scan + unw_sb_lazy + unw_sb_lazy_exits + unw_sb_compact +
+ * unw_sb_unsampled + unw_sb_noop_mmaps, checking the outputs' invariants.
  * Prints "ok N".
  */
 #include <stdio.h>
@@ -111,6 +111,12 @@ static void sideband(const struct fp_layout *lay, const uint8_t *d0, uint64_t dl
     CHECK(nl >= 0 && (uint64_t)nl + nrest2 == nrest);
     for (int64_t i = 0; i < nl; i++)
         CHECK(recs[lazy[i]].type == 10 && recs[lazy[i]].off + recs[lazy[i]].size <= len);
+    uint64_t nrest3;
+    int64_t ne = unw_sb_lazy_exits(d, len, recs, idx, nrest2, sid, toff, coff, lazy, &nrest3);
+    CHECK(ne >= 0 && (uint64_t)ne + nrest3 == nrest2);
+    for (int64_t i = 0; i < ne; i++)
+        CHECK(recs[lazy[i]].type == 4 && (recs[lazy[i]].flags & FP_TIMED)
+              && recs[lazy[i]].off + recs[lazy[i]].size <= len);
     free(lazy);
     uint32_t *perm = malloc((n ? n : 1) * sizeof *perm);
     uint64_t *late = malloc((n ? n : 1) * sizeof *late);
@@ -124,6 +130,29 @@ static void sideband(const struct fp_layout *lay, const uint8_t *d0, uint64_t dl
     CHECK(m <= nout && nk <= (uint64_t)nc && (nout - m) + nk <= (uint64_t)nc);
     for (uint64_t k = 0; k < m; k++)
         CHECK(cand[perm[k]] != 1);
+    /* the skips keep a subsequence: every sample, in order */
+    uint32_t *before = malloc((m ? m : 1) * sizeof *before);
+    memcpy(before, perm, m * sizeof *before);
+    uint64_t counts[UNW_SB_NCOUNTS];
+    int64_t m2 = unw_sb_unsampled(d, len, recs, perm, m, sid, counts);
+    CHECK(m2 >= 0 && (uint64_t)m2 <= m);
+    uint64_t dropped = 0;
+    for (int i = 0; i < UNW_SB_NCOUNTS; i++)
+        dropped += counts[i];
+    CHECK(dropped == m - (uint64_t)m2);
+    int64_t m3 = unw_sb_noop_mmaps(d, len, recs, perm, (uint64_t)m2, sid);
+    if (m3 == UNW_SB_UNTOUCHED)
+        m3 = m2;
+    CHECK(m3 >= 0 && m3 <= m2);
+    uint64_t j = 0;
+    for (uint64_t k = 0; k < m; k++) {
+        if (j < (uint64_t)m3 && perm[j] == before[k])
+            j++;
+        else
+            CHECK(!(recs[before[k]].flags & FP_SAMPLE));
+    }
+    CHECK(j == (uint64_t)m3);
+    free(before);
     free(kept);
     free(cpus);
     free(perm);
