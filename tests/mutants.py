@@ -245,8 +245,23 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
             Edit(
                 "daemon/unwindd/pipeline/context.py",
-                old="snap, pc[0] if ex[0] else pc[0] - 1)",
-                new="snap, pc[0])  # MUTANT",
+                old="ip = pc[0] if ex[0] else pc[0] - 1",
+                new="ip = pc[0]  # MUTANT",
+            ),
+            Edit(
+                "daemon/unwindd/pipeline/ringstep.py",
+                old="ips += [pc if exact[i] else pc - 1 for i, pc",
+                new="ips += [pc for i, pc",
+            ),
+            Edit(
+                "daemon/unwindd/pipeline/ringstep.py",
+                old="ip = pc if exact[i] else pc - 1",
+                new="ip = pc  # MUTANT",
+            ),
+            Edit(
+                "daemon/unwindd/pipeline/filereplay.py",
+                old="ips = [pc if exact[i] else pc - 1 for i, pc",
+                new="ips = [pc for i, pc",
             ),
         ),
         # All paths alike, so fast = slow cannot see it; the oracle accepts ra and ra - 1
@@ -303,8 +318,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "daemon/unwindd/unwind/engine.py",
-                old="in_kernel = ip == abi.CONTEXT_KERNEL",
-                new="in_kernel = False  # MUTANT",
+                old="return _context_ips(callchain, abi.CONTEXT_KERNEL, False)",
+                new="return iter(())  # MUTANT",
             ),
         ),
         # The oracle drops kernel frames on both sides; folded fast replay names kernel ips

@@ -80,7 +80,12 @@ def unix_session(path: Path) -> requests.Session:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    d = DaemonProc(tmp)
+    # The default request_timeout, not the test daemons' short one (made for the tests of
+    # slow clients): here a request may wait its turn behind others while the busy loop and
+    # the fuzzer share the CPUs. At most 2,000 stacks an answer: what the fuzz tests is the
+    # API, and a whole-machine answer of a busy machine (hundreds of MB) takes a Python
+    # client minutes to read under load.
+    d = DaemonProc(tmp, request_timeout=10.0, api_toml="max_stacks = 2000\n")
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         d.wait_message("READY=1")
@@ -177,10 +182,8 @@ def fuzz(op: Any, mode: GenerationMode, session: requests.Session, statuses: set
     @given(case=op.as_strategy(generation_mode=mode))
     # No shrinking: a failing case is reported as found (schemathesis prints its curl), and
     # shrinking a slow one (up to REQUEST_TIMEOUT per try) could outlast CI's budget.
-    # Derandomized: the same cases every run, so a run's answer is reproducible. Some negative
-    # cases schemathesis generates serialize to a valid query (a pid value it deems invalid
-    # is sent as ``pid=0``, which the daemon rightly takes); with random seeds whether a run
-    # met one was chance.
+    # Derandomized: the same cases every run, so a run's answer is reproducible (a failure
+    # is met again by the next run).
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
               phases=(Phase.explicit, Phase.generate),
               suppress_health_check=list(HealthCheck))  # fmt: skip
@@ -201,11 +204,18 @@ def fuzz(op: Any, mode: GenerationMode, session: requests.Session, statuses: set
 
 def bound_stream(case: schemathesis.Case) -> None:
     """A stream runs until its ``seconds`` or ``limit``: keep each case's short (a wrong value
-    stays wrong, so negative cases still test the refusal)."""
+    stays wrong, so negative cases still test the refusal). A list (a negative case's) is sent
+    as the parameter repeated: each of its values bounded alike, none sent as none at all."""
     q = case.query if isinstance(case.query, dict) else {}
     s = q.get("seconds")
-    if isinstance(s, (int, float)) and not isinstance(s, bool) and s >= 0:
-        q["seconds"] = min(s, STREAM_SECONDS)
-    elif s is None or s == "":  # empty is absent: a stream without end
-        q["seconds"] = STREAM_SECONDS
+    q["seconds"] = [_bounded(v) for v in s] or STREAM_SECONDS if isinstance(s, list) else (
+        _bounded(s))  # fmt: skip
     case.query = q
+
+
+def _bounded(s: object) -> object:
+    if isinstance(s, (int, float)) and not isinstance(s, bool) and s >= 0:
+        return min(s, STREAM_SECONDS)
+    if s is None or s == "":  # empty is absent: a stream without end
+        return STREAM_SECONDS
+    return s

@@ -100,7 +100,8 @@ def dechunk(body: bytes) -> bytes:
 
 class DaemonProc:
     def __init__(self, tmp: Path, extra_toml: str = "", frequency: int = 499,
-                 ring_pages: int | None = 256, sampling_toml: str = "") -> None:  # fmt: skip
+                 ring_pages: int | None = 256, sampling_toml: str = "",
+                 request_timeout: float = 1.5, api_toml: str = "") -> None:  # fmt: skip
         self.tmp = tmp
         # Its own world-traversable directory (pytest's tmp is 0700): non-root peers connect.
         self.sock_dir = Path(tempfile.mkdtemp(prefix="unwindd-test-"))
@@ -112,6 +113,9 @@ class DaemonProc:
         self.ring_pages = ring_pages  # None: the daemon's default (auto sized)
         self.sampling = sampling_toml  # more [sampling] keys (target, pids)
         self.extra = extra_toml
+        # short, so that the tests of what a slow or silent client meets run fast
+        self.request_timeout = request_timeout
+        self.api = api_toml  # more [api] keys
         self.write_config()
         self.notify_path = tmp / "notify.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -132,7 +136,8 @@ class DaemonProc:
             f'[sampling]\nfrequency = {frequency or self.frequency}\n'
             + ("" if self.ring_pages is None else f"ring_pages = {self.ring_pages}\n")
             + self.sampling +
-            f'[api]\nsocket = "{self.sock}"\nmode = "0666"\nrequest_timeout = 1.5\n'
+            f'[api]\nsocket = "{self.sock}"\nmode = "0666"\n'
+            f'request_timeout = {self.request_timeout}\n' + self.api +
             f'[metrics]\nlisten = "127.0.0.1:{self.port}"\n'
             f'[cache]\ndir = "{self.tmp / "cache"}"\n'
             + (self.extra if extra is None else extra)

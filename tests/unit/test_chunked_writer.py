@@ -227,6 +227,7 @@ def _stall(server: Server) -> None:
     assert c.getresponse().read() == want
     c.close()
     server.wait_idle()  # the stalled connection timed out (request_timeout: 1 s)
+    assert server.conns.rejected["answer_not_taken"] == 1  # counted
     assert server.answers[0].pulled < total // 4, (server.answers[0].pulled, total)
     stalled.settimeout(30)
     got = bytearray()
@@ -235,6 +236,29 @@ def _stall(server: Server) -> None:
             got += chunk
     stalled.close()
     assert 0 < len(got) < len(want)  # cut short: the answer was not written whole
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_a_slow_steady_reader_gets_the_whole_answer(loop: str, tmp_path: Path) -> None:
+    """A client that keeps reading, slowly (64 KiB then a 20 ms pause: a few MiB/s, well above
+    MIN_READ_RATE), waits far longer in all than request_timeout (0.2 s here) for a ~5 MB
+    answer: it still gets the whole answer, only a stalled one is dropped."""
+    with serving(tmp_path, loop, timeout=0.2) as server:
+        want = whole(server.store)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        s.connect(str(server.path))
+        s.sendall(b"GET /v1/stacks HTTP/1.0\r\n\r\n")  # (its body ends with the connection)
+        s.settimeout(30)
+        got = bytearray()
+        t0 = time.monotonic()
+        while chunk := s.recv(1 << 16):
+            got += chunk
+            time.sleep(0.02)
+        s.close()
+        assert time.monotonic() - t0 > 5 * 0.2  # (else this reader was not slow at all)
+        assert parse_response(bytes(got))[2] == want
+        server.wait_idle()
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))

@@ -8,13 +8,17 @@ Rules:
 - More than ``max_connections`` open connections: the new one gets 503 at once.
 - Every socket wait has a timeout (a response must drain within ``request_timeout``, a close
   within a second, else the transport is aborted), so a slow or silent client holds only its
-  own coroutine, never the loop. Nothing is written to a transport already closing (a client
-  gone while its answer was made: uvloop raises there), the connection just ends.
+  own coroutine, never the loop; an answer not taken in time is counted (``answer_not_taken``).
+  Nothing is written to a transport already closing (a client gone while its answer was made:
+  uvloop raises there), the connection just ends.
 - A ``ChunkedResponse`` is written a chunk at a time (``write_chunked``): the next chunk is
   rendered (on ``render_on``: the service's query thread, off the loop) only once the previous
   one has drained, so a slow reader holds a chunk or two, not the answer. The time spent
-  waiting for the client to take the chunks adds up to at most ``request_timeout``, as a whole
-  response's single drain does; rendering is ours and does not count. An answer that cannot
+  waiting for the client to take the chunks adds up to at most ``request_timeout`` plus a
+  second per ``MIN_READ_RATE`` bytes written: a client that stalls is dropped as one whose
+  whole response does not drain is, one that keeps reading at that rate or better is never cut
+  however long its answer, and one that trickles cannot hold a snapshot for long. Rendering
+  is ours and does not count. An answer that cannot
   be finished (a timeout, the client gone, a rendering error: logged) ends the connection
   without the last chunk, so an HTTP/1.1 client sees it cut short (an HTTP/1.0 one, whose
   body ends with the connection, only by its JSON ending early). Whatever ends it, the answer
@@ -55,6 +59,9 @@ from .httpapi import (
 log = logging.getLogger("unwindd")
 
 _READ_CHUNK = 65536
+# The slowest reading of a chunked answer that is never cut (bytes a second of waiting): any
+# real client on a local socket reads hundreds of times faster.
+MIN_READ_RATE = 1 << 20
 
 Handler = Callable[[Request, Peer], Awaitable[Response | ChunkedResponse | StreamStart]]
 StreamServer = Callable[
@@ -132,7 +139,11 @@ class Connections:
                     await self._stream(session, reader, writer, result)
                     return
                 if isinstance(result, ChunkedResponse):
-                    if not await write_chunked(session, writer, result, api.request_timeout):
+                    try:
+                        if not await write_chunked(session, writer, result, api.request_timeout):
+                            return
+                    except TimeoutError:
+                        self.rejected["answer_not_taken"] += 1
                         return
                     if not session.keep_alive:
                         return
@@ -142,7 +153,11 @@ class Connections:
                 if writer.is_closing():
                     return  # the client went while the answer was made
                 writer.writelines(session.respond_parts(result))
-                await asyncio.wait_for(writer.drain(), api.request_timeout)
+                try:
+                    await asyncio.wait_for(writer.drain(), api.request_timeout)
+                except TimeoutError:
+                    self.rejected["answer_not_taken"] += 1
+                    return
                 if not session.keep_alive:
                     return
         except (TimeoutError, ConnectionError):
@@ -165,9 +180,10 @@ def _render_now(fn: Callable[[], bytes | None]) -> Future[bytes | None]:
 async def write_chunked(session: HttpSession, writer: asyncio.StreamWriter,
                         res: ChunkedResponse, timeout: float) -> bool:  # fmt: skip
     """Write ``res`` a chunk at a time, each rendered once the previous one has drained; the
-    client's waits add up to at most ``timeout`` (else TimeoutError). True when the whole
-    answer was written (the connection may serve the next request), False when it had to stop
-    (the connection must close); ``res`` is closed in every case."""
+    client's waits add up to at most ``timeout`` plus a second per ``MIN_READ_RATE`` bytes
+    written (else TimeoutError). True when the whole answer was written (the connection may
+    serve the next request), False when it had to stop (the connection must close); ``res``
+    is closed in every case."""
     loop = asyncio.get_running_loop()
     submit = res.render_on or _render_now
     pending: Future[bytes | None] | None = None
@@ -190,6 +206,7 @@ async def write_chunked(session: HttpSession, writer: asyncio.StreamWriter,
             if chunk is None:
                 break
             writer.writelines(session.stream_parts(chunk))
+            timeout += len(chunk) / MIN_READ_RATE
             del chunk  # the transport holds what the socket has not taken yet
             timeout = await _drain(writer, timeout, loop)
         writer.write(session.end_answer())

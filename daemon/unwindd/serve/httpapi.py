@@ -51,6 +51,7 @@ TOO_MANY_STREAMS: Final = "too_many_streams"
 REJECTIONS: Final = (
     *(f"http_{s}" for s in SESSION_ERRORS),
     "timeout",  # a request not received within [api] request_timeout (408)
+    "answer_not_taken",  # an answer the client did not read in time: the connection dropped
     "too_many_connections",  # [api] max_connections (503)
     TOO_MANY_STREAMS,  # [api] max_stream_clients (429)
     "unknown_parameter",  # a query parameter the endpoint does not take (400)

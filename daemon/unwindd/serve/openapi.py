@@ -43,7 +43,9 @@ PARAM_DOCS: Final[dict[str, tuple[dict[str, Any], str]]] = {
     "until": (_NUM0, "window end, seconds before now (after since)"),
     "since_ns": (_QINT, "window start, CLOCK_MONOTONIC ns (as /v1/status's now_ns)"),
     "until_ns": (_QINT, "window end, CLOCK_MONOTONIC ns"),
-    "pid": ({"type": "array", "items": _QINT},
+    # One pid or several: a query string cannot tell a one-item array from its item, so
+    # both are valid (else a negative case "not an array" would be sent as a valid query).
+    "pid": ({"oneOf": [_QINT, {"type": "array", "items": _QINT}]},
             "process ids (repeatable, or comma-separated); a non-root peer sees its own only"),
     "tid": (_QINT, "thread id"),
     "comm": ({"type": "string"}, "command name (the kernel's comm)"),
