@@ -279,3 +279,17 @@ uint64_t unw_mapped_release(uint64_t *nfiles)
     pthread_mutex_unlock(&map_lock);
     return bytes;
 }
+
+uint64_t unw_mapped_release_one(const uint8_t *q)
+{
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&map_lock);
+    for (size_t i = 0; i < nmaps; i++)
+        if (q >= maps[i].p && q < maps[i].p + maps[i].len) {
+            if (madvise((void *)maps[i].p, (size_t)maps[i].len, MADV_DONTNEED) == 0)
+                bytes = maps[i].len;
+            break;
+        }
+    pthread_mutex_unlock(&map_lock);
+    return bytes;
+}

@@ -154,6 +154,9 @@ void unw_unmap_file(const uint8_t *p, uint64_t len);
  * fault). Returns the bytes of the mappings advised; *nfiles (if not NULL) = the mappings.
  * O(mappings) plus the kernel's O(resident pages); safe from any thread. */
 uint64_t unw_mapped_release(uint64_t *nfiles);
+/* Drop the pages of the one live unw_map_file mapping that holds address q (as
+ * unw_mapped_release does for all of them); returns its length, 0 if no live mapping holds q. */
+uint64_t unw_mapped_release_one(const uint8_t *q);
 
 /* ------------------------------------------------------------------ unwinder */
 

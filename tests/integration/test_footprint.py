@@ -3,7 +3,7 @@ per process and per context goes when the process or the context does.
 
 - A real daemon under a churn of short-lived processes: /v1/status ``memory`` and the
   metrics report the live step's C context (``fp_ctx_bytes``) and the C heap (serve/heap.py:
-  trimmed every 10 s, the mapped cache tables released from RSS with it); once the churn's
+  trimmed every 2 s, the mapped cache tables released from RSS every second); once the churn's
   processes have exited and their exit grace passed, the per-process state (the process
   table, the engine's per-pid snapshots and comms, the stream's per-pid counts) is back to
   what the machine's own processes need, not grown by the churn. A long-lived process that

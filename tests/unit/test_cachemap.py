@@ -31,7 +31,14 @@ from pathlib import Path
 import pytest
 from unwindd.binaries import cfi as cfimod
 from unwindd.binaries import symstore
-from unwindd.binaries.cachefiles import CacheFileError, checksum, map_cache_file, release_mapped
+from unwindd.binaries.cachefiles import (
+    CacheFileError,
+    checksum,
+    map_cache_file,
+    release_mapped,
+    release_table,
+    write_cache_file,
+)
 from unwindd.binaries.cfi import CfiStore, CfiTable
 from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.binaries.symstore import SymbolStore
@@ -121,6 +128,53 @@ def test_release_mapped_drops_the_pages_from_rss_not_the_data(tmp_path: Path) ->
     assert release_mapped()[0] == tables - 1  # an unmapped table is not listed any more
 
 
+def _touch_every_mib(body: object) -> int:
+    mv = memoryview(body)  # type: ignore[arg-type]
+    return sum(mv[o] for o in range(0, len(mv), 1 << 20))
+
+
+def test_a_written_table_is_mapped_a_small_folio_per_lookup(tmp_path: Path) -> None:
+    # a read fault maps the whole page-cache folio it hits: a file written in one 8 MiB write
+    # is cached in folios of up to 2 MiB on a filesystem with large folios (ext4, xfs), and
+    # one byte read per MiB mapped all of it
+    p = tmp_path / "w"
+    data = random.Random(5).randbytes(8 << 20)
+    assert write_cache_file(str(p), [data])
+    got = map_cache_file(str(p), 16 << 20)
+    assert got is not None
+    _touch_every_mib(got[1])
+    assert 0 < _resident_kb(str(p)) <= 1024  # 8 reads, each its fault-around (64 KiB)
+
+
+def test_a_file_cached_in_large_folios_is_read_back_small(tmp_path: Path) -> None:
+    p = tmp_path / "big"
+    data = random.Random(6).randbytes(8 << 20)
+    with open(p, "wb") as f:
+        f.write(data)  # one write: large folios where the filesystem has them
+        f.flush()
+        os.fsync(f.fileno())  # clean, so that the first mapping may drop them
+    got = map_cache_file(str(p), 16 << 20)
+    assert got is not None
+    _touch_every_mib(got[1])
+    assert 0 < _resident_kb(str(p)) <= 1024
+    assert bytes(got[1][: 1 << 10]) == data[: 1 << 10]
+
+
+def test_release_table_drops_that_table_only(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for p in (a, b):
+        assert write_cache_file(str(p), [random.Random(7).randbytes(4 << 20)])
+    ga, gb = map_cache_file(str(a), 8 << 20, 64), map_cache_file(str(b), 8 << 20, 64)
+    assert ga is not None and gb is not None
+    checksum(ga[1]), checksum(gb[1])  # load checks: every page read
+    assert _resident_kb(str(a)) >= 4000 and _resident_kb(str(b)) >= 4000
+    assert release_table(ga[1]) == 4 << 20  # the whole mapping, header included
+    assert _resident_kb(str(a)) < 100 and _resident_kb(str(b)) >= 4000
+    assert release_table(memoryview(gb[1])[1 << 20 :]) == 4 << 20  # any view inside it
+    assert _resident_kb(str(b)) < 100
+    assert release_table(b"not mapped") == 0 and release_table(b"") == 0
+
+
 def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
     store = CfiStore(tmp_path / "cfi")
     syms = SymbolStore(tmp_path / "sym")
@@ -149,6 +203,24 @@ def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
     ht = h.cfi()
     assert isinstance(ht, CfiTable) and not ht.mapped and isinstance(ht.blob, bytes)
     assert h.symbols().mapped_bytes == 0 and plain.stats.mapped_bytes == 0
+
+
+def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> None:
+    # the checks (CRC, validation) read every page of a table; its store releases it at once
+    store = CfiStore(tmp_path / "cfi")
+    syms = SymbolStore(tmp_path / "sym")
+    cache = ElfCache(CacheConfig(), cfi_factory=lambda p, d, b: store.get_or_compile(b, p, d),
+                     symbol_factory=syms, cfi_lookup=store.lookup)  # fmt: skip
+    e = cache.acquire(None, LIBC)
+    assert e.usable and e.build_id
+    t, s = e.cfi(), e.symbols()
+    assert isinstance(t, CfiTable) and t.mapped and s.mapped_bytes > 64 << 10
+    cpath, spath = store.path_for(e.build_id), syms.path_for(e.build_id)
+    assert os.path.getsize(cpath) > 64 << 10
+    assert _resident_kb(cpath) == 0 and _resident_kb(spath) == 0
+    again = store.lookup(e.build_id)  # a second load of the same file
+    assert again is not None and again.mapped and _resident_kb(cpath) == 0
+    assert t.lookup(t.rows()[100].pc) is not None  # lookups map back what they read
 
 
 # --------------------------------------------------------------------------- 2. same answers

@@ -6,7 +6,8 @@ process-wide and stay):
   back at its free, where glibc's own adjustment would have raised the threshold past it
   and served it from an arena.
 - ``Trimmer.maybe`` trims at most once per interval and releases the mapped cache tables
-  with the heap (their count and bytes kept for /v1/status).
+  with the heap (their count and bytes kept for /v1/status), and between trims releases the
+  tables alone every ``release_interval``.
 """
 
 from __future__ import annotations
@@ -73,3 +74,35 @@ def test_trimmer_trims_once_per_interval_and_releases_mapped_tables(tmp_path: Pa
     assert not t.maybe(now=105.0) and t.trims == 1
     assert t.maybe(now=110.0) and t.trims == 2
     del got
+
+
+def test_trimmer_releases_the_tables_between_trims(tmp_path: Path) -> None:
+    from unwindd.binaries.cachefiles import checksum, map_cache_file
+
+    p = tmp_path / "t"
+    p.write_bytes(b"z" * (1 << 20))
+    got = map_cache_file(str(p), 2 << 20)
+    assert got is not None
+    t = heap.Trimmer(interval=10.0, release_interval=1.0)
+    assert t.maybe(now=100.0) and t.trims == 1
+    checksum(got[1])  # every page read: mapped again
+    assert _resident_kb(str(p)) >= 1000
+    assert not t.due(100.5) and not t.maybe(now=100.5)
+    assert _resident_kb(str(p)) >= 1000
+    assert t.due(101.0)
+    assert not t.maybe(now=101.0) and t.trims == 1  # released, not trimmed
+    assert _resident_kb(str(p)) < 100 and t.mapped_tables >= 1
+    assert t.maybe(now=110.0) and t.trims == 2
+    del got
+
+
+def _resident_kb(path: str) -> int:
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) == 6 and head[5].strip() == path
+            elif inside and head[0] == "Rss:":
+                kb += int(head[1])
+    return kb

@@ -393,6 +393,34 @@ def test_store_roundtrip_and_corruption(programs: dict[str, str], tmp_path: path
     assert store.get(_Entry("/nonexistent", b"\1", 0)) is None and store.stats["errors"] == 1
 
 
+def _resident_kb(path: str) -> int:
+    kb, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 5)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) == 6 and head[5].strip() == path
+            elif inside and head[0] == "Rss:":
+                kb += int(head[1])
+    return kb
+
+
+def test_a_loaded_table_is_out_of_rss_until_looked_up(programs: dict[str, str],
+                                                      tmp_path: pathlib.Path) -> None:  # fmt: skip
+    """Its load checks (CRC, indexes) read every page; the store releases them at once
+    (cachefiles.release_table), and a lookup maps back what it reads."""
+    path = programs["dwarf5"]
+    entry = _Entry(path, b"\x57" * 20, os.path.getsize(path))
+    store = SrcLineStore(tmp_path)
+    first = store.get(entry)  # compiled, written, mapped back
+    t = store.get(entry)  # loaded from the file
+    assert first is not None and t is not None and t.mapped and first.mapped
+    stored = [str(p) for p in tmp_path.iterdir()]
+    assert len(stored) == 1 and _resident_kb(stored[0]) == 0
+    assert t.lookup(int(t._laddr[0]))
+    assert _resident_kb(stored[0]) > 0
+
+
 def test_no_memoryview_of_a_table_is_exported(programs: dict[str, str],
                                               tmp_path: pathlib.Path) -> None:  # fmt: skip
     """A table keeps no cffi pointer exported from one of its memoryviews, compiled or

@@ -20,7 +20,12 @@ Rules:
   lookup maps what it reads again with a minor fault. A table's load checks (checksum, validation)
   read all of it, while lookups read a small part: without this the whole table stayed in the
   process's RSS. It changes what RSS counts, not what the machine holds: the pages stay in the
-  page cache (shared, reclaimable) either way.
+  page cache (shared, reclaimable) either way. ``release_table`` does the same for one table,
+  which its store calls right after the load checks.
+- A read fault on a file mapping maps the whole page-cache folio it hits, so a table cached in
+  large folios is all in the RSS after a few lookups: files are written ``WRITE_CHUNK`` at a
+  time (small folios), and a file's clean pages are dropped from the page cache before its
+  first mapping in the process (``_small_folios``), so that its faults read it back small.
 - A file is written to a temporary name (pid and thread in it; O_EXCL | O_NOFOLLOW: never
   through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
@@ -38,7 +43,7 @@ Rules:
 Cost: a read is one open, fstat and read; a map one open, fstat, mmap and close; a write one
 open, write and rename; a prune one scandir and a sort of the directory's entries, O(n log n),
 run at start; ``release_mapped`` one madvise per mapped table (the kernel's work: O(resident
-pages)).
+pages)), ``release_table`` one; a file's first mapping in the process one fadvise.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ __all__ = [
     "prune_cache_dirs",
     "read_cache_file",
     "release_mapped",
+    "release_table",
     "user_cache_dir",
     "write_cache_file",
 ]
@@ -166,6 +172,7 @@ def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | 
         return None
     fd, size = opened
     try:
+        _small_folios(fd)
         p = lib.unw_map_file(fd, size) if size > head else ffi.NULL
     finally:
         os.close(fd)
@@ -175,6 +182,54 @@ def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | 
     # memoryview holds an export that the garbage collector could not clear
     owner: Any = ffi.gc(p + head, lambda _q, base=p, n=size: lib.unw_unmap_file(base, n), size)
     return ffi.buffer(p, head)[:], ffi.buffer(owner, size - head)
+
+
+# (st_dev, st_ino) of the files ``_small_folios`` dropped from the page cache or this process
+# wrote (``WRITE_CHUNK`` at a time: cached small already; a drop of its dirty pages would only
+# start their writeback); cleared past ``_DROPPED_MAX`` (a second drop of a file costs one
+# re-read, never a wrong answer). Set operations are atomic under the GIL: any thread.
+_dropped: set[tuple[int, int]] = set()
+_DROPPED_MAX = 4096
+# A cache file is written this much at a time (``write_cache_file``): the page cache then holds
+# it in folios of at most this size (mm/filemap.c __filemap_get_folio: a buffered write's
+# folio order follows its length), not in the multi-MiB folios one large write makes.
+WRITE_CHUNK = 64 << 10
+
+
+def _note_small(dev: int, ino: int) -> None:
+    if len(_dropped) >= _DROPPED_MAX:
+        _dropped.clear()
+    _dropped.add((dev, ino))
+
+
+def _small_folios(fd: int) -> None:
+    """Before the first mapping of a file in this process: drop its clean, unmapped pages
+    from the page cache (POSIX_FADV_DONTNEED, mm/fadvise.c), so that the mapping's faults
+    read it back in small folios. On recent kernels a read fault maps the whole large folio
+    it hits (mm/filemap.c filemap_map_pages), so a file cached in large folios (written in
+    one large write, e.g. by an older daemon) put all of a table in the RSS at its first
+    lookups. Errors are ignored: the drop only changes what a mapping's faults map, never
+    what it reads."""
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in _dropped:
+            return
+        _note_small(st.st_dev, st.st_ino)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+
+
+def release_table(buf: Any) -> int:
+    """Drop the pages of the one mapping ``buf`` (a buffer ``map_cache_file`` returned, or
+    a view of it) lies in from the page tables, as ``release_mapped`` does for all: a
+    store calls it once its load checks have read the whole table. Returns the mapping's
+    bytes (0: ``buf`` is not mapped, e.g. a heap copy)."""
+    from ..unwcore import ffi, lib
+
+    if not len(buf):
+        return 0
+    return int(lib.unw_mapped_release_one(ffi.cast("const uint8_t *", ffi.from_buffer(buf))))
 
 
 def release_mapped() -> tuple[int, int]:
@@ -293,10 +348,18 @@ def write_cache_file(path: str, parts: Iterable[bytes | memoryview]) -> bool:
         # under the temporary's name (a root replay may be given a cache dir others can write)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o644)  # fmt: skip
-        with open(fd, "wb") as f:
+        try:
             for part in parts:
-                f.write(part)
+                view = memoryview(part).cast("B")
+                for off in range(0, len(view), WRITE_CHUNK):
+                    chunk = view[off : off + WRITE_CHUNK]
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk) :]
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
+        _note_small(st.st_dev, st.st_ino)  # written in small folios: nothing to drop
         return True
     except FileExistsError:
         return False  # not ours to remove

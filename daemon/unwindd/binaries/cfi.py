@@ -42,6 +42,7 @@ from .cachefiles import (
     blob_file_head,
     discard_cache_file,
     map_blob_file,
+    release_table,
     write_cache_file,
 )
 
@@ -497,6 +498,7 @@ class CfiStore:
             # use the written file in place; the compiled heap copy goes with this frame
             mapped = self._load(path)
             if mapped is not None and mapped._blob == table.blob:
+                release_table(mapped._blob)  # the comparison read all of it
                 return mapped
             self.stats["unmapped"] += 1
         return table
@@ -511,7 +513,9 @@ class CfiStore:
             (magic, version, arch), blob = got
             if magic != FILE_MAGIC or version != FILE_VERSION or arch != ARCH_X86_64:
                 raise CfiError("magic/version/arch")
-            return CfiTable(blob, mapped=True)
+            table = CfiTable(blob, mapped=True)
+            release_table(blob)  # the checks read all of it; the unwinder reads a few pages
+            return table
         except (CfiError, CacheFileError):
             self.stats["corrupt"] += 1
             discard_cache_file(path)

@@ -41,6 +41,7 @@ from .cachefiles import (
     blob_file_head,
     discard_cache_file,
     map_blob_file,
+    release_table,
     write_cache_file,
 )
 from .demangle import demangle
@@ -404,7 +405,9 @@ class SrcLineStore:
             (magic, version, st), blob = got
             if magic != FILE_MAGIC or version != FILE_VERSION or st != stamp:
                 raise _BadTable("magic/version/stamp")
-            return SrcLineTable(blob, mapped=True)
+            table = SrcLineTable(blob, mapped=True)
+            release_table(blob)  # the checks read all of it; lookups read a few pages
+            return table
         except (_BadTable, CacheFileError):
             self.stats["corrupt"] += 1
             discard_cache_file(path)

@@ -36,6 +36,7 @@ from .cachefiles import (
     checksum,
     discard_cache_file,
     map_cache_file,
+    release_table,
     write_cache_file,
 )
 from .elfentry import ElfEntry
@@ -318,7 +319,9 @@ class SymbolStore:
             got = map_cache_file(path, self.max_file_bytes)
             if got is None:
                 return None
-            return decode_symbol_table(memoryview(got[1]).toreadonly(), build_id, source)
+            table = decode_symbol_table(memoryview(got[1]).toreadonly(), build_id, source)
+            release_table(got[1])  # the checks read all of it; lookups read a few pages
+            return table
         except (CacheFileError, _BadFile) as e:
             self.stats[e.reason if isinstance(e, _BadFile) else "corrupt"] += 1
             discard_cache_file(path)

@@ -1,5 +1,5 @@
 """The daemon's C heap (glibc malloc): few arenas, free pages handed back, and what it holds;
-and the mapped cache tables' pages dropped from its page tables at the same times.
+and the mapped cache tables' pages dropped from its page tables, at every trim and more often.
 
 The daemon's threads (query worker, CFI compiler, Python frame reader, the native unwind
 worker) each get a malloc arena of their own by default (glibc malloc/arena.c: up to
@@ -9,8 +9,8 @@ that thread's arena, and free chunks in the middle of an arena stay resident unt
 of every arena). Under process churn the freed-but-resident part was most of the daemon's RSS.
 The mapped symbol, line and CFI tables (binaries/cachefiles.py) are file pages: each was read
 whole by its load checks, and stayed in the RSS though lookups read a small part of it; each
-trim drops them from the page tables (``cachefiles.release_mapped``), the page cache keeps them,
-and lookups map back what they read.
+trim, and every second between trims, drops them from the page tables
+(``cachefiles.release_mapped``), the page cache keeps them, and lookups map back what they read.
 glibc raises its mmap threshold each time a block it mmapped is freed (malloc.c free: up to
 32 MiB, the trim threshold to twice that), so once one big answer body or temporary is freed
 the next ones of that size come from the arenas, and the space they free stays resident until
@@ -25,8 +25,9 @@ Invariants:
 - Without glibc (musl, another libc) every malloc function here is a no-op and ``stats`` is
   None: the daemon runs the same, only without these bounds (the tables are still released).
 Cost: ``Trimmer.maybe`` O(1) except at most once per ``interval`` s, when malloc_trim walks
-every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB) and one madvise per
-mapped table runs; ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
+every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB), and at most once
+per ``release_interval`` s, when one madvise per mapped table runs (O(tables + their resident
+pages)); ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
 at most once per call.
 """
 
@@ -117,31 +118,43 @@ def stats() -> HeapStats | None:
 
 @dataclass
 class Trimmer:
-    """Hands the arenas' free pages back to the kernel (malloc_trim(0)) and drops the mapped
-    cache tables' pages from the page tables (``cachefiles.release_mapped``) at most every
-    ``interval`` seconds. Counts trims and their total seconds (for the metrics), and the
-    tables (``mapped_tables``) and their bytes (``mapped_bytes``) the last one released."""
+    """Hands the arenas' free pages back to the kernel (malloc_trim(0)) at most every
+    ``interval`` seconds (a query's temporaries, freed, stay resident until then), and drops
+    the mapped cache tables' pages from the page tables (``cachefiles.release_mapped``) at
+    most every ``release_interval`` seconds: a lookup's read fault maps the page-cache pages
+    around it too (mm/memory.c do_fault_around), so the tables' share of the RSS is what the
+    lookups of one such period touched. Counts trims and the seconds of trims and releases
+    (for the metrics), and the tables (``mapped_tables``) and their bytes (``mapped_bytes``)
+    the last release advised."""
 
-    interval: float = 10.0
+    interval: float = 2.0
+    release_interval: float = 1.0
     trims: int = 0
     seconds: float = 0.0
     mapped_tables: int = 0
     mapped_bytes: int = 0
     _last: float = 0.0
+    _last_release: float = 0.0
 
     def due(self, now: float) -> bool:
-        """Whether ``maybe(now)`` would trim."""
-        return now - self._last >= self.interval
+        """Whether ``maybe(now)`` would trim or release the tables."""
+        return (now - self._last >= self.interval
+                or now - self._last_release >= self.release_interval)  # fmt: skip
 
     def maybe(self, now: float | None = None) -> bool:
+        """Trim and release when each is due; True if it trimmed."""
         now = time.monotonic() if now is None else now
-        if not self.due(now):
+        trim = now - self._last >= self.interval
+        release = trim or now - self._last_release >= self.release_interval
+        if not release:
             return False
-        self._last = now
         t0 = time.perf_counter()
-        if _LIBC is not None:
-            _LIBC.malloc_trim(0)
+        if trim:
+            self._last = now
+            if _LIBC is not None:
+                _LIBC.malloc_trim(0)
+            self.trims += 1
+        self._last_release = now
         self.mapped_tables, self.mapped_bytes = release_mapped()
         self.seconds += time.perf_counter() - t0
-        self.trims += 1
-        return True
+        return trim

@@ -152,7 +152,7 @@ def counter_specs() -> list[Spec]:
     """Monotonic counters. ``d`` is the daemon (see ``service.Daemon``)."""
     return [
         Spec("unwindd_heap_trims", "Times the C heap's free pages were handed back to the "
-             "kernel (malloc_trim, at most every 10 s).", lambda d: d.trimmer.trims),
+             "kernel (malloc_trim, at most every 2 s).", lambda d: d.trimmer.trims),
         Spec("unwindd_samples", "Samples unwound, by unwind result.",
              lambda d: d.profiler.engine.stats.by_status, "result", lambda d: STATUS_NAMES),
         Spec("unwindd_records", "Perf records read from the rings, by type.",

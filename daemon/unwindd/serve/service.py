@@ -308,7 +308,7 @@ class Daemon:
         (per process, dropped with it: ``StackEngine.cache_sizes``) and the pids the stream's
         per-pid counts hold (``stream_pids``, dropped likewise), the pids whose uid and exe are
         kept (``proc_facts``, procfacts.py), the C heap (heap.py; None without glibc) and the
-        mapped cache tables the last trim released from the page tables (``mapped_tables``:
+        mapped cache tables the last release dropped from the page tables (``mapped_tables``:
         their count and bytes)."""
         ns = self.profiler.native_step
         hs = heap.stats()
