@@ -29,6 +29,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from smaps import resident_kb
 from unwindd.binaries import cfi as cfimod
 from unwindd.binaries import symstore
 from unwindd.binaries.cachefiles import (
@@ -92,19 +93,6 @@ def test_map_cache_file_keeps_no_fd_and_unmaps_with_the_last_user(tmp_path: Path
         map_cache_file(str(tmp_path / "dir"), 1 << 20)
 
 
-def _resident_kb(path: str) -> int:
-    """Rss (kB) of this process's mappings of ``path`` (/proc/self/smaps)."""
-    kb, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = len(head) == 6 and head[5].strip() == path
-            elif inside and head[0] == "Rss:":
-                kb += int(head[1])
-    return kb
-
-
 def test_release_mapped_drops_the_pages_from_rss_not_the_data(tmp_path: Path) -> None:
     p = tmp_path / "big"
     data = random.Random(3).randbytes(16 << 20)
@@ -113,14 +101,14 @@ def test_release_mapped_drops_the_pages_from_rss_not_the_data(tmp_path: Path) ->
     assert got is not None
     body = got[1]
     assert zlib.crc32(body) == zlib.crc32(data)  # a load check reads every page
-    assert _resident_kb(str(p)) >= 16000
+    assert resident_kb(str(p)) >= 16000
     tables, nbytes = release_mapped()
     assert tables >= 1 and nbytes >= len(data) + 16
-    assert _resident_kb(str(p)) < 100
+    assert resident_kb(str(p)) < 100
     # a lookup's read maps back what it reads, from the page cache: the same bytes (and what
     # the kernel maps around it at once: fault-around, or a whole large folio, <= 2 MiB)
     assert bytes(body[9 << 20 : (9 << 20) + 64]) == data[9 << 20 : (9 << 20) + 64]
-    assert 0 < _resident_kb(str(p)) <= 4096
+    assert 0 < resident_kb(str(p)) <= 4096
     assert zlib.crc32(body) == zlib.crc32(data)
     del body, got
     gc.collect()
@@ -143,7 +131,7 @@ def test_a_written_table_is_mapped_a_small_folio_per_lookup(tmp_path: Path) -> N
     got = map_cache_file(str(p), 16 << 20)
     assert got is not None
     _touch_every_mib(got[1])
-    assert 0 < _resident_kb(str(p)) <= 1024  # 8 reads, each its fault-around (64 KiB)
+    assert 0 < resident_kb(str(p)) <= 1024  # 8 reads, each its fault-around (64 KiB)
 
 
 def test_a_file_cached_in_large_folios_is_read_back_small(tmp_path: Path) -> None:
@@ -156,7 +144,7 @@ def test_a_file_cached_in_large_folios_is_read_back_small(tmp_path: Path) -> Non
     got = map_cache_file(str(p), 16 << 20)
     assert got is not None
     _touch_every_mib(got[1])
-    assert 0 < _resident_kb(str(p)) <= 1024
+    assert 0 < resident_kb(str(p)) <= 1024
     assert bytes(got[1][: 1 << 10]) == data[: 1 << 10]
 
 
@@ -167,11 +155,11 @@ def test_release_table_drops_that_table_only(tmp_path: Path) -> None:
     ga, gb = map_cache_file(str(a), 8 << 20, 64), map_cache_file(str(b), 8 << 20, 64)
     assert ga is not None and gb is not None
     checksum(ga[1]), checksum(gb[1])  # load checks: every page read
-    assert _resident_kb(str(a)) >= 4000 and _resident_kb(str(b)) >= 4000
+    assert resident_kb(str(a)) >= 4000 and resident_kb(str(b)) >= 4000
     assert release_table(ga[1]) == 4 << 20  # the whole mapping, header included
-    assert _resident_kb(str(a)) < 100 and _resident_kb(str(b)) >= 4000
+    assert resident_kb(str(a)) < 100 and resident_kb(str(b)) >= 4000
     assert release_table(memoryview(gb[1])[1 << 20 :]) == 4 << 20  # any view inside it
-    assert _resident_kb(str(b)) < 100
+    assert resident_kb(str(b)) < 100
     assert release_table(b"not mapped") == 0 and release_table(b"") == 0
 
 
@@ -217,9 +205,9 @@ def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> 
     assert isinstance(t, CfiTable) and t.mapped and s.mapped_bytes > 64 << 10
     cpath, spath = store.path_for(e.build_id), syms.path_for(e.build_id)
     assert os.path.getsize(cpath) > 64 << 10
-    assert _resident_kb(cpath) == 0 and _resident_kb(spath) == 0
+    assert resident_kb(cpath) == 0 and resident_kb(spath) == 0
     again = store.lookup(e.build_id)  # a second load of the same file
-    assert again is not None and again.mapped and _resident_kb(cpath) == 0
+    assert again is not None and again.mapped and resident_kb(cpath) == 0
     assert t.lookup(t.rows()[100].pc) is not None  # lookups map back what they read
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from smaps import resident_kb
 from unwindd.serve import heap
 
 pytestmark = pytest.mark.skipif(heap.stats() is None, reason="needs glibc >= 2.33")
@@ -86,23 +87,12 @@ def test_trimmer_releases_the_tables_between_trims(tmp_path: Path) -> None:
     t = heap.Trimmer(interval=10.0, release_interval=1.0)
     assert t.maybe(now=100.0) and t.trims == 1
     checksum(got[1])  # every page read: mapped again
-    assert _resident_kb(str(p)) >= 1000
+    assert resident_kb(str(p)) >= 1000
     assert not t.due(100.5) and not t.maybe(now=100.5)
-    assert _resident_kb(str(p)) >= 1000
+    assert resident_kb(str(p)) >= 1000
     assert t.due(101.0)
     assert not t.maybe(now=101.0) and t.trims == 1  # released, not trimmed
-    assert _resident_kb(str(p)) < 100 and t.mapped_tables >= 1
+    assert resident_kb(str(p)) < 100 and t.mapped_tables >= 1
     assert t.maybe(now=110.0) and t.trims == 2
     del got
 
-
-def _resident_kb(path: str) -> int:
-    kb, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = len(head) == 6 and head[5].strip() == path
-            elif inside and head[0] == "Rss:":
-                kb += int(head[1])
-    return kb

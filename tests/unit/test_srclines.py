@@ -69,6 +69,7 @@ from dwarfbytes import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smaps import resident_kb
 from unwindd.binaries.srclines import (
     FILE_VERSION,
     SrcLineStore,
@@ -393,18 +394,6 @@ def test_store_roundtrip_and_corruption(programs: dict[str, str], tmp_path: path
     assert store.get(_Entry("/nonexistent", b"\1", 0)) is None and store.stats["errors"] == 1
 
 
-def _resident_kb(path: str) -> int:
-    kb, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 5)
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = len(head) == 6 and head[5].strip() == path
-            elif inside and head[0] == "Rss:":
-                kb += int(head[1])
-    return kb
-
-
 def test_a_loaded_table_is_out_of_rss_until_looked_up(programs: dict[str, str],
                                                       tmp_path: pathlib.Path) -> None:  # fmt: skip
     """Its load checks (CRC, indexes) read every page; the store releases them at once
@@ -416,9 +405,9 @@ def test_a_loaded_table_is_out_of_rss_until_looked_up(programs: dict[str, str],
     t = store.get(entry)  # loaded from the file
     assert first is not None and t is not None and t.mapped and first.mapped
     stored = [str(p) for p in tmp_path.iterdir()]
-    assert len(stored) == 1 and _resident_kb(stored[0]) == 0
+    assert len(stored) == 1 and resident_kb(stored[0]) == 0
     assert t.lookup(int(t._laddr[0]))
-    assert _resident_kb(stored[0]) > 0
+    assert resident_kb(stored[0]) > 0
 
 
 def test_no_memoryview_of_a_table_is_exported(programs: dict[str, str],

@@ -404,11 +404,7 @@ class _Replay:
         k = check(lib.unw_sb_lazy(self.buf, self.length, recs, others, nother, *trailer, lazy,
                                   p_rest), "unw_sb_lazy")  # fmt: skip
         if k:
-            cpus = [ffi.new("uint32_t[]", k) for _ in range(5)]
-            cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
-                    *cpus[:3]]  # fmt: skip
-            lib.fp_columns(recs, lazy, k, *cols)
-            self._count_plain("MMAP2", k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
+            self._count_listed("MMAP2", recs, lazy, k, trailer[2] >= 0)
         return int(p_rest[0])
 
     def _lazy_exits(self, recs: Any, others: Any, nother: int) -> int:
@@ -426,12 +422,16 @@ class _Replay:
         k = check(lib.unw_sb_lazy_exits(self.buf, self.length, recs, others, nother, *trailer,
                                         lazy, p_rest), "unw_sb_lazy_exits")  # fmt: skip
         if k:
-            cpus = [ffi.new("uint32_t[]", k) for _ in range(3)]
-            cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
-                    *cpus]  # fmt: skip
-            lib.fp_columns(recs, lazy, k, *cols)
-            self._count_plain("EXIT", k, view(cols[5], "I", k) if trailer[2] >= 0 else None)
+            self._count_listed("EXIT", recs, lazy, k, trailer[2] >= 0)
         return int(p_rest[0])
+
+    def _count_listed(self, name: str, recs: Any, listed: Any, k: int, has_cpu: bool) -> None:
+        """``_count_plain`` of the ``k`` records of type ``name`` whose indices are
+        ``listed``, their cpus read from their index entries (fp_columns)."""
+        cols = [ffi.new("uint8_t[]", k), ffi.new("uint64_t[]", k), ffi.new("uint64_t[]", k),
+                *(ffi.new("uint32_t[]", k) for _ in range(3))]  # fmt: skip
+        lib.fp_columns(recs, listed, k, *cols)
+        self._count_plain(name, k, view(cols[5], "I", k) if has_cpu else None)
 
     def _count_plain(self, name: str, k: int, cpus: memoryview | None) -> None:
         """decode_one's and StreamStats.observe's counts of ``k`` records of type ``name``
