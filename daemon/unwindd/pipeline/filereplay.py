@@ -396,16 +396,7 @@ class _Replay:
         counts by type and cpu only); each is decoded once, when applied (``_record``), and
         not at all when it cannot change the table (``_raw_noop``). The others left, in
         ``others[0, result)``."""
-        trailer = self.data.decoder.sample_id_trailer()
-        if trailer is None or not nother:
-            return nother
-        lazy = ffi.new("uint32_t[]", nother)
-        p_rest = ffi.new("uint64_t *")
-        k = check(lib.unw_sb_lazy(self.buf, self.length, recs, others, nother, *trailer, lazy,
-                                  p_rest), "unw_sb_lazy")  # fmt: skip
-        if k:
-            self._count_listed("MMAP2", recs, lazy, k, trailer[2] >= 0)
-        return int(p_rest[0])
+        return self._lazy("MMAP2", "unw_sb_lazy", recs, others, nother)
 
     def _lazy_exits(self, recs: Any, others: Any, nother: int) -> int:
         """The EXIT records among ``others[0, nother)`` that decode without error (sideband.c
@@ -414,15 +405,20 @@ class _Replay:
         replay drops them all (``_skip_unsampled``: an EXIT changes nothing a sample reads),
         so they are never decoded unless it skips nothing (``_record``). The others left, in
         ``others[0, result)``."""
+        return self._lazy("EXIT", "unw_sb_lazy_exits", recs, others, nother)
+
+    def _lazy(self, name: str, fn: str, recs: Any, others: Any, nother: int) -> int:
+        """``_lazy_mmaps``/``_lazy_exits``: the records of type ``name`` C function ``fn``
+        lists among ``others[0, nother)`` counted; the others left, in ``others[0, result)``."""
         trailer = self.data.decoder.sample_id_trailer()
         if trailer is None or not nother:
             return nother
         lazy = ffi.new("uint32_t[]", nother)
         p_rest = ffi.new("uint64_t *")
-        k = check(lib.unw_sb_lazy_exits(self.buf, self.length, recs, others, nother, *trailer,
-                                        lazy, p_rest), "unw_sb_lazy_exits")  # fmt: skip
+        k = check(getattr(lib, fn)(self.buf, self.length, recs, others, nother, *trailer, lazy,
+                                   p_rest), fn)  # fmt: skip
         if k:
-            self._count_listed("EXIT", recs, lazy, k, trailer[2] >= 0)
+            self._count_listed(name, recs, lazy, k, trailer[2] >= 0)
         return int(p_rest[0])
 
     def _count_listed(self, name: str, recs: Any, listed: Any, k: int, has_cpu: bool) -> None:
