@@ -41,7 +41,10 @@ def workloads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Workload]:
 
 
 def run_under_profiler(argv: tuple[str, ...]) -> tuple[int, LiveProfiler]:
-    prof = ReferenceProfiler.open(Target(all_cpus=True), SamplingConfig(frequency=999))
+    # 2 MiB rings, as _capture_runs's: other sessions' process churn filled the default 256 KiB
+    # between two steps of a loaded machine, and the workers' samples went with the LOSTs.
+    prof = ReferenceProfiler.open(Target(all_cpus=True),
+                                  SamplingConfig(frequency=999, ring_pages=512))  # fmt: skip
     prof.start()
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
