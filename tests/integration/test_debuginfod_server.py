@@ -41,13 +41,18 @@ class World:
         self.data = record_perf_data(tmp, [str(self.exe), "400"], name="dbgspin.data")
 
     def functions_at(self) -> list[tuple[int, int, str]]:
-        """(start, end, name) of the debug file's functions: where each name belongs."""
+        """(start, end, name) of the debug file's functions: where each name belongs. A
+        function of size 0 (crtstuff's ``__do_global_dtors_aux``, run at exit) ends where the
+        next function starts, as perf's symbols__fixup_end has it (tools/perf/util/symbol.c);
+        a sample at exit may land in one."""
         with open(self.debug, "rb") as f:
             sec = ELFFile(f).get_section_by_name(".symtab")
             assert isinstance(sec, SymbolTableSection)
-            return [(s["st_value"], s["st_value"] + s["st_size"], s.name)
-                    for s in sec.iter_symbols()
-                    if s["st_info"]["type"] == "STT_FUNC" and s["st_size"]]  # fmt: skip
+            funcs = sorted((s["st_value"], s["st_size"], s.name) for s in sec.iter_symbols()
+                           if s["st_info"]["type"] == "STT_FUNC" and s["st_value"])  # fmt: skip
+        starts = sorted({lo for lo, _, _ in funcs})
+        return [(lo, lo + size if size else next((x for x in starts if x > lo), lo), name)
+                for lo, size, name in funcs]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
