@@ -52,7 +52,7 @@ from ..source.abi import (
 from ..source.mapfile import MappedFile, RecordIndex, Unsupported, native_layout
 from ..source.ordering import OrderStats
 from ..source.perfdata import PerfData
-from ..source.records import FinishedRound, Mmap2, Record, record_type_name
+from ..source.records import Comm, FinishedRound, Fork, Mmap2, Record, record_type_name
 from ..source.streamstats import StreamStats
 from ..unwcore import check, count, ffi, lib
 from ..unwind.engine import StackEngine
@@ -492,6 +492,7 @@ class _Replay:
         side-band record between them applied to the process table (a data MMAP2 that cannot
         change it only counted); the side-band records met."""
         engine, nctx, m = self.engine, self.nctx, len(is_sample)
+        apply = engine.apply_side_band
         check = self.check_noops  # (else unw_sb_noop_mmaps dropped every one already)
         pos = side = 0
         while pos < m:
@@ -514,14 +515,10 @@ class _Replay:
             elif check and type(rec) is Mmap2 and self._data_mmap_is_noop(rec):
                 engine.table.stats.records["MMAP2"] += 1
                 continue
-            if type(rec) is Mmap2:  # most of them: the engine's own MMAP2 path (a jitdump
-                engine.apply_side_band(rec)  # opened, the table's apply_mmap2), no dispatch
-                nctx.forget_space(rec.pid)
-                continue
-            if engine.note_comm(rec):
-                nctx.forget_comms()
-            engine.note_jitdump(rec)
-            engine.table.apply(rec)
+            apply(rec)  # (StackEngine.feed's handling, as the live step's; MMAP2s undispatched)
+            t = type(rec)
+            if t is Comm or t is Fork:
+                nctx.forget_comms()  # COMM renames; FORK names a new task after its parent
             rpid = getattr(rec, "pid", None)
             if isinstance(rpid, int):
                 nctx.forget_space(rpid)
