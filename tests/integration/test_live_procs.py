@@ -6,8 +6,9 @@ reuse (each stepped by the whole-stream Python step, refstep.ReferenceProfiler, 
 every sample it stores), and bounded state under churn (the daemon's native step).
 
 A sample of a workload is *good* when it unwound completely (every user frame in a known
-mapping, the outermost one ``_start``: status ok, or no_cfi *after* reaching ld.so's
-``_start``, whose CFI does not mark the end of the stack) and, when it is inside a known hot
+mapping, the outermost one ``_start``, or ld.so's ``_dl_start_user`` while the loader runs
+initializers: status ok, or no_cfi *after* reaching ld.so's ``_start`` or
+``_dl_start_user``, whose CFI does not mark the end of the stack) and, when it is inside a known hot
 function, the frames from there to ``main`` are exactly that function's call chain. Each
 workload needs >= 98% good samples. Samples the kernel gave no user stack for (kernel_only,
 no_regs: an exec or exit in progress) have nothing to unwind and are counted apart."""
@@ -104,7 +105,13 @@ def profiling(
 
 def is_good(s: UnwoundSample) -> bool:
     user = [f for f in s.frames if not f.kernel]
-    if not user or any(f.dso is None for f in user) or user[-1].sym != "_start":
+    # the outermost frame: _start, or ld.so's _dl_start_user while the loader runs the
+    # libraries' initializers (glibc's RTLD_START, sysdeps/x86_64/dl-machine.h: _start calls
+    # _dl_start and falls into _dl_start_user, which calls _dl_init)
+    outer = user[-1].sym if user else None
+    if not user or any(f.dso is None for f in user) or outer not in ("_start", "_dl_start_user"):
+        return False
+    if outer == "_dl_start_user" and "ld-linux" not in (user[-1].dso or ""):
         return False
     if s.unwind_status != "ok" and not (s.unwind_status == "no_cfi" and "ld-linux" in
                                         (user[-1].dso or "")):  # fmt: skip
