@@ -187,11 +187,12 @@ int fp_ctx_by_code(struct fp_ctx *c, int on);
 int fp_ctx_code_frames(struct fp_ctx *c, int on);
 
 /* Frames by code: the frames of modules keys[0..n) are named no more (a table their names
- * depend on arrived after they were named): a stack added from now on that runs their code
- * gets new frame ids, named again, while the stacks already added keep theirs (ids never
- * change meaning). Module keys of frames by code must stay below 1 << 62. Returns the frames
- * retired; -2 unless frames are by code (fp_ctx_code_frames), -1 on allocation failure.
- * O(frames * log n) after an O(n log n) sort of a copy of keys. */
+ * depend on arrived after they were named), nor are the stacks that hold them: the next
+ * sample that runs their code, in a process seen before or a new one, adds a new stack with
+ * new frame ids, named again, while the ids already given keep their meaning (counts held
+ * under them stay theirs). Module keys of frames by code must stay below 1 << 62. Returns the
+ * frames retired; -2 unless frames are by code (fp_ctx_code_frames), -1 on allocation
+ * failure. O(frames * log n + stacks' frame ids) after an O(n log n) sort of a copy of keys. */
 int64_t fp_ctx_retire_code(struct fp_ctx *c, const uint64_t *keys, uint32_t n);
 
 /* The user pcs of stacks [from, to), back to back (fp_stacks_words of them); nothing by code. */

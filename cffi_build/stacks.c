@@ -53,6 +53,11 @@ struct frame_ent {
     uint8_t pad[3];
 };
 
+/* A retired stack (fp_ctx_retire_code): its stored hash with this bit set, which no key's hash
+ * has (intern_stack clears it), so it stays in the set, probed past, matching nothing: the next
+ * sample with its key adds a new stack, whose frame ids are looked up again. */
+#define STACK_RETIRED (1ull << 63)
+
 /* by code: the (space, stack, hash of the raw pcs) triples seen, in first-seen order
  * (fp_pairs), and their set. The Python reference counts unsymbolized frames once per new (snapshot,
  * pcs) key: Python counts a code stack's unnamed frames once per new (space, pcs hash). (The
@@ -309,6 +314,7 @@ static uint32_t intern_stack(struct fp_ctx *c, const struct space_ent *sp, const
     uint64_t h = 0;
     for (uint32_t i = 0; i < nw; i++)
         h = mix(h, key[i]);
+    h &= ~STACK_RETIRED;
     if (index_reserve(c, &c->stab, &c->stabcap, c->nstk, stack_hash_of))
         return UINT32_MAX;
     uint64_t j = SLOT(h, c->stabcap);
@@ -651,6 +657,11 @@ int64_t fp_ctx_retire_code(struct fp_ctx *c, const uint64_t *keys, uint32_t n)
         return -1;
     memcpy(sorted, keys, 8 * (size_t)n);
     qsort(sorted, n, 8, cmp_u64);
+    uint8_t *gone = calloc(c->nfr + 1, 1); /* the frames retired now */
+    if (!gone) {
+        free(sorted);
+        return -1;
+    }
     int64_t got = 0;
     for (uint64_t i = 0; i < c->nfr && n; i++) {
         struct frame_ent *f = &c->frames[i];
@@ -659,10 +670,25 @@ int64_t fp_ctx_retire_code(struct fp_ctx *c, const uint64_t *keys, uint32_t n)
         uint64_t key = f->tag & ~FRAME_CODE;
         if (bsearch(&key, sorted, n, 8, cmp_u64)) {
             f->tag |= FRAME_RETIRED;
+            gone[i] = 1;
             got++;
         }
     }
     free(sorted);
+    /* the stacks holding one of them: their next sample makes a new stack (stacks by space
+     * keep their frame ids at fids[foff, foff + npcs)) */
+    for (uint64_t id = 0; id < c->nstk && got; id++) {
+        struct stack_ent *s = &c->stacks[id];
+        if (s->foff == UINT64_MAX || (s->hash & STACK_RETIRED))
+            continue;
+        uint32_t npcs = (uint32_t)(c->words[s->woff + 1] >> 32);
+        for (uint32_t i = 0; i < npcs; i++)
+            if (gone[c->fids[s->foff + i]]) {
+                s->hash |= STACK_RETIRED;
+                break;
+            }
+    }
+    free(gone);
     return got;
 }
 

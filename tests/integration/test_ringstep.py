@@ -206,6 +206,46 @@ def test_retired_code_frames_are_named_again(workloads: dict[str, Workload],
     assert theirs and all(f.file == "changed" for f in theirs), Counter(f.file for f in theirs)
 
 
+def test_retired_code_renames_a_running_process(workloads: dict[str, Workload],
+                                                tmp_path: Path) -> None:  # fmt: skip
+    """The same, for a process whose stacks the context already holds: after
+    ``LiveProfiler.names_changed`` (what an arrived line table does) every sample of it
+    processed from then on has its frames named again (fp_ctx_retire_code retires the stacks
+    that hold the binary's frames, not only the frames), with no reset of the context."""
+    c2 = workloads["c_o2"].argv[0]
+    whole, first, second = (tmp_path / f"{n}.pickle" for n in ("whole", "first", "second"))
+    (tmp_path / "empty-proc").mkdir()
+    (pid,) = capture(whole, [(c2, "400")])
+    fmt, drains = pickle.loads(whole.read_bytes())
+    half = len(drains) // 2  # the process runs across the split
+    first.write_bytes(pickle.dumps((fmt, drains[:half])))
+    second.write_bytes(pickle.dumps((fmt, drains[half:])))
+    got: list[Any] = []
+    held: list[int] = []
+
+    def names_change(prof: LiveProfiler) -> None:
+        engine = prof.engine
+        user_frame, expand = engine._user_frame, engine.expand
+        engine._user_frame = lambda *a: _changed(user_frame(*a), c2)  # type: ignore[method-assign]
+        engine.expand = lambda *a: tuple(_changed(f, c2) for f in expand(*a))  # type: ignore[method-assign]
+        held.append(prof.native_step.nstacks)
+        held.append(prof.native_step.contexts)
+        prof.names_changed({e.uid for e in engine.table.binaries.entries() if e.filename == c2})
+        prof.store.subscribers.append(got.extend)  # every sample processed from now on
+
+    prof = replay(first, True, tmp_path, then=(second, names_change))
+    assert held and held[0] > 0 and prof.retired > 0
+    assert prof.native_step.contexts == held[1]  # the same context throughout
+    mine = [s for s in got if s.pid == pid and any(f.dso == c2 for f in s.frames)]
+    assert len(mine) >= 20, len(mine)
+    stale = [s for s in mine if any(f.dso == c2 and f.file != "changed" for f in s.frames)]
+    assert not stale, (len(stale), len(mine))
+
+
+def _changed(f: Frame, dso: str) -> Frame:
+    return dataclasses.replace(f, file="changed") if f.dso == dso else f
+
+
 def test_native_step_keeps_thread_ids(workloads: dict[str, Workload], tmp_path: Path) -> None:
     """Three busy pthreads through the native step (its C indexer reads each sample's pid and
     tid): every sample under the process's pid with the id of the thread that ran (the

@@ -9,13 +9,16 @@ forgets, read-back, grouping, context rebuilds, the final flush round), first wh
 truncated / mutated / re-cut windows (bytes, and record headers and sample fields: other
 types incl. AUXTRACE / TRACING_DATA, sizes, absurd pids, times, counts) with absurd pids and
 tables. It prints ``ok <checks>``; a
-sanitizer report, a leak or a failed CHECK fails the test.
+sanitizer report, a leak or a failed CHECK fails the test. Half of the contexts have frames by
+code, as the live step's, and get some of their modules' frames and stacks retired
+(fp_ctx_retire_code) between runs.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -70,6 +73,8 @@ def test_live_fastpath_asan_ubsan(tmp_path: Path, drains: tuple[Path, list[str]]
                           timeout=120, env=env)  # fmt: skip
     check_ok(proc, 1_000_000)
     assert "runtime error" not in proc.stderr
+    retired = re.search(r"retired frames (\d+)", proc.stdout)
+    assert retired and int(retired[1]) > 0, proc.stdout[-300:]  # fp_ctx_retire_code ran
 
 
 def test_live_fastpath_valgrind(tmp_path: Path, drains: tuple[Path, list[str]]) -> None:

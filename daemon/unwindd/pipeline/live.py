@@ -19,16 +19,14 @@ Invariants:
 - Inline levels (engine.srclines with a worker, the daemon's): a binary's line/inline table
   is read or compiled in a worker, never on the step; frames named before it arrives have no
   inline levels (counted: ``inline_status``). When tables that frames were named without
-  arrive, their binaries' frames are retired at once (new stacks name them again: frames are
-  by code, ringstep.py) and the step drops every name it holds (``_inline_arrivals``, at
-  most once per ``RENAME_INTERVAL`` s; counts held are flushed first), so stacks sampled from
-  then on get their inline levels; stacks already stored keep theirs without. No sample
+  arrive, their binaries' frames and the native context's stacks holding them are retired at
+  once (``_inline_arrivals``; frames are by code, ringstep.py), and the engine's name caches
+  go: samples from then on get their inline levels, each retired stack named again at its
+  next sample, no other stack touched; stacks already stored keep theirs without. No sample
   waits for it.
 """
 
 from __future__ import annotations
-
-import time
 
 from ..binaries.elfcache import ElfCache
 from ..binaries.elfentry import ElfEntry
@@ -55,10 +53,6 @@ BOOTSTRAP_SLICE = 256  # processes read between two drains of the rings
 # dropped whole: under process churn this bounds that peak, for naming the active frames again
 # at each drop (frames by code: once per binary address, not per process).
 _NATIVE_MAX_SPACES = 1024
-# At most one re-naming for arrived line/inline tables per this many seconds: at start many
-# binaries' tables arrive one after another, and each re-naming rebuilds the native step's
-# context (every active frame named again).
-RENAME_INTERVAL = 1.0
 
 
 def native_max_spaces(max_processes: int) -> int:
@@ -101,9 +95,7 @@ class LiveProfiler:
                                       max_spaces=spaces, flush_interval=flush_interval,
                                       python=self.python, python_mode=python_frames,
                                       code_frames=True)  # fmt: skip
-        self._rename_due = False  # tables arrived that frames were named without
-        self._renamed_at = 0.0
-        self.renames = 0  # re-namings for arrived tables
+        self.renames = 0  # arrivals of tables that frames were named without
         self.retired = 0  # frames by code named again at once for arrived tables
 
     def forget_stream_pids(self) -> None:
@@ -219,26 +211,24 @@ class LiveProfiler:
 
     def _inline_arrivals(self) -> None:
         """Line/inline tables the worker finished: when frames were named without one of them,
-        every held name goes (the engine's stacks, the native step's context, flushed first),
-        at most once per ``RENAME_INTERVAL``, so frames are named with their inline levels
-        from this step on. O(jobs held) per step; a re-naming costs naming the active frames
-        again (symbol lookups stay cached)."""
+        the engine forgets the names it cached (symbol lookups stay) and the native step
+        retires those binaries' frames and the stacks holding them, so samples from this step
+        on are named with their inline levels. O(jobs held) per step; per arrival one C pass
+        over the context's frames and stacks, and the naming again of the retired frames that
+        are sampled again."""
         src = self.engine.srclines
         assert src is not None
         missed = src.collect()
         if missed:
-            self._rename_due = True
-            # frames by code: new processes of these binaries would take their frames named
-            # without the table until the re-naming below; they name them again now
-            keys = self.engine.table.code_keys_of(missed)
-            self.retired += self.native_step.retire_code(keys)
-        now = time.monotonic()
-        if self._rename_due and now - self._renamed_at >= RENAME_INTERVAL:
-            self._rename_due = False
-            self._renamed_at = now
-            self.renames += 1
-            self.engine.forget_stacks()
-            self.native_step.reset_context()
+            self.names_changed(missed)
+
+    def names_changed(self, uids: set[int]) -> None:
+        """The binaries ``uids`` (ELF cache entries) name their code differently from now on:
+        names cached of them go (the engine's, symbol lookups kept; the native context's
+        frames by code and its stacks holding them, ``NativeStep.retire_code``)."""
+        self.renames += 1
+        self.engine.forget_stacks()
+        self.retired += self.native_step.retire_code(self.engine.table.code_keys_of(uids))
 
     def inline_status(self) -> dict[str, int] | None:
         """The inline expansion's counts (None when off): tables held, being fetched, asked

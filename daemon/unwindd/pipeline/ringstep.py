@@ -17,9 +17,8 @@ Invariants:
   this process, no ``Frame`` built per process (the store interns them from those; subscribers
   and Python-frame merging build the frames, once per stack, when they need them).
   A frame named while its binary's line table was still being read is retired when
-  the table arrives (``retire_code``): stacks added from then on name it afresh, as frames by
-  snapshot would in a new process; the stacks already added keep it until the next re-naming
-  (live.py RENAME_INTERVAL).
+  the table arrives (``retire_code``), with the context's stacks that hold it: the next sample
+  of such code, in any process, names it afresh; counts already held keep their names.
 - Memory: the C context and its Python mirrors are dropped whole past ``max_stacks`` stacks
   or ``max_spaces`` snapshots (``_new_ctx``), and with them every other holder of their
   stacks (the JIT stats' cache); the counts they name reach the store first, and at close
@@ -276,12 +275,14 @@ class NativeStep:
         self._reset = True
 
     def retire_code(self, keys: list[int]) -> int:
-        """Frames by code: a table the names of modules ``keys`` depend on arrived: the stacks
-        added from now on name their frames again (the context's own stacks keep theirs until
-        a ``reset_context``). The frames retired."""
-        if self.nctx.code_frames and not self._reset:
-            return self.nctx.retire_code(keys)
-        return 0
+        """Frames by code: a table the names of modules ``keys`` depend on arrived: their
+        frames, and the context's stacks that hold one, are named again at their next sample
+        (fp_ctx_retire_code), while the stack ids already counted keep their names. The frames
+        retired (0 when a reset is due anyway); by space, a ``reset_context``."""
+        if not self.nctx.code_frames:
+            self.reset_context()
+            return 0
+        return 0 if self._reset else self.nctx.retire_code(keys)
 
     def forget_all(self) -> None:
         self.nctx.forget_all_spaces()

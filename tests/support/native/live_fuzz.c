@@ -35,7 +35,7 @@
 
 /* coverage counts, printed at the end */
 static unsigned long long n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx,
-    n_raised;
+    n_raised, n_retired;
 
 static void *xmalloc(size_t n)
 {
@@ -91,6 +91,7 @@ struct step {
     uint32_t ncomms;        /* comm ids handed out */
     uint32_t max_stacks, max_spaces;
     int absurd;             /* absurd pids/tables */
+    int code_frames;        /* this context's frames are by code (fp_ctx_code_frames) */
     uint64_t record_time;
     uint64_t nstacks_seen, nframes_seen;
     uint64_t samples_new, samples_grouped, samples_held;
@@ -140,6 +141,9 @@ static void new_ctx(struct step *s)
     s->ctx = fp_ctx_new(UNW_ARCH_X86_64, depth);
     n_ctx++;
     CHECK(s->ctx);
+    s->code_frames = rnd() % 2; /* the live step's frames by code (ringstep.py) */
+    if (s->code_frames)
+        CHECK(fp_ctx_code_frames(s->ctx, 1) == 0);
     s->ncomms = 0;
     s->nstacks_seen = s->nframes_seen = 0;
 }
@@ -315,6 +319,16 @@ static void name_new(struct step *s)
     }
     s->nframes_seen = nfr;
     s->nstacks_seen = nst;
+    /* a binary's table arrived (LiveProfiler.names_changed): retire one or two of the module
+     * keys new_snap gives (1..5) or an unknown one; ids already given stay readable */
+    if (s->code_frames && rnd() % 8 == 0) {
+        uint64_t keys[2] = {1 + rnd() % 6, 1 + rnd() % 6};
+        int64_t got = fp_ctx_retire_code(s->ctx, keys, 1 + (uint32_t)(rnd() % 2));
+        CHECK(got >= 0 && (uint64_t)got <= nfr);
+        n_retired += (uint64_t)got;
+        struct fp_stack st;
+        CHECK(!nst || fp_stack(s->ctx, nst - 1, &st) == 0);
+    }
 }
 
 /* Side-band record applied (NativeStep._apply / _dropped / forget_all). */
@@ -724,8 +738,9 @@ int main(int argc, char **argv)
     }
     free(dr);
     printf("rounds %llu, need_place %llu (held %llu), need_comm %llu, carried records %llu, "
-           "forced flushes %llu, late %llu, contexts %llu, raised %llu\n",
-           n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx, n_raised);
+           "forced flushes %llu, late %llu, contexts %llu, raised %llu, retired frames %llu\n",
+           n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx, n_raised,
+           n_retired);
     printf("ok %llu\n", checks);
     return 0;
 }
