@@ -212,7 +212,8 @@ def counter_specs() -> list[Spec]:
              "levels, until re-named.",
              lambda d: d.profiler.engine.srclines.stats["pending_answers"]),
         Spec("unwindd_inline_renames",
-             "Re-namings of every held frame because line/inline tables arrived.",
+             "Arrivals of line/inline tables that frames were named without: those "
+             "binaries' frames are named again.",
              _inline_renames),
         Spec("unwindd_debuginfod_fetches",
              "Debug info asked of debuginfod servers by build-id ([symbols]), by result.",
