@@ -3,12 +3,14 @@ same run, plus lost samples and /v1/stacks query latency while sampling.
 
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
                                   [--rounds 100] [--repeat N] [--before DIR]
-                                  [--ring-pages 256|0|64,0,256] [--record]
+                                  [--ring-pages 256|0|64,0,256] [--record] [--warmup 3]
 
 For each frequency, with a steady load (one C workload looping per CPU, re-run every
 ``--rounds`` rounds: by default twice a second, so every half second brings new processes):
 - unwindd: started from a temp config, warmed up (cold ELF loads happen first and are not
-  what we measure), then two windows of the same length: sampling only (its CPU time, utime
+  what we measure; ``--warmup`` seconds, 3 by default: a young daemon, to which most stacks
+  of the load are still new; a minute or more: an always-on daemon's steady state on the same
+  load), then two windows of the same length: sampling only (its CPU time, utime
   + stime from /proc/<pid>/stat, per sample; samples and lost from /v1/status: the cost to
   compare with perf record, which serves no queries), then with ``/v1/stacks?since=10`` and
   ``/v1/top?since=10`` issued every 200 ms (their p50/p99 latency, and the CPU per sample
@@ -66,7 +68,8 @@ def http(sock: str, target: str) -> bytes:
 
 
 def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: str | None = None,
-                 with_queries: bool = True, ring_pages: int = 256) -> dict[str, float]:  # fmt: skip
+                 with_queries: bool = True, ring_pages: int = 256,
+                 warmup: float = 3.0) -> dict[str, float]:  # fmt: skip
     sock = str(tmp / f"d{freq}.sock")
     cfg = tmp / f"d{freq}.toml"
     rings = f"ring_pages = {ring_pages}\n" if ring_pages else ""  # 0: the daemon's auto size
@@ -78,7 +81,7 @@ def bench_daemon(freq: int, seconds: float, stack: int, tmp: Path, pythonpath: s
     try:
         while not os.path.exists(sock):
             time.sleep(0.05)
-        time.sleep(3.0)  # warm-up: cold binaries parsed
+        time.sleep(warmup)  # warm-up: cold binaries parsed (longer: the steady state)
         # Window 1, sampling only: the cost to compare with perf record, which serves no
         # queries. Window 2, the same length with the query load: its latencies, and what the
         # queries add on top.
@@ -184,6 +187,10 @@ def main() -> None:
                     "(every run a new process, its stacks new to the daemon); a large number "
                     "keeps one process per CPU for the whole run (stacks seen before)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--warmup", type=float, default=3.0,
+                    help="seconds the daemon runs before its windows: 3 measures a young "
+                    "daemon (most stacks new to it); 60 or more the steady state of an "
+                    "always-on one on this load")  # fmt: skip
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
     ap.add_argument("--record", action="store_true",
                     help="also time unwindd record --all --format folded (and --before's)")
@@ -208,10 +215,11 @@ def main() -> None:
                     for rp in sizes:
                         name = "unwindd" if len(sizes) == 1 else f"unwindd@{rp}"
                         runs[name] = bench_daemon(f, args.seconds, args.stack_size, tmp,
-                                                  ring_pages=rp)  # fmt: skip
+                                                  ring_pages=rp, warmup=args.warmup)  # fmt: skip
                     if args.before is not None:
                         runs["before"] = bench_daemon(f, args.seconds, args.stack_size, tmp,
-                                                      str(args.before), False)
+                                                      str(args.before), False,
+                                                      warmup=args.warmup)  # fmt: skip
                     if args.record:
                         rp = int(args.ring_pages.split(",")[0])
                         runs["record"] = bench_record(f, args.seconds, args.stack_size, rp)
