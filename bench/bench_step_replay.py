@@ -2,21 +2,25 @@
 code alternated, as the daemon configures the step (inline frames on, counts flushed about
 once a second): deterministic, beside bench_daemon.py's live numbers on a noisy machine.
 
-    python3 bench/bench_step_replay.py [--capture FILE] [--record-seconds 8] [--warm 80]
-        [--only-comm chain_o2] [--idle] [--runs 3] [--steps N] [--callgrind] CODE [CODE ...]
+    python3 bench/bench_step_replay.py [--capture FILE] [--record-seconds 8] [--steady]
+        [--warm 80] [--only-comm chain_o2] [--idle] [--runs 3] [--steps N] [--callgrind]
+        CODE [CODE ...]
 
 Capture (once, reused when FILE exists; root): every CPU at 999 Hz, 8 KiB stacks, 256-page
 rings, one ``chain_o2 100`` re-exec loop per CPU, drained every 25 ms (about the daemon's
 watermark wakeups at that rate); the workload binaries stay in ``FILE``.wl so that replays
-name their frames. ``--only-comm NAME``: only the samples of processes that took that comm
-in the capture (and the idle task's) are replayed, every side-band record kept: other
-processes of the machine (present before the capture: unknown to the replay's empty /proc)
-would only measure their placement failures. ``--idle``: every sample replaced by a
-kernel-only idle-task sample of the capture (pid 0, same time and cpu): an idle machine at
-999 Hz. ``--steps N``: at most N timed drains. ``--callgrind``: each replay under valgrind's
-callgrind, collection on only around the timed drains (``callgrind_control -i``): the
-instructions the main thread took in them (the step's; the CFI and line-table workers run
-beside it, as scheduled), nearly deterministic on a shared machine, beside the CPU time.
+name their frames. ``--steady``: one long-lived ``chain_o2`` per CPU instead, started once the
+rings are on (so that the replay learns them from their own side-band records): few new
+processes, the round's fixed cost in view (replay it with ``--only-comm chain_o2``).
+``--only-comm NAME``: only the samples of processes that took that comm in the capture
+(and the idle task's) are replayed, every side-band record kept: other processes of the
+machine (present before the capture: unknown to the replay's empty /proc) would only measure
+their placement failures. ``--idle``: every sample replaced by a kernel-only idle-task sample
+of the capture (pid 0, same time and cpu): an idle machine at 999 Hz. ``--steps N``: at most
+N timed drains. ``--callgrind``: each replay under valgrind's callgrind, collection on only
+around the timed drains (``callgrind_control -i``): the instructions the main thread took in
+them (the step's; the CFI and line-table workers run beside it, as scheduled), nearly
+deterministic on a shared machine, beside the CPU time.
 Replay (per CODE, its own interpreter with ``PYTHONPATH=CODE``, bench_sideband.code_path):
 ``LiveProfiler`` over the drains (an empty /proc, line tables from a persistent cache dir
 ``FILE``.cache, as a daemon that ran before; the daemon's garbage collector thresholds), the
@@ -51,17 +55,48 @@ from bench_sideband_replay import capture  # noqa: E402
 _SAMPLE, _COMM = 9, 3  # PERF_RECORD_* (include/uapi/linux/perf_event.h)
 
 
-def record(path: Path, seconds: float) -> None:
+def record(path: Path, seconds: float, steady: bool = False) -> None:
     from unwindd.source.sampling import SamplingConfig
     from workloads.build import build_workloads
 
     wl = build_workloads(Path(f"{path}.wl"))["c_o2"]
+    if steady:
+        record_steady(path, seconds, wl.argv[0])
+        return
     loop = f'while :; do "{wl.argv[0]}" 100 >/dev/null; done'
     load = [subprocess.Popen(["sh", "-c", loop], start_new_session=True)
             for _ in range(os.cpu_count() or 1)]  # fmt: skip
     try:
         cfg = SamplingConfig(frequency=999, stack_size=8192, ring_pages=256)
         fmt, drains = capture(cfg, seconds, 0.025)
+    finally:
+        for pr in load:
+            os.killpg(pr.pid, signal.SIGKILL)
+            pr.wait()
+    path.write_bytes(pickle.dumps((fmt, drains)))
+
+
+def record_steady(path: Path, seconds: float, exe: str) -> None:
+    """``record`` with one long-lived ``exe`` per CPU, started after the rings are enabled."""
+    from unwindd.source.perfcore import PerfSession
+    from unwindd.source.sampling import SamplingConfig, Target
+
+    cfg = SamplingConfig(frequency=999, stack_size=8192, ring_pages=256)
+    drains: list[list[tuple[int, bytes]]] = []
+    load: list[subprocess.Popen[bytes]] = []
+    try:
+        with PerfSession.open(Target(all_cpus=True), cfg) as s:
+            s.enable()
+            load = [subprocess.Popen([exe, "100000"], stdout=subprocess.DEVNULL,
+                                     start_new_session=True)
+                    for _ in range(os.cpu_count() or 1)]  # fmt: skip
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                drains.append(s.drain(4 << 20))
+                time.sleep(0.025)
+            s.disable()
+            drains.append(s.drain(4 << 20))
+            fmt = s.event_format
     finally:
         for pr in load:
             os.killpg(pr.pid, signal.SIGKILL)
@@ -179,6 +214,8 @@ def main() -> None:
     ap.add_argument("codes", nargs="*", default=["installed"])
     ap.add_argument("--capture", default="/tmp/unwindd-step-capture.pickle")
     ap.add_argument("--record-seconds", type=float, default=8.0)
+    ap.add_argument("--steady", action="store_true",
+                    help="record long-lived workloads, not a re-exec loop")  # fmt: skip
     ap.add_argument("--warm", type=int, default=80, help="drains replayed before timing")
     ap.add_argument("--only-comm", help="replay only the samples of processes of this comm")
     ap.add_argument("--idle", action="store_true", help="idle-task samples in place of all")
@@ -193,7 +230,7 @@ def main() -> None:
         child(cap, a.warm, a.only_comm, a.idle, Path(a.child), a.steps)
         return
     if not cap.exists():
-        record(cap, a.record_seconds)
+        record(cap, a.record_seconds, a.steady)
     tmp = Path(tempfile.mkdtemp(prefix="unwindd-step-"))
     paths = {c: code_path(c, tmp) for c in a.codes}
     res: dict[str, list[float]] = {c: [] for c in a.codes}

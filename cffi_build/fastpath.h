@@ -304,7 +304,8 @@ void fp_columns(const struct fp_rec *recs, const uint32_t *perm, uint64_t nout,
 /* ---- the live step (daemon/unwindd/pipeline/ringstep.py): ring chunks instead of a file.
  * Cost: fp_live_index O(records); fp_live_order_round O(new records log queued + queued);
  * fp_live_run like fp_unwind_run plus O(log mappings) per sample to place it;
- * fp_live_groups_add O(samples) expected. */
+ * fp_live_groups_add O(samples) expected; fp_live_round fp_live_order_round's plus O(records)
+ * expected and the kept records' bytes. */
 
 #define FP_RUN_NEED_PLACE 3   /* no space for *need_pid, or the sample's user pc is outside every
                                * mapping of it: the caller places it (LiveTable.place), then
@@ -337,6 +338,50 @@ int fp_live_order_round(struct fp_live_order *o, const struct fp_rec *recs, uint
 /* Copy recs[keep[j]] back to back into out; returns the bytes (out NULL: only counts). */
 uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const uint32_t *keep,
                         uint64_t n, uint8_t *out);
+
+/* One live round's fixed work after its side-band records are marked, in one call (the
+ * live step's per-round cost is mostly calls across the boundary, not their work):
+ * - the good SAMPLEs among the new records recs[ncarry, n): their number, those of pids other
+ *   than 0 (the idle task's) in busy, and their distinct pids and cpus in first-seen order as
+ *   (value, count) pairs in by_pid and by_cpu (the stream's per-pid and per-cpu counts,
+ *   ringstep.NativeStep._count_new_samples; fp_count_flagged's answer on each column);
+ * - fp_live_order_round into perm / late_ns / keep and st;
+ * - fp_columns of the delivered records perm[0, nout);
+ * - fp_live_gather of the kept records into carry (the next round's arena), their bytes in
+ *   carry_len: the data is not written while the round runs, so the copy can come first
+ *   (when they fit: the arena grows only to what a carry needs).
+ * The caller's arrays hold cap >= n entries each (by_pid and by_cpu: 2 cap), carry carry_cap
+ * bytes. */
+struct fp_live_round {
+    uint32_t *perm, *keep;
+    uint64_t *late_ns;
+    uint8_t *is_sample;
+    uint64_t *time, *period;
+    uint32_t *pid, *tid, *cpu;
+    uint64_t *by_pid, *by_cpu;
+    uint8_t *carry;
+    uint64_t carry_cap;
+    uint64_t cap;
+    /* answers */
+    uint64_t nsamples, busy, npids, ncpus, nout, nlate, nkeep, carry_len;
+    struct fp_order_stats st;
+};
+/* Returns 0; 1: the kept records need carry_len > carry_cap bytes and none was copied (the
+ * caller makes room and calls fp_live_gather), the rest done; -1: n > cap,
+ * fp_live_order_round failed, no memory for the counts, or a kept record lies outside
+ * data[0, len). */
+int fp_live_round(struct fp_live_order *o, const uint8_t *data, uint64_t len,
+                  const struct fp_rec *recs, uint64_t ncarry, uint64_t n, int final,
+                  struct fp_live_round *r);
+/* fp_live_index, then, when the round holds no record but good SAMPLEs (nothing for the caller
+ * to decode and mark: *other == 0, no stop) and r's arrays hold its records, fp_live_round on it
+ * (ncarry: the records of chunk 0, the carry; len: bounds[nchunks]) and its answer; else 2,
+ * the round not run (the caller marks the side-band records, makes room, calls fp_live_round),
+ * or -1 when fp_live_index fails. One call for the common round of samples only. */
+int fp_live_index_round(const struct fp_layout *lay, const uint8_t *data, const uint64_t *bounds,
+                        uint32_t nchunks, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
+                        int *ends, uint64_t *stopped_at, struct fp_live_order *o,
+                        uint64_t ncarry, int final, struct fp_live_round *r);
 
 /* fp_set_space plus the table's mappings as sorted [start, end) pairs (kept alive by the
  * caller), for the placement check. */

@@ -5,7 +5,9 @@
  * after whole records, kernel/events/ring_buffer.c), no perf.data payloads. fp_live_gather
  * copies the records order.c's live orderer keeps for the next round; fp_live_run unwinds like
  * fp_unwind_run after placing each sample as livetable.LiveTable.place's fast answer does;
- * fp_live_groups_* count samples per (time bucket, pid, tid, stack) until the daemon takes them.
+ * fp_live_groups_* count samples per (time bucket, pid, tid, stack) until the daemon takes them;
+ * fp_live_round does a round's counting, ordering, columns and carry copy in one call, and
+ * fp_live_index_round the index too when the round is samples only.
  *
  * Invariants: reads stay inside the caller's buffer (a record's offset and size are checked
  * against len, the one word placing reads against the record); a sample that cannot be placed
@@ -14,7 +16,8 @@
  * and each its newest time.
  * Cost: fp_live_index O(records); fp_live_run like fp_unwind_run plus O(log mappings) per
  * sample to place it; fp_live_groups_add O(samples) expected (a table at most half full);
- * fp_live_groups_take O(groups + table).
+ * fp_live_groups_take O(groups + table); fp_live_round O(records) expected plus the orderer's
+ * and the kept records' bytes.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -79,6 +82,76 @@ uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const ui
         w += r->size;
     }
     return w;
+}
+
+/* v tallied into the (value, count) pairs (first-seen order, *d distinct so far) through tab,
+ * tcap slots (a power of two, more than the values tallied), each a pair's index + 1. */
+static void tally(uint32_t *tab, uint64_t tcap, uint64_t *pairs, uint64_t *d, uint32_t v)
+{
+    uint64_t j = SLOT(mix(0, v), tcap);
+    for (; tab[j]; j = SLOT(j + 1, tcap)) {
+        if (pairs[2 * (tab[j] - 1)] == v) {
+            pairs[2 * (tab[j] - 1) + 1]++;
+            return;
+        }
+    }
+    pairs[2 * *d] = v;
+    pairs[2 * *d + 1] = 1;
+    tab[j] = (uint32_t)++*d;
+}
+
+int fp_live_round(struct fp_live_order *o, const uint8_t *data, uint64_t len,
+                  const struct fp_rec *recs, uint64_t ncarry, uint64_t n, int final,
+                  struct fp_live_round *r)
+{
+    r->nsamples = r->busy = r->npids = r->ncpus = r->nout = r->nlate = r->nkeep = 0;
+    r->carry_len = 0;
+    if (ncarry > n || n > r->cap || n > UINT32_MAX)
+        return -1;
+    uint64_t m = n - ncarry, tcap = 16;
+    while (tcap < 2 * m)
+        tcap *= 2;
+    uint32_t *tab = calloc(2 * tcap, sizeof *tab); /* pids', then cpus' */
+    if (!tab)
+        return -1;
+    for (uint64_t i = ncarry; i < n; i++) {
+        if (!(recs[i].flags & FP_SAMPLE))
+            continue;
+        r->nsamples++;
+        r->busy += recs[i].pid != 0;
+        tally(tab, tcap, r->by_pid, &r->npids, recs[i].pid);
+        tally(tab + tcap, tcap, r->by_cpu, &r->ncpus, recs[i].cpu);
+    }
+    free(tab);
+    if (fp_live_order_round(o, recs, ncarry, n, final, r->perm, &r->nout, r->late_ns, &r->nlate,
+                            &r->st, r->keep, &r->nkeep))
+        return -1;
+    fp_columns(recs, r->perm, r->nout, r->is_sample, r->time, r->period, r->pid, r->tid, r->cpu);
+    uint64_t size = 0;
+    for (uint64_t j = 0; j < r->nkeep; j++) {
+        const struct fp_rec *k = &recs[r->keep[j]];
+        if (k->off > len || k->size > len - k->off)
+            return -1;
+        size += k->size;
+    }
+    r->carry_len = size;
+    if (size > r->carry_cap)
+        return 1;
+    if (size)
+        fp_live_gather(data, recs, r->keep, r->nkeep, r->carry);
+    return 0;
+}
+
+int fp_live_index_round(const struct fp_layout *lay, const uint8_t *data, const uint64_t *bounds,
+                        uint32_t nchunks, struct fp_rec **recs, uint64_t *nrec, uint64_t *other,
+                        int *ends, uint64_t *stopped_at, struct fp_live_order *o,
+                        uint64_t ncarry, int final, struct fp_live_round *r)
+{
+    if (fp_live_index(lay, data, bounds, nchunks, recs, nrec, other, ends, stopped_at))
+        return -1;
+    if (*other || *stopped_at != UINT64_MAX || *nrec > r->cap || !nchunks)
+        return 2;
+    return fp_live_round(o, data, bounds[nchunks], *recs, ncarry, *nrec, final, r);
 }
 
 int fp_set_live_space(struct fp_ctx *c, uint32_t pid, const struct unw_module *mods,

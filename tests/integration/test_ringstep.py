@@ -50,10 +50,10 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
            cache: CacheConfig | None = None, flush_interval: float = 0.0,
            inline_max: int = -1, cfi_dir: Path | None = None,
            code_frames: bool | None = None, forget_pids: bool = False,
-           then: tuple[Path, Callable[[LiveProfiler], None]] | None = None
-           ) -> LiveProfiler:  # fmt: skip
+           then: tuple[Path, Callable[[LiveProfiler], None]] | None = None,
+           busy: list[int] | None = None) -> LiveProfiler:  # fmt: skip
     """``then``: a second capture replayed after the first (same format), with a call on the
-    profiler between them."""
+    profiler between them. ``busy``: each step's ``StepInfo.busy`` appended (the close's last)."""
     fmt, drains = pickle.loads(path.read_bytes())
     more: list[list[tuple[int, bytes]]] = []
     if then is not None:
@@ -78,6 +78,8 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
     prof.start()
     for _ in range(len(drains)):
         prof.step()
+        if busy is not None:
+            busy.append(prof.last_step.busy)
     if then is not None:
         then[1](prof)
         prof.session._drains = more  # type: ignore[union-attr]
@@ -89,6 +91,8 @@ def replay(path: Path, native: bool, tmp: Path, prefetch: bool = False,
         assert held > 0 and prof.store.stats.samples == before + held
         assert sum(prof.flush().depths.values()) == 0
     prof.close()
+    if busy is not None:
+        busy.append(prof.last_step.busy)
     return prof
 
 
@@ -136,7 +140,8 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for attempt in range(3):
         ours = capture(cap, [(c2, "200"), (workloads["c_o3"].argv[0],), (c2, "150")])
         slow = replay(cap, False, tmp_path)
-        fast = replay(cap, True, tmp_path)
+        busy: list[int] = []
+        fast = replay(cap, True, tmp_path, busy=busy)
         diff = contents(fast) - contents(slow) | contents(slow) - contents(fast)
         others = diff and not {k[0] for k in diff} & set(ours)
         if attempt == 2 or not (others or slow.pipeline.stats.lost):
@@ -148,6 +153,10 @@ def test_native_step_matches_slow_step(workloads: dict[str, Workload], tmp_path:
     for k in cs:
         assert cf[k] == cs[k], k
     assert fast.pipeline.orderer.stats.queued == 0
+    # the steps' busy samples (the service's pace): every sample of a pid other than 0 (the
+    # idle task's, when a CPU idled during the capture, are not), once
+    by_pid = fast.pipeline.stats.samples_by_pid
+    assert sum(busy) == sum(c for pid, c in by_pid.items() if pid) > 0
     # Frames named per address space, not per code (fp_ctx_code_frames, the live profiler's):
     # the same answers and counts, with more frames named (the two c_o2 processes run the
     # same code at other addresses).

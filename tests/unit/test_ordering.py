@@ -417,3 +417,18 @@ def test_many_records_logarithmic_comparisons() -> None:
     comparisons += _CountedTime.calls - before
     assert n == o.stats.pushed == 200_000 and 1000 <= peak <= 4000, peak
     assert within_bound(), (comparisons / n, peak)
+
+
+def test_add_native_counts_a_rounds_late_records() -> None:
+    """One native call's counts add up (the queue gauge is taken); its late records go to the
+    lateness histogram, a round without any leaves it as it was."""
+    from types import SimpleNamespace
+
+    s = OrderStats()
+    one = dict(pushed=3, delivered=2, queued=1, late=2, max_lateness_ns=960, rounds=1,
+               forced_flushes=0, untimed=0)  # fmt: skip
+    s.add_native(SimpleNamespace(**one), [960, 5])
+    s.add_native(SimpleNamespace(**{**one, "late": 0, "max_lateness_ns": 0, "queued": 0}), [])
+    assert (s.pushed, s.delivered, s.queued, s.late, s.max_lateness_ns, s.rounds) == (
+        6, 4, 0, 2, 960, 2)  # fmt: skip
+    assert s.late_buckets == Counter({1024: 1, 8: 1})

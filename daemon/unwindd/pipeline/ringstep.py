@@ -57,7 +57,7 @@ from ..source.perfcore import MAX_RECORD_SIZE
 from ..source.records import Comm, Fork, Lost, Mmap2, Record
 from ..source.streamstats import PLAIN
 from ..store.stackstore import StackStore, StoreGroup
-from ..unwcore import check, count, ffi, lib, owned
+from ..unwcore import count, ffi, lib, owned
 from ..unwind.engine import StackEngine
 from ..unwind.pyreader import EVAL_SYMBOL, PythonFrames
 from ..unwind.stackfmt import (
@@ -76,7 +76,6 @@ from .context import (
     TIMED,
     NativeContext,
     callchain,
-    count_flagged,
     jit_parts,
     view,
 )
@@ -191,6 +190,9 @@ class NativeStep:
         # twice the largest of the last ``_SHRINK_ROUNDS`` rounds when it is more than twice that
         # (``_shrink``): a burst does not keep its memory for the step's life.
         self._arenas = [bytearray(_ARENA_MIN), bytearray(_ARENA_MIN)]
+        # each arena's memoryview and cffi pointer, made once per arena, not per round
+        self._views = [memoryview(b) for b in self._arenas]
+        self._cbufs = [ffi.from_buffer(b) for b in self._arenas]
         self._peak = 0  # the largest round since the last _shrink
         self._peak_n = 0  # the most records a round indexed since then
         self._rounds = 0
@@ -201,11 +203,14 @@ class NativeStep:
         # per-round arrays, reused and grown to the largest round (cffi zero-fills each new);
         # ``_shrink`` gives them back after a burst as it does the arenas
         self._cap = 0
+        self._lr = ffi.new("struct fp_live_round *")  # fp_live_round's arrays and answers
         self._grow(_RECS_MIN)
         self._pp = ffi.new("struct fp_rec **")
-        self._u64s = ffi.new("uint64_t[9]")  # out-params: [0, 6) _round's, [6, 9) _run's
+        self._u64s = ffi.new("uint64_t[9]")  # out-params: [0, 3) _index's, [6, 9) _run's
         self._u32s = ffi.new("uint32_t[2]")
-        self._ost = ffi.new("struct fp_order_stats *")
+        # _run's out-params as pointers made once (each ``+`` makes a new cdata)
+        self._run_out = (self._u64s + 6, self._u64s + 7, self._u64s + 8, self._u32s,
+                         self._u32s + 1)  # fmt: skip
         self._bounds, self._ends = ffi.new("uint64_t[]", 64), ffi.new("int[]", 64)  # _index's
         self.runs = 0
         self.contexts = 0  # C contexts created (1 + resets)
@@ -230,8 +235,15 @@ class NativeStep:
         self._rows, self._marks = ffi.new("uint64_t[]", 5 * cap), ffi.new("uint64_t[]", 3 * cap)
         self._inv, self._slots = ffi.new("uint32_t[]", cap), ffi.new("uint32_t[]", cap)
         self._touched, self._touched_t = ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
-        self._ident = ffi.new("uint32_t[]", list(range(cap)))
-        self._flagged = (ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap))  # count_flagged
+        # the new samples' distinct pids and cpus as (value, count) pairs (fp_live_round), and
+        # views of them made once
+        self._by = (ffi.new("uint64_t[]", 2 * cap), ffi.new("uint64_t[]", 2 * cap))
+        self._by_pid, self._by_cpu = view(self._by[0], "Q"), view(self._by[1], "Q")
+        lr = self._lr
+        lr.perm, lr.keep, lr.late_ns = self._perm, self._keep, self._late
+        (lr.is_sample, lr.time, lr.period, lr.pid, lr.tid, lr.cpu) = self._cols
+        lr.by_pid, lr.by_cpu = self._by
+        lr.cap = cap
 
     # -- context and the caches mirroring it
 
@@ -312,8 +324,8 @@ class NativeStep:
             # Room for what the rings hold now plus one record that may land meanwhile: the
             # arena grows to the largest round, as a bytes-per-drain buffer would.
             want = min(max_bytes, source.pending_bytes() + MAX_RECORD_SIZE)
-            self._reserve(end, end + want)
-            got = source.drain_into(memoryview(self._arenas[self._cur])[end : end + want])
+            self._reserve(self._cur, end, end + want)
+            got = source.drain_into(self._views[self._cur][end : end + want])
             n = 0
             for cpu, size in got:
                 n += size
@@ -360,21 +372,25 @@ class NativeStep:
                 new = bytearray(keep)
                 if i == self._cur:  # (the carry is at most one round: keep >= it)
                     new[: self._carry_len] = memoryview(buf)[: self._carry_len]
-                self._arenas[i] = new
+                self._set_arena(i, new)
         self._peak = 0
         want = max(_RECS_MIN, 2 * self._peak_n)
         if self._cap > 2 * want:  # the per-round arrays likewise
             self._grow(0, want)
         self._peak_n = 0
 
-    def _reserve(self, used: int, size: int) -> None:
-        """The current arena holds at least ``size`` bytes, its first ``used`` kept (doubling:
-        O(1) amortized copies; ``_shrink`` gives back what bursts left)."""
-        buf = self._arenas[self._cur]
+    def _reserve(self, i: int, used: int, size: int) -> None:
+        """Arena ``i`` holds at least ``size`` bytes, its first ``used`` kept (doubling: O(1)
+        amortized copies; ``_shrink`` gives back what bursts left)."""
+        buf = self._arenas[i]
         if size > len(buf):
             grown = bytearray(max(size, 2 * len(buf)))
             grown[:used] = memoryview(buf)[:used]
-            self._arenas[self._cur] = grown
+            self._set_arena(i, grown)
+
+    def _set_arena(self, i: int, buf: bytearray) -> None:
+        """``buf`` is arena ``i`` from now on, with its view and pointer."""
+        self._arenas[i], self._views[i], self._cbufs[i] = buf, memoryview(buf), ffi.from_buffer(buf)
 
     def _round(self, cpus: list[int], bounds: list[int], flush: bool
                ) -> tuple[list[UnwoundSample], StepInfo]:  # fmt: skip
@@ -391,32 +407,36 @@ class NativeStep:
         natively. Its C index entry gets the time/cpu/flags ``context.mark_record`` would give
         it, computed once at decode and rewritten from them whenever the record is carried
         into the next round (records are re-indexed from the carry buffer). Ordering is
-        ``RoundOrderer``'s rule kept in C across rounds (``fp_live_order_round``); records
-        still queued after a round are copied into the next round's buffer (each sample's
-        bytes once more: one memcpy per sample), decoded side-band objects ride along by
-        index (``_carry_round``)."""
+        ``RoundOrderer``'s rule kept in C across rounds (``fp_live_round``, with the new
+        samples' counts, the delivered records' columns and the carry copy: one call, in
+        the index's call when the round is samples only); records still queued after a round
+        are copied into the next round's buffer (each sample's bytes once more: one memcpy per
+        sample), decoded side-band objects ride along by index (``_carry_round``)."""
         info = StepInfo()
         due_out = self._held_first(flush)
-        buf = self._arenas[self._cur]
-        mv, cbuf = memoryview(buf), ffi.from_buffer(buf)
-        recs, n, ends = self._index(cbuf, bounds)
+        cur = self._cur
+        mv, cbuf = self._views[cur], self._cbufs[cur]
+        recs, n, ends, rc = self._index(cbuf, bounds, flush)
         ncarry = self._ncarry
         new_other = self._decode_others(recs, n, mv, cbuf, cpus, bounds)
         errors = self.pipeline.decoder.stats.errors
         for end in ends:
             if end in END_ERRORS:
                 errors[END_ERRORS[end]] += 1
+        fit = self._order(recs, n, flush, cbuf, bounds[-1], rc)
+        lr = self._lr
         nsamples = n - ncarry - new_other
         if nsamples:
-            self._count_new_samples(recs, ncarry, n, nsamples, info)
-        d, nkeep = self._order(recs, n, flush)
+            self._count_new_samples(nsamples, info)
+        d, nkeep = int(lr.nout), int(lr.nkeep)
         cols, stack_ids = self._cols, self._stack_ids
         is_sample = bytes(ffi.buffer(cols[0], d))
         objs = self._carry_objs
         applied = self._runs(mv, bounds[-1], cbuf, recs, is_sample, objs)
         self.live.end_batch()
-        self.unpin(applied)
-        self._carry_round(cbuf, recs, self._keep, nkeep, objs)
+        if applied:  # (most rounds apply no side-band record)
+            self.unpin(applied)
+        self._carry_round(cbuf, recs, nkeep, objs, fit)
         if self.python is not None and self._any_eval and d:
             self._python_frames(is_sample, d)
         if self.python is not None and due_out:
@@ -456,9 +476,12 @@ class NativeStep:
             out += self.deferred.take(flush)
         return out
 
-    def _index(self, cbuf: Any, bounds: list[int]) -> tuple[Any, int, list[int]]:
-        """The round's records indexed in C, per drained part (``fp_live_index``): the index,
-        its length, and the FP_END_* each ring's part ended on."""
+    def _index(self, cbuf: Any, bounds: list[int], flush: bool
+               ) -> tuple[Any, int, list[int], int]:  # fmt: skip
+        """The round's records indexed in C, per drained part, and when they are all good
+        SAMPLEs (nothing to decode) the round's fixed work too, in the same call
+        (``fp_live_index_round``; see ``_order``): the index, its length, the FP_END_* each
+        ring's part ended on, and fp_live_round's answer (2: not run, ``_order`` runs it)."""
         nparts = len(bounds) - 1
         u64 = self._u64s  # [0] records, [1] others, [2] stop
         if len(bounds) > len(self._bounds):  # (the parts of a round: a few per ring)
@@ -466,14 +489,18 @@ class NativeStep:
             self._ends = ffi.new("int[]", 2 * len(bounds))
         cb, ends = self._bounds, self._ends
         cb[0 : len(bounds)] = bounds
-        check(lib.fp_live_index(self.lay, cbuf, cb, nparts, self._pp, u64, u64 + 1, ends,
-                                u64 + 2), "fp_live_index")  # fmt: skip
+        self._aim_carry()
+        rc = int(lib.fp_live_index_round(self.lay, cbuf, cb, nparts, self._pp, u64, u64 + 1,
+                                         ends, u64 + 2, self.orderer, self._ncarry, int(flush),
+                                         self._lr))  # fmt: skip
+        if self._pp[0] == ffi.NULL:
+            raise MemoryError("fp_live_index")
         recs = ffi.gc(self._pp[0], lib.unw_free)
         n = int(u64[0])
         if int(u64[2]) != _NO_STOP:  # a record type > 255: the kernel never writes one
             raise RuntimeError(f"unexpected record type at ring offset {int(u64[2])}")
         self._grow(n)
-        return recs, n, list(ends[1:nparts])
+        return recs, n, list(ends[1:nparts]), rc
 
     def _decode_others(self, recs: Any, n: int, mv: memoryview, cbuf: Any, cpus: list[int],
                        bounds: list[int]) -> int:  # fmt: skip
@@ -546,17 +573,26 @@ class NativeStep:
             lib.unw_sb_marks(recs, idx, self._marks, len(mark_i))
         return new_other
 
-    def _order(self, recs: Any, n: int, flush: bool) -> tuple[int, int]:
-        """The round ordered (``fp_live_order_round``): (records delivered, in ``_perm``,
-        their columns in ``_cols``; records kept queued, in ``_keep``)."""
-        u64, perm, late, keep, ost = self._u64s, self._perm, self._late, self._keep, self._ost
-        check(lib.fp_live_order_round(self.orderer, recs, self._ncarry, n, int(flush), perm,
-                                      u64 + 3, late, u64 + 4, ost, keep, u64 + 5),
-              "fp_live_order_round")  # fmt: skip
-        self.pipeline.orderer.stats.add_native(ost, late[0 : int(u64[4])])
-        d, nkeep = int(u64[3]), int(u64[5])
-        lib.fp_columns(recs, perm, d, *self._cols)
-        return d, nkeep
+    def _aim_carry(self) -> None:
+        """fp_live_round copies the carry to the other arena's head (when it fits there)."""
+        lr, other = self._lr, 1 - self._cur
+        lr.carry, lr.carry_cap = self._cbufs[other], len(self._arenas[other])
+
+    def _order(self, recs: Any, n: int, flush: bool, cbuf: Any, size: int, rc: int) -> bool:
+        """The round's fixed work in one call (``fp_live_round``), unless ``_index`` ran it
+        (``rc`` its answer, 2: not run): the new samples counted by pid and cpu
+        (``_count_new_samples`` takes them); the round ordered (records delivered, ``lr.nout``
+        in ``_perm``, their columns in ``_cols``; records kept queued, ``lr.nkeep`` in
+        ``_keep``); the kept records' bytes copied to the other arena's head when they fit
+        there (the answer; else ``_carry_round`` makes room and copies them)."""
+        lr = self._lr
+        if rc == 2:  # side-band records marked first (or the arrays grew): run it now
+            rc = int(lib.fp_live_round(self.orderer, cbuf, size, recs, self._ncarry, n,
+                                       int(flush), lr))  # fmt: skip
+        if rc < 0:
+            raise RuntimeError("fp_live_round failed")
+        self.pipeline.orderer.stats.add_native(lr.st, self._late[0 : int(lr.nlate)])
+        return rc == 0
 
     def _runs(self, mv: memoryview, size: int, cbuf: Any, recs: Any, is_sample: bytes,
               objs: dict[int, _Marked]) -> list[Record]:  # fmt: skip
@@ -598,43 +634,44 @@ class NativeStep:
                                          status, frames_of(fr)))  # fmt: skip
         return out
 
-    def _count_new_samples(self, recs: Any, a: int, b: int, nsamples: int,
-                           info: StepInfo) -> None:  # fmt: skip
-        """decode/StreamStats.observe's counts for the good SAMPLEs among recs[a, b); their
-        pids go to ``info`` as they leave the ring (the daemon learns each pid's uid while it
-        is alive, which a flush a second later could miss)."""
-        dec, s = self.pipeline.decoder, self.pipeline.stats
+    def _count_new_samples(self, nsamples: int, info: StepInfo) -> None:
+        """decode/StreamStats.observe's counts for the round's new good SAMPLEs (counted by pid
+        and cpu in ``fp_live_round``, first-seen order); their pids go to ``info`` as they
+        leave the ring (the daemon learns each pid's uid while it is alive, which a flush a
+        second later could miss)."""
+        dec, s, lr = self.pipeline.decoder, self.pipeline.stats, self._lr
         dec.stats.records["SAMPLE"] += nsamples
         s.by_type["SAMPLE"] += nsamples
-        k = b - a
-        cols = self._cols
-        lib.fp_columns(recs, self._ident + a, k, *cols)
-        flags = bytes(ffi.buffer(cols[0], k))  # the good SAMPLEs (not side-band, not bad)
-        out = self._flagged
-        by_pid = count_flagged(flags, view(cols[3], "I", k), out)  # in C, first-seen order
+        by_pid = self._by_pid[: 2 * lr.npids].tolist()  # pid, count, pid, count, ...
+        pids = by_pid[0::2]
         if self.count_pid_samples:
-            for pid, c in by_pid:
-                s.samples_by_pid[pid] += c
-        info.pids.update(pid for pid, _ in by_pid)
-        info.busy += sum([c for pid, c in by_pid if pid])
-        for cpu, c in count_flagged(flags, view(cols[5], "I", k), out):
-            per = s.by_cpu_type.get(cpu)
+            samples_by_pid = s.samples_by_pid
+            for pid, c in zip(pids, by_pid[1::2], strict=True):
+                samples_by_pid[pid] += c
+        info.pids.update(pids)
+        info.busy += lr.busy
+        by_cpu = self._by_cpu[: 2 * lr.ncpus].tolist()
+        by_cpu_type = s.by_cpu_type
+        for cpu, c in zip(by_cpu[0::2], by_cpu[1::2], strict=True):
+            per = by_cpu_type.get(cpu)
             if per is None:
-                per = s.by_cpu_type[cpu] = Counter()
+                per = by_cpu_type[cpu] = Counter()
             per["SAMPLE"] += c
 
-    def _carry_round(self, cbuf: Any, recs: Any, keep: Any, nkeep: int,
-                     objs: dict[int, _Marked]) -> None:  # fmt: skip
+    def _carry_round(self, cbuf: Any, recs: Any, nkeep: int, objs: dict[int, _Marked],
+                     fit: bool) -> None:  # fmt: skip
         """What stays queued becomes the head of the next round's buffer (the other arena), in
-        keep order."""
+        keep order: ``fp_live_round`` copied it there when it ``fit``, else it is copied now,
+        the arena grown to its size."""
         self._ncarry = nkeep
         if not nkeep:
             self._carry_len, self._carry_objs = 0, {}
             return
-        size = int(lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.NULL))
-        self._cur = 1 - self._cur  # (cbuf still holds the round's arena)
-        self._reserve(0, size)
-        lib.fp_live_gather(cbuf, recs, keep, nkeep, ffi.from_buffer(self._arenas[self._cur]))
+        keep, size = self._keep, int(self._lr.carry_len)
+        self._cur = cur = 1 - self._cur  # (cbuf still holds the round's arena)
+        if not fit:
+            self._reserve(cur, 0, size)
+            lib.fp_live_gather(cbuf, recs, keep, nkeep, self._cbufs[cur])
         self._carry_len = size
         if objs:  # side-band records ride along: each one's new slot, O(nkeep + objs) in C
             k = len(objs)
@@ -701,9 +738,7 @@ class NativeStep:
         (``LiveTable.on_comm``)."""
         live, engine, nctx = self.live, self.engine, self.nctx
         ctx = nctx.ctx
-        u64 = self._u64s
-        stopped, rt, ntouched = u64 + 6, u64 + 7, u64 + 8
-        need_pid, need_tid = self._u32s, self._u32s + 1
+        stopped, rt, ntouched, need_pid, need_tid = self._run_out
         touched, touched_t = self._touched, self._touched_t
         k, force = a, 0
         while True:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..lightdc import dataclass, field
@@ -67,7 +67,7 @@ class OrderStats:
     # keys are ready-made histogram bucket bounds (le=1, 2, 4, ... ns).
     late_buckets: Counter[int] = field(default_factory=Counter)
 
-    def add_native(self, st: Any, lateness_ns: Iterable[int]) -> None:
+    def add_native(self, st: Any, lateness_ns: Sequence[int]) -> None:
         """Add one call's counts of the native orderer (``struct fp_order_stats``, fastpath.h:
         filereplay's whole file, or one live round) and its late records' lateness; ``queued``
         is the gauge, so it is taken, not added."""
@@ -79,7 +79,8 @@ class OrderStats:
         self.rounds += st.rounds
         self.forced_flushes += st.forced_flushes
         self.untimed += st.untimed
-        self.late_buckets.update(lateness_bucket(x) for x in lateness_ns)
+        if lateness_ns:  # (most live rounds have no late record: no generator, no update call)
+            self.late_buckets.update(lateness_bucket(x) for x in lateness_ns)
 
 
 def lateness_bucket(lateness_ns: int) -> int:

@@ -9,8 +9,10 @@
  * chunk u32 cpu, u32 len, len bytes. Each stream replays the drains through the call sequence
  * of daemon/unwindd/pipeline/ringstep.py's NativeStep: per round the carry (records still queued, copied
  * by fp_live_gather) plus 1-3 drains' chunks are indexed (fp_live_index), side-band records get
- * the flags/time/cpu Python would set (carried ones keep theirs), new samples are counted
- * (fp_columns), the round is ordered (fp_live_order_round, small queue caps: forced flushes),
+ * the flags/time/cpu Python would set (carried ones keep theirs; fp_live_index_round instead
+ * when there are none and the arrays hold the round, at random), then fp_live_round: new samples
+ * counted by pid and cpu, the round ordered (small queue caps: forced flushes), its columns, the
+ * carry copied into an arena as large as the round or smaller (then by fp_live_gather),
  * runs of samples between side-band records are unwound (fp_live_run answering NEED_PLACE by
  * placing or holding and NEED_COMM with an id), side-band records forget spaces/comms, the
  * stacks and frames are read back (fp_nframes/fp_frame/fp_nstacks/fp_stack) and the samples
@@ -35,7 +37,7 @@
 
 /* coverage counts, printed at the end */
 static unsigned long long n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx,
-    n_raised, n_retired;
+    n_raised, n_retired, n_fused;
 
 static void *xmalloc(size_t n)
 {
@@ -434,11 +436,38 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
     for (uint32_t i = 0; i < nch; i++)
         if (ch[i].len)
             memcpy(buf + bounds[i + 1], ch[i].data, ch[i].len);
-    /* -- index */
+    /* fp_live_round's arrays, made before the index as the step's are (sized by earlier
+     * rounds): room for every record the buffer can hold, or for a few (the round then runs
+     * apart, after they grow); the carry arena as large as the round, or not */
+    uint64_t capn = rnd() % 2 ? len / 8 + 1 : 1 + rnd() % 8;
+    uint32_t *perm = xmalloc(capn * sizeof *perm), *keep = xmalloc(capn * sizeof *keep);
+    uint64_t *late = xmalloc(capn * 8);
+    uint8_t *is_sample = xmalloc(capn);
+    uint64_t *ctime = xmalloc(capn * 8), *cperiod = xmalloc(capn * 8);
+    uint32_t *cpid = xmalloc(capn * 4), *ctid = xmalloc(capn * 4), *ccpu = xmalloc(capn * 4);
+    uint64_t *bpid = xmalloc(2 * capn * 8), *bcpu = xmalloc(2 * capn * 8); /* (value, count) */
+    uint64_t cap = rnd() % 2 ? len : rnd() % (len + 1);
+    uint8_t *carry = xmalloc(cap);
+    struct fp_live_round lr = {
+        .perm = perm, .keep = keep, .late_ns = late, .is_sample = is_sample, .time = ctime,
+        .period = cperiod, .pid = cpid, .tid = ctid, .cpu = ccpu, .by_pid = bpid, .by_cpu = bcpu,
+        .carry = carry, .carry_cap = cap, .cap = capn,
+    };
+    /* -- index: alone, or with the round when it is samples only (fp_live_index_round) */
     struct fp_rec *recs = NULL;
     uint64_t n = UINT64_MAX, other = UINT64_MAX, stop = 0;
     int *ends = xmalloc(nparts * sizeof *ends);
-    CHECK(fp_live_index(s->lay, buf, bounds, nparts, &recs, &n, &other, ends, &stop) == 0);
+    int rc = 2;
+    if (rnd() % 2) {
+        rc = fp_live_index_round(s->lay, buf, bounds, nparts, &recs, &n, &other, ends, &stop,
+                                 s->o, s->ncarry, flush, &lr);
+        CHECK(rc == 0 || rc == 1 || rc == 2);
+        CHECK((rc == 2) == (other || stop != UINT64_MAX || n > capn));
+        if (rc != 2)
+            n_fused++;
+    } else {
+        CHECK(fp_live_index(s->lay, buf, bounds, nparts, &recs, &n, &other, ends, &stop) == 0);
+    }
     CHECK(recs && other <= n);
     for (uint32_t i = 0; i < nparts; i++)
         CHECK(ends[i] >= FP_END_OK && ends[i] <= FP_END_PAYLOAD_TRUNCATED);
@@ -446,6 +475,8 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
         CHECK(recs[i].off < len && recs[i].size >= 8 && recs[i].size <= len - recs[i].off);
     if (stop != UINT64_MAX) { /* RuntimeError in the step */
         CHECK(stop < len);
+        free(perm), free(keep), free(late), free(is_sample), free(ctime), free(cperiod);
+        free(cpid), free(ctid), free(ccpu), free(bpid), free(bcpu), free(carry);
         unw_free(recs);
         free(ends);
         free(buf);
@@ -485,31 +516,69 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
         recs[i].flags = fl;
     }
     uint64_t nsamples = n - s->ncarry - new_other;
-    if (nsamples) { /* _count_new_samples */
-        uint64_t k = n - s->ncarry;
-        uint32_t *ident = xmalloc(k * sizeof *ident);
-        for (uint64_t i = 0; i < k; i++)
-            ident[i] = (uint32_t)(s->ncarry + i);
-        uint8_t *c0 = xmalloc(k);
-        uint64_t *c1 = xmalloc(k * 8), *c2 = xmalloc(k * 8);
-        uint32_t *c3 = xmalloc(k * 4), *c4 = xmalloc(k * 4), *c5 = xmalloc(k * 4);
-        fp_columns(recs, ident, k, c0, c1, c2, c3, c4, c5);
-        uint64_t cnt = 0;
-        for (uint64_t i = 0; i < k; i++)
-            cnt += c0[i];
-        CHECK(cnt == nsamples);
-        s->samples_new += nsamples;
-        free(ident);
-        free(c0), free(c1), free(c2), free(c3), free(c4), free(c5);
-    }
-    /* -- order */
+    /* -- fp_live_round (_order): the new samples counted by pid and cpu, the round ordered, its
+     * columns, the carry copied when it fits (the carry arena: as large as the round, or not) */
     uint64_t m = n ? n : 1;
-    uint32_t *perm = xmalloc(m * sizeof *perm), *keep = xmalloc(m * sizeof *keep);
-    uint64_t *late = xmalloc(m * sizeof *late);
-    uint64_t nout, nlate, nkeep;
-    struct fp_order_stats ost;
-    CHECK(fp_live_order_round(s->o, recs, s->ncarry, n, flush, perm, &nout, late, &nlate, &ost,
-                              keep, &nkeep) == 0);
+    if (rc == 2) { /* side-band records marked first, or the arrays grown first (_grow) */
+        if (n > capn) {
+            free(perm), free(keep), free(late), free(is_sample), free(ctime), free(cperiod);
+            free(cpid), free(ctid), free(ccpu), free(bpid), free(bcpu);
+            perm = xmalloc(m * sizeof *perm), keep = xmalloc(m * sizeof *keep);
+            late = xmalloc(m * 8), is_sample = xmalloc(m);
+            ctime = xmalloc(m * 8), cperiod = xmalloc(m * 8);
+            cpid = xmalloc(m * 4), ctid = xmalloc(m * 4), ccpu = xmalloc(m * 4);
+            bpid = xmalloc(2 * m * 8), bcpu = xmalloc(2 * m * 8);
+            lr.perm = perm, lr.keep = keep, lr.late_ns = late, lr.is_sample = is_sample;
+            lr.time = ctime, lr.period = cperiod, lr.pid = cpid, lr.tid = ctid, lr.cpu = ccpu;
+            lr.by_pid = bpid, lr.by_cpu = bcpu, lr.cap = m;
+        }
+        rc = fp_live_round(s->o, buf, len, recs, s->ncarry, n, flush, &lr);
+    }
+    CHECK(rc == 0 || rc == 1);
+    CHECK(lr.nsamples == nsamples && lr.npids <= nsamples && lr.ncpus <= nsamples);
+    {
+        /* each distinct pid / cpu once, first-seen order, with its count; busy: pid != 0 */
+        uint64_t tp = 0, tc = 0, busy = 0;
+        for (uint64_t j = 0; j < lr.npids; j++) {
+            tp += bpid[2 * j + 1];
+            busy += bpid[2 * j] ? bpid[2 * j + 1] : 0;
+        }
+        for (uint64_t j = 0; j < lr.ncpus; j++)
+            tc += bcpu[2 * j + 1];
+        CHECK(tp == nsamples && tc == nsamples && busy == lr.busy);
+        if (lr.npids + lr.ncpus <= 64) {
+            uint64_t jp = 0, jc = 0;
+            for (uint64_t i = s->ncarry; i < n; i++) {
+                if (!(recs[i].flags & FP_SAMPLE))
+                    continue;
+                uint64_t j = 0;
+                while (j < lr.npids && bpid[2 * j] != recs[i].pid)
+                    j++;
+                CHECK(j < lr.npids && j <= jp); /* seen, and not before its first sample */
+                jp += j == jp;
+                for (j = 0; j < lr.ncpus && bcpu[2 * j] != recs[i].cpu;)
+                    j++;
+                CHECK(j < lr.ncpus && j <= jc);
+                jc += j == jc;
+            }
+            CHECK(jp == lr.npids && jc == lr.ncpus);
+            for (uint64_t j = 0; j < lr.npids; j++) {
+                uint64_t c = 0;
+                for (uint64_t i = s->ncarry; i < n; i++)
+                    c += (recs[i].flags & FP_SAMPLE) && recs[i].pid == bpid[2 * j];
+                CHECK(c == bpid[2 * j + 1]);
+            }
+            for (uint64_t j = 0; j < lr.ncpus; j++) {
+                uint64_t c = 0;
+                for (uint64_t i = s->ncarry; i < n; i++)
+                    c += (recs[i].flags & FP_SAMPLE) && recs[i].cpu == bcpu[2 * j];
+                CHECK(c == bcpu[2 * j + 1]);
+            }
+        }
+    }
+    s->samples_new += nsamples;
+    uint64_t nout = lr.nout, nlate = lr.nlate, nkeep = lr.nkeep;
+    struct fp_order_stats ost = lr.st;
     CHECK(nout + nkeep <= n && nlate == ost.late && ost.delivered == nout);
     CHECK(ost.queued == nkeep && fp_live_order_queued(s->o) == nkeep && (!flush || !nkeep));
     n_rounds++;
@@ -530,12 +599,31 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
         }
         free(seen);
     }
-    uint64_t d = nout, dm = d ? d : 1;
-    uint8_t *is_sample = xmalloc(dm);
-    uint64_t *ctime = xmalloc(dm * 8), *cperiod = xmalloc(dm * 8);
-    uint32_t *cpid = xmalloc(dm * 4), *ctid = xmalloc(dm * 4), *ccpu = xmalloc(dm * 4);
-    fp_columns(recs, perm, d, is_sample, ctime, cperiod, cpid, ctid, ccpu);
-    uint32_t *stack_ids = xcalloc(dm, sizeof *stack_ids);
+    uint64_t d = nout;
+    for (uint64_t k = 0; k < d; k++) { /* fp_columns' */
+        const struct fp_rec *r = &recs[perm[k]];
+        CHECK(is_sample[k] == !!(r->flags & FP_SAMPLE) && ctime[k] == r->time &&
+              cperiod[k] == r->period && cpid[k] == r->pid && ctid[k] == r->tid &&
+              ccpu[k] == r->cpu);
+    }
+    uint32_t *stack_ids = xcalloc(m, sizeof *stack_ids);
+    /* the carry: the kept records back to back, in keep order */
+    uint64_t size = fp_live_gather(buf, recs, keep, nkeep, NULL);
+    CHECK(lr.carry_len == size && (rc == 1) == (size > cap));
+    if (rc == 1) { /* _carry_round: room made, copied then */
+        free(carry);
+        carry = xmalloc(size);
+        CHECK(fp_live_gather(buf, recs, keep, nkeep, carry) == size);
+    }
+    {
+        uint64_t w = 0;
+        for (uint64_t j = 0; j < nkeep; j++) {
+            const struct fp_rec *r = &recs[keep[j]];
+            CHECK(memcmp(carry + w, buf + r->off, r->size) == 0);
+            w += r->size;
+        }
+        CHECK(w == size);
+    }
     /* -- runs of samples between side-band records, in delivered order */
     uint64_t pos = 0;
     while (pos < d) {
@@ -551,10 +639,6 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
         apply_side_band(s, &recs[perm[e]]);
         pos = e + 1;
     }
-    /* -- carry (_carry_round): queued records head the next round's buffer, in keep order */
-    uint64_t size = fp_live_gather(buf, recs, keep, nkeep, NULL);
-    uint8_t *carry = xmalloc(size);
-    CHECK(fp_live_gather(buf, recs, keep, nkeep, carry) == size);
     uint8_t *cfl = xmalloc(nkeep ? nkeep : 1), *cva = xcalloc(nkeep ? nkeep : 1, 1);
     uint64_t *ct = xmalloc((nkeep ? nkeep : 1) * 8);
     uint32_t *cc = xmalloc((nkeep ? nkeep : 1) * 4);
@@ -582,6 +666,7 @@ static int round_(struct step *s, struct chunk *ch, uint32_t nch, int flush)
     if (flush || rnd() % 3 == 0)
         take_groups(s);
     free(is_sample), free(ctime), free(cperiod), free(cpid), free(ctid), free(ccpu);
+    free(bpid), free(bcpu);
     free(stack_ids);
     free(perm), free(keep), free(late), free(idx);
     unw_free(recs);
@@ -738,9 +823,10 @@ int main(int argc, char **argv)
     }
     free(dr);
     printf("rounds %llu, need_place %llu (held %llu), need_comm %llu, carried records %llu, "
-           "forced flushes %llu, late %llu, contexts %llu, raised %llu, retired frames %llu\n",
+           "forced flushes %llu, late %llu, contexts %llu, raised %llu, retired frames %llu, "
+           "index+round %llu\n",
            n_rounds, n_place, n_held, n_comm, n_carried, n_forced, n_late, n_ctx, n_raised,
-           n_retired);
+           n_retired, n_fused);
     printf("ok %llu\n", checks);
     return 0;
 }
