@@ -112,6 +112,26 @@ def test_a_long_lived_process_churning_threads_keeps_only_its_live_threads_names
     assert engine.comm_of(pid, pid + 1) == "back"
 
 
+def test_a_reused_pid_takes_its_parents_name(tmp_path: Path) -> None:
+    """A FORK that reuses a pid the table still holds (its old process exited within the
+    grace): the old process is dropped first, then the new one is named after its parent, as
+    perf's machine__process_fork_event removes the old thread before thread__fork copies the
+    parent's comm. Before its exec, a sample of it is its parent's, not nameless."""
+    fake, clock, engine, live = _live(tmp_path)
+    fake.put(10, "parent", 1, line(0x1000, 0x2000, "/bin/none"))
+    engine.feed([Fork(0, 10, 1, 10, 1, clock.now, NO_SAMPLE_ID),
+                 Comm(0, 10, 10, "parent", NO_SAMPLE_ID),
+                 Fork(0, 20, 1, 20, 1, clock.now, NO_SAMPLE_ID),
+                 Comm(0, 20, 20, "old", NO_SAMPLE_ID)])  # fmt: skip
+    clock.now += MS
+    engine.feed([Exit(0, 20, 1, 20, 1, clock.now, NO_SAMPLE_ID)])
+    assert 20 in engine.table.spaces and engine.comm_of(20, 20) == "old"  # in its grace
+    clock.now += MS
+    engine.feed([Fork(0, 20, 10, 20, 10, clock.now, NO_SAMPLE_ID)])
+    assert engine.table.stats.drops["reused"] == 1
+    assert engine.comm_of(20, 20) == "parent"
+
+
 def test_native_step_context_bound_follows_the_table_cap() -> None:
     """The native step keeps dead pids' snapshots until its context is dropped whole: that
     bound follows max_processes (live.py), so a small cap bounds it too."""

@@ -379,9 +379,13 @@ class StackEngine:
             return
         if t is Mmap:  # (the only other record note_jitdump looks at)
             self.note_jitdump(rec)
-        elif t is Comm or t is Fork:  # (the only records note_comm looks at)
+        elif t is Comm:  # (with FORK below, the only records note_comm looks at)
             self.note_comm(rec)
         self.table.apply(rec)
+        if t is Fork:  # named once the table dropped a reused pid's old process and its
+            # names, as perf's machine__process_fork_event removes the old thread before
+            # thread__fork copies the parent's comm (tools/perf/util/machine.c)
+            self.note_comm(rec)
         if self.live is not None:
             self.live.observe(rec)
 
