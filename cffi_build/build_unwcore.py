@@ -29,7 +29,8 @@ FASTPATH = ["index.c", "order.c", "stacks.c", "parallel.c", "context.c", "live.c
 CFI = ["arch.c", "cfienc.c", "cfistore.c", "cfaprog.c", "ehframe.c", "cfitable.c", "cfilookup.c"]
 SOURCES = [*(HERE / f for f in CFI), HERE / "unwind.c", *(HERE / f for f in FASTPATH),
            HERE / "symtab.c", HERE / "sideband.c", HERE / "mapfile.c", HERE / "fold.c",
-           HERE / "libcall.c", HERE / "dwarfline.c", HERE / "pywalk.c", HERE / "crc32c.c"]
+           HERE / "libcall.c", HERE / "dwarfline.c", HERE / "pywalk.c", HERE / "crc32c.c",
+           HERE / "stackenc.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text() + FAST_HEADER.read_text())

@@ -1,7 +1,7 @@
 /* unwcore.h: the native CFI compiler (cfi_int.h: arch.c, ehframe.c, cfaprog.c, cfitable.c,
  * cfilookup.c) and unwinder (unwind.c) of unwindd._unwcore, and the helpers beside them:
  * symbol table scans (symtab.c), library calls (libcall.c), the cache files' checksum
- * (crc32c.c) and the side-band filter
+ * (crc32c.c), the stack table's encoding (stackenc.c) and the side-band filter
  * (sideband.c). The pipeline context's interface is fastpath.h.
  *
  * This file is both the cffi cdef and the C header (see build_unwcore.py), so it includes
@@ -514,3 +514,27 @@ void unw_py_stop(struct unw_py_sync *sync);
  * virtual deadline, so the thread's wakeups run sooner, with the same share of CPU. 0, or
  * -errno (a kernel without custom slices accepts and ignores it). */
 int unw_py_short_slice(uint64_t slice_ns);
+
+/* -------------------------------------------------------- stack table encoding (stackenc.c) */
+
+#define UNW_ST_WORDS 4          /* u64 words a code slot takes (store/codeslots.py) */
+#define UNW_ST_HAS_REL 1        /* slot flags (word 0 >> 32): the frame has a rel */
+#define UNW_ST_NO_DELTA 255     /* stacktable.NO_DELTA: a frame keyed with its ip */
+#define UNW_ST_KEYED 0x80000000 /* miss entry: a frame keyed as its slot's frame, unresolved */
+#define UNW_ST_MAX_FRAMES 0x7FFFFFFF
+
+/* A CodeStack of n frames (their code slots slots[i], in words[0, UNW_ST_WORDS * nslots), and
+ * ips[i]) as stacktable._encode_at encodes it: delta index di[i] per frame, the distinct
+ * deltas in deltas[0, *nd) (room for UNW_ST_NO_DELTA), fids[i] each frame's id where its slot
+ * resolves it (still live: uids[fid] is the slot's serial, fid < nuids), else 0 and i (with
+ * UNW_ST_KEYED where the caller may resolve the slot) in miss[]. Returns the misses, -1 for
+ * a slot out of range or n past UNW_ST_MAX_FRAMES. */
+int64_t unw_st_resolve(uint64_t n, const int32_t *slots, uint64_t nslots, const uint64_t *words,
+                       const uint64_t *ips, const uint64_t *uids, uint64_t nuids, uint32_t *fids,
+                       uint8_t *di, int64_t *deltas, uint32_t *nd, uint32_t *miss);
+/* The stack's bytes (stacktable._pack) into out (room for 6 + 13 n); their length. */
+uint64_t unw_st_pack(uint64_t n, const uint32_t *fids, const int64_t *deltas, uint32_t nd,
+                     const uint8_t *di, uint8_t *out);
+/* frefs[fid] += 1 for each frame id of the stack bytes enc[0, len); its frames, or -1 (nothing
+ * changed) for bytes too short or an id past nfrefs. */
+int64_t unw_st_hold(const uint8_t *enc, uint64_t len, uint32_t *frefs, uint64_t nfrefs);

@@ -117,7 +117,7 @@ def test_a_reused_pid_takes_its_parents_name(tmp_path: Path) -> None:
     grace): the old process is dropped first, then the new one is named after its parent, as
     perf's machine__process_fork_event removes the old thread before thread__fork copies the
     parent's comm. Before its exec, a sample of it is its parent's, not nameless."""
-    fake, clock, engine, live = _live(tmp_path)
+    fake, clock, engine, _ = _live(tmp_path)
     fake.put(10, "parent", 1, line(0x1000, 0x2000, "/bin/none"))
     engine.feed([Fork(0, 10, 1, 10, 1, clock.now, NO_SAMPLE_ID),
                  Comm(0, 10, 10, "parent", NO_SAMPLE_ID),

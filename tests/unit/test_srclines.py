@@ -137,6 +137,16 @@ def test_dwarf4_lines_and_inlines(inline_ranges: bool) -> None:
     assert t.chain(0x1000) == (("outer", "/src/a.c", 10, "/src/a.c", 9),)
 
 
+def test_file_names_are_decoded_once_per_file() -> None:
+    """Every level naming a file holds the one str the table decoded for it (a frame's file
+    and decl_file are then one object), and the names stay each file's own."""
+    t = compile_sections(_v4_sections(False))
+    inl, top = t.chain(0x1015), t.chain(0x1000)
+    assert inl[1][1] is inl[1][3] is top[0][1] is top[0][3] == "/src/a.c"
+    assert inl[0][1] is inl[0][3] == "/src/inc/inl.h"
+    assert t.chain(0x1015) == inl and t.lookup(0x1020) == (("outer", "/src/a.c", 12),)
+
+
 def _v5_sections() -> dict[str, bytes]:
     line_strs = Strings()
     # the file register starts at 1 in DWARF 5 too; file 0 is the primary file

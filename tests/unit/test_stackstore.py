@@ -364,3 +364,30 @@ def test_intern_fast_path_lets_go_of_dropped_stacks() -> None:
         store.add_counts([(0, 1, 1, "p", kept, 1)])
     assert gone not in store._by_obj and store._by_obj[id(kept)][0] is kept
     assert {x.frames[0].sym: x.count for x in store.query()} == {"a": 17, "gone": 1}
+
+
+def test_table_stats_are_read_once_a_batch_and_hold_after_it() -> None:
+    """The table's byte count and frames are read at the end of each batch that interned a
+    stack (not per new stack), by ``add`` and ``add_counts`` alike: after a batch the stats
+    are the table's."""
+    store = StackStore(bucket_ns=S)
+    reads = 0
+    sync = store._sync_table
+
+    def counting() -> None:
+        nonlocal reads
+        reads += 1
+        sync()
+
+    store._sync_table = counting  # type: ignore[method-assign]
+    for batch in range(3):
+        frames = [tuple(Frame(0x1000 * batch + i, "/bin/x", f"f{i}", 0) for i in range(k))
+                  for k in range(1, 5)]  # fmt: skip
+        if batch % 2:
+            store.add([UnwoundSample(batch, 1, 1, 0, "p", 1, "ok", fr) for fr in frames])
+        else:
+            store.add_counts([(batch, 1, 1, "p", fr, 1) for fr in frames])
+        t = store._table
+        assert store.stats.table_bytes == t.nbytes and store.stats.frames == t.nframes
+        check_table(store)
+    assert reads == 3

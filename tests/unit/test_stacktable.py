@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from unwindd.store.queries import func_keys
@@ -246,4 +247,43 @@ def test_code_frames_are_remembered_while_the_caller_holds_them() -> None:
     assert looked == 0 and len(t) == 3
     del gone
     t.sweep_code_frames()
-    assert sorted(f.sym for f, _, _ in t._code_memo.values()) == ["f0", "f1", "f2", "f3"]
+    assert sorted(f.sym for f in t._cslots._frames) == ["f0", "f1", "f2", "f3"]
+    # the frames kept under new slots keep what they resolved to: no look-up either
+    t.add(tuple(kept), [f.ip + 0x3000 for f in kept])
+    assert looked == 0 and len(t) == 4
+
+
+def test_code_slots_are_bounded(monkeypatch: Any) -> None:
+    """Past MAX_SLOTS base frames the slots start over (a frame not remembered is looked up
+    again), also in the middle of a stack whose other frames had slots: the same stacks as a
+    table given the frames."""
+    from unwindd.store import codeslots
+    from unwindd.unwind.stackfmt import at_ip
+
+    monkeypatch.setattr(codeslots, "MAX_SLOTS", 8)
+    code, plain = StackTable(), StackTable()
+    shared = Frame(0x5500_0000_9000, "/bin/app", "main", 0, rel=0x9000)  # in every stack
+    held = []
+    for k in range(6):
+        base = (*(Frame(0x5500_0000_0000 + 16 * i, "/bin/app", f"f{k % 3}_{i}", 0, rel=16 * i)
+                  for i in range(2)), shared)  # fmt: skip
+        held.append(base)
+        for move in (0x1000, 0x2000):
+            ips = [f.ip + move for f in base]
+            got = code.add(base, ips)
+            assert got == plain.add(tuple(at_ip(f, ip) for f, ip in zip(base, ips, strict=True)))
+            assert code.encoded(got[0]) == plain.encoded(got[0])
+            assert len(code._cslots) <= 8
+    assert len(code._cslots) == 7  # (cleared once, at the fourth stack: 7 slots, 3 frames)
+
+
+def test_code_stack_needs_an_ip_per_frame() -> None:
+    """A CodeStack with more frames than ips (or fewer) is refused, as ``zip(strict=True)``
+    refuses it: C never reads past the ips."""
+    base = tuple(Frame(0x5500_0000_0000 + 16 * i, "/bin/app", f"f{i}", 0, rel=16 * i)
+                 for i in range(3))  # fmt: skip
+    t = StackTable()
+    for ips in ([f.ip for f in base[:2]], [*(f.ip for f in base), 0]):
+        with pytest.raises(ValueError):
+            t.add(base, ips)
+    assert len(t) == 0 and t.nframes == 0

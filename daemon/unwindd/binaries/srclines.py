@@ -25,7 +25,8 @@ Invariants:
 Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well under a second);
 a load from disk is one mmap (the table used in place: page cache, not heap) and one CRC; a
 lookup two bisects and a walk of at most ``MAX_LEVELS`` parents; names decoded once per
-string.
+string, file names once per file index (a table holds at most one decoded name per string and
+per file it has: every level naming a file shares one str).
 """
 
 from __future__ import annotations
@@ -187,8 +188,8 @@ class SrcLineTable:
     """One binary's compiled line/inline table (immutable; share it). ``lookup(vaddr)``: the
     levels at an ELF vaddr, innermost first (see the module's invariants)."""
 
-    __slots__ = ("__weakref__", "_files", "_kind", "_laddr", "_lfile", "_lno", "_names",
-                 "_ndfile", "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr",
+    __slots__ = ("__weakref__", "_files", "_fnames", "_kind", "_laddr", "_lfile", "_lno",
+                 "_names", "_ndfile", "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr",
                  "_snode", "_strbase", "_strp", "_strtab", "blob", "errors", "mapped",
                  "nbytes")  # fmt: skip
 
@@ -233,6 +234,7 @@ class SrcLineTable:
         if strlen and self._strtab[-1] != 0:
             raise _BadTable("string table")
         self._names: dict[int, str | None] = {NONE: None}
+        self._fnames: dict[int, str | None] = {NONE: None}  # file index -> its name, decoded
         self.errors = {n: e for n, e in zip(ERROR_NAMES, errs, strict=True) if e}
         from ..unwcore import ffi
 
@@ -266,7 +268,10 @@ class SrcLineTable:
         return hit
 
     def _file(self, fid: int) -> str | None:
-        return None if fid == NONE else self._str(self._files[fid])
+        hit = self._fnames.get(fid, "")
+        if hit == "":
+            hit = self._fnames[fid] = self._str(self._files[fid])
+        return hit
 
     def lookup(self, vaddr: int) -> tuple[Level, ...]:
         """The levels at ``vaddr``, innermost first; () when nothing covers it."""

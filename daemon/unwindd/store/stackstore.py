@@ -15,7 +15,8 @@ Invariants:
   Data stays under ``max_bytes`` less the query caches' share (``_CACHE_SHARE``), so a store
   at its cap keeps its caches; past a bound the OLDEST bucket goes whole, counted in
   ``stats.evicted_samples``: never silently (the caches go first only if together they pass
-  ``max_bytes``).
+  ``max_bytes``). The table's part of the stats is read once per batch that interned a
+  stack (``_sync_table``: its byte count sums its containers), so it holds after each batch.
 - ``processes()`` covers exactly the pids with samples still held.
 - Labels (procs/cgroups.py: cgroup, unit, container id) belong to a process, not to its
   entries: ``_labels`` holds them per pid while the pid has a summary, resolved once when the
@@ -160,6 +161,7 @@ class StackStore(Queries):
         self._by_obj: dict[int, tuple[Stack | CodeStack, int]] = {}
         self._batches = 0  # since the last _sweep
         self._dirty: set[int] = set()  # stack ids whose refcount dropped since the last release
+        self._unsynced = False  # stacks interned since the table's stats were last read
         self._lock = threading.Lock()  # guards _readers/_deferred (snapshots close off-thread)
         self._readers = 0  # open snapshots
         # Stack ids released while a snapshot was open: already out of the stats (evicting
@@ -193,6 +195,8 @@ class StackStore(Queries):
         self._last = {}  # the last query's frames: only until the store moves on
         for s in samples:
             self._count(s.time_ns, s.pid, s.tid, s.comm, s.frames, 1)
+        if self._unsynced:
+            self._sync_table()
         self._release_unreferenced()
         self._enforce_bounds()
         self._batch()
@@ -208,6 +212,8 @@ class StackStore(Queries):
         self._last = {}
         for t, pid, tid, comm, frames, n in groups:
             self._count(t, pid, tid, comm, frames, n)
+        if self._unsynced:
+            self._sync_table()
         self._release_unreferenced()
         self._enforce_bounds()
         self._batch()
@@ -286,7 +292,7 @@ class StackStore(Queries):
             self._by_obj[id(frames)] = (frames, sid)
             if new:
                 self._account(sid, len(frames))
-                self._sync_table()
+                self._unsynced = True  # (the table's byte count is read once per batch)
         self._stack_refs[sid] += 1
         if self._deferred and sid in self._deferred:
             self._undefer(sid, len(frames))
@@ -322,6 +328,7 @@ class StackStore(Queries):
         self.stats.frame_slots += n
 
     def _sync_table(self) -> None:
+        self._unsynced = False
         t = self._table
         self.stats.table_bytes = t.nbytes - self._deferred_bytes
         self.stats.frames = t.nframes

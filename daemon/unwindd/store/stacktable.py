@@ -33,8 +33,10 @@ Invariants:
 - Cost: ``add`` is O(frames): a frame object seen earlier (remembered by identity while the
   caller holds it, see ``forget_frames``, and its frame lives) is one dict lookup, another one
   row packed and probed; with ``ips`` (a ``CodeStack``: frames named once by code, each at
-  another ip per process) a frame keyed without its ip is that same lookup, no frame built;
-  ``free`` O(frames); ``frames`` O(frames) (one object per frame not in the
+  another ip per process) no frame is built, and the deltas and the frame ids of base frames
+  seen before are found in C from their code slots (codeslots.py, cffi_build/stackenc.c: no
+  Python step for such a frame; the new stack's frames are held there too), the others
+  looked up as above; ``free`` O(frames); ``frames`` O(frames) (one object per frame not in the
   caller's pool); ``keys``, ``refs``, ``ips`` and ``frame_ids`` O(frames) without building any
   frame; the index grows and shrinks in amortized O(1) per frame.
 """
@@ -49,7 +51,9 @@ from operator import attrgetter
 from typing import Any
 
 from ..source.records import frozen_maker
+from ..unwcore import check, ffi, lib
 from ..unwind.stackfmt import UNKNOWN, Frame, at_ip
+from .codeslots import CodeSlots
 
 Stack = tuple[Frame, ...]
 FrameKey = tuple[Any, ...]  # dso, sym, offset, kernel, inlined, rel, file, line, decl_*
@@ -84,15 +88,6 @@ _MIN_SLOTS = 8
 _MEMO_MAX = 16384  # frame objects ``add`` remembers at most (see forget_frames)
 
 
-def _probe_refs() -> int:
-    """sys.getrefcount of a frame only ``sweep_code_frames``' memo entry refers to
-    (CPython's reference counts: what tells that the caller let go of it)."""
-    d = {0: (object(), 0, 0)}
-    return next(sys.getrefcount(v[0]) for v in d.values())
-
-
-_ONLY_OURS = _probe_refs()
-
 # Bytes beyond the containers' and bytes objects' own sizes, as tracemalloc shows them
 # retained (CPython 3.11+, 64-bit): per stack, its slots in the table's two dicts and its id
 # int; per string, its id int; per odd frame, its key tuple with its ints and its dict slots.
@@ -106,6 +101,22 @@ def _size(b: bytes) -> int:
     return (33 + len(b) + 7) & ~7
 
 
+_KEYED = int(lib.UNW_ST_KEYED)
+assert NO_DELTA == lib.UNW_ST_NO_DELTA
+
+
+class _EncodeBufs:
+    """unw_st_resolve's and unw_st_pack's out-arrays for stacks of up to ``n`` frames: about
+    26 bytes a frame of the deepest stack the table was given (kept: most stacks fit)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.fids, self.miss = ffi.new("uint32_t[]", n), ffi.new("uint32_t[]", n)
+        self.di, self.nd = ffi.new("uint8_t[]", n), ffi.new("uint32_t *")
+        self.deltas = ffi.new("int64_t[]", NO_DELTA)
+        self.out = ffi.new("uint8_t[]", 6 + 13 * n)
+
+
 class StackTable:
     def __init__(self) -> None:
         self._ids: dict[bytes, int] = {}  # encoding -> stack id
@@ -116,6 +127,7 @@ class StackTable:
         self._base = self._containers()
         self._stack_bytes = 0
         self.slots = 0  # sum of the stacks' lengths
+        self._bufs = _EncodeBufs(64)  # unw_st_resolve's out-arrays, grown to the deepest stack
 
     def _reset_frames(self) -> None:
         """An empty frame table (its containers as small as new)."""
@@ -134,9 +146,9 @@ class StackTable:
         self._sfree = array("I")
         self._str_bytes = 0
         # id(frame object) -> (it, its frame id, that frame's serial): see forget_frames; a
-        # CodeStack's base frames in the other (they outlive the caller's batch)
+        # CodeStack's base frames have code slots instead (they outlive the caller's batch)
         self._memo: dict[int, tuple[Frame, int, int]] = {}
-        self._code_memo: dict[int, tuple[Frame, int, int]] = {}
+        self._cslots = CodeSlots()
 
     def _containers(self) -> int:
         size = sys.getsizeof
@@ -182,9 +194,8 @@ class StackTable:
         self._next += 1
         self._ids[enc] = sid
         self._enc[sid] = enc
-        refs = self._frefs
-        for fid in _ids_of(enc):
-            refs[fid] += 1
+        with ffi.from_buffer("uint32_t[]", self._frefs) as rp:  # each of its frames held once more
+            check(lib.unw_st_hold(enc, len(enc), rp, len(self._frefs)), "unw_st_hold")
         if new_ids:
             self._unref(new_ids)  # the lookup's hold; the stack's is counted above
         self.slots += len(frames)
@@ -347,10 +358,51 @@ class StackTable:
 
     def _encode_at(self, frames: Stack, ips: Sequence[int]) -> tuple[bytes, list[int]]:
         """``_encode`` of the stack whose frame ``i`` is ``frames[i]`` at ``ips[i]`` (``add``):
-        a frame keyed without its ip is found as ``frames[i]`` itself (its identity, then its
+        a frame keyed without its ip is found as ``frames[i]`` itself (its code slot, then its
         row), the stack keeps the delta of ``ips[i]``; one keyed with its ip is looked up at
-        that ip."""
-        memo, uids = self._code_memo, self._uids
+        that ip. The deltas and the frame ids the slots resolve are C's (``unw_st_resolve``);
+        the other frames are looked up here, and their slots resolved when they key as
+        themselves."""
+        n = len(frames)
+        if len(ips) != n:
+            raise ValueError(f"{n} frames, {len(ips)} ips")
+        slots = self._cslots.slots_of(frames)
+        try:
+            at = ips if isinstance(ips, array) and ips.typecode == "Q" else array("Q", ips)
+        except OverflowError:
+            at = None
+        if slots is None or at is None:
+            return self._encode_at_py(frames, ips)
+        b = self._bufs if n <= self._bufs.n else self._grow_bufs(n)
+        uids, cs = self._uids, self._cslots
+        with (ffi.from_buffer("uint64_t[]", at) as ap,
+              ffi.from_buffer("uint64_t[]", cs.words) as wp,
+              ffi.from_buffer("uint64_t[]", uids) as up):  # fmt: skip
+            nmiss = lib.unw_st_resolve(n, slots, len(cs), wp, ap, up, len(uids), b.fids, b.di,
+                                       b.deltas, b.nd, b.miss)  # fmt: skip
+        assert nmiss >= 0  # (every slot is one of ``cs``'s)
+        new: list[int] = []
+        if nmiss:
+            fids, di, resolve = b.fids, b.di, cs.resolve
+            for m in ffi.unpack(b.miss, nmiss):
+                i = m & ~_KEYED
+                f = frames[i]
+                if m & _KEYED:
+                    fid = fids[i] = self._lookup(f, di[i], new)
+                    resolve(slots[i], fid, uids[fid])
+                else:
+                    ip = at[i]
+                    fids[i] = self._lookup(f if ip == f.ip else at_ip(f, ip), di[i], new)
+        m = lib.unw_st_pack(n, b.fids, b.deltas, b.nd[0], b.di, b.out)
+        return ffi.buffer(b.out, m)[:], new
+
+    def _grow_bufs(self, n: int) -> _EncodeBufs:
+        self._bufs = _EncodeBufs(max(n, 2 * self._bufs.n))
+        return self._bufs
+
+    def _encode_at_py(self, frames: Stack, ips: Sequence[int]) -> tuple[bytes, list[int]]:
+        """``_encode_at`` frame by frame, for a stack C cannot take (an ip or rel that is not a
+        u64)."""
         ids = array("I")
         idx = bytearray()
         deltas: dict[int, int] = {}  # delta -> its index
@@ -364,20 +416,8 @@ class StackTable:
                 di = deltas.get(delta, NO_DELTA)
                 if di == NO_DELTA and len(deltas) < NO_DELTA and _DELTA_MIN <= delta <= _DELTA_MAX:
                     di = deltas[delta] = len(deltas)
-            if di == NO_DELTA and (rel is not None or ip != f.ip):
-                fid = self._lookup(f if ip == f.ip else at_ip(f, ip), di, new)
-                ids.append(fid)
-                idx.append(di)
-                continue
-            hit = memo.get(id(f))
-            if hit is not None and hit[0] is f and uids[hit[1]] == hit[2]:
-                fid = hit[1]
-            else:
-                fid = self._lookup(f, di, new)
-                if len(memo) >= _MEMO_MAX:
-                    memo.clear()
-                memo[id(f)] = (f, fid, uids[fid])
-            ids.append(fid)
+            keyed = di != NO_DELTA or (rel is None and ip == f.ip)
+            ids.append(self._lookup(f if keyed or ip == f.ip else at_ip(f, ip), di, new))
             idx.append(di)
         return _pack(ids, deltas, idx), new
 
@@ -393,9 +433,7 @@ class StackTable:
         step's frames by code, held for its context's life: every new process's stacks are
         made of them, and each would otherwise be looked up again per batch). O(frames
         remembered): the store calls it every few batches (``StackStore._sweep``)."""
-        code, only = self._code_memo, _ONLY_OURS
-        if code:  # (a new dict: one emptied in place keeps its size)
-            self._code_memo = {k: v for k, v in code.items() if sys.getrefcount(v[0]) > only}
+        self._cslots.sweep()
 
     def _lookup(self, f: Frame, di: int, new: list[int]) -> int:
         """The id of frame ``f``'s key (with its ip when ``di`` is NO_DELTA), interned if new
