@@ -16,7 +16,11 @@ For each frequency, with a steady load (one C workload looping per CPU, re-run e
   ``/v1/top?since=10`` issued every 200 ms (their p50/p99 latency, and the CPU per sample
   with that query load, keys prefixed ``q_``);
 - perf record -a -F F --call-graph dwarf,STACK for the same window, CPU from wait4's rusage,
-  samples and lost from ``perf report --stats`` (it only writes; it does not unwind).
+  samples and lost from ``perf report --stats`` (it only writes; it does not unwind). That CPU
+  includes perf's fixed start and end (~0.2 s here: a 10 s window's 20k samples look 3x dearer
+  than a 30 s window's), which the daemon's windows do not: so it runs again for twice the
+  window, and ``perf_marginal`` is its CPU per sample between the two runs, the cost to
+  compare an always-on daemon's with.
 With ``--repeat N`` each frequency is measured N times, the runs alternated (unwindd, the
 ``--before`` build, perf record, then again), and the medians printed last: on a shared,
 noisy machine only measurements taken side by side compare. ``--before DIR``: also an older
@@ -177,6 +181,17 @@ def bench_perf(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, fl
             "us_per_sample": cpu / max(samples, 1) * 1e6, "file_mb": size / 1e6}  # fmt: skip
 
 
+def marginal(short: dict[str, float], long: dict[str, float]) -> dict[str, float]:
+    """perf record's CPU per sample between two runs of different lengths: its fixed cost (the
+    start, the end's build-id pass over the file's header and maps) taken out, its per-sample
+    work kept (the copy and write of each record, the end's pass over every record)."""
+    dn = long["samples"] - short["samples"]
+    return {"cpu_s": long["cpu_s"] - short["cpu_s"], "samples": dn,
+            "us_per_sample": (long["cpu_s"] - short["cpu_s"]) / max(dn, 1) * 1e6,
+            "fixed_s": short["cpu_s"] - short["samples"] * (long["cpu_s"] - short["cpu_s"])
+            / max(dn, 1)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=10)
@@ -228,6 +243,10 @@ def main() -> None:
                                                                  args.stack_size, rp,
                                                                  str(args.before))  # fmt: skip
                     runs["perf"] = bench_perf(f, args.seconds, args.stack_size, tmp)
+                    # its cost per added sample, its fixed start and end taken out (the
+                    # daemon's windows have none): a second run twice as long
+                    longer = bench_perf(f, 2 * args.seconds, args.stack_size, tmp)
+                    runs["perf_marginal"] = marginal(runs["perf"], longer)
                     for name, r in runs.items():
                         per.setdefault(name, []).append(r["us_per_sample"])
                         shown = json.dumps({k: round(v, 2) for k, v in r.items()})
