@@ -14,6 +14,7 @@ import shutil
 import subprocess
 
 import pytest
+from nativebuild import compile_warning_free
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
@@ -63,9 +64,4 @@ def test_ring_drain_valgrind(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])
 def test_core_compiles_warning_free(tmp_path: pathlib.Path, flag: str) -> None:
     """The flags the cffi build uses (-O2 -Wall -Wextra) plus -O3, with warnings as errors."""
-    cc = shutil.which("gcc") or "cc"
-    subprocess.run(
-        [cc, flag, "-Wall", "-Wextra", "-Werror", "-std=gnu11", f"-I{CORE}", "-c",
-         str(CORE / "perfcore.c"), "-o", str(tmp_path / "perfcore.o")],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    compile_warning_free([str(CORE / "perfcore.c")], tmp_path, flag)

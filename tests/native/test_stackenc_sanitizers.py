@@ -16,7 +16,7 @@ import shutil
 import subprocess
 
 import pytest
-from nativebuild import CORE, build, check_ok
+from nativebuild import CORE, build, check_ok, compile_warning_free
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "stackenc_fuzz.c"
@@ -49,9 +49,4 @@ def test_stackenc_valgrind(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])
 def test_stackenc_compiles_warning_free(tmp_path: pathlib.Path, flag: str) -> None:
-    cc = shutil.which("gcc") or "cc"
-    subprocess.run(
-        [cc, flag, "-Wall", "-Wextra", "-Werror", "-std=gnu11", f"-I{CORE}", "-c",
-         str(CORE / "stackenc.c"), "-o", str(tmp_path / "stackenc.o")],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
+    compile_warning_free([str(CORE / "stackenc.c")], tmp_path, flag)

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 from elftools.elf.elffile import ELFFile
-from nativebuild import CFI, CORE, build, check_ok
+from nativebuild import CFI, CORE, build, check_ok, compile_warning_free
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "native" / "unw_fuzz.c"
@@ -61,10 +61,4 @@ def test_unwcore_valgrind(tmp_path: pathlib.Path, sections: list[str]) -> None:
 
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])
 def test_unwcore_compiles_warning_free(tmp_path: pathlib.Path, flag: str) -> None:
-    cc = shutil.which("gcc") or "cc"
-    for src in [*CFI, str(CORE / "unwind.c")]:
-        subprocess.run(
-            [cc, flag, "-Wall", "-Wextra", "-Werror", "-std=gnu11", f"-I{CORE}", "-c",
-             src, "-o", str(tmp_path / (pathlib.Path(src).name + ".o"))],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
+    compile_warning_free([*CFI, str(CORE / "unwind.c")], tmp_path, flag)

@@ -36,3 +36,15 @@ def check_ok(proc: subprocess.CompletedProcess[str], min_checks: int) -> None:
     assert last.startswith("ok "), proc.stdout
     assert int(last.split()[1]) > min_checks
     assert "real: " in proc.stdout
+
+
+def compile_warning_free(sources: list[str], tmp: pathlib.Path, flag: str) -> None:
+    """Each of ``sources`` compiles alone with the cffi build's warnings (-Wall -Wextra) at
+    optimization ``flag`` (the optimizer finds more), warnings as errors."""
+    cc = shutil.which("gcc") or "cc"
+    for src in sources:
+        subprocess.run(
+            [cc, flag, "-Wall", "-Wextra", "-Werror", "-std=gnu11", f"-I{CORE}", "-c", src,
+             "-o", str(tmp / (pathlib.Path(src).name + ".o"))],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
