@@ -466,3 +466,28 @@ def test_absurd_counts(small_elf: bytes, tmp_path: Path) -> None:
     e = cache.acquire(None, str(path))
     assert len(e.symbols()) == 0
     assert cache.stats.errors["symbols_too_many_sections"] == 1
+
+
+def test_a_process_without_a_vdso_reads_its_maps_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``[vdso]`` in this process's maps (as under valgrind): the first process's ``[vdso]``
+    mapping reads /proc/self/maps and counts the error; every later one gets the same answer
+    without reading them again or counting the error again (each one a miss)."""
+    import io
+
+    from unwindd.binaries import elfcache
+
+    reads: list[str] = []
+
+    def no_vdso(path: str, *args: object, **kwargs: object) -> io.StringIO:
+        assert path == "/proc/self/maps", path
+        reads.append(path)
+        return io.StringIO("00400000-00401000 r-xp 00000000 00:00 0    /bin/x\n")
+
+    monkeypatch.setattr(elfcache, "open", no_vdso, raising=False)
+    cache = ElfCache()
+    got = [cache.acquire_vdso() for _ in range(3)]
+    assert all(e.error == "no_vdso" and e.key is None for e in got)
+    assert reads == ["/proc/self/maps"]
+    assert cache.stats.errors["no_vdso"] == 1 and cache.stats.misses == 3
+    for e in got:
+        cache.release(e)

@@ -145,6 +145,10 @@ class ElfCache:
         self._by_key: dict[tuple[object, ...], ElfEntry] = {}
         self._alias: dict[tuple[object, ...], ElfEntry] = {}
         self._lru: OrderedDict[int, ElfEntry] = OrderedDict()  # unreferenced, oldest first
+        # why ``[vdso]`` could not be read, once it could not (no [vdso] mapping in this
+        # process, as under valgrind): that answer is this process's for its life, so every
+        # other process's [vdso] mapping gets it without reading /proc/self/maps again
+        self._no_vdso: str | None = None
         self._trim = _malloc_trim() if self.config.trim_bytes > 0 else None
         self._churned = 0  # entry bytes loaded or dropped since the last trim
         # told of each binary's first symbol table load (debuginfod.Debuginfod.offer): the
@@ -431,8 +435,13 @@ class ElfCache:
         maps the same image, so ours (read from ``/proc/self/mem`` into a memfd) stands for all
         of them, as perf's vdso__dso_findnew does with its own."""
         entry = self._by_key.get(("vdso",))
-        if entry is None:
+        if entry is None and self._no_vdso is not None:  # this process has none to read
+            self.stats.misses += 1
+            entry = ElfEntry(key=None, filename="[vdso]", path="", error=self._no_vdso,
+                             cache=self)  # fmt: skip
+        elif entry is None:
             entry = self._load_vdso()
+            self._no_vdso = entry.error
         self._ref(entry)
         return entry
 
