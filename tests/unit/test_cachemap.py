@@ -163,11 +163,17 @@ def test_release_table_drops_that_table_only(tmp_path: Path) -> None:
     assert release_table(b"not mapped") == 0 and release_table(b"") == 0
 
 
-def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
+def _stored_cache(tmp_path: Path) -> tuple[CfiStore, SymbolStore, ElfCache]:
+    """An ELF cache whose CFI and symbol tables come from stores under ``tmp_path``."""
     store = CfiStore(tmp_path / "cfi")
     syms = SymbolStore(tmp_path / "sym")
     cache = ElfCache(CacheConfig(), cfi_factory=lambda p, d, b: store.get_or_compile(b, p, d),
                      symbol_factory=syms, cfi_lookup=store.lookup)  # fmt: skip
+    return store, syms, cache
+
+
+def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
+    store, syms, cache = _stored_cache(tmp_path)
     e = cache.acquire(None, LIBZ)
     assert e.usable and e.build_id
     t = e.cfi()
@@ -195,10 +201,7 @@ def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
 
 def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> None:
     # the checks (CRC, validation) read every page of a table; its store releases it at once
-    store = CfiStore(tmp_path / "cfi")
-    syms = SymbolStore(tmp_path / "sym")
-    cache = ElfCache(CacheConfig(), cfi_factory=lambda p, d, b: store.get_or_compile(b, p, d),
-                     symbol_factory=syms, cfi_lookup=store.lookup)  # fmt: skip
+    store, syms, cache = _stored_cache(tmp_path)
     e = cache.acquire(None, LIBC)
     assert e.usable and e.build_id
     t, s = e.cfi(), e.symbols()
