@@ -281,10 +281,9 @@ uint64_t fp_kernel_ips(const struct fp_ctx *c, uint64_t *out, uint64_t cap);
 void fp_stacks_unsym(const struct fp_ctx *c, uint32_t from, uint32_t to, const uint8_t *unsym,
                      uint32_t nframes, uint32_t *out);
 
-/* fold.c: the distinct vals[k] (k < n, flag[k] set) in first-seen order in keys, each one's
- * occurrences in counts (both with room for n); their number, UINT64_MAX without memory. */
-uint64_t fp_count_flagged(const uint8_t *flag, const uint32_t *vals, uint64_t n, uint32_t *keys,
-                          uint64_t *counts);
+/* fold.c: the distinct vals[k] (k < n, flag[k] set) in first-seen order, each with its
+ * occurrences, as (value, count) pairs (room for 2n); their number, UINT64_MAX without memory. */
+uint64_t fp_count_flagged(const uint8_t *flag, const uint32_t *vals, uint64_t n, uint64_t *pairs);
 
 /* Distinct user frames (space, pc, exact) of all stacks (by code: see fp_ctx_by_code), ids
  * dense from 0: a frame is named from pc if exact (leaf, or right after a signal trampoline),

@@ -27,7 +27,7 @@
 
 #include "unwcore.h"
 #include "fastpath.h"
-#include "fastpath_util.h" /* CTX_* */
+#include "fastpath_util.h" /* CTX_*, tally */
 
 static int cmp_u64(const void *a, const void *b)
 {
@@ -369,47 +369,19 @@ void fp_stacks_unsym(const struct fp_ctx *c, uint32_t from, uint32_t to, const u
 }
 
 /* The replay's stream counts (filereplay._stream_stats): the distinct vals[k] of the k < n
- * with flag[k] set, in first-seen order, with how many times each occurs (keys/counts hold n).
- * Returns their number, UINT64_MAX on allocation failure. O(n) expected (open addressing). */
-uint64_t fp_count_flagged(const uint8_t *flag, const uint32_t *vals, uint64_t n, uint32_t *keys,
-                          uint64_t *counts)
+ * with flag[k] set, in first-seen order, with how many times each occurs, as (value, count)
+ * pairs (room for 2n). Returns their number, UINT64_MAX on allocation failure. O(n) expected. */
+uint64_t fp_count_flagged(const uint8_t *flag, const uint32_t *vals, uint64_t n, uint64_t *pairs)
 {
-    uint64_t cap = 64, d = 0;
-    uint32_t *tab = calloc(cap, sizeof *tab); /* index into keys + 1 */
+    uint64_t tcap = 16, d = 0;
+    while (tcap < 2 * n)
+        tcap *= 2;
+    uint32_t *tab = calloc(tcap, sizeof *tab);
     if (!tab)
         return UINT64_MAX;
-    for (uint64_t k = 0; k < n; k++) {
-        if (!flag[k])
-            continue;
-        uint32_t v = vals[k];
-        uint64_t j = (v * 0x9e3779b97f4a7c15ull) >> 40 & (cap - 1);
-        while (tab[j] && keys[tab[j] - 1] != v)
-            j = (j + 1) & (cap - 1);
-        if (tab[j]) {
-            counts[tab[j] - 1]++;
-            continue;
-        }
-        keys[d] = v;
-        counts[d] = 1;
-        tab[j] = (uint32_t)++d;
-        if (4 * d > 3 * cap) { /* regrow: rehash the keys so far */
-            uint64_t ncap = 2 * cap;
-            uint32_t *t = calloc(ncap, sizeof *t);
-            if (!t) {
-                free(tab);
-                return UINT64_MAX;
-            }
-            for (uint64_t i = 0; i < d; i++) {
-                uint64_t h = (keys[i] * 0x9e3779b97f4a7c15ull) >> 40 & (ncap - 1);
-                while (t[h])
-                    h = (h + 1) & (ncap - 1);
-                t[h] = (uint32_t)i + 1;
-            }
-            free(tab);
-            tab = t;
-            cap = ncap;
-        }
-    }
+    for (uint64_t k = 0; k < n; k++)
+        if (flag[k])
+            tally(tab, tcap, pairs, &d, vals[k]);
     free(tab);
     return d;
 }

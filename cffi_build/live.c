@@ -84,22 +84,6 @@ uint64_t fp_live_gather(const uint8_t *data, const struct fp_rec *recs, const ui
     return w;
 }
 
-/* v tallied into the (value, count) pairs (first-seen order, *d distinct so far) through tab,
- * tcap slots (a power of two, more than the values tallied), each a pair's index + 1. */
-static void tally(uint32_t *tab, uint64_t tcap, uint64_t *pairs, uint64_t *d, uint32_t v)
-{
-    uint64_t j = SLOT(mix(0, v), tcap);
-    for (; tab[j]; j = SLOT(j + 1, tcap)) {
-        if (pairs[2 * (tab[j] - 1)] == v) {
-            pairs[2 * (tab[j] - 1) + 1]++;
-            return;
-        }
-    }
-    pairs[2 * *d] = v;
-    pairs[2 * *d + 1] = 1;
-    tab[j] = (uint32_t)++*d;
-}
-
 int fp_live_round(struct fp_live_order *o, const uint8_t *data, uint64_t len,
                   const struct fp_rec *recs, uint64_t ncarry, uint64_t n, int final,
                   struct fp_live_round *r)

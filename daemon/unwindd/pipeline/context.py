@@ -68,19 +68,14 @@ def view(buf: Any, fmt: str, n: int | None = None) -> memoryview:
     return out if n is None else out[:n]
 
 
-def count_flagged(flag: bytes, vals: memoryview, out: tuple[Any, Any] | None = None
-                  ) -> list[tuple[int, int]]:  # fmt: skip
-    """(value, occurrences) of the vals[k] with flag[k], in first-seen order. ``out``: the
-    caller's (uint32_t keys, uint64_t counts) arrays of room for ``len(flag)`` each, reused
-    across calls (default: new ones)."""
+def count_flagged(flag: bytes, vals: memoryview) -> list[tuple[int, int]]:
+    """(value, occurrences) of the vals[k] with flag[k], in first-seen order."""
     n = len(flag)
-    if out is not None:
-        keys, counts = out
-    else:
-        keys, counts = ffi.new("uint32_t[]", max(1, n)), ffi.new("uint64_t[]", max(1, n))
-    d = count(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, keys, counts),
+    pairs = ffi.new("uint64_t[]", max(2, 2 * n))
+    d = count(lib.fp_count_flagged(flag, ffi.from_buffer("uint32_t[]", vals), n, pairs),
               "fp_count_flagged")  # fmt: skip
-    return list(zip(view(keys, "I", d).tolist(), view(counts, "Q", d).tolist(), strict=True))
+    flat = view(pairs, "Q", 2 * d).tolist()
+    return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
 def record_marks(rec: Record) -> tuple[int, int, int]:
