@@ -4,6 +4,7 @@ same run, plus lost samples and /v1/stacks query latency while sampling.
     python3 bench/bench_daemon.py [--seconds 10] [--freqs 99,1000] [--stack-size 8192]
                                   [--rounds 100] [--repeat N] [--before DIR]
                                   [--ring-pages 256|0|64,0,256] [--record] [--warmup 3]
+                                  [--floor]
 
 For each frequency, with a steady load (one C workload looping per CPU, re-run every
 ``--rounds`` rounds: by default twice a second, so every half second brings new processes):
@@ -26,6 +27,11 @@ With ``--repeat N`` each frequency is measured N times, the runs alternated (unw
 noisy machine only measurements taken side by side compare. ``--before DIR``: also an older
 unwindd from ``PYTHONPATH=DIR`` (e.g. ``pip install --no-deps --target DIR`` of an older
 checkout), its sampling window only.
+With ``--floor``, a consumer that only reads: the daemon's own rings (``PerfSession``, the same
+config and ring size), woken by the same half-ring watermark or a 100 ms tick, every record
+drained into an arena (``drain_into``: the live step's copy, stacks cut to what the kernel
+filled) and its header read to count the samples, nothing else: what any reader of these
+rings pays before it unwinds anything, the floor under the daemon's cost.
 With ``--record``, ``unwindd record --all --format folded`` too (and the ``--before`` build's):
 warmed up the same 3 s, its CPU over the same window per sample it counted.
 Root is needed (system-wide sampling).
@@ -160,6 +166,55 @@ def bench_record(freq: int, seconds: float, stack: int, ring_pages: int,
             "total_cpu_s": ru.ru_utime + ru.ru_stime, "rc": p.returncode}  # fmt: skip
 
 
+# The --floor consumer, run as its own process so its CPU is its own (argv: freq, stack size,
+# ring pages (0: the daemon's auto size), seconds, warm-up seconds). Sample records are
+# counted by their header's type (PERF_RECORD_SAMPLE, include/uapi/linux/perf_event.h), the
+# only Python per record.
+FLOOR = """
+import json, resource, select, struct, sys, time
+from unwindd.source.perfcore import PerfSession
+from unwindd.source.sampling import SamplingConfig, Target
+freq, stack, pages, seconds, warm = (float(x) for x in sys.argv[1:])
+s = PerfSession.open(Target(all_cpus=True), SamplingConfig(
+    frequency=int(freq), stack_size=int(stack), ring_pages=int(pages)))
+arena = bytearray((s.config.ring_pages * 4096 + 65536) * len(s.fds))  # every ring, full
+ep = select.epoll()
+for fd in s.fds:
+    ep.register(fd, select.EPOLLIN)
+s.enable()
+hdr = struct.Struct("<IHH").unpack_from
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+samples, t_end, c0, n0 = 0, time.monotonic() + warm + seconds, None, 0
+t_warm = time.monotonic() + warm
+while (now := time.monotonic()) < t_end:
+    if c0 is None and now >= t_warm:
+        c0, n0 = cpu(), samples
+    ep.poll(0.1)
+    mv = memoryview(arena)
+    off = 0
+    for _cpu, size in s.drain_into(arena):
+        end = off + size
+        while off < end:
+            typ, _misc, rsize = hdr(mv, off)
+            samples += typ == 9
+            off += rsize
+c1 = cpu()
+print(json.dumps({"cpu_s": c1 - c0, "samples": samples - n0}))
+"""
+
+
+def bench_floor(freq: int, seconds: float, stack: int, ring_pages: int) -> dict[str, float]:
+    """The --floor consumer's CPU per sample over a window of ``seconds`` (after 3 s)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "daemon")}
+    out = subprocess.run([sys.executable, "-c", FLOOR, str(freq), str(stack),
+                          str(ring_pages), str(seconds), "3"],
+                         capture_output=True, text=True, env=env, check=True)  # fmt: skip
+    r = json.loads(out.stdout)
+    return {**r, "us_per_sample": r["cpu_s"] / max(r["samples"], 1) * 1e6}
+
+
 def bench_perf(freq: int, seconds: float, stack: int, tmp: Path) -> dict[str, float]:
     data = tmp / f"perf{freq}.data"
     argv = ["perf", "record", "-q", "-a", "-F", str(freq), "-e", "cpu-clock", "--call-graph",
@@ -209,6 +264,8 @@ def main() -> None:
     ap.add_argument("--before", type=Path, help="PYTHONPATH of an older unwindd, also timed")
     ap.add_argument("--record", action="store_true",
                     help="also time unwindd record --all --format folded (and --before's)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time a consumer that only drains the same rings")
     ap.add_argument("--ring-pages", default="256",
                     help="the daemon's [sampling] ring_pages; 0: its auto size; a comma list "
                     "runs each (alternated), named unwindd@N")  # fmt: skip
@@ -242,6 +299,9 @@ def main() -> None:
                             runs["record_before"] = bench_record(f, args.seconds,
                                                                  args.stack_size, rp,
                                                                  str(args.before))  # fmt: skip
+                    if args.floor:
+                        rp = int(args.ring_pages.split(",")[0])
+                        runs["floor"] = bench_floor(f, args.seconds, args.stack_size, rp)
                     runs["perf"] = bench_perf(f, args.seconds, args.stack_size, tmp)
                     # its cost per added sample, its fixed start and end taken out (the
                     # daemon's windows have none): a second run twice as long
