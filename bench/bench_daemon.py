@@ -186,22 +186,24 @@ hdr = struct.Struct("<IHH").unpack_from
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-samples, t_end, c0, n0 = 0, time.monotonic() + warm + seconds, None, 0
+samples, nbytes, t_end, c0, n0, b0 = 0, 0, time.monotonic() + warm + seconds, None, 0, 0
 t_warm = time.monotonic() + warm
 while (now := time.monotonic()) < t_end:
     if c0 is None and now >= t_warm:
-        c0, n0 = cpu(), samples
+        c0, n0, b0 = cpu(), samples, nbytes
     ep.poll(0.1)
     mv = memoryview(arena)
     off = 0
     for _cpu, size in s.drain_into(arena):
+        nbytes += size
         end = off + size
         while off < end:
             typ, _misc, rsize = hdr(mv, off)
             samples += typ == 9
             off += rsize
 c1 = cpu()
-print(json.dumps({"cpu_s": c1 - c0, "samples": samples - n0}))
+n = samples - n0
+print(json.dumps({"cpu_s": c1 - c0, "samples": n, "bytes_per_sample": (nbytes - b0) / max(n, 1)}))
 """
 
 
