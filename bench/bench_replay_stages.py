@@ -97,7 +97,7 @@ def main() -> int:
 
     def replay() -> tuple[float, Any]:
         data = PerfData.open(args.file)
-        engine = StackEngine.create(cache_dir=cache, inline=False)
+        engine = StackEngine.create(cache_dir=cache, inline=False, kernel_store=True)
         t0 = time.thread_time()
         res = filereplay.replay(data, args.file, args.format, io.StringIO(), engine=engine)
         return time.thread_time() - t0, res

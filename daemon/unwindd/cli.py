@@ -43,7 +43,12 @@ def _positive_float(s: str) -> float:
 
 def build_parser(
     parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+    only: str | None = None,
 ) -> argparse.ArgumentParser:
+    """The command line's parser; with ``only`` (one of ``COMMANDS``), with that sub-command's
+    parser alone (``main``'s first parse of a command line that starts with it: a command's
+    arguments parse the same whatever other sub-commands exist, and each parser made costs
+    its formatter and argparse's gettext lookups)."""
     p = parser_class(
         prog="unwindd", description="Live stack-unwinding profiler for Linux."
     )
@@ -52,6 +57,27 @@ def build_parser(
     _add_daemon_args(p, None)
     sub = p.add_subparsers(dest="command")
 
+    if only in (None, "record"):
+        _add_record_parser(sub)
+    if only in (None, "run"):
+        run = sub.add_parser("run", help="run the daemon in the foreground (the default command)")
+        # SUPPRESS: `run` without the option keeps what was given before it (`unwindd --config
+        # F run`), instead of argparse's sub-parser default overwriting it.
+        _add_daemon_args(run, argparse.SUPPRESS)
+    if only in (None, "check-config"):
+        _add_check_config_parser(sub)
+    if only in (None, "systemd-unit"):
+        _add_unit_parser(sub)
+    if only in (None, "replay"):
+        _add_replay_parser(sub)
+    return p
+
+
+# The sub-commands, in the order ``build_parser`` adds them.
+COMMANDS = ("record", "run", "check-config", "systemd-unit", "replay")
+
+
+def _add_record_parser(sub: Any) -> None:
     rec = sub.add_parser("record", help="sample live and print the record stream")
     tgt = rec.add_mutually_exclusive_group()
     tgt.add_argument(
@@ -88,10 +114,9 @@ def build_parser(
         "exits; not with --pid, --all or --cgroup",
     )
 
-    run = sub.add_parser("run", help="run the daemon in the foreground (the default command)")
-    # SUPPRESS: `run` without the option keeps what was given before it (`unwindd --config F
-    # run`), instead of argparse's sub-parser default overwriting it.
-    _add_daemon_args(run, argparse.SUPPRESS)
+
+
+def _add_check_config_parser(sub: Any) -> None:
     chk = sub.add_parser(
         "check-config",
         help="validate a config file as the daemon would (including what start checks: "
@@ -105,6 +130,9 @@ def build_parser(
         help=f"the TOML file to check (default {_DEFAULT_CONFIG}; if that is absent, the "
         "built-in defaults are printed and a note says so)",
     )
+
+
+def _add_unit_parser(sub: Any) -> None:
     unit = sub.add_parser(
         "systemd-unit",
         help="print the systemd unit, its ExecStart running this unwindd (install: README)",
@@ -117,6 +145,9 @@ def build_parser(
         help=f"the config file the service reads (default {_DEFAULT_CONFIG})",
     )
 
+
+
+def _add_replay_parser(sub: Any) -> None:
     rep = sub.add_parser("replay", help="read a perf.data file ('-' for a pipe-mode stdin)")
     rep.add_argument("file")
     _add_output_args(rep, REPLAY_ONLY_FORMATS)
@@ -132,12 +163,12 @@ def build_parser(
         metavar="DIR",
         default=None,
         help="compiled unwind tables (DIR/cfi) and symbol tables (DIR/sym) persist here by "
-        "build-id, so a second replay does not rebuild them (default $UNWINDD_CACHE_DIR, else "
-        "$XDG_CACHE_HOME/unwindd or ~/.cache/unwindd)",
+        "build-id, and the kernel's for this boot (DIR/kernel), so a second replay does not "
+        "rebuild them (default $UNWINDD_CACHE_DIR, else $XDG_CACHE_HOME/unwindd or "
+        "~/.cache/unwindd)",
     )
     rep.add_argument("--no-cache", action="store_true", help="do not read or write --cache-dir")
     _add_inline_arg(rep)
-    return p
 
 
 def _add_inline_arg(p: argparse.ArgumentParser) -> None:
@@ -434,7 +465,7 @@ def _replay_engine(cache_dir: str | None) -> tuple[StackEngine, str | None]:
     from .unwind.engine import StackEngine
 
     try:
-        engine = StackEngine.create(cache_dir=cache_dir)
+        engine = StackEngine.create(cache_dir=cache_dir, kernel_store=True)
     except OSError:  # a cache dir cannot be made: replay without them
         engine = StackEngine.create()
     return engine, _replay_debuginfod(engine, cache_dir)
@@ -520,10 +551,18 @@ class _QuietParser(argparse.ArgumentParser):
         raise _Reprint
 
 
+def _quiet_parser(argv: Sequence[str] | None) -> argparse.ArgumentParser:
+    """``main``'s first parser for ``argv`` (None: the process's): a ``_QuietParser`` with,
+    for a command line that starts with a sub-command, that sub-command alone."""
+    words = sys.argv[1:] if argv is None else argv
+    only = words[0] if words and words[0] in COMMANDS else None
+    return build_parser(_QuietParser, only)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser: argparse.ArgumentParser | None = None
     try:
-        args = build_parser(_QuietParser).parse_args(argv)
+        args = _quiet_parser(argv).parse_args(argv)
     except _Reprint:
         parser = build_parser()
         args = parser.parse_args(argv)

@@ -9,6 +9,7 @@ imports on a given machine (``.pth`` files of other packages) is not counted as 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import os
@@ -167,6 +168,25 @@ def test_kallsyms_read_only_for_kernel_samples(tmp_path: Path, user_only: bool) 
     assert ("_[k]" in out) == (not user_only)  # (the kernel frames, named all the same)
 
 
+@pytest.mark.parametrize("fmt", ["folded", "perf-script"])
+def test_kernel_image_symbols_from_the_cache_dir(tmp_path: Path, fmt: str) -> None:
+    """The first replay with kernel samples reads /proc/kallsyms (its thread) and keeps the
+    kernel image's symbols in the cache dir for this boot (kallsymstore.py); the next starts
+    no kallsyms thread, and both write what a replay without a cache dir writes (perf-script:
+    each kernel frame's symbol and offset)."""
+    path = record_perf_data(tmp_path, SYSCALLS, freq=499)
+    args = ("replay", str(path), "--format", fmt)
+    want = subprocess.run([sys.executable, "-m", "unwindd.cli", *args, "--no-cache"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "[kernel.kallsyms]" in want or "_[k]" in want
+    rc, _, _, threads, first = _child_replay(tmp_path, *args)
+    assert rc == 0 and "unwindd-kallsyms" in threads
+    assert (tmp_path / "cache" / "kernel" / "kernel.ksym").is_file()
+    rc, _, _, threads, second = _child_replay(tmp_path, *args)
+    assert rc == 0 and "unwindd-kallsyms" not in threads
+    assert first == want and second == want
+
+
 # Command lines argparse prints for (help, version, errors) or accepts.
 PRINTING = [
     ["--help"], ["--version"], ["replay", "--help"], ["replay", "--he"], ["replay"],
@@ -204,5 +224,20 @@ def test_cli_prints_what_argparse_prints(argv: list[str]) -> None:
 def test_quiet_parser_parses_alike(argv: list[str]) -> None:
     from unwindd import cli
 
-    quiet = cli.build_parser(cli._QuietParser).parse_args(argv)
+    quiet = cli._quiet_parser(argv).parse_args(argv)
     assert vars(quiet) == vars(cli.build_parser().parse_args(argv))
+
+
+def test_quiet_parser_of_a_replay_has_its_sub_command_alone() -> None:
+    """A replay's first parse makes the replay's sub-parser, not every command's (each costs
+    its formatter and argparse's gettext lookups); a command line not starting with a
+    sub-command gets them all."""
+    from unwindd import cli
+
+    def commands(argv: list[str]) -> list[str]:
+        (sub,) = [a for a in cli._quiet_parser(argv)._actions
+                  if isinstance(a, argparse._SubParsersAction)]  # fmt: skip
+        return list(sub.choices)
+
+    assert commands(["replay", "f", "--format", "folded"]) == ["replay"]
+    assert commands(["--config", "c", "run"]) == list(cli.COMMANDS)

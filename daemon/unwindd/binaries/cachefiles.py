@@ -31,7 +31,8 @@ Rules:
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
   bytes; the last replace wins.
 - ``prune_cache_dirs`` bounds a cache dir's stores together, one policy and one bound for all
-  of them (``CACHE_STORES``: CFI, symbol and line tables and debuginfod downloads):
+  of them (``CACHE_STORES``: CFI, symbol and line tables, debuginfod downloads, the kernel
+  image's symbols):
   temporaries a dead writer left (``*.tmp``), then the least recently used files of all the
   stores, until the total fits. A file removed while a process uses it keeps working for that
   process (its mapping or open fd holds the inode); the next to want it rebuilds or fetches
@@ -142,13 +143,14 @@ def blob_file_head(header: struct.Struct, fields: tuple[Any, ...], blob: Any) ->
     return header.pack(*fields, len(blob), checksum(blob))
 
 
-def map_blob_file(path: str, header: struct.Struct, limit: int
+def map_blob_file(path: str, header: struct.Struct, limit: int, small: bool = True
                   ) -> tuple[tuple[Any, ...], Any] | None:  # fmt: skip
-    """A file ``blob_file_head`` began, mapped (``map_cache_file``): (the header's fields but
-    the last two, the blob as a cffi buffer over the mapping); None if there is no file.
-    CacheFileError as ``map_cache_file``, and for a blob whose length or ``checksum`` is not
-    the header's. The caller checks the other fields. Cost: the map and one checksum pass."""
-    got = map_cache_file(path, header.size + limit, header.size)
+    """A file ``blob_file_head`` began, mapped (``map_cache_file``, ``small`` as there):
+    (the header's fields but the last two, the blob as a cffi buffer over the mapping); None
+    if there is no file. CacheFileError as ``map_cache_file``, and for a blob whose length or
+    ``checksum`` is not the header's. The caller checks the other fields. Cost: the map and
+    one checksum pass."""
+    got = map_cache_file(path, header.size + limit, header.size, small)
     if got is None:
         return None
     head, blob = got
@@ -158,13 +160,16 @@ def map_blob_file(path: str, header: struct.Struct, limit: int
     return tuple(fields), blob
 
 
-def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | None:
+def map_cache_file(path: str, limit: int, head: int = 0,
+                   small: bool = True) -> tuple[bytes, Any] | None:  # fmt: skip
     """The file at ``path`` mapped read-only and shared (see the module rules), as (its first
     ``head`` bytes copied, a cffi buffer over the rest of the mapping); None if there is no
     file. CacheFileError as ``read_cache_file``, and for a file of ``head`` bytes or fewer
     or a failed mmap. The buffer owns the mapping (its pointer's finalizer unmaps it), and
-    anything built on it (memoryviews, ``ffi.from_buffer``) keeps it alive. Cost: one open,
-    fstat, mmap, close."""
+    anything built on it (memoryviews, ``ffi.from_buffer``) keeps it alive. ``small=False``:
+    the file's pages are not dropped first (``_small_folios``), for a file small enough that
+    all of it in the RSS costs less than reading it back from the disk at every mapping.
+    Cost: one open, fstat, mmap, close."""
     from ..unwcore import ffi, lib
 
     opened = _open_checked(path, limit)
@@ -172,7 +177,8 @@ def map_cache_file(path: str, limit: int, head: int = 0) -> tuple[bytes, Any] | 
         return None
     fd, size = opened
     try:
-        _small_folios(fd)
+        if small:
+            _small_folios(fd)
         p = lib.unw_map_file(fd, size) if size > head else ffi.NULL
     finally:
         os.close(fd)
@@ -246,9 +252,10 @@ def release_mapped() -> tuple[int, int]:
 STALE_TMP_SECONDS = 600  # a temporary older than this was left by a writer that died
 # The stores under a cache dir that ``prune_cache_dirs`` bounds together: compiled CFI
 # (cfi.CfiStore), symbol tables (symstore.SymbolStore), line/inline tables
-# (srclines.SrcLineStore), debuginfod downloads (debuginfod.py). unwind/engine.py and
-# serve/startup.py name their directories from this tuple.
-CACHE_STORES = ("cfi", "sym", "srcline", "debuginfod")
+# (srclines.SrcLineStore), debuginfod downloads (debuginfod.py), the kernel image's symbols
+# (kallsymstore.KernelImageStore). unwind/engine.py and serve/startup.py name their
+# directories from this tuple.
+CACHE_STORES = ("cfi", "sym", "srcline", "debuginfod", "kernel")
 DIR_MAX_BYTES = 1 << 30  # their bound by default ([cache] dir_max_bytes; unwindd replay's)
 REPLAY_PRUNE_SECONDS = 3600  # how often unwindd replay walks its cache dir to bound it
 _STAMP = ".pruned"  # in the cache dir, beside the stores: when it was last bounded

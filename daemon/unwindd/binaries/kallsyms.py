@@ -13,6 +13,9 @@ Rules:
   modules as runs of symbols; a function's padding symbol, ``__pfx_`` and the next symbol's
   name, keeps no bytes of its own. Ends are derived from the next start on lookup.
   ``parse_kallsyms`` is the reference parser of the same grammar.
+- A table of the kernel image's symbols alone (``from_columns``: kallsymstore.py's, read back
+  from the cache dir) answers ``lookup_between`` only: an address between two of its
+  symbols, where no symbol outside the image can start, so the full table answers the same.
 
 Cost: one native parse, O(n) on the kernel's sorted output (O(n log n) otherwise), and one
 native pass packing the names (unw_kallsyms_pack); a name is decoded on its first lookup,
@@ -27,6 +30,7 @@ from __future__ import annotations
 import re
 from array import array
 from bisect import bisect_right
+from collections.abc import Sequence
 
 from ..lightdc import dataclass
 
@@ -114,14 +118,37 @@ class Kallsyms:
             raise ValueError("kallsyms: more than 65535 modules")
         runs = int(sizes[1])
         self._base = base
-        self._starts = starts
-        self._names_buf: bytes = ffi.buffer(room, sizes[0])[:]
-        self._block_at = block_at
+        self._starts: Sequence[int] = starts
+        self._names_buf: bytes | memoryview = ffi.buffer(room, sizes[0])[:]
+        self._block_at: Sequence[int] = block_at
         self._run_at: array[int] = array("I", ffi.buffer(run_at, 4 * runs)[:])
         self._run_mod: array[int] = array("H", ffi.buffer(run_mod, 2 * runs)[:])
         self._mods: list[str | None] = [None] + [
             raw[moff[j] : moff[j] + mlen[j]].decode("utf-8", "replace") for j in range(1, nm)]
         self._names: dict[int, KernelSymbol] = {}
+
+    @classmethod
+    def from_columns(cls, base: int, starts: Sequence[int], names: bytes | memoryview,
+                     block_at: Sequence[int]) -> Kallsyms:  # fmt: skip
+        """A table of the kernel image's symbols alone (no module: one run, module 0) from
+        the columns ``columns`` gave, e.g. views of a mapped file (kallsymstore.py)."""
+        self = cls.__new__(cls)
+        self._base = base
+        self._starts = starts
+        self._names_buf = names
+        self._block_at = block_at
+        self._run_at = array("I", [0])
+        self._run_mod = array("H", [0])
+        self._mods = [None]
+        self._names = {}
+        return self
+
+    def columns(self) -> tuple[int, array[int], bytes, array[int]] | None:
+        """(base, starts, names, block_at), what ``from_columns`` takes, when every symbol is
+        the kernel image's; else None."""
+        if len(self._mods) != 1 or not isinstance(self._starts, array):
+            return None
+        return self._base, self._starts, bytes(self._names_buf), array("I", self._block_at)
 
     @classmethod
     def load(cls, proc_root: str = "/proc") -> Kallsyms:
@@ -167,7 +194,7 @@ class Kallsyms:
             pos += 2
         if not n:  # a padding symbol: "__pfx_" and the next symbol's name (unw_kallsyms_pack)
             return _PFX + self._name(i + 1)
-        return buf[pos + 1 : pos + 1 + n].decode("utf-8", "replace")
+        return bytes(buf[pos + 1 : pos + 1 + n]).decode("utf-8", "replace")
 
     def _symbol(self, i: int) -> KernelSymbol:
         """Symbol ``i`` at offset 0, decoded once."""
@@ -176,6 +203,21 @@ class Kallsyms:
             ks = KernelSymbol(self._name(i), 0, self._mods[self._module(i)])
             self._names[i] = ks
         return ks
+
+    def lookup_between(self, addr: int) -> KernelSymbol | None:
+        """``lookup``'s answer where it holds in any table with more symbols than this one
+        outside the kernel image: ``addr`` lies from one image symbol up to the next, so
+        no other symbol starts in between (modules', BPF programs', trampolines' symbols
+        live outside the image) and the end is that next one's start; else None (no
+        answer, not "no symbol")."""
+        i = bisect_right(self._starts, addr - self._base) - 1
+        if i < 0 or i + 1 >= len(self._starts) or self._module(i) or self._module(i + 1):
+            return None
+        start = self._base + self._starts[i]
+        if start == 0:
+            return None
+        ks = self._symbol(i)
+        return KernelSymbol(ks.name, addr - start, ks.module)
 
     def lookup(self, addr: int) -> KernelSymbol | None:
         i = bisect_right(self._starts, addr - self._base) - 1

@@ -6,7 +6,10 @@ Rules:
   binary (elfsyms, or read back by symstore) and shared by every pid that maps it.
 - Kernel symbols are loaded once: on first use, or ahead of it in a thread
   (``preload_kernel``) that the first use waits for; a failed preload is retried there, where
-  any error surfaces. Unreadable kallsyms name nothing.
+  any error surfaces. Unreadable kallsyms name nothing. With a ``kernel_store``, the kernel
+  image's symbols stored for this boot (kallsymstore.py) answer the addresses between two of
+  them without /proc/kallsyms, which is read (and the store written) only for an address
+  they cannot answer; every answer is the one the full table gives.
 - A pid's perf map and jitdumps are kept until ``forget_pid``; a jitdump's counts (records,
   errors, files) outlive it (``jitdump_counts``).
 - Not thread-safe apart from that preload: one owner calls it.
@@ -25,6 +28,7 @@ from collections import Counter
 from .elfentry import ElfEntry
 from .jitdump import Jitdump
 from .kallsyms import Kallsyms, KernelSymbol
+from .kallsymstore import KernelImageStore
 from .perfmaps import PerfMap
 from .symtab import SymbolTable
 
@@ -35,9 +39,13 @@ class Symbolizer:
     """Names for frames: binaries through their cache entries, kernel through kallsyms, JIT
     through perf maps. ``tmp_dir`` and ``proc_root`` are injectable for tests."""
 
-    def __init__(self, *, proc_root: str = "/proc", tmp_dir: str = "/tmp") -> None:
+    def __init__(self, *, proc_root: str = "/proc", tmp_dir: str = "/tmp",
+                 kernel_store: KernelImageStore | None = None) -> None:  # fmt: skip
         self.proc_root = proc_root
         self.tmp_dir = tmp_dir
+        self.kernel_store = kernel_store
+        self._kimage: Kallsyms | None = None  # the store's table, once asked (``_image``)
+        self._kimage_asked = False
         self._kallsyms: Kallsyms | None = None
         self._kallsyms_loading: threading.Thread | None = None
         self._kallsyms_loaded: list[Kallsyms] = []
@@ -52,18 +60,34 @@ class Symbolizer:
         """Start reading and parsing kallsyms in a thread, for a caller that will name kernel
         frames soon and has other work meanwhile (a replay: the kernel generating
         /proc/kallsyms and the native parse both run without the GIL). ``kernel`` waits for
-        it. Idempotent."""
+        it. Idempotent. Nothing to do when the store has this boot's image symbols: they are
+        mapped, not read (an address they cannot answer loads /proc/kallsyms then)."""
         if self._kallsyms is not None or self._kallsyms_loading is not None:
+            return
+        if self._image() is not None:
             return
         t = threading.Thread(target=self._preload, name="unwindd-kallsyms", daemon=True)
         self._kallsyms_loading = t
         t.start()
 
+    def _image(self) -> Kallsyms | None:
+        """The store's image symbols for this boot, asked once."""
+        if not self._kimage_asked:
+            self._kimage_asked = True
+            if self.kernel_store is not None:
+                self._kimage = self.kernel_store.load()
+        return self._kimage
+
     def _load_kallsyms(self) -> Kallsyms:
         try:
-            return Kallsyms.load(self.proc_root)
+            with open(f"{self.proc_root}/kallsyms", "rb") as f:
+                text = f.read()
         except OSError:
             return Kallsyms("")
+        table = Kallsyms(text)
+        if self.kernel_store is not None and self._kimage is None and table.usable:
+            self.kernel_store.save(text)  # (never raises: False when not written)
+        return table
 
     def _preload(self) -> None:
         """The preload thread: its result, or nothing (``kernel`` then loads on its own
@@ -82,6 +106,11 @@ class Symbolizer:
 
     def kernel(self, addr: int) -> KernelSymbol | None:
         if self._kallsyms is None:
+            image = self._image()
+            if image is not None:
+                ks = image.lookup_between(addr)
+                if ks is not None:
+                    return ks
             t = self._kallsyms_loading
             if t is not None:
                 t.join()

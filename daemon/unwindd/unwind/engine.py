@@ -192,6 +192,7 @@ class Snapshot:
 # StackEngine.create(cache_dir=): where in it the CFI and the symbol tables are kept
 CACHE_SUBDIRS = CACHE_STORES[:2]
 SRCLINE_SUBDIR = CACHE_STORES[2]  # ... and the compiled line/inline tables (srclines.py)
+KERNEL_SUBDIR = CACHE_STORES[4]  # ... and the kernel image's symbols (kallsymstore.py)
 # Whether engines made by ``create`` expand inlined frames: the CLI's ``replay`` and ``record``
 # set it (on, perf script's default, unless ``--no-inline``) for every engine their command
 # makes; engines made otherwise (the daemon's) do not expand.
@@ -267,9 +268,12 @@ class StackEngine:
         cache_dir: str | None = None,
         inline: bool | None = None,
         inline_worker: bool = False,
+        kernel_store: bool = False,
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. ``cache_dir``
-        (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``. With
+        (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``; with
+        ``kernel_store`` (a replay's: the daemon loads all of /proc/kallsyms at start), the
+        kernel image's symbols of this boot in its ``KERNEL_SUBDIR`` (kallsymstore.py). With
         ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``); with
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
@@ -305,7 +309,13 @@ class StackEngine:
         cache = ElfCache(cache_config, proc_root=proc_root, cfi_factory=pre or factory,
                          symbol_factory=symbols, cfi_lookup=lookup)  # fmt: skip
         table = ProcessTable(cache, unwinder=unw)
-        engine = cls(table, unw.Unwinder(max_depth), Symbolizer(proc_root=proc_root),
+        kstore = None
+        if cache_dir is not None and kernel_store:
+            from ..binaries.kallsymstore import KernelImageStore
+
+            kstore = KernelImageStore(os.path.join(cache_dir, KERNEL_SUBDIR), proc_root)
+        engine = cls(table, unw.Unwinder(max_depth),
+                     Symbolizer(proc_root=proc_root, kernel_store=kstore),
                      batch_size=batch_size)  # fmt: skip
         engine.cfi_prefetch = pre
         if DEFAULT_INLINE[0] if inline is None else inline:
