@@ -33,7 +33,7 @@ from unwindd.binaries.elfcache import CacheConfig, ElfCache
 from unwindd.binaries.elfentry import ElfEntry
 from unwindd.binaries.elfsyms import load_symbol_table
 from unwindd.binaries.symstore import SymbolStore, encode_symbol_table
-from unwindd.binaries.symtab import SymbolTable
+from unwindd.binaries.symtab import EXTRA_RAW, SymbolTable
 from unwindd.unwind.engine import StackEngine
 
 LIB = "/usr/lib/x86_64-linux-gnu"
@@ -70,11 +70,18 @@ def _fresh(path: str, **config: object) -> SymbolTable:
 def _assert_same(got: SymbolTable, want: SymbolTable, seed: int = 0) -> None:
     assert got.starts == want.starts and got.ends == want.ends and got._offs == want._offs
     assert got._strtab == want._strtab
-    if got.mapped_bytes:  # read in place from its file: the file's bytes plus the heap names
-        assert got.nbytes - got.mapped_bytes == want.nbytes - 20 * len(want) - len(want._strtab)
-    else:
+    # the names outside the string table: a built table holds them as str, one read back
+    # keeps them in its file's names blob, with 8 B of columns each (symtab.Extras)
+    extras = [*want._named.values(), *want._plt.values()]
+    blob = sum(len(x.encode("utf-8", "surrogateescape")) + 1 for x in extras)
+    if got.mapped_bytes:  # read in place from its file: the file's bytes plus the columns
+        assert not got._plt and len(got._extras[0]) == len(extras)
+        assert got.nbytes - got.mapped_bytes == 8 * len(extras)
+    elif len(got._extras[0]):  # read from its file's bytes
+        assert not got._plt and len(got._extras[0]) == len(extras)
+        assert got.nbytes == 20 * len(want) + len(want._strtab) + 8 * len(extras) + blob
+    else:  # built (not saved), or no extras
         assert got.nbytes == want.nbytes
-    assert got._named == want._named and got._plt == want._plt
     n = len(want)
     assert [got.name(i) for i in range(n)] == [want.name(i) for i in range(n)]
     probes = [a for s, e in zip(want.starts, want.ends, strict=True) for a in (s, e - 1, e)]
@@ -117,7 +124,8 @@ def test_cached_table_equals_fresh(path: str, tmp_path: Path) -> None:
         assert e.debug_path() is not None  # .symtab of /usr/lib/debug/.build-id/xx/rest.debug
         assert cached.lookup(cached.starts[cached.names.index("__restore_rt")])
     if path == LIBSTDCXX:
-        assert len(cached._plt) > 100 and any(n.startswith("std::") for n in cached.names)
+        raw_plt = sum(1 for o in cached._extras[1] if o & EXTRA_RAW)
+        assert raw_plt > 100 and any(n.startswith("std::") for n in cached.names)
     if path == LIBZ:
         assert e.reader().section(".symtab") is None and e.debug_path() is None
 
@@ -428,3 +436,21 @@ def test_prune_cache_dirs(tmp_path: Path) -> None:
     assert left == ["d.sym", "e.sym", "link.sym", "sub", "y.sym.1.3.tmp"]
     assert prune_cache_dirs([str(tmp_path)], 250, now) == (0, 0)
     assert prune_cache_dirs([str(tmp_path / "missing")], 0, now) == (0, 0)
+
+
+def test_read_back_names_stay_in_the_file_until_looked_up(tmp_path: Path) -> None:
+    """A table read from its file holds no str per name its string table lacks (the PLT
+    entries' raw names, names given as printed): they stay in the mapped names blob, behind
+    two columns, and each is decoded on its first lookup, as a built table's would print."""
+    store = SymbolStore(tmp_path)
+    _entry(LIBSTDCXX, store).symbols()  # built and written
+    cached = _entry(LIBSTDCXX, store).symbols()  # read back
+    fresh = _fresh(LIBSTDCXX)
+    xidx, xoff, blob = cached._extras
+    assert len(xidx) == len(fresh._named) + len(fresh._plt) > 100
+    assert isinstance(blob, memoryview) and not cached._named and not cached._plt
+    assert list(xidx) == sorted(set(xidx))
+    assert sum(1 for o in xoff if o & EXTRA_RAW) == len(fresh._plt)
+    i = next(iter(fresh._plt))
+    assert cached.lookup(cached.starts[i]) == fresh.lookup(fresh.starts[i])
+    assert cached.name(i).endswith("@plt") and list(cached._named) == [i]

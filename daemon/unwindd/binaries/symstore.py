@@ -19,7 +19,9 @@ Rules:
   cache dir is usable (no store).
 
 Cost: a hit is one open, fstat, mmap (~20 B a symbol plus the string table), one checksum pass,
-one native pass over the name offsets (symtab.c): O(n); a write is O(n) bulk copies + O(PLT).
+one native pass over the name offsets (symtab.c): O(n), and the extra names' two columns
+sorted by symbol index, O(m log m) (8 B a name held; the names stay in the file); a write is
+O(n) bulk copies + O(PLT).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .cachefiles import (
 )
 from .elfentry import ElfEntry
 from .elfsyms import content_modules, load_symbol_table
-from .symtab import NO_NAME, Column, StrTab, SymbolTable
+from .symtab import EXTRA_RAW, NO_NAME, Column, StrTab, SymbolTable
 
 __all__ = [
     "MAX_SYM_FILE",
@@ -68,7 +70,7 @@ SYM_FILE_VERSION = 4  # 4: the checksum is CRC-32C (cachefiles.checksum), not CR
 # names length, string table length, CRC-32C (cachefiles.checksum) of everything after the
 # header, pad
 _SYM_FILE = struct.Struct("<8sIIQIIIIQI4x")
-_EXTRA_RAW = 1 << 31
+_EXTRA_RAW = EXTRA_RAW
 MAX_SYM_FILE = 1 << 30  # > any real table (4M symbols x 20 B + string table); < 2**32 offsets
 # ``SymbolStore.stats`` keys: read back, built (file missing or unusable), file discarded as
 # corrupt or stale, not persisted (no build-id, or over the bounds), write failed.
@@ -237,19 +239,27 @@ def decode_symbol_table(data: bytes | memoryview, build_id: bytes, source: int) 
         offs.frombytes(mv[o_offs:o_extras])
     extras = array("I")
     extras.frombytes(mv[o_extras:o_names])
-    names = bytes(mv[o_names:o_strtab]).split(b"\0")
-    if len(names) != m + 1 or names[m]:
+    blob = bytes(mv[o_names:o_strtab])
+    if blob.count(0) != m or (blob and blob[-1]):
         raise _BadFile("corrupt", "extra names")
-    named: dict[int, str] = {}
-    plt: dict[int, str] = {}
-    for x, raw in zip(extras, names, strict=False):
-        i = x & ~_EXTRA_RAW
+    # the extras by symbol index, each with its name's offset in the blob (EXTRA_RAW kept):
+    # columns, the names left in the file until looked up (symtab.py, Extras)
+    starts_at = [0] * m
+    at = 0
+    for k in range(m):
+        starts_at[k] = at
+        at = blob.index(0, at) + 1
+    order = sorted(range(m), key=lambda k: extras[k] & ~_EXTRA_RAW)
+    xidx = array("I", (extras[k] & ~_EXTRA_RAW for k in order))
+    xoff = array("I", (starts_at[k] | extras[k] & _EXTRA_RAW for k in order))
+    del starts_at, order
+    prev = -1
+    for i in xidx:
         if i >= n or offs[i] != NO_NAME:
             raise _BadFile("corrupt", "extra index")
-        (plt if x & _EXTRA_RAW else named)[i] = raw.decode("utf-8", "surrogateescape")
-    slots = named.keys() | plt.keys()
-    if len(slots) != m:
-        raise _BadFile("corrupt", "duplicate extra")
+        if i == prev:
+            raise _BadFile("corrupt", "duplicate extra")
+        prev = i
     # any other offset >= strtab_len would be a name outside the string table, or a
     # NO_NAME slot without a name
     # every slot in ``slots`` holds NO_NAME (checked above), so no other may, and every other
@@ -259,8 +269,10 @@ def decode_symbol_table(data: bytes | memoryview, build_id: bytes, source: int) 
     if nskip[0] != m or (n > m and top >= strtab_len):
         raise _BadFile("corrupt", "name offset")
     strtab: StrTab = mv[o_strtab:] if mapped else bytes(mv[o_strtab:])
-    return SymbolTable._columns(starts, ends, offs, strtab, named, plt,
-                                mapped_bytes=len(data) if mapped else 0)  # fmt: skip
+    names: StrTab = mv[o_names:o_strtab] if mapped else blob
+    return SymbolTable._columns(starts, ends, offs, strtab, {}, None,
+                                mapped_bytes=len(data) if mapped else 0,
+                                extras=(xidx, xoff, names))  # fmt: skip
 
 
 class SymbolStore:

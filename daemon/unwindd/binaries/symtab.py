@@ -12,24 +12,32 @@ Rules:
   ``array("Q")`` for a table built here, or read-only views of a mapped cache file
   (symstore.SymbolStore) used in place, as is its string table; they never change once
   built, only the cache of decoded names grows.
+- A table read from a cache file keeps the names its string table lacks (``_extras``: names
+  given as printed, PLT entries' raw names) in the file too: a sorted index column and an
+  offset column (``EXTRA_RAW`` marks a raw PLT name) into the file's names blob, each decoded
+  on its first lookup like the others. A system library has thousands of such names (its
+  PLT): as a str and a dict slot each they would stay on the heap for the table's life; the
+  columns cost 8 B a name, and the blob stays in the mapping.
 - ``nbytes`` estimates the memory held: 20 B a symbol, the string table, the names kept;
   ``mapped_bytes`` is the part of it that lies in a file mapping (shared, reclaimable page
   cache) rather than on the heap.
 
-Cost: a lookup is one bisect, O(log n); names cost O(names used), decoded and demangled once.
+Cost: a lookup is one bisect, O(log n); names cost O(names used), decoded and demangled once
+(a name among the extras one more bisect, O(log extras)).
 """
 
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from typing import TypeAlias
 
 from ..lightdc import dataclass
 from .demangle import demangle
 
-__all__ = ["NO_NAME", "Column", "StrTab", "Symbol", "SymbolTable", "c_string"]
+__all__ = ["EXTRA_RAW", "NO_NAME", "Column", "Extras", "StrTab", "Symbol", "SymbolTable",
+           "c_string"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +52,16 @@ class Symbol:
         return f"Symbol({self.name!r}, {self.start:#x}-{self.end:#x})"
 
 
-NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol named in _named or _plt (PLT entries)
+NO_NAME = 0xFFFFFFFF  # offs[] entry of a symbol named in _named, _plt or _extras
+EXTRA_RAW = 1 << 31  # an extra name's offset flag: a PLT entry's raw name (demangled + "@plt")
 
 # A u64 or u32 column: an array of its own, or a view cast from a mapped file.
 Column: TypeAlias = "array[int] | memoryview"
 StrTab: TypeAlias = "bytes | memoryview"
+# a table's names outside its string table: (symbol indexes, ascending; their names' offsets
+# in the blob, | EXTRA_RAW for a raw PLT name; the blob of NUL-terminated names)
+Extras: TypeAlias = "tuple[Column, Column, StrTab]"
+_NO_EXTRAS: Extras = (array("I"), array("I"), b"")
 
 
 def c_string(st: StrTab, off: int) -> bytes:
@@ -74,10 +87,11 @@ class SymbolTable:
     Names are kept as offsets into the binary's string table and decoded + demangled on first
     lookup (a profile names few of a binary's symbols, and demangling is costly).
     ``_named`` caches decoded names by index: O(names used).
-    ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too."""
+    ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too;
+    ``_extras`` the names a cache file holds outside the string table, undecoded."""
 
-    __slots__ = ("_named", "_offs", "_plt", "_strtab", "ends", "mapped_bytes", "nbytes",
-                 "starts")  # fmt: skip
+    __slots__ = ("_extras", "_named", "_offs", "_plt", "_strtab", "ends", "mapped_bytes",
+                 "nbytes", "starts")  # fmt: skip
 
     starts: Column
     ends: Column
@@ -92,6 +106,7 @@ class SymbolTable:
         self._strtab = b""
         self._named = {i: n for i, (_, _, n) in enumerate(syms)}
         self._plt: dict[int, str] = {}
+        self._extras = _NO_EXTRAS
         self.nbytes = 20 * len(syms) + sum(49 + len(n) for _, _, n in syms)
         self.mapped_bytes = 0
 
@@ -99,14 +114,19 @@ class SymbolTable:
     def _columns(
         cls, starts: Column, ends: Column, offs: Column, strtab: StrTab,
         named: dict[int, str], plt: dict[int, str] | None = None, *, mapped_bytes: int = 0,
+        extras: Extras = _NO_EXTRAS,
     ) -> SymbolTable:  # fmt: skip
         """A table over given columns; ``mapped_bytes``: the size of the file mapping they
-        are views of (then ``nbytes`` is that plus the names held on the heap)."""
+        are views of (then ``nbytes`` is that plus the names held on the heap); ``extras``:
+        names outside the string table, left undecoded (``Extras``)."""
         t = cls.__new__(cls)
         t.starts, t.ends, t._offs, t._strtab, t._named = starts, ends, offs, strtab, named
         t._plt = plt or {}
+        t._extras = extras
         # names decoded later are not counted: bounded by the string table we count whole
         names = sum(49 * len(d) + sum(map(len, d.values())) for d in (named, t._plt))
+        xidx, _, xblob = extras
+        names += 8 * len(xidx) + (0 if isinstance(xblob, memoryview) else len(xblob))
         t.nbytes = (mapped_bytes or 20 * len(starts) + len(strtab)) + names
         t.mapped_bytes = mapped_bytes
         return t
@@ -125,11 +145,24 @@ class SymbolTable:
             st = self._strtab
             off = self._offs[i]
             if off == NO_NAME:
-                n = self._named[i] = f"{demangle(self._plt[i])}@plt"
+                raw_plt = self._plt.get(i)
+                if raw_plt is None:
+                    n = self._named[i] = self._extra(i)
+                else:
+                    n = self._named[i] = f"{demangle(raw_plt)}@plt"
                 return n
             raw = c_string(st, off).decode("utf-8", "surrogateescape")
             n = self._named[i] = demangle(raw)
         return n
+
+    def _extra(self, i: int) -> str:
+        idx, offs, blob = self._extras
+        k = bisect_left(idx, i)
+        if k == len(idx) or idx[k] != i:
+            raise KeyError(i)  # (a NO_NAME slot without a name: decode_symbol_table refuses it)
+        off = offs[k]
+        name = c_string(blob, off & ~EXTRA_RAW).decode("utf-8", "surrogateescape")
+        return f"{demangle(name)}@plt" if off & EXTRA_RAW else name
 
     @property
     def names(self) -> list[str]:
