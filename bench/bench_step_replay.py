@@ -3,7 +3,8 @@ code alternated, as the daemon configures the step (inline frames on, counts flu
 once a second): deterministic, beside bench_daemon.py's live numbers on a noisy machine.
 
     python3 bench/bench_step_replay.py [--capture FILE] [--record-seconds 8] [--steady]
-        [--warm 80] [--only-comm chain_o2] [--idle] [--runs 3] [--steps N] [--callgrind]
+        [--warm 80] [--only-comm chain_o2] [--idle] [--runs 3] [--steps N] [--merge N]
+        [--callgrind]
         CODE [CODE ...]
 
 Capture (once, reused when FILE exists; root): every CPU at 999 Hz, 8 KiB stacks, 256-page
@@ -17,7 +18,11 @@ processes, the round's fixed cost in view (replay it with ``--only-comm chain_o2
 machine (present before the capture: unknown to the replay's empty /proc) would only measure
 their placement failures. ``--idle``: every sample replaced by a kernel-only idle-task sample
 of the capture (pid 0, same time and cpu): an idle machine at 999 Hz. ``--steps N``: at most
-N timed drains. ``--callgrind``: each replay under valgrind's callgrind, collection on only
+N timed drains. ``--merge N``: every N consecutive drains replayed as one round (each ring's
+chunks joined in drain order; warm-up and flushes scaled to the same drains): the same
+records in fewer, larger rounds, as if the rings' wakeups shared rounds (each CPU's ring
+wakes at its own watermark crossings, so each wakeup starts a round of its own today).
+``--callgrind``: each replay under valgrind's callgrind, collection on only
 around the timed drains (``callgrind_control -i``): the instructions the main thread took in
 them (the step's; the CFI and line-table workers run beside it, as scheduled), nearly
 deterministic on a shared machine, beside the CPU time.
@@ -180,8 +185,21 @@ def _instructions(path: Path) -> int:
     raise SystemExit(f"{path}: no callgrind totals")
 
 
+def merged(drains: list[Any], n: int) -> list[Any]:
+    """Every ``n`` consecutive drains as one: each ring's chunks joined in drain order, the
+    rings in the order they first appear (a round drains every ring, capture.py)."""
+    out = []
+    for g in range(0, len(drains), n):
+        by_cpu: dict[int, list[bytes]] = {}
+        for d in drains[g : g + n]:
+            for cpu, b in d:
+                by_cpu.setdefault(cpu, []).append(b)
+        out.append([(cpu, b"".join(bs)) for cpu, bs in by_cpu.items()])
+    return out
+
+
 def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path,
-          steps: int | None = None) -> None:  # fmt: skip
+          steps: int | None = None, merge: int = 1) -> None:  # fmt: skip
     from replaylive import replay_profiler, run
 
     fmt, drains = pickle.loads(cap.read_bytes())
@@ -189,14 +207,18 @@ def child(cap: Path, warm: int, comm: str | None, idle_: bool, out: Path,
         drains = only_comm(fmt, drains, comm)
     if idle_:
         drains = idle(fmt, drains)
+    flush_every = 40  # ~1 s of 25 ms drains: the daemon's flush interval
+    if merge > 1:
+        drains, warm, flush_every = merged(drains, merge), warm // merge, flush_every // merge
+        steps = None if steps is None else steps // merge
     prof = replay_profiler(fmt, drains, f"{cap}.cache", tick_ns=1_000_000_000)
     prof.start()
     by_type = prof.pipeline.stats.by_type
-    run(prof, warm, 40)  # ~1 s of 25 ms drains: the daemon's flush interval
+    run(prof, warm, flush_every)
     timed = len(drains) - warm if steps is None else min(steps, len(drains) - warm)
     _collect(True)
     n0, c0 = by_type["SAMPLE"], time.process_time()
-    run(prof, timed, 40)
+    run(prof, timed, flush_every)
     prof.flush()
     cpu, n = time.process_time() - c0, by_type["SAMPLE"] - n0
     _collect(False)
@@ -221,13 +243,15 @@ def main() -> None:
     ap.add_argument("--idle", action="store_true", help="idle-task samples in place of all")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, help="at most this many timed drains")
+    ap.add_argument("--merge", type=int, default=1,
+                    help="replay every N consecutive drains as one round")  # fmt: skip
     ap.add_argument("--callgrind", action="store_true",
                     help="count the timed drains' instructions under callgrind")  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     cap = Path(a.capture)
     if a.child:
-        child(cap, a.warm, a.only_comm, a.idle, Path(a.child), a.steps)
+        child(cap, a.warm, a.only_comm, a.idle, Path(a.child), a.steps, a.merge)
         return
     if not cap.exists():
         record(cap, a.record_seconds, a.steady)
@@ -243,7 +267,7 @@ def main() -> None:
             out = tmp / "out.json"
             cmd = [sys.executable, __file__, "--child", str(out), "--capture", str(cap),
                    "--warm", str(a.warm), *(["--only-comm", a.only_comm] if a.only_comm else []),
-                   *(["--idle"] if a.idle else []),
+                   *(["--idle"] if a.idle else []), "--merge", str(a.merge),
                    *(["--steps", str(a.steps)] if a.steps is not None else [])]  # fmt: skip
             cg = tmp / "callgrind.out"
             if a.callgrind:
