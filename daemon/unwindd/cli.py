@@ -115,7 +115,6 @@ def _add_record_parser(sub: Any) -> None:
     )
 
 
-
 def _add_check_config_parser(sub: Any) -> None:
     chk = sub.add_parser(
         "check-config",
@@ -144,7 +143,6 @@ def _add_unit_parser(sub: Any) -> None:
         default=_DEFAULT_CONFIG,
         help=f"the config file the service reads (default {_DEFAULT_CONFIG})",
     )
-
 
 
 def _add_replay_parser(sub: Any) -> None:

@@ -262,7 +262,7 @@ def decode_symbol_table(data: bytes | memoryview, build_id: bytes, source: int) 
         prev = i
     # any other offset >= strtab_len would be a name outside the string table, or a
     # NO_NAME slot without a name
-    # every slot in ``slots`` holds NO_NAME (checked above), so no other may, and every other
+    # every extra's slot holds NO_NAME (checked above), so no other may, and every other
     # offset must be inside the string table: one native pass, the columns read in place
     nskip = ffi.new("uint64_t *")
     top = lib.unw_symtab_max_offset(ffi.from_buffer(mv[o_offs:o_extras]), n, NO_NAME, nskip)
