@@ -137,6 +137,23 @@ def checksum(data: Any, crc: int = 0) -> int:
     return int(lib.unw_crc32c(ffi.from_buffer(data), len(memoryview(data).cast("B")), crc))
 
 
+def modules_stamp(modules: Iterable[Any]) -> int:
+    """CRC-32 of (name, size, mtime) of ``modules``' files: a stamp of the code a cache file's
+    content depends on, so that a reinstalled or edited package writes new files instead of
+    serving ones its predecessor wrote (a module without a file stamps as such). A stat per
+    module (zlib, not hashlib, whose import is slow); callers keep it for the process."""
+    import zlib
+
+    desc = []
+    for mod in modules:
+        try:
+            st = os.stat(str(mod.__file__))
+            desc.append(f"{mod.__name__}:{st.st_size}:{st.st_mtime_ns}")
+        except (OSError, AttributeError):
+            desc.append(f"{mod.__name__}:?")
+    return zlib.crc32(";".join(desc).encode())
+
+
 def blob_file_head(header: struct.Struct, fields: tuple[Any, ...], blob: Any) -> bytes:
     """The header of a file of ``header`` then ``blob``: ``fields``, then the blob's length and
     ``checksum`` (the last two fields of every such header; ``map_blob_file`` checks them)."""

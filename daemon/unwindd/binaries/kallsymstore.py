@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from typing import Any
 
 from .cachefiles import (
@@ -38,6 +37,7 @@ from .cachefiles import (
     blob_file_head,
     discard_cache_file,
     map_blob_file,
+    modules_stamp,
     release_table,
     write_cache_file,
 )
@@ -63,23 +63,16 @@ _stamp: list[int] = []
 
 
 def _code_stamp() -> int:
-    """CRC-32 of (size, mtime) of the code that decides a table's content (this module,
-    kallsyms.py and the native parse, symtab.c in the extension module): other code never
-    serves a file it did not write. Once per process."""
+    """``modules_stamp`` of the code that decides a table's content (this module, kallsyms.py
+    and the native parse, symtab.c in the extension module): other code never serves a file
+    it did not write. Once per process."""
     if not _stamp:
         import sys
 
         from ..unwcore import native
         from . import kallsyms
 
-        desc = []
-        for mod in (sys.modules[__name__], kallsyms, native):
-            try:
-                st = os.stat(str(mod.__file__))
-                desc.append(f"{mod.__name__}:{st.st_size}:{st.st_mtime_ns}")
-            except (OSError, AttributeError):
-                desc.append(f"{mod.__name__}:?")
-        _stamp.append(zlib.crc32(";".join(desc).encode()))
+        _stamp.append(modules_stamp((sys.modules[__name__], kallsyms, native)))
     return _stamp[0]
 
 

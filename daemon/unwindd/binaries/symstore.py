@@ -38,6 +38,7 @@ from .cachefiles import (
     checksum,
     discard_cache_file,
     map_cache_file,
+    modules_stamp,
     release_table,
     write_cache_file,
 )
@@ -90,22 +91,13 @@ _stamp: list[int] = []
 
 
 def _code_stamp() -> int:
-    """CRC-32 of (size, mtime) of the code a table's content depends on (this module and
+    """``modules_stamp`` of the code a table's content depends on (this module and
     ``elfsyms.content_modules``: the rules, demangle, elf's reader and debug-file search, the
-    native scan): a reinstalled or edited package writes new tables instead of serving ones its
-    predecessor built. Once per process: a stat per module (zlib, not hashlib, whose import
-    is slow)."""
+    native scan). Once per process."""
     if not _stamp:
         import sys
 
-        desc = []
-        for mod in (sys.modules[__name__], *content_modules()):
-            try:
-                st = os.stat(str(mod.__file__))
-                desc.append(f"{mod.__name__}:{st.st_size}:{st.st_mtime_ns}")
-            except (OSError, AttributeError):
-                desc.append(f"{mod.__name__}:?")
-        _stamp.append(zlib.crc32(";".join(desc).encode()))
+        _stamp.append(modules_stamp((sys.modules[__name__], *content_modules())))
     return _stamp[0]
 
 
