@@ -1,9 +1,12 @@
 """The disk cache's one bound: every store under the cache dir (CFI, symbol and line tables,
-debuginfod downloads; cachefiles.CACHE_STORES) is pruned together, least recently used first,
-by the daemon's start path (serve/startup.py engine_with_disk_cache, ``[cache] dir_max_bytes``).
+debuginfod downloads, the kernel image's symbols; cachefiles.CACHE_STORES) is pruned together,
+least recently used first, by the daemon's start path (serve/startup.py engine_with_disk_cache,
+``[cache] dir_max_bytes``).
 
 The stores are filled with real files: ``unwindd replay`` of a recorded -O2 -g program writes
-its binaries' CFI, symbol and line tables into the cache dir, and the program itself is put
+its binaries' CFI, symbol and line tables into the cache dir (and the kernel image's symbols
+when a sample was taken in the kernel; else the store writes them from /proc/kallsyms as such a
+replay would), and the program itself is put
 where a debuginfod download of it would be (``debuginfod/.build-id/xx/rest.debug``, with a
 ``.miss`` marker of another build-id beside it). Their uses are spread over time with utime,
 the stores interleaved, and the bound set below their total: exactly the oldest files go,
@@ -29,6 +32,7 @@ from unwindd.binaries.cachefiles import (
     STALE_TMP_SECONDS,
 )
 from unwindd.binaries.cfi import CfiStore
+from unwindd.binaries.kallsymstore import KernelImageStore
 from unwindd.serve.config import parse_config
 from unwindd.serve.startup import engine_with_disk_cache
 from workloads.build import SRC
@@ -61,6 +65,9 @@ def test_every_store_is_pruned_oldest_first(recorded: tuple[Path, Path],
     dl.mkdir(parents=True)
     (dl / f"{bid[2:]}.debug").write_bytes(exe.read_bytes())
     (dl / f"{'0' * 38}.miss").write_bytes(b"")
+    kdir = root / "kernel"
+    if not _files(kdir):  # no sample in the kernel: nothing made the replay read kallsyms
+        assert KernelImageStore(str(kdir)).save(Path("/proc/kallsyms").read_bytes())
     stale = root / "srcline" / f"{bid}.srcl.1.2.tmp"  # a writer that died
     stale.write_bytes(bytes(10))
     by_store = {s: [p for p in _files(root / s) if p != stale] for s in CACHE_STORES}
