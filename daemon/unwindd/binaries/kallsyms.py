@@ -204,6 +204,14 @@ class Kallsyms:
             self._names[i] = ks
         return ks
 
+    def _at(self, i: int, addr: int) -> KernelSymbol | None:
+        """Symbol ``i`` at ``addr`` (in it), or None for a symbol whose address is hidden."""
+        start = self._base + self._starts[i]
+        if start == 0:
+            return None
+        ks = self._symbol(i)
+        return KernelSymbol(ks.name, addr - start, ks.module)
+
     def lookup_between(self, addr: int) -> KernelSymbol | None:
         """``lookup``'s answer where it holds in any table with more symbols than this one
         outside the kernel image: ``addr`` lies from one image symbol up to the next, so
@@ -213,18 +221,10 @@ class Kallsyms:
         i = bisect_right(self._starts, addr - self._base) - 1
         if i < 0 or i + 1 >= len(self._starts) or self._module(i) or self._module(i + 1):
             return None
-        start = self._base + self._starts[i]
-        if start == 0:
-            return None
-        ks = self._symbol(i)
-        return KernelSymbol(ks.name, addr - start, ks.module)
+        return self._at(i, addr)
 
     def lookup(self, addr: int) -> KernelSymbol | None:
         i = bisect_right(self._starts, addr - self._base) - 1
-        if i < 0:
+        if i < 0 or addr >= self._end(i):
             return None
-        start = self._base + self._starts[i]
-        if start == 0 or addr >= self._end(i):
-            return None
-        ks = self._symbol(i)
-        return KernelSymbol(ks.name, addr - start, ks.module)
+        return self._at(i, addr)
