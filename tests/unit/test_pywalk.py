@@ -75,10 +75,15 @@ def _settled(it: Interpreter, tid: int) -> list[pyframes.RawFrame]:
 
 
 def _qualnames(module: object) -> set[str]:
-    """The qualnames of a module's functions and its classes' methods."""
+    """The qualnames of a module's functions and its classes' methods, property accessors
+    included (``Thread.daemon``'s getter runs in ``Thread.__init__`` and ``_shutdown``)."""
     out: set[str] = set()
     for v in vars(module).values():
-        for f in (v, *vars(v).values()) if isinstance(v, type) else (v,):
+        members = [*vars(v).values()] if isinstance(v, type) else []
+        for m in [*members]:
+            if isinstance(m, property):
+                members += [m.fget, m.fset, m.fdel]
+        for f in (v, *members):
             if inspect.isfunction(f) and f.__module__ == getattr(module, "__name__", None):
                 out.add(f.__qualname__)
     return out
