@@ -127,7 +127,7 @@ def test_check_config_command(tmp_path: Path) -> None:
 
 
 def test_store_max_bytes_changes_live() -> None:
-    assert Config().store.max_bytes == 28 << 20
+    assert Config().store.max_bytes == 12 << 20
     new = parse_config(b"[store]\nmax_bytes = 1048576\n")
     assert new.store.max_bytes == 1 << 20
     # The reload path sets the running store's cap (service.Daemon reload), no restart needed.

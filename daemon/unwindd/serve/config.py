@@ -180,7 +180,7 @@ class StoreSection:
     bucket_seconds: int = _key(10, live=False, check=_positive)
     retention_seconds: int = _key(3600, live=True, check=_positive)
     max_entries: int = _key(1_000_000, live=True, check=_positive)
-    max_bytes: int = _key(28 << 20, live=True, check=_positive)
+    max_bytes: int = _key(12 << 20, live=True, check=_positive)
 
 
 @dataclass(frozen=True, slots=True)
