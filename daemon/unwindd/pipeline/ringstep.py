@@ -33,8 +33,10 @@ Invariants:
   native stack, counted by reason; samples unwound outside the round (held, deferred) too.
 
 Cost per step: O(records) native; Python O(side-band records + unplaceable samples + new
-frames), plus O(groups) per flush and O(samples) only with stream subscribers or while the
-context holds a stack with interpreter frames (plus one frame-chain read per such thread).
+frames), plus O(groups) per flush and O(samples) only with stream subscribers or in a round
+that delivers a sample whose stack holds interpreter frames (plus one frame-chain read per
+such thread; while the context holds such a stack, other rounds take one C-speed pass over
+their stack ids).
 """
 
 from __future__ import annotations
@@ -239,6 +241,10 @@ class NativeStep:
         # views of them made once
         self._by = (ffi.new("uint64_t[]", 2 * cap), ffi.new("uint64_t[]", 2 * cap))
         self._by_pid, self._by_cpu = view(self._by[0], "Q"), view(self._by[1], "Q")
+        # the delivered records' stack ids, pids, tids and times (``_python_frames``' reads),
+        # viewed once per size, not per round
+        self._py_views = (view(self._stack_ids, "I"), view(self._cols[3], "I"),
+                          view(self._cols[4], "I"), view(self._cols[1], "Q"))  # fmt: skip
         lr = self._lr
         lr.perm, lr.keep, lr.late_ns = self._perm, self._keep, self._late
         (lr.is_sample, lr.time, lr.period, lr.pid, lr.tid, lr.cpu) = self._cols
@@ -262,7 +268,7 @@ class NativeStep:
         # code frames the frames are a CodeStack (see _name_new)
         self._stacks: list[tuple[_Frames, str, str, int, int]] = []
         self._evals: list[int] = []  # per stack id: its _PyEval_EvalFrameDefault frames
-        self._any_eval = False
+        self._eval_sids: set[int] = set()  # the stack ids whose _evals entry is not 0
         # stacks merged with Python frames, id _PY_BASE + i, interned by (stack id, segments)
         self._pystacks: list[tuple[_Frames, str, str, int, int]] = []
         self._pymerged: dict[tuple[int, object], int] = {}
@@ -437,7 +443,7 @@ class NativeStep:
         if applied:  # (most rounds apply no side-band record)
             self.unpin(applied)
         self._carry_round(cbuf, recs, nkeep, objs, fit)
-        if self.python is not None and self._any_eval and d:
+        if self.python is not None and self._eval_sids and d:
             self._python_frames(is_sample, d)
         if self.python is not None and due_out:
             self._count_late(due_out)
@@ -831,7 +837,8 @@ class NativeStep:
             stacks.append((fr, comm, STATUS_NAMES[code], len(uframes), len(kframes)))
             if self.python is not None:
                 n = _eval_frames(uframes)
-                self._any_eval |= n > 0
+                if n:
+                    self._eval_sids.add(len(self._evals))
                 self._evals.append(n)
         nctx.release_snapshots()
 
@@ -920,12 +927,17 @@ class NativeStep:
         (pyreader.PythonFrames.nearest), merged into a new stack id that replaces theirs before
         the round's counts are aggregated. A thread seen here for the first time is read from
         now on (``want``): its samples until then keep their native frames, counted ``late``.
-        O(samples) Python."""
+        O(samples) in C (a set's look at the round's stack ids) when no delivered record's
+        stack id has interpreter frames, the common round; else O(samples) Python."""
         py = self.python
         assert py is not None
-        cols, sids = self._cols, self._stack_ids
-        ids, pids, tids = view(sids, "I", d), view(cols[3], "I", d), view(cols[4], "I", d)
-        times = view(cols[1], "Q", d)
+        sids = self._stack_ids
+        v_ids, v_pids, v_tids, v_times = self._py_views
+        ids = v_ids[:d]
+        # (side-band records' entries hold stale ids: at worst they send a round the long way)
+        if self._eval_sids.isdisjoint(ids):
+            return
+        pids, tids, times = v_pids[:d], v_tids[:d], v_times[:d]
         evals, stats = self._evals, py.stats
         todo = [k for k in range(d) if is_sample[k] and ids[k] < _PY_BASE and evals[ids[k]]]
         if not todo:  # (side-band, held (_HELD > _PY_BASE) or no interpreter frames)
