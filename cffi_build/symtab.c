@@ -9,9 +9,9 @@
  * - Same selection and order as perf 6.1 (tools/perf/util/symbol-elf.c dso__load_sym,
  *   symbol.c symbols__fixup_end / symbols__fixup_duplicate / choose_best_symbol); see the rules
  *   at the top of elfsyms.py, which this file implements for everything that does not need a
- *   demangled name. A tie that does (same start, same size class, binding, and a name that is
- *   Itanium-mangled or not ASCII) is left to Python: every member of that group gets
- *   keep == UNW_SYM_UNDECIDED.
+ *   demangled name. A tie that does (same start, same size class, binding, and a name that
+ *   demangles (Itanium, Rust v0, _GLOBAL_) or is not ASCII) is left to Python: every member of
+ *   that group gets keep == UNW_SYM_UNDECIDED.
  * - Names are never copied: a symbol carries its st_name offset into the caller's string
  *   table, checked to lie inside it (the name ends at the next NUL or the table's end).
  * - Every read is bounded by the lengths passed in; no allocation outlives a call.
@@ -61,11 +61,13 @@ static const uint8_t *sym_name(const uint8_t *strtab, uint64_t strsz, uint32_t o
 }
 
 /* The name step of choose_best_symbol compares demangled names; demangling is the identity for
- * names not starting with "_Z" (demangle.py), and byte length equals Python's len() only for
- * ASCII. Anything else goes back to Python. */
+ * names not starting with "_Z", "_R" (Rust v0) or "_GLOBAL_" (demangle.py _IBERTY_PREFIXES),
+ * and byte length equals Python's len() only for ASCII. Anything else goes back to Python. */
 static int name_is_plain(const uint8_t *p, uint64_t len)
 {
-    if (len >= 2 && p[0] == '_' && p[1] == 'Z')
+    if (len >= 2 && p[0] == '_' && (p[1] == 'Z' || p[1] == 'R'))
+        return 0;
+    if (len >= 8 && memcmp(p, "_GLOBAL_", 8) == 0)
         return 0;
     for (uint64_t i = 0; i < len; i++)
         if (p[i] & 0x80)

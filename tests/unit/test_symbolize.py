@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rustbuild
 from elftools.elf.elffile import ELFFile
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -602,3 +603,21 @@ def test_mangled_plt_names_demangled_on_lookup() -> None:
     name = got.name(i)
     assert name == demangle(got._plt[i]) + "@plt" and name != got._plt[i] + "@plt"
     assert got.lookup(got.starts[i]) == (name, 0) == want.lookup(got.starts[i])
+
+
+@pytest.mark.parametrize("mangling", rustbuild.MANGLINGS)
+def test_native_table_equals_python_reference_on_rust(
+    mangling: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Rust's std is v0-mangled (``_R``) under either mangling of the crate, and identical
+    functions share an address (``<u64 as Display>::fmt`` and ``<usize as Display>::fmt``):
+    perf keeps the longer name as printed, demangled, so the native scan must not decide such
+    a group on the mangled names' lengths."""
+    exe = rustbuild.build(tmp_path_factory.mktemp(f"rs_{mangling}"), mangling)
+    e = ElfCache().acquire(None, str(exe))
+    assert e.usable
+    got, want = load_symbol_table(e), load_symbol_table_reference(e)
+    assert got.symbols() == want.symbols()
+    names = {s.name for s in want.symbols()}
+    assert "<usize as core::fmt::Display>::fmt" in names
+    assert "<u64 as core::fmt::Display>::fmt" not in names

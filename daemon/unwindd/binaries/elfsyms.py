@@ -169,7 +169,8 @@ class _Scan:
         ``_a_is_best`` over the group in table order keeps (it keeps ``a`` on a tie), without
         demangling more than needed (demangling is most of a C++ library's load): members
         that lose on size, weak or global drop out on raw fields; names that
-        do not start with ``_Z`` are their own demangled form; and constructor/destructor
+        do not start with ``_Z`` take no constructor-twin parse (Rust v0 ``_R`` names are
+        demangled to be ranked); and constructor/destructor
         variants that differ only in that code (``C1``/``C2``/``C3``, ``D0``/``D1``/``D2``:
         see ``_ctor_twin``) print the same name, so one demangle stands for all of them, and
         none when they are all that is left of the group; other names with the same full
