@@ -79,10 +79,8 @@ def _qualnames(module: object) -> set[str]:
     included (``Thread.daemon``'s getter runs in ``Thread.__init__`` and ``_shutdown``)."""
     out: set[str] = set()
     for v in vars(module).values():
-        members = [*vars(v).values()] if isinstance(v, type) else []
-        for m in [*members]:
-            if isinstance(m, property):
-                members += [m.fget, m.fset, m.fdel]
+        members = list(vars(v).values()) if isinstance(v, type) else []
+        members += [f for m in members if isinstance(m, property) for f in (m.fget, m.fset, m.fdel)]
         for f in (v, *members):
             if inspect.isfunction(f) and f.__module__ == getattr(module, "__name__", None):
                 out.add(f.__qualname__)

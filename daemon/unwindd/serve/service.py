@@ -657,11 +657,9 @@ class Daemon:
         depth = self.m.depth
         for d, c in info.depths.items():
             depth.observe(d, c)
-        if info.pids:  # (_proc_facts with one clock read for the step's pids)
-            get, now, ttl = self._facts.get, time.monotonic(), self.config.daemon.uid_cache_seconds
-            for pid in info.pids:
-                if pid > 0:
-                    get(pid, now, ttl)
+        for pid in info.pids:
+            if pid > 0:
+                self._proc_facts(pid)
 
     def _flush(self) -> None:
         """Counts the sampler holds (see open_profiler_for) into the store, before a read;
