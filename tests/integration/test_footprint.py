@@ -61,12 +61,13 @@ def _churn(argv: list[str], seconds: float, rate: float, inflight: int) -> list[
 
 # A server's shape: one process for the daemon's life, a short thread per request.
 _THREAD_CHURN = """
-import threading, time
+import sys, threading, time
 n, t0 = 0, time.monotonic()
-while time.monotonic() - t0 < float(__import__("sys").argv[1]):
+while time.monotonic() - t0 < float(sys.argv[1]):
     t = threading.Thread(target=sum, args=(range(20000),)); t.start(); t.join(); n += 1
     time.sleep(0.005)
-print(n)
+print(n, flush=True)
+sys.stdin.read()  # alive, its threads gone, until the test has looked
 """
 
 
@@ -79,6 +80,7 @@ def test_daemon_reports_memory_and_drops_churned_processes(
     workloads: dict[str, Workload], tmp_path: Path
 ) -> None:
     d = DaemonProc(tmp_path)
+    server: subprocess.Popen[str] | None = None
     try:
         d.wait_message("READY=1", timeout=60)
         # the machine's own processes once loaded: the baseline the churn must come back to
@@ -88,10 +90,11 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         # up to 400 processes of the chain workload, each running ~10-20 ms of its own code
         # (fewer when the machine is busy: at most 16 alive at once)
         argv = [*workloads["c_o2"].argv, "4"]
-        server = subprocess.Popen(["python3", "-c", _THREAD_CHURN, "20"], stdout=subprocess.PIPE)
+        server = subprocess.Popen(["python3", "-c", _THREAD_CHURN, "20"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert server.stdin is not None and server.stdout is not None
         pids = _churn(argv, seconds=20, rate=20, inflight=16)
-        out, _ = server.communicate(timeout=60)
-        threads = int(out)
+        threads = int(server.stdout.readline())
         assert threads >= 500, threads
         assert len(pids) >= 20
         _, mem1 = _memory(d)
@@ -101,27 +104,28 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         # After the exit grace (2 s of record time) and a few steps, the churned pids are gone
         # from every per-process structure: the table tracks no more processes than before
         # plus what the machine started meanwhile (other sessions' tests: a margin).
+        # Per-pid comms are held for the tids of tracked processes only, and for live threads
+        # only: the server, still alive, keeps not one per thread it ever ran. Its last
+        # threads are within their exit grace when the churn ends: waited for too.
+        # The stream's per-pid counts (samples, comms by pid) go with the pids: not one entry
+        # per process that ever ran (a few pids may be between their last record and their
+        # drop: not the churn's).
         deadline = time.monotonic() + 60
         while True:
             after, mem2 = _memory(d)
             sizes = mem2["per_process"]
-            gone = after["processes"] <= base["processes"] + 64
-            if gone and sizes["snapshots"] <= after["processes"]:
+            n = after["processes"]
+            if (n <= base["processes"] + 64 and sizes["snapshots"] <= n
+                    and sizes["comms"] <= 4 * n + 64 and sizes["stream_pids"] <= n + 16):
                 break
-            assert time.monotonic() < deadline, (base["processes"], after["processes"], sizes)
+            assert time.monotonic() < deadline, (base["processes"], n, sizes, threads, len(pids))
             time.sleep(1)
+        assert server.poll() is None  # (the server outlived the check)
         alive = {int(p) for p in os.listdir("/proc") if p.isdigit()}
         assert not alive & set(pids)  # (they did exit)
         # ... dropped from the table one by one (exit grace), not by a cap or a reset
         drops = sum(metric_values(d.metrics(), "unwindd_process_drops_total").values())
         assert drops - drops0 >= len(pids) // 2, (drops - drops0, len(pids))
-        # per-pid comms, held for the tids of tracked processes only, and for live threads
-        # only: not one per thread the server ever ran
-        assert sizes["comms"] <= 4 * after["processes"] + 64, (sizes, threads)
-        # the stream's per-pid counts (samples, comms by pid) went with the pids too: not one
-        # entry per process that ever ran
-        # (a few pids may be between their last record and their drop: not the churn's)
-        assert sizes["stream_pids"] <= after["processes"] + 16, (sizes, len(pids))
         # The heap: counted, and its free pages handed back at least once by now (every 10 s).
         heap = mem2["heap"]
         assert heap is not None and heap["in_use_bytes"] > 0, heap
@@ -136,6 +140,8 @@ def test_daemon_reports_memory_and_drops_churned_processes(
             '{state="in_use"}', '{state="free"}', '{state="mapped"}'}
         assert metric_values(text, "unwindd_native_context_bytes")[""] > 0
     finally:
+        if server is not None:
+            server.communicate(timeout=30)  # (stdin closed: it ends)
         assert d.stop() == 0
 
 
