@@ -33,6 +33,7 @@ it), the churn and the queries at soak.py's own (both reported). Root is needed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -220,8 +221,9 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             subprocess.Popen([sys.executable, "-c", DLOPEN_PY, *lib_paths()])]
     lat: list[float] = []
     errors: list[str] = []
-    # t, RSS, CPU s, samples, ELF cache bytes + store bytes (the capped structures), anon RSS
-    trace: list[tuple[float, int, float, int, int, int]] = []
+    # t, RSS, CPU s, samples, ELF cache bytes + store bytes (the capped structures), anon RSS,
+    # lost records so far
+    trace: list[tuple[float, int, float, int, int, int, int]] = []
     done = threading.Event()
 
     def queries() -> None:
@@ -268,7 +270,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     continue
                 capped = st["cache"]["bytes"] + st["store"]["bytes"]
                 rss, anon = rss_bytes(d.pid)
-                trace.append((now - t0, rss, cpu_seconds(d.pid), st["samples"], capped, anon))
+                trace.append((now - t0, rss, cpu_seconds(d.pid), st["samples"], capped, anon,
+                              st["lost"]))
             time.sleep(0.1)
         exited = d.poll()
         wall = time.monotonic() - t0
@@ -323,6 +326,9 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             round((last[2] - first[2]) / max(last[3] - first[3], 1) * 1e6, 1),
         "cpu_pct": round(last[2] / wall * 100, 1),
         "lost_records": total(text, "unwindd_lost_records"),
+        "lost_records_after_warmup": last[6] - first[6],
+        "lost_intervals_after_warmup": sum(b[6] > a[6] for a, b in itertools.pairwise(after)),
+        "intervals_after_warmup": len(after) - 1,
         "lost_samples": total(text, "unwindd_lost_samples"),
         "throttled": total(text, "unwindd_throttled"),
         "process_drops": total(text, "unwindd_process_drops"),
@@ -331,7 +337,7 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if lat else None,
         "queries": len(lat), "errors": len(errors), "first_errors": errors[:5],
         "trace": [(round(x[0]), round(x[1] / MIB, 1), round(x[5] / MIB, 1),
-                   round((x[1] - x[5]) / MIB, 1), round(x[4] / MIB, 1)) for x in trace],
+                   round((x[1] - x[5]) / MIB, 1), round(x[4] / MIB, 1), x[6]) for x in trace],
     }  # fmt: skip
 
 
@@ -361,6 +367,9 @@ def table(results: list[dict[str, Any]], warmup: float) -> str:
         ("daemon CPU (% of one core)", lambda r: r["cpu_pct"]),
         ("lost records / lost samples / throttled",
          lambda r: f"{r['lost_records']:g} / {r['lost_samples']:g} / {r['throttled']:g}"),
+        (f"lost records after {warmup:g} min; trace intervals that lost any",
+         lambda r: f"{r['lost_records_after_warmup']:,}; {r['lost_intervals_after_warmup']} of "
+                   f"{r['intervals_after_warmup']}"),
         ("query p50 / p99 (ms)", lambda r: f"{r['query_p50_ms']} / {r['query_p99_ms']}"),
         ("queries / errors (5xx, failures)", lambda r: f"{r['queries']} / {r['errors']}"),
     ]  # fmt: skip
@@ -395,8 +404,9 @@ def main() -> None:
             trace = r.pop("trace")
             print(json.dumps(r), flush=True)
             if args.trace:
-                print("trace (s: RSS/anonymous/file-backed/ELF cache + store MiB): "
-                      + " ".join(f"{t}:{m}/{a}/{f}/{c}" for t, m, a, f, c in trace))
+                print("trace (s: RSS/anonymous/file-backed/ELF cache + store MiB/lost records "
+                      "so far): " + " ".join(f"{t}:{m}/{a}/{f}/{c}/{n}"
+                                             for t, m, a, f, c, n in trace))
             results.append(r)
     print(f"\ncommand: python3 bench/soak.py {' '.join(sys.argv[1:])}  (from {ROOT.name})")
     print(table(results, args.warmup_minutes))

@@ -1,7 +1,7 @@
 """cffi (API mode) builder for ``unwindd._perfcore``.
 
-Layout follows cryptography's ``src/_cffi_src/build_*.py``: the project's own ``perfcore.c`` is
-compiled as an extra source, and ``perfcore.h`` is used twice, as the cdef (so the Python-visible
+Layout follows cryptography's ``src/_cffi_src/build_*.py``: the project's own ``perfcore.c`` and
+``ringspill.c`` are compiled as extra sources, and ``perfcore.h`` is used twice, as the cdef (so the Python-visible
 interface cannot drift from the C one) and as the header the generated module includes.
 setup.py names this file as ``cffi_build/build_perfcore.py:ffibuilder``.
 """
@@ -15,7 +15,7 @@ from cffi import FFI
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADER = HERE / "perfcore.h"
-SOURCE = HERE / "perfcore.c"
+SOURCES = [HERE / "perfcore.c", HERE / "ringspill.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text())
@@ -26,9 +26,10 @@ ffibuilder.set_source(
     '#include <stddef.h>\n#include <stdint.h>\n#include "perfcore.h"\n',
     # Relative to the build's cwd: distutils mirrors a source's path under build_temp for its
     # object file, and an absolute path would escape it.
-    sources=[os.path.relpath(SOURCE)],
+    sources=[os.path.relpath(s) for s in SOURCES],
     include_dirs=[str(HERE)],
-    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11"],
+    extra_compile_args=["-O2", "-Wall", "-Wextra", "-std=gnu11", "-pthread"],
+    extra_link_args=["-pthread"],  # the spill's thread (ringspill.c)
 )
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "perfcore.h"
+#include "perfcore_int.h"
 
 /* The fixed part of the sample layout (include/uapi/linux/perf_event.h, PERF_RECORD_SAMPLE):
  *   { u64 ip; } { u32 pid, tid; } { u64 time; } { u32 cpu, res; } { u64 period; }
@@ -340,9 +341,23 @@ size_t pc_trim_records(unsigned char *buf, size_t len, uint32_t nregs)
     return dst + (len - src);
 }
 
-/* Copy whole records from one ring into out[0, cap) (SAMPLEs cut as pc_drain_trim says unless
- * nregs is PC_NO_TRIM). Returns bytes written. */
-static size_t drain_one(pc_ring *r, unsigned char *out, size_t cap, uint32_t nregs)
+uint64_t pc__ring_head(const pc_ring *r)
+{
+    return ring_load_head(r->meta);
+}
+
+uint64_t pc__ring_tail(const pc_ring *r)
+{
+    return ring_load_tail(r->meta);
+}
+
+int pc__ring_usable(const pc_ring *r)
+{
+    return r->meta && r->data && r->data_size && !(r->data_size & (r->data_size - 1));
+}
+
+/* perfcore_int.h */
+size_t pc__drain_ring(pc_ring *r, unsigned char *out, size_t cap, uint32_t nregs)
 {
     struct perf_event_mmap_page *pg = r->meta;
     uint64_t head = ring_load_head(pg);
@@ -407,9 +422,9 @@ int64_t pc_drain_trim(pc_ring *rings, size_t nrings, size_t start, unsigned char
     for (size_t k = 0; k < nrings; k++) {
         size_t i = (start + k) % nrings;
         pc_ring *r = &rings[i];
-        if (!r->meta || !r->data || r->data_size == 0 || (r->data_size & (r->data_size - 1)))
+        if (!pc__ring_usable(r))
             continue;
-        size_t n = drain_one(r, out + total, out_cap - total, nregs);
+        size_t n = pc__drain_ring(r, out + total, out_cap - total, nregs);
         sizes[i] = n;
         total += n;
     }

@@ -11,7 +11,8 @@
  * - pc_drain copies only whole records, and only ever advances data_tail over bytes it copied or
  *   over a range it declared corrupt (counted in pc_ring.errors). It terminates in
  *   O(bytes available + number of rings): each step advances tail by >= 8 or leaves the ring.
- * - No function allocates memory; the caller owns the pc_ring array and the output buffer.
+ * - No function but the spill's allocates memory; the caller owns the pc_ring array and the
+ *   output buffer.
  */
 
 #define PC_MAX_STACK_USER 65528
@@ -102,3 +103,46 @@ int64_t pc_drain_trim(pc_ring *rings, size_t nrings, size_t start, unsigned char
 /* The same cut applied in place to buf[0, len) holding whole records back to back (tests and
  * captured drains): returns the new length, records compacted to the front. */
 size_t pc_trim_records(unsigned char *buf, size_t len, uint32_t nregs);
+
+/* The spill (ringspill.c): a thread of its own that moves records out of a ring the caller has
+ * left more than high_pct percent full into memory it holds (cut as pc_drain_trim with nregs
+ * cuts them), so that a consumer held up for longer than a ring's worth of samples (a slow
+ * round, the GIL, a busy machine's run queue) loses nothing while the spill has room. The
+ * kernel drops records only when a ring is full (PERF_RECORD_LOST): with a spill, only when
+ * the ring is full and the spill holds cap_bytes too.
+ * - Each ring is read by one side at a time (a lock per ring), and pc_drain_spill hands out a
+ *   ring's spilled records before anything still in the ring, so each ring's records leave
+ *   in the order the kernel wrote them, whole, exactly once, and pc_drain's round rule holds.
+ * - The thread wakes when the fastest-filling ring could reach high_pct (at the rate it filled
+ *   since the last wake), at least every max_sleep_us (0: PC_SPILL_MAX_SLEEP_MS; the caller
+ *   passes the time a ring takes to get there at the most its events can write, so a burst
+ *   after a quiet spell is seen in time) and at most every PC_SPILL_MIN_SLEEP_MS; each wake
+ *   is O(rings) loads of the control pages, plus the copy of what it spills. No syscall but
+ *   its sleep.
+ * - Memory: at most cap_bytes held over all rings, allocated as a ring needs it and freed
+ *   when pc_drain_spill has taken it all; none while every ring is drained in time. */
+#define PC_SPILL_MIN_SLEEP_MS 2
+#define PC_SPILL_MAX_SLEEP_MS 100
+typedef struct pc_spill pc_spill;
+typedef struct {
+    uint64_t records;   /* records moved from the rings into the spill, ever */
+    uint64_t bytes;     /* bytes moved (as cut) */
+    uint64_t held;      /* bytes held now */
+    uint64_t held_max;  /* the most held at once */
+    uint64_t full;      /* spills that left records in a ring for want of room (cap_bytes) */
+    uint64_t wakeups;   /* the thread's wakeups */
+} pc_spill_stats;
+
+/* Start the spill's thread over rings[0, nrings), which must stay mapped (and the array in
+ * place) until pc_spill_stop. *out receives it. 0, -EINVAL (bad arguments, high_pct not in
+ * 1..99), -ENOMEM, or pthread_create's error. */
+int pc_spill_start(pc_spill **out, pc_ring *rings, size_t nrings, uint64_t cap_bytes,
+                   uint32_t nregs, uint32_t high_pct, uint32_t max_sleep_us);
+/* Stop and join the thread, free everything (records still held are dropped: drain first). */
+void pc_spill_stop(pc_spill *sp);
+/* pc_drain_trim over the spill's rings and nregs, each ring's spilled records first. */
+int64_t pc_drain_spill(pc_spill *sp, size_t start, unsigned char *out, size_t out_cap,
+                       uint64_t *sizes);
+/* Bytes the rings and the spill hold together: what pc_drain_spill copies at most. */
+uint64_t pc_spill_pending(pc_spill *sp);
+void pc_spill_get_stats(pc_spill *sp, pc_spill_stats *st);

@@ -1,8 +1,10 @@
 """The C core under AddressSanitizer + UBSan and under valgrind (memray's ``make valgrind``).
 
-tests/support/native/ring_test.c drives cffi_build/perfcore.c directly: synthetic rings whose
-records wrap the end of the data area, every kind of corrupt header, outputs that fill mid-ring, a
-random produce/drain property test, and a real perf_event_open ring that wraps many times.
+tests/support/native/ring_test.c drives cffi_build/perfcore.c and ringspill.c directly: synthetic
+rings whose records wrap the end of the data area, every kind of corrupt header, outputs that fill
+mid-ring, a random produce/drain property test, the spill's thread between a producer and a
+consumer that pauses (also under ThreadSanitizer), and a real perf_event_open ring that wraps many
+times.
 The harness prints ``ok <number of checks>``; a sanitizer report or a failed CHECK fails it.
 """
 
@@ -19,13 +21,14 @@ from nativebuild import compile_warning_free
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
 HARNESS = ROOT / "tests" / "support" / "native" / "ring_test.c"
-CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}"]
+CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]
+SOURCES = [str(CORE / "perfcore.c"), str(CORE / "ringspill.c")]
 
 
 def _build(out: pathlib.Path, extra: list[str]) -> pathlib.Path:
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler is needed for the native tests"
-    cmd = [cc, *CFLAGS, *extra, str(HARNESS), str(CORE / "perfcore.c"), "-o", str(out)]
+    cmd = [cc, *CFLAGS, *extra, str(HARNESS), *SOURCES, "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out
 
@@ -49,6 +52,16 @@ def test_ring_drain_asan_ubsan(tmp_path: pathlib.Path) -> None:
     assert "runtime error" not in proc.stderr  # UBSan, belt and braces with -fno-sanitize-recover
 
 
+def test_ring_spill_tsan(tmp_path: pathlib.Path) -> None:
+    """The spill's thread, the producer's and the consumer's, with ThreadSanitizer watching
+    every access to the rings, the spill's buffers and its counters."""
+    exe = _build(tmp_path / "ring_test_tsan", ["-fsanitize=thread"])
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=1:exitcode=98")
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, env=env)
+    _check_output(proc)
+    assert "ThreadSanitizer" not in proc.stderr, proc.stderr
+
+
 def test_ring_drain_valgrind(tmp_path: pathlib.Path) -> None:
     valgrind = shutil.which("valgrind")
     assert valgrind, "valgrind is installed on the dev machine; install it to run this test"
@@ -64,4 +77,4 @@ def test_ring_drain_valgrind(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize("flag", ["-O2", "-O3"])
 def test_core_compiles_warning_free(tmp_path: pathlib.Path, flag: str) -> None:
     """The flags the cffi build uses (-O2 -Wall -Wextra) plus -O3, with warnings as errors."""
-    compile_warning_free([str(CORE / "perfcore.c")], tmp_path, flag)
+    compile_warning_free(SOURCES, tmp_path, flag)

@@ -13,7 +13,9 @@ Invariants:
 - ``drain`` is one native call for all rings and returns only whole records, each chunk decodable
   with ``decoder.RecordDecoder([session.event_format])``. Records it could not fit stay in their
   ring for the next call, so nothing is lost by a small ``max_bytes``; only ring overflow loses
-  data, and the kernel reports that in-band as PERF_RECORD_LOST.
+  data, and the kernel reports that in-band as PERF_RECORD_LOST. With ``start_spill`` a native
+  thread moves the records of a ring past ``SPILL_HIGH_PCT`` into memory the drains hand out
+  first (cffi_build/ringspill.c): a ring overflows only once that is full too.
 - ``event_format`` is computed from the same C function that builds the attr
   (``pc_sample_type``), so the decoder's idea of the layout cannot drift from the kernel's.
 - A failed ``open`` closes and unmaps everything it had opened before raising.
@@ -55,6 +57,7 @@ from .sampling import (
     online_cpus,
     open_error,
     read_sysctl,
+    ring_fill_seconds,
     system_ring_cap,
 )
 
@@ -62,6 +65,10 @@ from .sampling import (
 PERF_FLAG_PID_CGROUP = 1 << 2
 
 MAX_RECORD_SIZE = decoder.MAX_RECORD_SIZE
+# The spill moves a ring's records out once it is this full: above the wakeup watermark (half
+# the ring), so a consumer that keeps up drains every record itself and the spill copies none.
+SPILL_HIGH_PCT = 75
+SPILL_STATS = ("records", "bytes", "held", "held_max", "full", "wakeups")
 
 if int(lib.PC_MAX_STACK_USER) != MAX_STACK_SIZE:  # what validate allows is what the core takes
     raise ImportError(
@@ -146,6 +153,8 @@ class PerfSession:
         self._start = 0
         self._closed = False
         self._final_errors = 0
+        self._spill: Any = None  # pc_spill *, once start_spill ran
+        self._spill_final: dict[str, int] | None = None
         self.fds = fds
         self.cpus = cpus
         self.event_format = event_format
@@ -383,6 +392,39 @@ class PerfSession:
 
     # -- data
 
+    def start_spill(self, cap_bytes: int, high_pct: int = SPILL_HIGH_PCT) -> None:
+        """Start the spill (cffi_build/ringspill.c): a native thread that moves the records of
+        any ring more than ``high_pct`` percent full into up to ``cap_bytes`` of memory,
+        which the drains hand out first, so a consumer held up for longer than a ring's worth
+        of samples loses nothing while there is room. Records leave each ring in order,
+        whole, exactly once, cut as ``drain_into`` cuts them (``drain`` too, while a spill
+        runs). Once per session; ``close`` stops it."""
+        self._check_open()
+        if self._spill is not None:
+            raise ValueError("the spill is already running")
+        if cap_bytes <= 0 or not 1 <= high_pct <= 99:
+            raise ValueError(f"spill: cap_bytes > 0 and high_pct in 1..99, got {cap_bytes}, "
+                             f"{high_pct}")  # fmt: skip
+        # its longest sleep: half the time a ring takes to get high_pct full at the most its
+        # samples write, so a burst after a quiet spell is caught before the ring is full
+        fill = ring_fill_seconds(self.config, high_pct / 100, os.sysconf("SC_PAGE_SIZE"))
+        sleep_us = 0 if fill is None else max(1, min(int(fill * 1e6 / 2), 0xFFFFFFFF))
+        out = ffi.new("pc_spill **")
+        rc = int(lib.pc_spill_start(out, self._rings, self._nrings, cap_bytes, self._trim,
+                                    high_pct, sleep_us))  # fmt: skip
+        if rc < 0:
+            raise OSError(-rc, f"the ring spill's thread did not start: {os.strerror(-rc)}")
+        self._spill = out[0]
+
+    def spill_stats(self) -> dict[str, int] | None:
+        """The spill's counts (``pc_spill_stats``: records, bytes, held, held_max, full,
+        wakeups), kept after ``close``; None without a spill."""
+        if self._spill is None:
+            return self._spill_final
+        st = ffi.new("pc_spill_stats *")
+        lib.pc_spill_get_stats(self._spill, st)
+        return {k: int(getattr(st, k)) for k in SPILL_STATS}
+
     def drain(self, max_bytes: int = 4 << 20) -> list[tuple[int, bytes]]:
         """Copy whole records out of every ring in one native call: ``[(cpu, bytes)]`` for the
         rings that had data. At most ``max_bytes`` in total (>= 64 KiB so any record fits);
@@ -422,12 +464,17 @@ class PerfSession:
         """Unread bytes in all rings together, without consuming anything: what the next
         drain copies at most (more may arrive meanwhile). O(rings), no syscall."""
         self._check_open()
+        if self._spill is not None:
+            return int(lib.pc_spill_pending(self._spill))
         return int(lib.pc_pending_total(self._rings, self._nrings))
 
     def _drain_to(self, out: Any, cap: int, trim: int) -> list[tuple[int, int]]:
         n = self._nrings
         start = self._start
-        total = int(lib.pc_drain_trim(self._rings, n, start, out, cap, self._sizes, trim))
+        if self._spill is not None:
+            total = int(lib.pc_drain_spill(self._spill, start, out, cap, self._sizes))
+        else:
+            total = int(lib.pc_drain_trim(self._rings, n, start, out, cap, self._sizes, trim))
         if total < 0:
             raise OSError(-total, f"pc_drain: {os.strerror(-total)}")
         self._start = (start + 1) % n
@@ -463,6 +510,10 @@ class PerfSession:
         """Unmap every ring and close every fd. Idempotent."""
         if self._closed:
             return
+        if self._spill is not None:  # (its thread reads the rings: stopped before they go)
+            self._spill_final = self.spill_stats()
+            lib.pc_spill_stop(self._spill)
+            self._spill = None
         self._final_errors = self.ring_errors
         self._closed = True
         for i in range(self._nrings):

@@ -142,6 +142,16 @@ def auto_ring_pages(frequency: int, stack_size: int, page: int = 4096) -> int:
     return pages
 
 
+def ring_fill_seconds(config: SamplingConfig, fraction: float, page: int = 4096) -> float | None:
+    """Seconds a ring of ``config.ring_pages`` (concrete) takes to get ``fraction`` full at the
+    most a CPU's samples can write (every sample with a whole stack copy at ``frequency``);
+    None when sampled by period (the rate is the event's)."""
+    if config.period is not None or not config.ring_pages:
+        return None
+    rate = config.frequency * (config.stack_size + _SAMPLE_OVERHEAD)
+    return config.ring_pages * page * fraction / rate
+
+
 class PerfOpenError(OSError):
     """perf_event_open, its ioctls or the ring mmap failed; ``errno`` is the kernel's answer and
     the message says what to change. ``str`` is that message alone (an operator's one line),
