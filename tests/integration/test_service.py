@@ -123,19 +123,32 @@ def test_top_and_status(
     assert sum(lost.values()) >= st["lost"]  # metrics are read later: never fewer
     assert metric_values(text, "unwindd_ring_pages") == {"": 256.0}
     assert st["config"]["sampling"]["frequency"] == 499 and st["uptime_s"] > 0
-    assert st["rings"] == {"cpus": len(online_cpus()), "pages": 256, "wanted_pages": 256}
+    spill = st["rings"].pop("spill")
+    assert st["rings"] == {"cpus": len(online_cpus()), "pages": 256, "wanted_pages": 256,
+                           "spill_max_bytes": 16 << 20}  # fmt: skip
+    # the ring spill runs (its thread has woken) within its bound, and its counts are exported
+    assert set(spill) == {"records", "bytes", "held", "held_max", "full", "wakeups"}, spill
+    assert spill["wakeups"] > 0 and spill["held_max"] <= 16 << 20, spill
+    assert metric_values(text, "unwindd_ring_spilled_records_total")[""] >= spill["records"]
+    assert metric_values(text, "unwindd_ring_spill_full_total")[""] >= spill["full"]
+    assert 0 <= metric_values(text, "unwindd_ring_spill_bytes")[""] <= 16 << 20
 
 
 def test_rings_sized_from_the_frequency_by_default(tmp_path: Path) -> None:
     """No ring_pages in the config: the rings are sized for the frequency and stack size
     (256 pages at 999 Hz with 8 KiB stacks) within the locked-memory budget, and the daemon
-    says so (a warning only when the budget gave less)."""
-    d = DaemonProc(tmp_path, frequency=999, ring_pages=None)
+    says so (a warning only when the budget gave less). With spill_max_bytes = 0, no ring
+    spill, and none of its metrics."""
+    d = DaemonProc(tmp_path, frequency=999, ring_pages=None,
+                   sampling_toml="spill_max_bytes = 0\n")
     try:
         d.wait_message("READY=1")
         rings = d.json("/v1/status")["rings"]
+        text = d.metrics()
     finally:
         assert d.stop() == 0
+    assert rings.pop("spill") is None and rings.pop("spill_max_bytes") == 0
+    assert "unwindd_ring_spill" not in text
     # the daemon runs as this test process does (same uid, capabilities and limits)
     ncpu, page = len(online_cpus()), os.sysconf("SC_PAGE_SIZE")
     wanted = auto_ring_pages(999, 8192, page)

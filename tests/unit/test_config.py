@@ -54,6 +54,7 @@ def test_keys_scripts_rely_on() -> None:
         (b"[sampling]\nstack_size = 100\n", "[sampling] stack_size: must be a multiple of 8"),
         (b"[sampling]\nring_pages = 3\n", "[sampling] ring_pages: must be 0 (auto) or a power"),
         (b"[sampling]\nring_pages = -64\n", "[sampling] ring_pages: must be 0 (auto) or a power"),
+        (b"[sampling]\nspill_max_bytes = -1\n", "[sampling] spill_max_bytes: must be >= 0"),
         (b'[sampling]\nevent = "cycle"\n', "[sampling] event: must be one of"),
         (b'[sampling]\ntarget = "pids"\n', "[sampling] pids: target = \"pids\" needs"),
         (b"[sampling]\npids = [0]\n", "[sampling] pids: must be a list of pids"),

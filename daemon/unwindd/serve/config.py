@@ -116,6 +116,8 @@ class SamplingSection:
     frequency: int = _key(99, live=False, check=_positive)
     stack_size: int = _key(8192, live=False, check=_stack_size)
     ring_pages: int = _key(0, live=False, check=_auto_or_power_of_two)
+    spill_max_bytes: int = _key(16 << 20, live=False, check=_non_negative,
+                                doc="memory the ring spill may hold; 0: no spill")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,6 +135,13 @@ def _inline_renames(d: Any) -> int:
     return d.profiler.renames  # type: ignore[no-any-return]
 
 
+def _spill(d: Any, key: str) -> int:
+    st = d.profiler.session.spill_stats()
+    if st is None:
+        raise AttributeError("no ring spill")  # the metric is not exported then
+    return st[key]  # type: ignore[no-any-return]
+
+
 def _cpus(d: Any) -> Iterable[int]:
     return d.profiler.session.cpus  # type: ignore[no-any-return]
 
@@ -160,6 +167,12 @@ def counter_specs() -> list[Spec]:
              lambda d: (t.name for t in RecordType if t < 64)),
         Spec("unwindd_lost_records", "Records the kernel dropped from a full ring, by CPU.",
              lambda d: d.profiler.pipeline.stats.lost_by_cpu, "cpu", _cpus),
+        Spec("unwindd_ring_spilled_records", "Records the ring spill moved out of rings the "
+             "loop left past 75 % full, and the loop drained later (kept, not lost).",
+             lambda d: _spill(d, "records")),
+        Spec("unwindd_ring_spill_full", "Times the ring spill left records in a ring for want "
+             "of room ([sampling] spill_max_bytes): the kernel drops them if the ring fills.",
+             lambda d: _spill(d, "full")),
         Spec("unwindd_lost_samples", "Samples the kernel dropped before the ring, by CPU.",
              lambda d: d.profiler.pipeline.stats.lost_samples_by_cpu, "cpu", _cpus),
         Spec("unwindd_throttled", "THROTTLE records (the kernel throttled sampling), by CPU.",
@@ -315,6 +328,8 @@ def gauge_specs() -> list[Spec]:
              lambda d: d.push_stats.pending),
         Spec("unwindd_ring_pages", "Data pages of each CPU's ring buffer (sized at start).",
              lambda d: d.profiler.session.config.ring_pages),
+        Spec("unwindd_ring_spill_bytes", "Bytes the ring spill holds for the loop now.",
+             lambda d: _spill(d, "held")),
     ]  # fmt: skip
 
 

@@ -297,7 +297,9 @@ class Daemon:
             "push": self.pusher.status() if self.pusher is not None else None,
             "memory": self.memory(),
             "rings": {"cpus": len(p.session.fds), "pages": p.session.config.ring_pages,
-                      "wanted_pages": p.session.ring_pages_wanted},
+                      "wanted_pages": p.session.ring_pages_wanted,
+                      "spill": p.session.spill_stats(),
+                      "spill_max_bytes": self.config.sampling.spill_max_bytes},
             "config_source": self.config.source,
             "config": self.config.to_json(),
         }  # fmt: skip

@@ -281,6 +281,11 @@ def open_profiler_for(cfg: Config) -> LiveProfiler:
                              flush_interval=FLUSH_SECONDS,
                              python_frames=cfg.python.frames)  # fmt: skip
     prof.forget_stream_pids()  # per-pid stream counts go with the pid (record keeps them)
+    if s.spill_max_bytes:
+        try:  # (perfcore.PerfSession.start_spill: what a held-up step would have lost, kept)
+            prof.session.start_spill(s.spill_max_bytes)
+        except OSError as e:
+            log.warning("%s: rings are drained by the loop alone", e)
     for note in prof.session.notes:  # the fallbacks taken to open (sampling.fallback)
         log.warning("%s", note)
     return prof
