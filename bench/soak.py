@@ -23,7 +23,9 @@ Reported per run: RSS slope after the warm-up (least squares, MiB/min) and that 
 the capped structures (what a leak would show as), RSS at the warm-up's end and peak, RSS and
 its anonymous and file-backed parts at the end, peak and median after the warm-up (one
 query's temporaries make single samples jumpy), the machine's load average, CPU per
-sample (whole run and after warm-up), samples, lost records and samples (unwindd_lost_*),
+sample (whole run and after warm-up), samples, lost records and samples (unwindd_lost_*;
+lost records after the warm-up, and in how many of its trace intervals), the records the ring
+spill kept and the times it was full (unwindd_ring_spill*),
 throttled, query latency p50/p99, errors (5xx, failed queries, unwindctl exit != 0) and
 whether the daemon exited. A markdown table for BENCHMARKS.md is printed last, and the RSS
 trace with ``--trace``. The daemon runs at niceness ``--daemon-nice`` (0, as systemd starts
@@ -330,6 +332,8 @@ def soak(freq: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "lost_intervals_after_warmup": sum(b[6] > a[6] for a, b in itertools.pairwise(after)),
         "intervals_after_warmup": len(after) - 1,
         "lost_samples": total(text, "unwindd_lost_samples"),
+        "spilled_records": total(text, "unwindd_ring_spilled_records"),
+        "spill_full": total(text, "unwindd_ring_spill_full"),
         "throttled": total(text, "unwindd_throttled"),
         "process_drops": total(text, "unwindd_process_drops"),
         "query_p50_ms": round(statistics.median(lat) * 1e3, 1) if lat else None,
@@ -367,6 +371,8 @@ def table(results: list[dict[str, Any]], warmup: float) -> str:
         ("daemon CPU (% of one core)", lambda r: r["cpu_pct"]),
         ("lost records / lost samples / throttled",
          lambda r: f"{r['lost_records']:g} / {r['lost_samples']:g} / {r['throttled']:g}"),
+        ("records the ring spill kept / times it was full",
+         lambda r: f"{r['spilled_records']:,.0f} / {r['spill_full']:g}"),
         (f"lost records after {warmup:g} min; trace intervals that lost any",
          lambda r: f"{r['lost_records_after_warmup']:,}; {r['lost_intervals_after_warmup']} of "
                    f"{r['intervals_after_warmup']}"),
