@@ -40,6 +40,7 @@ from unwindd.source.sampling import (
     auto_ring_pages,
     online_cpus,
     parse_cpu_list,
+    ring_fill_seconds,
     ring_pages_cap,
 )
 
@@ -258,6 +259,12 @@ def test_auto_ring_pages() -> None:
     assert ring_pages_cap(65536, 2, 516, 64 * 65536, False) == 32  # 8 + 32 - 1 -> 32
     sized = SamplingConfig(frequency=999).resolved(4096, 128)
     assert (sized[0].ring_pages, sized[1]) == (128, 256)
+    # the spill's longest sleep comes from the time a ring takes to fill at the most the
+    # samples write: 256 pages 3/4 full at 999 Hz of 8 KiB stacks (+512) is ~90 ms
+    fill = ring_fill_seconds(SamplingConfig(frequency=999, ring_pages=256), 0.75)
+    assert fill == 256 * 4096 * 0.75 / (999 * (8192 + 512))
+    assert ring_fill_seconds(SamplingConfig(period=10_000, ring_pages=256), 0.75) is None
+    assert ring_fill_seconds(SamplingConfig(frequency=999), 0.75) is None  # not sized yet
     assert SamplingConfig(frequency=99).resolved(4096, 128)[0].ring_pages == 64
     assert SamplingConfig(period=10**6).resolved(4096, 32)[0].ring_pages == 32
     assert SamplingConfig(ring_pages=8).resolved(4096, 128) == (SamplingConfig(ring_pages=8), 8)
