@@ -814,3 +814,21 @@ def test_pid_target_covers_existing_threads() -> None:
     assert len(spun) >= 30, f"only {len(spun)} samples of thread {tid}"
     exits = [r for r in cap.all() if isinstance(r, records.Exit) and r.tid == tid]
     assert len(exits) == 1 and exits[0].pid == proc.pid
+
+
+def test_spill_of_a_session_dropped_unclosed(busy: pathlib.Path) -> None:
+    """A session that is never closed: its spill's thread is stopped when the session is
+    collected, before the ring array it reads is freed (no crash, the thread gone)."""
+    import gc
+
+    config = SamplingConfig(frequency=999, ring_pages=16)
+    session = PerfSession.open(Target(pids=(os.getpid(),)), config)
+    session.start_spill(1 << 20)
+
+    def names() -> set[str]:
+        return {p.read_text().strip() for p in pathlib.Path("/proc/self/task").glob("*/comm")}
+
+    assert "unwindd-spill" in names()
+    del session
+    gc.collect()
+    assert "unwindd-spill" not in names()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import os
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -69,6 +70,12 @@ MAX_RECORD_SIZE = decoder.MAX_RECORD_SIZE
 # the ring), so a consumer that keeps up drains every record itself and the spill copies none.
 SPILL_HIGH_PCT = 75
 SPILL_STATS = ("records", "bytes", "held", "held_max", "full", "wakeups")
+
+def _stop_spill(spill: Any, rings: Any) -> None:
+    """Stop and free a spill; ``rings``, the array its thread reads, is held until then."""
+    del rings
+    lib.pc_spill_stop(spill)
+
 
 if int(lib.PC_MAX_STACK_USER) != MAX_STACK_SIZE:  # what validate allows is what the core takes
     raise ImportError(
@@ -154,6 +161,7 @@ class PerfSession:
         self._closed = False
         self._final_errors = 0
         self._spill: Any = None  # pc_spill *, once start_spill ran
+        self._spill_stop: Any = None  # its finalizer (stops the thread, once)
         self._spill_final: dict[str, int] | None = None
         self.fds = fds
         self.cpus = cpus
@@ -415,6 +423,9 @@ class PerfSession:
         if rc < 0:
             raise OSError(-rc, f"the ring spill's thread did not start: {os.strerror(-rc)}")
         self._spill = out[0]
+        # A session dropped unclosed: the thread is stopped before the ring array it reads is
+        # freed (the finalizer holds the array until it has run)
+        self._spill_stop = weakref.finalize(self, _stop_spill, self._spill, self._rings)
 
     def spill_stats(self) -> dict[str, int] | None:
         """The spill's counts (``pc_spill_stats``: records, bytes, held, held_max, full,
@@ -512,7 +523,7 @@ class PerfSession:
             return
         if self._spill is not None:  # (its thread reads the rings: stopped before they go)
             self._spill_final = self.spill_stats()
-            lib.pc_spill_stop(self._spill)
+            self._spill_stop()
             self._spill = None
         self._final_errors = self.ring_errors
         self._closed = True
