@@ -657,8 +657,9 @@ def test_drain_into_writes_whole_records_in_place(busy: pathlib.Path) -> None:
             session.drain_into(bytearray(4096))
 
 
-def _held_up(busy: pathlib.Path, spill: int) -> tuple[dict[int, list[records.Record]],
-                                                     dict[str, int] | None]:
+def _held_up(
+    busy: pathlib.Path, spill: int
+) -> tuple[dict[int, list[records.Record]], dict[str, int] | None]:
     """A pid session with 16-page rings (64 KiB: ~7 samples with 8 KiB stack copies) on
     ``busy`` spinning 0.5 s of CPU at 999 Hz, not drained until the child is done (a consumer
     held up for ~70 rings' worth of samples), then drained whole through ``drain_into``, with

@@ -71,6 +71,7 @@ MAX_RECORD_SIZE = decoder.MAX_RECORD_SIZE
 SPILL_HIGH_PCT = 75
 SPILL_STATS = ("records", "bytes", "held", "held_max", "full", "wakeups")
 
+
 def _stop_spill(spill: Any, rings: Any) -> None:
     """Stop and free a spill; ``rings``, the array its thread reads, is held until then."""
     del rings
