@@ -594,7 +594,8 @@ def test_drain_stops_at_record_boundary_when_output_is_full() -> None:
 
 
 @contextlib.contextmanager
-def busy_run(busy: pathlib.Path, config: SamplingConfig, ms: int) -> Iterator[PerfSession]:
+def busy_run(busy: pathlib.Path, config: SamplingConfig, ms: int,
+             spill: int = 0) -> Iterator[PerfSession]:  # fmt: skip
     """A pid session on ``busy wait-spin MS`` run to its end, disabled, its records still in
     the rings. The child has an empty environment: its stack from sp up (frames, then argv,
     envp, auxv and their strings) is ~1 KiB plus the random 0-8 KiB gap exec leaves below the
@@ -604,6 +605,8 @@ def busy_run(busy: pathlib.Path, config: SamplingConfig, ms: int) -> Iterator[Pe
     child = subprocess.Popen([str(busy), "wait-spin", str(ms)], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, env={})  # fmt: skip
     with PerfSession.open(Target(pids=(child.pid,)), config) as session:
+        if spill:  # ``spill`` bytes of ring spill
+            session.start_spill(spill)
         session.enable()
         assert child.stdin is not None
         child.stdin.write(b"x")
@@ -664,22 +667,12 @@ def _held_up(
     ``busy`` spinning 0.5 s of CPU at 999 Hz, not drained until the child is done (a consumer
     held up for ~70 rings' worth of samples), then drained whole through ``drain_into``, with
     ``spill`` bytes of spill (0: none). Its records by CPU, and the spill's counts."""
-    config = SamplingConfig(frequency=999, ring_pages=16)
-    child = subprocess.Popen([str(busy), "wait-spin", "500"], stdin=subprocess.PIPE,
-                             stdout=subprocess.DEVNULL, env={})  # fmt: skip
     arena = bytearray(1 << 20)
     got: dict[int, list[records.Record]] = defaultdict(list)
-    with PerfSession.open(Target(pids=(child.pid,)), config) as session:
+    with busy_run(busy, SamplingConfig(frequency=999, ring_pages=16), 500, spill) as session:
         if spill:
-            session.start_spill(spill)
             with pytest.raises(ValueError, match="already"):
                 session.start_spill(spill)
-        session.enable()
-        assert child.stdin is not None
-        child.stdin.write(b"x")
-        child.stdin.close()
-        assert child.wait(30) == 0
-        session.disable()
         dec = RecordDecoder([session.event_format])
         while parts := session.drain_into(arena):
             pos = 0
