@@ -1,8 +1,9 @@
 """cffi (API mode) builder for ``unwindd._perfcore``.
 
 Layout follows cryptography's ``src/_cffi_src/build_*.py``: the project's own ``perfcore.c`` and
-``ringspill.c`` are compiled as extra sources, and ``perfcore.h`` is used twice, as the cdef (so the Python-visible
-interface cannot drift from the C one) and as the header the generated module includes.
+``ringspill.c`` are compiled as extra sources, and ``perfcore.h`` is used twice, as the cdef (so
+the Python-visible interface cannot drift from the C one) and as the header the generated module
+includes.
 setup.py names this file as ``cffi_build/build_perfcore.py:ffibuilder``.
 """
 
