@@ -93,6 +93,8 @@ UNWIND_C = "cffi_build/unwind.c"
 INDEX_C = "cffi_build/index.c"
 ORDER_C = "cffi_build/order.c"
 SIDEBAND_C = "cffi_build/sideband.c"
+SPILL_C = "cffi_build/ringspill.c"
+_SPILL_TEST = "tests/integration/test_perfcore.py::test_spill_keeps_what_the_ring_cannot_hold"
 _SKIP_TEST = ("tests/differential/test_replay_unsampled.py"
               "::test_skipping_replay_equals_applying_every_record")
 
@@ -400,6 +402,69 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=(_SKIP_TEST,),
+    ),
+    # -- per-process state under churn
+    Mutation(
+        name="thread-comm-kept",
+        what="StackEngine._thread_gone: an exited thread's name is kept while its process "
+        "lives (a long-lived server holds one per thread it ever ran)",
+        edits=(
+            Edit(
+                "daemon/unwindd/unwind/engine.py",
+                old="            tids.discard(tid)\n        self._comms.pop(tid, None)\n",
+                new="            tids.discard(tid)  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_footprint.py"
+               "::test_daemon_reports_memory_and_drops_churned_processes",),
+    ),
+    # -- the ring spill (ringspill.c, PerfSession.start_spill)
+    Mutation(
+        name="spill-ring-before-spilled",
+        what="pc_drain_spill: a ring's own records are handed out before those it spilled "
+        "earlier (each ring's records no longer in the kernel's order)",
+        edits=(
+            Edit(
+                SPILL_C,
+                old="        size_t n = take_spilled(sp, s, out + total, out_cap - total);\n"
+                "        if (s->start == s->end) /* the ring's own records only after all it "
+                "spilled */\n"
+                "            n += pc__drain_ring(r, out + total + n, out_cap - total - n, "
+                "sp->nregs);\n",
+                new="        size_t n = pc__drain_ring(r, out + total, out_cap - total, sp->nregs);"
+                " /* MUTANT */\n"
+                "        n += take_spilled(sp, s, out + total + n, out_cap - total - n);\n",
+            ),
+        ),
+        tests=(_SPILL_TEST, "tests/native/test_native_sanitizers.py::test_ring_drain_asan_ubsan"),
+    ),
+    Mutation(
+        name="spill-moves-nothing",
+        what="the spill's thread wakes but never moves a ring's records (the daemon loses "
+        "what a late step cannot drain in time)",
+        edits=(
+            Edit(
+                SPILL_C,
+                old="        if (pending >= high || pending + grew >= high) {",
+                new="        if (0) { /* MUTANT */",
+            ),
+        ),
+        tests=(_SPILL_TEST, "tests/native/test_native_sanitizers.py::test_ring_drain_asan_ubsan"),
+    ),
+    Mutation(
+        name="spill-outlives-its-session",
+        what="a session dropped without close leaves its spill's thread reading the freed ring "
+        "array",
+        edits=(
+            Edit(
+                "daemon/unwindd/source/perfcore.py",
+                old="        self._spill_stop = weakref.finalize(self, _stop_spill, self._spill, "
+                "self._rings)",
+                new="        self._spill_stop = lambda: _stop_spill(self._spill, self._rings)"
+                "  # MUTANT",
+            ),
+        ),
+        tests=("tests/integration/test_perfcore.py::test_spill_of_a_session_dropped_unclosed",),
     ),
 )
 
