@@ -1,4 +1,5 @@
-"""The C core under AddressSanitizer + UBSan and under valgrind (memray's ``make valgrind``).
+"""The C core under AddressSanitizer + UBSan, ThreadSanitizer and valgrind (memray's ``make
+valgrind``).
 
 tests/support/native/ring_test.c drives cffi_build/perfcore.c and ringspill.c directly: synthetic
 rings whose records wrap the end of the data area, every kind of corrupt header, outputs that fill
