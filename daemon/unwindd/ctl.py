@@ -255,6 +255,7 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
         ("samples", st["samples"]),
         ("unwind", ", ".join(f"{k} {v}" for k, v in sorted(st["unwind"].items())) or "-"),
         ("lost", f"{st['lost']} records, {st['lost_samples']} samples"),
+        ("rings", rings_line(st["rings"])),
         ("throttled", st["throttled"]),
         ("processes", st["processes"]),
         ("ELF cache", f"{cache['entries']} binaries, {cache['bytes'] / 1e6:.1f} MB, "
@@ -267,6 +268,17 @@ def cmd_status(c: Client, args: argparse.Namespace, out: TextIO) -> None:
         lines.append(("restart needed for", ", ".join(st["pending_restart"])))
     for k, v in lines:
         out.write(f"{k + ':':<20}{v}\n")
+
+
+def rings_line(r: Mapping[str, Any]) -> str:
+    """The rings' size, and what the ring spill kept and holds (or that it is off)."""
+    head = f"{r['cpus']} CPUs x {r['pages']} pages"
+    sp = r.get("spill")
+    if sp is None:
+        return f"{head}; ring spill off"
+    return (f"{head}; ring spill: {sp['records']} records kept, {sp['held'] / 1e6:.1f} MB held "
+            f"(at most {sp['held_max'] / 1e6:.1f} of {r['spill_max_bytes'] / 1e6:.1f} MB), "
+            f"full {sp['full']} times")  # fmt: skip
 
 
 def reload_line(st: Mapping[str, Any]) -> str:

@@ -41,6 +41,11 @@ def test_status_and_ps(env: tuple[DaemonProc, int, Workload]) -> None:
     assert res.returncode == 0 and "samples:" in res.stdout and "ELF cache:" in res.stdout
     st = json.loads(ctl(d, "--json", "status").stdout)
     assert st["samples"] > 0 and st["config"]["api"]["socket"] == str(d.sock)
+    # the rings and the ring spill, in one line (the spill's counts move between the reads)
+    rings = next(ln for ln in res.stdout.splitlines() if ln.startswith("rings:"))
+    r = st["rings"]
+    assert f"{r['cpus']} CPUs x {r['pages']} pages; ring spill: " in rings, rings
+    assert f" of {r['spill_max_bytes'] / 1e6:.1f} MB), full " in rings, rings
     ps = ctl(d, "ps")
     head = ["PID", "SAMPLES", "COMM", "EXE", "UNIT", "CONTAINER"]
     assert ps.stdout.splitlines()[0].split() == head
