@@ -86,7 +86,7 @@ static void spill_one(pc_spill *sp, size_t i)
     uint64_t held = get(&sp->held);
     uint64_t room = held < sp->cap_bytes ? sp->cap_bytes - held : 0;
     uint64_t want = pending < room ? pending : room;
-    if (want < sizeof(struct perf_event_header) || want > SIZE_MAX / 2) {
+    if (want < sizeof(struct perf_event_header)) {
         if (pending)
             add(&sp->full, 1);
         return;
@@ -138,7 +138,7 @@ static uint64_t wake(pc_spill *sp, uint64_t dt)
         uint64_t grew = head - s->last_head;
         s->last_head = head;
         /* past high_pct, or would be by the next wake if it fills as fast as since the last */
-        if (pending >= high || pending + grew >= high) {
+        if (pending + grew >= high) {
             pthread_mutex_lock(&s->lock);
             spill_one(sp, i);
             pthread_mutex_unlock(&s->lock);

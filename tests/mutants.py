@@ -445,7 +445,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 SPILL_C,
-                old="        if (pending >= high || pending + grew >= high) {",
+                old="        if (pending + grew >= high) {",
                 new="        if (0) { /* MUTANT */",
             ),
         ),
