@@ -96,3 +96,12 @@ def test_trimmer_releases_the_tables_between_trims(tmp_path: Path) -> None:
     assert t.maybe(now=110.0) and t.trims == 2
     del got
 
+
+
+def test_trimmer_releases_the_tables_at_the_drain_ticks_pace() -> None:
+    # A lookup's fault maps the cached pages around it too, so the tables' share of the RSS is
+    # what one release period's lookups touched: the default period is no longer than the
+    # drain tick, the pace at which new frames are named.
+    from unwindd.serve.config import DaemonSection
+
+    assert heap.Trimmer().release_interval <= DaemonSection().tick_ms / 1000

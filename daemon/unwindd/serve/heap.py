@@ -9,8 +9,13 @@ that thread's arena, and free chunks in the middle of an arena stay resident unt
 of every arena). Under process churn the freed-but-resident part was most of the daemon's RSS.
 The mapped symbol, line and CFI tables (binaries/cachefiles.py) are file pages: each was read
 whole by its load checks, and stayed in the RSS though lookups read a small part of it; each
-trim, and every second between trims, drops them from the page tables
+trim, and every ``release_interval`` (0.1 s) between trims, drops them from the page tables
 (``cachefiles.release_mapped``), the page cache keeps them, and lookups map back what they read.
+Each lookup's first read of a page maps the cached pages around it too (mm/memory.c
+do_fault_around: ``fault_around_bytes``, 64 KiB; MADV_RANDOM does not turn it off), so under
+process churn the naming of new frames put most of a big line table back within a second;
+one madvise per mapped table (a walk of what it has mapped) is cheap enough to run at the
+drain tick's pace.
 glibc raises its mmap threshold each time a block it mmapped is freed (malloc.c free: up to
 32 MiB, the trim threshold to twice that), so once one big answer body or temporary is freed
 the next ones of that size come from the arenas, and the space they free stays resident until
@@ -128,7 +133,7 @@ class Trimmer:
     the last release advised."""
 
     interval: float = 2.0
-    release_interval: float = 1.0
+    release_interval: float = 0.1
     trims: int = 0
     seconds: float = 0.0
     mapped_tables: int = 0
