@@ -175,9 +175,48 @@ def test_symbolizer_reads_kallsyms_only_for_what_the_store_cannot_name(tmp_path:
     assert sym._kallsyms is None  # nothing but the store read so far
     bpf = sym.kernel(0xFFFFFFFFC0002010)
     assert bpf is not None and bpf.module == "bpf" and bpf == full.lookup(0xFFFFFFFFC0002010)
-    assert sym._kallsyms is not None
+    # of the text read, only what lies outside the image: the modules, the BPF program and
+    # the trampoline, and the image's edges (_stext and _text, last_text)
+    assert sym._kallsyms is not None and len(sym._kallsyms) == len(MODULES + DYNAMIC) + 3
     for addr in _probes(lines):
         assert sym.kernel(addr) == full.lookup(addr), hex(addr)
+
+
+def test_first_symbolizer_keeps_only_what_lies_outside_the_image(tmp_path: Path) -> None:
+    """A Symbolizer whose load writes the store (a daemon's first start in a boot) keeps
+    of /proc/kallsyms only the symbols outside the image, preloaded or not, and names every
+    address as the whole text does."""
+    lines = IMAGE + MODULES + DYNAMIC
+    full = Kallsyms("\n".join(lines) + "\n")
+    for i, preload in enumerate((False, True)):
+        proc = _proc(tmp_path / f"proc{i}", lines)
+        store = KernelImageStore(str(tmp_path / f"c{i}"), proc)
+        sym = Symbolizer(proc_root=proc, kernel_store=store)
+        if preload:
+            sym.preload_kernel()
+            assert sym._kallsyms_loading is not None
+        for addr in (0xFFFFFFFF81000021, 0xFFFFFFFFC0002010):  # the image's, a BPF program's
+            assert sym.kernel(addr) == full.lookup(addr)
+        assert sym._kimage is not None
+        assert sym._kallsyms is not None and len(sym._kallsyms) == len(MODULES + DYNAMIC) + 3
+        for addr in _probes(lines):
+            assert sym.kernel(addr) == full.lookup(addr), hex(addr)
+
+
+def test_outside_lines_keep_the_texts_order_and_whole_lines() -> None:
+    """The tagged lines wherever they are (an untagged line may follow one), the edges'
+    lines whatever their neighbours, each line whole with its newline, in the text's order;
+    a text without tagged lines gives only the edges."""
+    lines = ["ffffffff81000000 T a", "ffffffff81000010 T b", "ffffffffc0000000 t m\t[mod]",
+             "ffffffff81000020 T c", "ffffffff81000020 T c2", "ffffffffc0001000 t x\t[bpf]"]
+    text = "\n".join(lines).encode()  # no newline at the end
+    got = kallsymstore.outside_lines(text, (0xFFFFFFFF81000000, 0xFFFFFFFF81000020))
+    assert got == (b"ffffffff81000000 T a\nffffffffc0000000 t m\t[mod]\nffffffff81000020 T c\n"
+                   b"ffffffff81000020 T c2\nffffffffc0001000 t x\t[bpf]\n")
+    plain = b"ffffffff81000000 T a\nffffffff81000010 T b\n"
+    assert kallsymstore.outside_lines(plain, (0xFFFFFFFF81000000, 0xFFFFFFFF81000000)) == (
+        b"ffffffff81000000 T a\n")
+    assert kallsymstore.outside_lines(b"", (0, 0)) == b""
 
 
 def test_real_kernel_image_from_the_store(tmp_path: Path) -> None:
@@ -200,13 +239,39 @@ def test_real_kernel_image_from_the_store(tmp_path: Path) -> None:
     assert table.lookup_between(table.start(n - 1)) is None
 
 
-def test_a_replay_keeps_kernel_symbols_the_daemon_does_not(tmp_path: Path) -> None:
-    """The replay's engine has the store; an engine with a cache dir otherwise (the daemon's:
-    it loads all of /proc/kallsyms at start, for every address) has none."""
+def test_real_kernel_named_from_the_store_and_what_lies_outside(tmp_path: Path) -> None:
+    """This machine's /proc/kallsyms through a Symbolizer with a store (a daemon's first
+    start in a boot): the symbols around the image's edges and every symbol outside it
+    (BPF programs, trampolines, modules) are named as the whole text names them, and the
+    table kept beside the store holds none of the image's inner symbols."""
+    text = Path("/proc/kallsyms").read_bytes()
+    full = Kallsyms(text)
+    sym = Symbolizer(kernel_store=KernelImageStore(str(tmp_path / "cache")))
+    n = len(full)
+    near_edges = [*range(0, 64), *range(n - 256, n)]
+    outside = [i for i in range(n) if full._module(i)]
+    probes = {full.start(i) + d for i in near_edges + outside for d in (-1, 0, 1, 0x40)}
+    for addr in sorted(probes):
+        assert sym.kernel(addr) == full.lookup(addr), hex(addr)
+    image = sym._kimage
+    assert image is not None and len(image) > 10000  # (root: addresses shown)
+    # addresses past the last image symbol were asked: the rest was read, and kept small
+    assert sym._kallsyms is not None and len(sym._kallsyms) < len(outside) + 64
+
+
+def test_the_replay_and_the_daemon_keep_kernel_symbols(tmp_path: Path) -> None:
+    """The replay's engine and the daemon's have the store in their cache dir; an engine
+    created without asking for it has none."""
     from unwindd import cli
+    from unwindd.serve.config import parse_config
+    from unwindd.serve.startup import engine_with_disk_cache
     from unwindd.unwind.engine import StackEngine
 
     assert StackEngine.create(cache_dir=str(tmp_path)).symbolizer.kernel_store is None
     engine, tmp = cli._replay_engine(str(tmp_path))
     assert tmp is None and engine.symbolizer.kernel_store is not None
     assert engine.symbolizer.kernel_store.directory == str(tmp_path / "kernel")
+    cfg = parse_config(f"[cache]\ndir = \"{tmp_path / 'd'}\"\n".encode())
+    daemon = engine_with_disk_cache(cfg)
+    assert daemon.symbolizer.kernel_store is not None
+    assert daemon.symbolizer.kernel_store.directory == str(tmp_path / "d" / "kernel")

@@ -43,7 +43,7 @@ from .cachefiles import (
 )
 from .kallsyms import Kallsyms
 
-__all__ = ["KernelImageStore", "first_text_line", "image_lines"]
+__all__ = ["KernelImageStore", "first_text_line", "image_lines", "outside_lines"]
 
 MAGIC = b"UWKSYM\x00\x00"
 VERSION = 1
@@ -100,6 +100,37 @@ def image_lines(text: bytes) -> bytes:
     cut = text.rfind(b"\n", 0, tag) + 1
     rest = text[cut:].splitlines(keepends=True)
     return text[:cut] + b"".join(line for line in rest if b"\t[" not in line)
+
+
+def outside_lines(text: bytes, edges: tuple[int, int]) -> bytes:
+    """The lines of ``text`` that ``image_lines`` leaves out, and the image's own lines at the
+    two addresses ``edges`` (its first and last text symbols'). Beside the stored image
+    table, a table of these answers every address its ``lookup_between`` cannot as the
+    whole text's table does: such an address lies before the first image symbol or from the
+    last one on, where the symbol before it and the one after it (its end,
+    symbols__fixup_end) are the same in both tables. The lines keep the text's order, so
+    the parse of a text in address order needs no sort. Cost: one search of the text per
+    edge, and a split of the part from the first tagged line on."""
+    width = text.find(b" ")  # kernel/kallsyms.c s_show prints every address as wide (%px)
+    if width <= 0:
+        return b""
+    edge_lines: list[tuple[int, bytes]] = []
+    for addr in sorted(set(edges)):
+        key, pos = b"%0*x " % (width, addr), 0
+        while (i := text.find(key, pos)) >= 0:
+            end = text.find(b"\n", i)
+            end = len(text) if end < 0 else end + 1
+            if (i == 0 or text[i - 1] == 0x0A) and b"\t[" not in text[i:end]:
+                edge_lines.append((i, text[i:end].rstrip(b"\n") + b"\n"))
+            pos = i + 1
+    tag = text.find(b"\t[")
+    pos = len(text) if tag < 0 else text.rfind(b"\n", 0, tag) + 1
+    tagged: list[tuple[int, bytes]] = []
+    for line in text[pos:].splitlines(keepends=True):
+        if b"\t[" in line:
+            tagged.append((pos, line.rstrip(b"\n") + b"\n"))
+        pos += len(line)
+    return b"".join(line for _, line in sorted(edge_lines + tagged))  # by offset: text order
 
 
 class KernelImageStore:

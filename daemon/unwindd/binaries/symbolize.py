@@ -9,7 +9,8 @@ Rules:
   any error surfaces. Unreadable kallsyms name nothing. With a ``kernel_store``, the kernel
   image's symbols stored for this boot (kallsymstore.py) answer the addresses between two of
   them without /proc/kallsyms, which is read (and the store written) only for an address
-  they cannot answer; every answer is the one the full table gives.
+  they cannot answer, and then kept only for the symbols outside the image
+  (``kallsymstore.outside_lines``); every answer is the one the full table gives.
 - A pid's perf map and jitdumps are kept until ``forget_pid``; a jitdump's counts (records,
   errors, files) outlive it (``jitdump_counts``).
 - Not thread-safe apart from that preload: one owner calls it.
@@ -28,7 +29,7 @@ from collections import Counter
 from .elfentry import ElfEntry
 from .jitdump import Jitdump
 from .kallsyms import Kallsyms, KernelSymbol
-from .kallsymstore import KernelImageStore
+from .kallsymstore import KernelImageStore, outside_lines
 from .perfmaps import PerfMap
 from .symtab import SymbolTable
 
@@ -79,15 +80,26 @@ class Symbolizer:
         return self._kimage
 
     def _load_kallsyms(self) -> Kallsyms:
+        """The table ``kernel`` asks after the store's image: with an image (stored before,
+        or by this load), only what lies outside it (``outside_lines``); else the whole
+        text's. The image is set here before the table is returned (``kernel`` reads it
+        after its join)."""
         try:
             with open(f"{self.proc_root}/kallsyms", "rb") as f:
                 text = f.read()
         except OSError:
             return Kallsyms("")
-        table = Kallsyms(text)
-        if self.kernel_store is not None and self._kimage is None and table.usable:
-            self.kernel_store.save(text)  # (never raises: False when not written)
-        return table
+        image, store = self._kimage, self.kernel_store
+        if image is None and store is not None:
+            table = Kallsyms(text)
+            if not table.usable or not store.save(text):  # (never raises: False if not written)
+                return table
+            image = self._kimage = store.load()
+            if image is None:
+                return table
+        if image is None:
+            return Kallsyms(text)
+        return Kallsyms(outside_lines(text, (image.start(0), image.start(len(image) - 1))))
 
     def _preload(self) -> None:
         """The preload thread: its result, or nothing (``kernel`` then loads on its own
@@ -105,12 +117,12 @@ class Symbolizer:
         return entry.symbols()
 
     def kernel(self, addr: int) -> KernelSymbol | None:
+        image = self._image()
+        if image is not None:
+            ks = image.lookup_between(addr)
+            if ks is not None:
+                return ks
         if self._kallsyms is None:
-            image = self._image()
-            if image is not None:
-                ks = image.lookup_between(addr)
-                if ks is not None:
-                    return ks
             t = self._kallsyms_loading
             if t is not None:
                 t.join()
@@ -118,6 +130,8 @@ class Symbolizer:
             # the thread's result, or (no thread, or it died) a load here
             self._kallsyms = (self._kallsyms_loaded.pop() if self._kallsyms_loaded
                               else self._load_kallsyms())  # fmt: skip
+            if image is None and self._kimage is not None:
+                return self.kernel(addr)  # the load stored the image: its table is the rest
         return self._kallsyms.lookup(addr)
 
     def jit(self, pid: int, addr: int) -> tuple[str, int] | None:

@@ -238,7 +238,7 @@ def engine_with_disk_cache(cfg: Config) -> StackEngine:
 
     make = partial(StackEngine.create, cache_config=CacheConfig(max_bytes=cfg.cache.max_bytes),
                    max_depth=cfg.unwind.max_depth, prefetch_cfi=True,
-                   inline=cfg.symbols.inline, inline_worker=True)  # fmt: skip
+                   inline=cfg.symbols.inline, inline_worker=True, kernel_store=True)  # fmt: skip
     root = cache_dir(cfg.cache, os.environ)
     if root is None:
         return make()

@@ -272,8 +272,9 @@ class StackEngine:
     ) -> StackEngine:
         """The engine with the real ELF cache, CFI compiler and native unwinder. ``cache_dir``
         (the CLI's and the daemon's): both stores in its ``CACHE_SUBDIRS``; with
-        ``kernel_store`` (a replay's: the daemon loads all of /proc/kallsyms at start), the
-        kernel image's symbols of this boot in its ``KERNEL_SUBDIR`` (kallsymstore.py). With
+        ``kernel_store`` (a replay's and the daemon's), the kernel image's symbols of this
+        boot in its ``KERNEL_SUBDIR`` (kallsymstore.py), and of /proc/kallsyms only what lies
+        outside the image (symbolize.py). With
         ``cfi_cache_dir``, compiled CFI tables persist there by build-id (``CfiStore``); with
         ``sym_cache_dir``, symbol tables do (``SymbolStore``, the ELF cache's
         ``symbol_factory``: counts in its ``stats``). With ``prefetch_cfi``, binaries larger
