@@ -668,3 +668,26 @@ def test_store_roundtrip_and_corruption(tmp_path: pathlib.Path) -> None:
     store.get_or_compile(None, LIBC)
     assert store.stats["no_build_id"] == 1
     assert set(os.listdir(tmp_path / "cache")) == before
+
+
+def test_a_binary_without_build_id_has_its_table_stored_and_mapped(tmp_path: pathlib.Path
+                                                                   ) -> None:  # fmt: skip
+    """Through the ELF cache (the engine's wiring): a binary linked without a build-id gets
+    its CFI compiled once into the store under its file's identity and used in place from
+    the mapped file (not heap); a second engine finds it there without compiling."""
+    from unwindd.unwind.engine import StackEngine
+
+    src, exe = tmp_path / "nobid.c", tmp_path / "nobid"
+    src.write_text("int f(int x) { return x * 3; }\nint main(void) { return f(1); }\n")
+    subprocess.run(["gcc", "-O1", "-Wl,--build-id=none", "-o", str(exe), str(src)], check=True)
+    cache = tmp_path / "cache"
+    for want in ("compiled", "hits"):
+        engine = StackEngine.create(cache_dir=str(cache))
+        entry = engine.table.binaries.acquire(None, str(exe))
+        assert entry.usable and entry.build_id is None and entry.store_key is not None
+        table = entry.cfi()
+        assert isinstance(table, CfiTable) and table.mapped
+        assert entry.mapped >= table.nbytes  # the ELF cache counts it as mapped, not heap
+        assert (cache / "cfi" / (entry.store_key.hex() + ".cfi")).exists()
+        stats = engine.disk_stats["cfi"]
+        assert stats[want] == 1 and stats["no_build_id"] == 0

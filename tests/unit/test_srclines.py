@@ -368,6 +368,10 @@ class _Entry:
     size: int
     usable: bool = True
 
+    @property
+    def store_key(self) -> bytes | None:
+        return self.build_id
+
     def debug_path(self) -> str | None:
         return None
 

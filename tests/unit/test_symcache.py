@@ -308,23 +308,38 @@ def test_unwritable_and_unreadable_paths(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- 3. no build-id
 
 
-def test_no_build_id_not_persisted(tmp_path: Path) -> None:
+def test_no_build_id_persisted_under_the_files_identity(tmp_path: Path) -> None:
+    """A binary without a build-id is stored under its file's identity
+    (cachefiles.identity_key): built and written once, read back (mapped) by the next store;
+    the file rewritten in place (same inode, size and mtime) has a new key and is built
+    again."""
     cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        pytest.skip("no C compiler")
+    assert cc is not None
     src, exe = tmp_path / "nobid.c", tmp_path / "nobid"
     src.write_text("int f(int x) { return x + 1; }\nint main(void) { return f(0); }\n")
     subprocess.run([cc, "-O1", "-Wl,--build-id=none", "-o", str(exe), str(src)], check=True)
     cache_dir = tmp_path / "cache"
-    for _ in range(2):
+    keys = []
+    for want in ({"misses": 1}, {"hits": 1}):
         store = SymbolStore(cache_dir)
         e = _entry(str(exe), store)
-        assert e.build_id is None
+        assert e.build_id is None and e.store_key is not None and len(e.store_key) == 24
+        keys.append(e.store_key)
         got = e.symbols()
-        _stats(store, no_build_id=1)
+        _stats(store, **want)
+        assert got.mapped_bytes > 0  # used in place from its file, not heap
         _assert_same(got, _fresh(str(exe)))
         assert got.lookup(got.starts[got.names.index("f")]) == ("f", 0)
-    assert list(cache_dir.iterdir()) == []
+    assert keys[0] == keys[1] and [p.name for p in cache_dir.iterdir()] == [
+        keys[0].hex() + ".sym"]
+    st = exe.stat()
+    exe.write_bytes(exe.read_bytes())  # in place: same inode and size; a new ctime
+    os.utime(exe, ns=(st.st_atime_ns, st.st_mtime_ns))
+    store = SymbolStore(cache_dir)
+    e = _entry(str(exe), store)
+    assert e.store_key not in keys
+    e.symbols()
+    _stats(store, misses=1)
 
 
 # --------------------------------------------------------------------------- 4. plumbing

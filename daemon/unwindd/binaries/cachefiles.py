@@ -3,6 +3,11 @@
 ``user_cache_dir``; beside them the debuginfod downloads (debuginfod.py, ``.build-id/xx/``).
 
 Rules:
+- A binary without a build-id (many Rust toolchains' libraries, Go binaries, custom builds)
+  is stored under ``identity_key``, a stand-in made from its file's identity (device, inode,
+  size, mtime and ctime): a file written in place gets a new ctime, so a new key, and a
+  deleted one's inode reused gets a new ctime too. The stand-in is 24 bytes, a length no
+  GNU build-id note has (8, 16 or 20), and is never shown as a build-id.
 - A file is read whole only if it is a regular file (opened O_NOFOLLOW | O_NONBLOCK) within its
   store's size bound, checked on the open fd; else ``CacheFileError``. What a file holds is
   checked by its store before anything trusts it.
@@ -49,6 +54,7 @@ pages)), ``release_table`` one; a file's first mapping in the process one fadvis
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import struct
@@ -67,6 +73,7 @@ __all__ = [
     "bound_cache_dir",
     "checksum",
     "discard_cache_file",
+    "identity_key",
     "map_blob_file",
     "map_cache_file",
     "prune_cache_dirs",
@@ -241,6 +248,14 @@ def _small_folios(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError:
         pass
+
+
+def identity_key(st: os.stat_result) -> bytes:
+    """The store key of a binary without a build-id whose open file ``st`` describes (module
+    rules): a tag and the SHA-1 of its identity."""
+    ident = struct.pack("<QQQqq", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                        st.st_ctime_ns)  # fmt: skip
+    return b"UWid" + hashlib.sha1(ident).digest()
 
 
 def release_table(buf: Any) -> int:

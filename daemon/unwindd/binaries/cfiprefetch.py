@@ -140,7 +140,7 @@ class CfiPrefetcher:
                 return True  # answered "on the loop" before; cfi() has not been asked yet
             if self._jobs.get(asked[0]) is asked[1]:
                 return asked[1].done()  # the key is still the live one
-        path, debug, bid = entry.fd_path, entry.debug_path(), entry.build_id
+        path, debug, bid = entry.fd_path, entry.debug_path(), entry.store_key
         key = _file_key(path, debug, bid)
         if key is None:
             return True  # cannot stat it: cfi() will fail fast on the loop too

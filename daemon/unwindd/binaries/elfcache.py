@@ -29,6 +29,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from ..lightdc import dataclass, field
+from .cachefiles import identity_key
 from .elf import ElfError, ElfReader, find_debug_file
 from .elfentry import CfiFactory, ElfEntry, SymbolFactory
 
@@ -389,7 +390,7 @@ class ElfCache:
         entry = ElfEntry(
             key=key, filename=filename, path=path, fd=fd, build_id=file_bid, etype=etype,
             segments=segments, dev=st.st_dev, ino=st.st_ino, size=st.st_size,
-            mtime_ns=st.st_mtime_ns, cache=self,
+            mtime_ns=st.st_mtime_ns, cache=self, store_key=None if file_bid else identity_key(st),
         )  # fmt: skip
         self._by_key[key] = entry
         self.stats.entries = len(self._by_key)

@@ -97,6 +97,7 @@ class ElfEntry:
         "refcount",
         "segments",
         "size",
+        "store_key",
         "uid",
     )
 
@@ -116,6 +117,7 @@ class ElfEntry:
         mtime_ns: int = 0,
         error: str | None = None,
         cache: EntryOwner | None = None,
+        store_key: bytes | None = None,
     ) -> None:
         self.uid = next(_ids)  # the unwinder's Module.key
         self.key = key
@@ -123,6 +125,9 @@ class ElfEntry:
         self.path = path
         self.fd = fd
         self.build_id = build_id
+        # the disk stores' key (CFI, symbol and line tables): the build-id, else a stand-in
+        # from the file's identity (cachefiles.identity_key)
+        self.store_key = build_id or store_key
         self.etype = etype
         self.segments = segments
         self.dev, self.ino, self.size, self.mtime_ns = dev, ino, size, mtime_ns
@@ -253,10 +258,10 @@ class ElfEntry:
             if factory is not None and self.usable:
                 try:
                     lookup = cache.cfi_lookup if cache is not None else None
-                    if lookup is not None and self.build_id:
-                        table = lookup(self.build_id)
+                    if lookup is not None and self.store_key:
+                        table = lookup(self.store_key)
                     if table is None:
-                        table = factory(self.fd_path, self.debug_path(), self.build_id)
+                        table = factory(self.fd_path, self.debug_path(), self.store_key)
                 except Exception as e:  # a native compiler error must not kill the daemon
                     self._count_error(f"cfi_{type(e).__name__}")
             self._cfi = table

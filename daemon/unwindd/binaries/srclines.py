@@ -369,7 +369,7 @@ class SrcLineStore:
 
         if not entry.usable:
             return None
-        bid = entry.build_id
+        bid = entry.store_key  # (the build-id, else cachefiles.identity_key)
         stamp = _stamp_of(source_stamp(entry)) if bid and self.cache_dir is not None else 0
         return Source(entry.fd_path, entry.debug_path(), bid, stamp)
 

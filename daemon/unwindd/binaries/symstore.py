@@ -294,7 +294,7 @@ class SymbolStore:
     def __call__(self, entry: ElfEntry) -> SymbolTable:
         """``entry``'s table: from its file if that is valid, else built (ElfError raised as by
         ``load_symbol_table``, nothing written) and written."""
-        build_id = entry.build_id
+        build_id = entry.store_key  # (the build-id, else cachefiles.identity_key)
         if not build_id:
             self.stats["no_build_id"] += 1
             return load_symbol_table(entry)
