@@ -418,6 +418,63 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_footprint.py"
                "::test_daemon_reports_memory_and_drops_churned_processes",),
     ),
+    # -- memory at defaults: tables without a build-id, kernel symbols, the tables' release
+    Mutation(
+        name="no-build-id-on-the-heap",
+        what="ElfCache: a binary without a build-id gets no store key (its CFI, symbol and "
+        "line tables stay on the heap, kept by the cache after its processes exit)",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/elfcache.py",
+                old="store_key=None if file_bid else identity_key(st),",
+                new="store_key=None,  # MUTANT",
+            ),
+        ),
+        tests=("tests/unit/test_cfi.py"
+               "::test_a_binary_without_build_id_has_its_table_stored_and_mapped",
+               "tests/unit/test_symcache.py"
+               "::test_no_build_id_persisted_under_the_files_identity"),
+    ),
+    Mutation(
+        name="kallsyms-whole-beside-the-image",
+        what="Symbolizer._load_kallsyms: all of /proc/kallsyms is kept though the store's "
+        "image names every address inside the image",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/symbolize.py",
+                old="        return Kallsyms(outside_lines(text, (image.start(0), "
+                "image.start(len(image) - 1))))\n",
+                new="        return Kallsyms(text)  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/unit/test_kallsymstore.py",),
+    ),
+    Mutation(
+        name="kallsyms-edges-left-out",
+        what="Symbolizer._load_kallsyms: the table beside the image lacks the image's first "
+        "and last symbols (an address past the last one is named as the wrong symbol)",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/symbolize.py",
+                old="outside_lines(text, (image.start(0), image.start(len(image) - 1))))",
+                new="outside_lines(text, (0, 0)))  # MUTANT",
+            ),
+        ),
+        tests=("tests/unit/test_kallsymstore.py",),
+    ),
+    Mutation(
+        name="tables-released-every-second",
+        what="heap.Trimmer: the mapped tables released every second, not at the drain "
+        "tick's pace",
+        edits=(
+            Edit(
+                "daemon/unwindd/serve/heap.py",
+                old="    release_interval: float = 0.1\n",
+                new="    release_interval: float = 1.0  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/unit/test_heap.py",),
+    ),
     # -- the ring spill (ringspill.c, PerfSession.start_spill)
     Mutation(
         name="spill-ring-before-spilled",
