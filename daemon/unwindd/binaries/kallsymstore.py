@@ -94,12 +94,15 @@ def image_lines(text: bytes) -> bytes:
     The text up to the first such line is taken whole (the image's symbols come first:
     kernel/kallsyms.c update_iter lists them before modules', BPF programs' and the rest),
     the rest line by line."""
-    tag = text.find(b"\t[")
-    if tag < 0:
-        return text
-    cut = text.rfind(b"\n", 0, tag) + 1
+    cut = _first_tagged(text)
     rest = text[cut:].splitlines(keepends=True)
     return text[:cut] + b"".join(line for line in rest if b"\t[" not in line)
+
+
+def _first_tagged(text: bytes) -> int:
+    """Where the line of the first ``[module]`` tag starts (``len(text)``: none)."""
+    tag = text.find(b"\t[")
+    return len(text) if tag < 0 else text.rfind(b"\n", 0, tag) + 1
 
 
 def outside_lines(text: bytes, edges: tuple[int, int]) -> bytes:
@@ -123,8 +126,7 @@ def outside_lines(text: bytes, edges: tuple[int, int]) -> bytes:
             if (i == 0 or text[i - 1] == 0x0A) and b"\t[" not in text[i:end]:
                 edge_lines.append((i, text[i:end].rstrip(b"\n") + b"\n"))
             pos = i + 1
-    tag = text.find(b"\t[")
-    pos = len(text) if tag < 0 else text.rfind(b"\n", 0, tag) + 1
+    pos = _first_tagged(text)
     tagged: list[tuple[int, bytes]] = []
     for line in text[pos:].splitlines(keepends=True):
         if b"\t[" in line:

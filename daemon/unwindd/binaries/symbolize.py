@@ -90,13 +90,9 @@ class Symbolizer:
         except OSError:
             return Kallsyms("")
         image, store = self._kimage, self.kernel_store
-        if image is None and store is not None:
-            table = Kallsyms(text)
-            if not table.usable or not store.save(text):  # (never raises: False if not written)
-                return table
+        # (save never raises: False when nothing usable was written, e.g. addresses hidden)
+        if image is None and store is not None and store.save(text):
             image = self._kimage = store.load()
-            if image is None:
-                return table
         if image is None:
             return Kallsyms(text)
         return Kallsyms(outside_lines(text, (image.start(0), image.start(len(image) - 1))))
