@@ -13,9 +13,10 @@
  *     the file shares, not a private copy. Python's mmap module would also do, but it keeps
  *     a dup of the fd per mapping (CPython Modules/mmapmodule.c new_mmap_object), one more
  *     open file per cached table.
- *   - Every live unw_map_file mapping is listed (maps, under map_lock) until unw_unmap_file,
- *     which unmaps it under the same lock: unw_mapped_release never advises a range that was
- *     unmapped, or that a later mmap reused, meanwhile.
+ *   - Every live unw_map_file mapping is listed (maps, under map_lock) with its class until
+ *     unw_unmap_file, which unmaps it under the same lock: unw_mapped_release never advises a
+ *     range that was unmapped, or that a later mmap reused, meanwhile. The class only chooses
+ *     which releases drop a mapping's pages (the CFI tables every sample reads, less often).
  * Cost: validation O(rows + rules); a lookup O(log pages) to find the page only when the row
  * lies before its pc's page, else O(log rows in the page), O(1) with a correct hint.
  */
@@ -216,14 +217,15 @@ int64_t unw_table_lookup_hint(const uint8_t *blob, uint64_t pc, uint32_t hint,
 struct mapped_file {
     const uint8_t *p;
     uint64_t len;
+    uint32_t cls; /* one UNW_MAP_* bit */
 };
 static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct mapped_file *maps;
 static size_t nmaps, capmaps;
 
-const uint8_t *unw_map_file(int fd, uint64_t len)
+const uint8_t *unw_map_file(int fd, uint64_t len, uint32_t cls)
 {
-    if (len == 0 || len > (uint64_t)SIZE_MAX) {
+    if (len == 0 || len > (uint64_t)SIZE_MAX || (cls != UNW_MAP_COLD && cls != UNW_MAP_HOT)) {
         errno = EINVAL;
         return NULL;
     }
@@ -243,7 +245,7 @@ const uint8_t *unw_map_file(int fd, uint64_t len)
         maps = n;
         capmaps = ncap;
     }
-    maps[nmaps++] = (struct mapped_file){p, len};
+    maps[nmaps++] = (struct mapped_file){p, len, cls};
     pthread_mutex_unlock(&map_lock);
     return p;
 }
@@ -262,9 +264,9 @@ void unw_unmap_file(const uint8_t *p, uint64_t len)
     pthread_mutex_unlock(&map_lock);
 }
 
-uint64_t unw_mapped_release(uint64_t *nfiles)
+uint64_t unw_mapped_release(uint64_t *nfiles, uint32_t classes)
 {
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, n = 0;
     pthread_mutex_lock(&map_lock);
     /* MADV_DONTNEED on a shared file mapping only removes the pages from this process's page
      * tables (mm/madvise.c madvise_dontneed_single_vma -> zap_page_range_single): the page
@@ -272,10 +274,13 @@ uint64_t unw_mapped_release(uint64_t *nfiles)
      * (mm/filemap.c filemap_map_pages maps cached pages around it too: fault_around_bytes,
      * or the whole large folio the file's page cache holds it in). */
     for (size_t i = 0; i < nmaps; i++)
-        if (madvise((void *)maps[i].p, (size_t)maps[i].len, MADV_DONTNEED) == 0)
+        if ((maps[i].cls & classes) &&
+            madvise((void *)maps[i].p, (size_t)maps[i].len, MADV_DONTNEED) == 0) {
             bytes += maps[i].len;
+            n++;
+        }
     if (nfiles)
-        *nfiles = nmaps;
+        *nfiles = n;
     pthread_mutex_unlock(&map_lock);
     return bytes;
 }

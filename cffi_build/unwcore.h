@@ -145,15 +145,19 @@ int unw_table_row(const uint8_t *blob, uint32_t i, uint64_t *pc, struct unw_rule
 
 /* A disk cache file (a CFI or symbol table, binaries/cachefiles.py) mapped read-only and
  * shared, so its pages are the file's page cache, not private memory: len bytes of fd from
- * offset 0, or NULL (errno set) when len is 0 or mmap fails. The fd may be closed once this
- * returns. Release with unw_unmap_file(p, len). */
-const uint8_t *unw_map_file(int fd, uint64_t len);
+ * offset 0, or NULL (errno set) when len is 0, cls is not one UNW_MAP_* class, or mmap
+ * fails. The fd may be closed once this returns. Release with unw_unmap_file(p, len). The
+ * class says which unw_mapped_release calls drop its pages: HOT for a table read at every
+ * sample (CFI), COLD for one read when a frame is first named (symbols, lines). */
+#define UNW_MAP_COLD 1
+#define UNW_MAP_HOT 2
+const uint8_t *unw_map_file(int fd, uint64_t len, uint32_t cls);
 void unw_unmap_file(const uint8_t *p, uint64_t len);
-/* Drop the pages of every live unw_map_file mapping from the process's page tables
- * (MADV_DONTNEED): they stay in the page cache and a later read maps them again (a minor
- * fault). Returns the bytes of the mappings advised; *nfiles (if not NULL) = the mappings.
- * O(mappings) plus the kernel's O(resident pages); safe from any thread. */
-uint64_t unw_mapped_release(uint64_t *nfiles);
+/* Drop the pages of every live unw_map_file mapping of a class in the mask classes from the
+ * process's page tables (MADV_DONTNEED): they stay in the page cache and a later read maps
+ * them again (a minor fault). Returns the bytes of the mappings advised; *nfiles (if not
+ * NULL) = those mappings. O(mappings) plus the kernel's O(resident pages); any thread. */
+uint64_t unw_mapped_release(uint64_t *nfiles, uint32_t classes);
 /* Drop the pages of the one live unw_map_file mapping that holds address q (as
  * unw_mapped_release does for all of them); returns its length, 0 if no live mapping holds q. */
 uint64_t unw_mapped_release_one(const uint8_t *q);

@@ -214,6 +214,27 @@ def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> 
     assert t.lookup(t.rows()[100].pc) is not None  # lookups map back what they read
 
 
+def test_cfi_tables_are_hot_the_others_cold(tmp_path: Path) -> None:
+    # every sample's unwind reads the CFI tables: a release of the cold tables alone (the
+    # frequent one) leaves their pages mapped; the symbol tables go with it
+    store, syms, cache = _stored_cache(tmp_path)
+    e = cache.acquire(None, LIBC)
+    assert e.usable and e.build_id
+    t, s = e.cfi(), e.symbols()
+    assert isinstance(t, CfiTable) and t.mapped and s.mapped_bytes > 64 << 10
+    cpath, spath = store.path_for(e.build_id), syms.path_for(e.build_id)
+    pcs = [r.pc for r in t.rows()[::50]]
+    assert sum(t.lookup(pc) is not None for pc in pcs) > len(pcs) // 2  # unwinds read it
+    assert sum(s.lookup(pc) is not None for pc in pcs) > len(pcs) // 2
+    assert resident_kb(cpath) >= 64 and resident_kb(spath) >= 64
+    cold_tables, cold_bytes = release_mapped(hot=False)
+    assert resident_kb(cpath) >= 64 and resident_kb(spath) == 0 and cold_tables >= 1
+    all_tables, all_bytes = release_mapped()
+    assert resident_kb(cpath) == 0 and resident_kb(spath) == 0
+    assert all_tables >= cold_tables + 1  # other tests' tables may be alive still
+    assert all_bytes >= cold_bytes + os.path.getsize(cpath)
+
+
 # --------------------------------------------------------------------------- 2. same answers
 
 

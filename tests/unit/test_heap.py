@@ -98,6 +98,27 @@ def test_trimmer_releases_the_tables_between_trims(tmp_path: Path) -> None:
 
 
 
+def test_trimmer_releases_hot_tables_at_their_own_pace(tmp_path: Path) -> None:
+    from unwindd.binaries.cachefiles import checksum, map_cache_file
+
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    for p in (cold, hot):
+        p.write_bytes(b"c" * (1 << 20))
+    gc_, gh = map_cache_file(str(cold), 2 << 20), map_cache_file(str(hot), 2 << 20, hot=True)
+    assert gc_ is not None and gh is not None
+    t = heap.Trimmer(interval=10.0, release_interval=0.1, hot_release_interval=1.0)
+    assert t.maybe(now=100.0)
+    checksum(gc_[1]), checksum(gh[1])
+    assert resident_kb(str(cold)) >= 1000 and resident_kb(str(hot)) >= 1000
+    assert not t.maybe(now=100.5)  # the cold tables only
+    assert resident_kb(str(cold)) < 100 and resident_kb(str(hot)) >= 1000
+    assert not t.maybe(now=101.0)  # the hot ones' period is up too
+    assert resident_kb(str(hot)) < 100
+    checksum(gh[1])
+    assert t.maybe(now=110.0) and resident_kb(str(hot)) < 100  # and every trim
+    del gc_, gh
+
+
 def test_trimmer_releases_the_tables_at_the_drain_ticks_pace() -> None:
     # A lookup's fault maps the cached pages around it too, so the tables' share of the RSS is
     # what one release period's lookups touched: the default period is no longer than the

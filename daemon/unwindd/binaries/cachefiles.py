@@ -20,13 +20,16 @@ Rules:
   heap. Files are only ever replaced whole (below), never rewritten in place, so a mapping
   keeps the inode it was checked on; only a file truncated by hand under a running process
   could fault its reader (SIGBUS), as with any mapped file.
-- ``release_mapped`` drops the pages of every mapped table from the process's page tables
+- ``release_mapped`` drops the pages of the mapped tables from the process's page tables
   (cfilookup.c ``unw_mapped_release``, MADV_DONTNEED): the page cache keeps them and the next
-  lookup maps what it reads again with a minor fault. A table's load checks (checksum, validation)
-  read all of it, while lookups read a small part: without this the whole table stayed in the
-  process's RSS. It changes what RSS counts, not what the machine holds: the pages stay in the
-  page cache (shared, reclaimable) either way. ``release_table`` does the same for one table,
-  which its store calls right after the load checks.
+  lookup maps what it reads again with a minor fault. A table's load checks (checksum,
+  validation) read all of it, while lookups read a small part: without this the whole table
+  stayed in the process's RSS. It changes what RSS counts, not what the machine holds: the
+  pages stay in the page cache (shared, reclaimable) either way. ``release_table`` does the
+  same for one table, which its store calls right after the load checks. A table mapped
+  ``hot`` (CFI: the unwind reads it at every sample) is dropped only when the caller asks for
+  hot tables too, so that the frequent release of the others does not make every sample
+  fault its rows back.
 - A read fault on a file mapping maps the whole page-cache folio it hits, so a table cached in
   large folios is all in the RSS after a few lookups: files are written ``WRITE_CHUNK`` at a
   time (small folios), and a file's clean pages are dropped from the page cache before its
@@ -167,14 +170,14 @@ def blob_file_head(header: struct.Struct, fields: tuple[Any, ...], blob: Any) ->
     return header.pack(*fields, len(blob), checksum(blob))
 
 
-def map_blob_file(path: str, header: struct.Struct, limit: int, small: bool = True
-                  ) -> tuple[tuple[Any, ...], Any] | None:  # fmt: skip
-    """A file ``blob_file_head`` began, mapped (``map_cache_file``, ``small`` as there):
-    (the header's fields but the last two, the blob as a cffi buffer over the mapping); None
+def map_blob_file(path: str, header: struct.Struct, limit: int, small: bool = True,
+                  hot: bool = False) -> tuple[tuple[Any, ...], Any] | None:  # fmt: skip
+    """A file ``blob_file_head`` began, mapped (``map_cache_file``, ``small`` and ``hot`` as
+    there): (the header's fields but the last two, the blob as a cffi buffer over the mapping); None
     if there is no file. CacheFileError as ``map_cache_file``, and for a blob whose length or
     ``checksum`` is not the header's. The caller checks the other fields. Cost: the map and
     one checksum pass."""
-    got = map_cache_file(path, header.size + limit, header.size, small)
+    got = map_cache_file(path, header.size + limit, header.size, small, hot)
     if got is None:
         return None
     head, blob = got
@@ -184,8 +187,8 @@ def map_blob_file(path: str, header: struct.Struct, limit: int, small: bool = Tr
     return tuple(fields), blob
 
 
-def map_cache_file(path: str, limit: int, head: int = 0,
-                   small: bool = True) -> tuple[bytes, Any] | None:  # fmt: skip
+def map_cache_file(path: str, limit: int, head: int = 0, small: bool = True,
+                   hot: bool = False) -> tuple[bytes, Any] | None:  # fmt: skip
     """The file at ``path`` mapped read-only and shared (see the module rules), as (its first
     ``head`` bytes copied, a cffi buffer over the rest of the mapping); None if there is no
     file. CacheFileError as ``read_cache_file``, and for a file of ``head`` bytes or fewer
@@ -193,6 +196,7 @@ def map_cache_file(path: str, limit: int, head: int = 0,
     anything built on it (memoryviews, ``ffi.from_buffer``) keeps it alive. ``small=False``:
     the file's pages are not dropped first (``_small_folios``), for a file small enough that
     all of it in the RSS costs less than reading it back from the disk at every mapping.
+    ``hot``: a table read at every sample, released only by ``release_mapped(hot=True)``.
     Cost: one open, fstat, mmap, close."""
     from ..unwcore import ffi, lib
 
@@ -203,7 +207,8 @@ def map_cache_file(path: str, limit: int, head: int = 0,
     try:
         if small:
             _small_folios(fd)
-        p = lib.unw_map_file(fd, size) if size > head else ffi.NULL
+        cls = lib.UNW_MAP_HOT if hot else lib.UNW_MAP_COLD
+        p = lib.unw_map_file(fd, size, cls) if size > head else ffi.NULL
     finally:
         os.close(fd)
     if p == ffi.NULL:
@@ -270,14 +275,16 @@ def release_table(buf: Any) -> int:
     return int(lib.unw_mapped_release_one(ffi.cast("const uint8_t *", ffi.from_buffer(buf))))
 
 
-def release_mapped() -> tuple[int, int]:
-    """Drop the pages of every table ``map_cache_file`` mapped (and not yet unmapped) from
-    the process's page tables; they stay in the page cache (see the module rules). Returns
-    (tables, their bytes). Safe from any thread: a table unmapped meanwhile waits for it."""
+def release_mapped(hot: bool = True) -> tuple[int, int]:
+    """Drop the pages of the tables ``map_cache_file`` mapped (and not yet unmapped) from
+    the process's page tables, those mapped ``hot`` only if ``hot``; they stay in the page
+    cache (see the module rules). Returns (tables advised, their bytes). Safe from any
+    thread: a table unmapped meanwhile waits for it."""
     from ..unwcore import ffi, lib
 
     nfiles = ffi.new("uint64_t *")
-    nbytes = int(lib.unw_mapped_release(nfiles))
+    classes = lib.UNW_MAP_COLD | (lib.UNW_MAP_HOT if hot else 0)
+    nbytes = int(lib.unw_mapped_release(nfiles, classes))
     return int(nfiles[0]), nbytes
 
 

@@ -507,7 +507,7 @@ class CfiStore:
         """The table in the file at ``path``, mapped and used in place; None if there is no
         file, or it was refused (counted in ``corrupt``, removed)."""
         try:
-            got = map_blob_file(path, FILE_HEADER, MAX_CACHE_FILE)
+            got = map_blob_file(path, FILE_HEADER, MAX_CACHE_FILE, hot=True)
             if got is None:
                 return None
             (magic, version, arch), blob = got

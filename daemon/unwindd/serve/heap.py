@@ -15,7 +15,9 @@ Each lookup's first read of a page maps the cached pages around it too (mm/memor
 do_fault_around: ``fault_around_bytes``, 64 KiB; MADV_RANDOM does not turn it off), so under
 process churn the naming of new frames put most of a big line table back within a second;
 one madvise per mapped table (a walk of what it has mapped) is cheap enough to run at the
-drain tick's pace.
+drain tick's pace. The CFI tables are the exception (mapped ``hot``): the unwind of every
+sample reads the same few pages of them, which a release at that pace would only make it
+fault back; they are released every ``hot_release_interval`` (1 s).
 glibc raises its mmap threshold each time a block it mmapped is freed (malloc.c free: up to
 32 MiB, the trim threshold to twice that), so once one big answer body or temporary is freed
 the next ones of that size come from the arenas, and the space they free stays resident until
@@ -128,18 +130,21 @@ class Trimmer:
     the mapped cache tables' pages from the page tables (``cachefiles.release_mapped``) at
     most every ``release_interval`` seconds: a lookup's read fault maps the page-cache pages
     around it too (mm/memory.c do_fault_around), so the tables' share of the RSS is what the
-    lookups of one such period touched. Counts trims and the seconds of trims and releases
-    (for the metrics), and the tables (``mapped_tables``) and their bytes (``mapped_bytes``)
-    the last release advised."""
+    lookups of one such period touched; the tables mapped hot (CFI, read by every sample's
+    unwind) only every ``hot_release_interval`` seconds. Counts trims and the seconds of trims
+    and releases (for the metrics), and the tables (``mapped_tables``) and their bytes
+    (``mapped_bytes``) the last release advised."""
 
     interval: float = 2.0
     release_interval: float = 0.1
+    hot_release_interval: float = 1.0
     trims: int = 0
     seconds: float = 0.0
     mapped_tables: int = 0
     mapped_bytes: int = 0
     _last: float = 0.0
     _last_release: float = 0.0
+    _last_hot: float = 0.0
 
     def due(self, now: float) -> bool:
         """Whether ``maybe(now)`` would trim or release the tables."""
@@ -160,6 +165,9 @@ class Trimmer:
                 _LIBC.malloc_trim(0)
             self.trims += 1
         self._last_release = now
-        self.mapped_tables, self.mapped_bytes = release_mapped()
+        hot = trim or now - self._last_hot >= self.hot_release_interval
+        if hot:
+            self._last_hot = now
+        self.mapped_tables, self.mapped_bytes = release_mapped(hot)
         self.seconds += time.perf_counter() - t0
         return trim
