@@ -159,3 +159,29 @@ def test_elf_cache_trims_the_heap_after_loading_and_dropping() -> None:
         del entry
         assert len(cache) == 0
         assert (cache.stats.trims >= 2) is want, cache.stats
+
+
+def test_kernel_frames_and_demangled_names_are_kept_by_the_thousand() -> None:
+    # caches that fill with every distinct kernel ip or symbol name a long run meets: each is
+    # bounded, and an entry dropped is named again the same
+    from unwindd.binaries.demangle import demangle
+    from unwindd.unwind import engine as engmod
+
+    e = StackEngine(ProcessTable(None), None, Symbolizer())
+    with open("/proc/kallsyms") as f:  # the kernel image's text: its first text symbol
+        base = next(int(a, 16) for a, t, _ in (ln.split()[:3] for ln in f) if t in "tT")
+    assert base, "needs root to read kernel addresses"
+    ips = [base + 16 * i for i in range(engmod._KFRAMES_MAX + 100)]
+    first = [e.kernel_frame(ip) for ip in ips[:50]]
+    assert all(len(e._kframes) <= engmod._KFRAMES_MAX for _ in [e.kernel_frame(ip) for ip in ips])
+    assert len(e._kframes) <= 100 + 1  # cleared whole once past the bound
+    again = [e.kernel_frame(ip) for ip in ips[:50]]
+    assert all(f.sym for f in first)
+    assert [(f.sym, f.offset, f.dso) for f in again] == [(f.sym, f.offset, f.dso) for f in first]
+
+    demangle.cache_clear()
+    names = [f"_ZN2ns{len(f'f{i}')}f{i}Ev" for i in range(10_000)]
+    shown = [demangle(n) for n in names]
+    assert demangle.cache_info().currsize <= 4096
+    assert shown[:3] == ["ns::f0", "ns::f1", "ns::f2"] and shown[-1] == "ns::f9999"
+    assert [demangle(n) for n in names[:3]] == shown[:3]  # evicted, demangled again the same

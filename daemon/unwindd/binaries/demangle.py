@@ -382,7 +382,11 @@ def _rust_unescape(ident: str) -> str:
     return "".join(out)
 
 
-@lru_cache(maxsize=65536)
+# The symbol and line tables keep each name they demangled (per binary, see the module's Cost),
+# so this only saves the second demangling of a name in another binary or a table loaded
+# again: a few thousand recent names do that, where every distinct name of a long run would
+# stay in memory for ever.
+@lru_cache(maxsize=4096)
 def demangle(name: str) -> str:
     """The name as ``perf script`` prints it (see the module rules)."""
     if not name.startswith(_IBERTY_PREFIXES):

@@ -86,6 +86,10 @@ _Levels = tuple[
 # ``sym_cache_size`` they held ~300 B and ~1 KB an entry (tuple keys of large ints).
 _SYMS_MAX = 4096
 _KSTACKS_MAX = 4096
+# Kernel frames kept by ip: their number grows with a busy machine's uptime (each new kernel
+# path brings a few); the callchains' own cache holds the frames of the recent ones whatever
+# this drops.
+_KFRAMES_MAX = 8192
 
 
 @dataclass
@@ -749,7 +753,8 @@ class StackEngine:
 
     def kernel_frame(self, ip: int) -> Frame:
         """The frame of kernel ip, the same in every callchain: named once, since new
-        callchains mostly repeat the entry, interrupt and syscall paths. At most 65,536 kept."""
+        callchains mostly repeat the entry, interrupt and syscall paths. At most ``_KFRAMES_MAX``
+        kept: a miss is one bisect in the kernel image's mapped symbols."""
         f = self._kframes.get(ip)
         if f is None:
             ks = self.symbolizer.kernel(ip)
@@ -758,7 +763,7 @@ class StackEngine:
             else:
                 dso = f"[{ks.module}]" if ks.module else KERNEL_DSO
                 f = Frame(ip, dso, ks.name, ks.offset, kernel=True)
-            if len(self._kframes) >= 1 << 16:
+            if len(self._kframes) >= _KFRAMES_MAX:
                 self._kframes.clear()
             self._kframes[ip] = f
         return f
