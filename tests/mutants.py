@@ -475,6 +475,80 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/unit/test_heap.py",),
     ),
+    Mutation(
+        name="cfi-released-at-the-tick",
+        what="the CFI tables mapped cold: every 0.1 s release drops the pages every sample's "
+        "unwind reads",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/cfi.py",
+                old="got = map_blob_file(path, FILE_HEADER, MAX_CACHE_FILE, hot=True)",
+                new="got = map_blob_file(path, FILE_HEADER, MAX_CACHE_FILE)  # MUTANT",
+            ),
+        ),
+        tests=("tests/unit/test_cachemap.py",),
+    ),
+    Mutation(
+        name="hot-tables-never-released",
+        what="heap.Trimmer: the hot (CFI) tables released at no pace, not even at a trim",
+        edits=(
+            Edit(
+                "daemon/unwindd/serve/heap.py",
+                old="        hot = trim or now - self._last_hot >= self.hot_release_interval\n",
+                new="        hot = False  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/unit/test_heap.py",),
+    ),
+    Mutation(
+        name="kernel-frames-by-the-65536",
+        what="engine: kernel frames kept by the 65,536 again",
+        edits=(
+            Edit(
+                "daemon/unwindd/unwind/engine.py",
+                old="_KFRAMES_MAX = 8192\n",
+                new="_KFRAMES_MAX = 1 << 16  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/unit/test_memory_bounds.py",),
+    ),
+    Mutation(
+        name="hashlib-at-every-start",
+        what="cachefiles imports hashlib (OpenSSL's libcrypto) at module import again",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/cachefiles.py",
+                old="import os\nimport stat\n",
+                new="import hashlib  # noqa: F401  MUTANT\nimport os\nimport stat\n",
+            ),
+        ),
+        tests=("tests/integration/test_replay_startup.py",),
+    ),
+    Mutation(
+        name="code-pages-private-copies-advised",
+        what="codepages: a read-only private mapping holding written copies (RELRO) advised "
+        "too, its copies discarded",
+        edits=(
+            Edit(
+                "daemon/unwindd/serve/codepages.py",
+                old="anon.get(k, 1) == 0)",
+                new="anon.get(k, 1) >= 0)",  # (a comment would end the line's expression)
+            ),
+        ),
+        tests=("tests/unit/test_codepages.py",),
+    ),
+    Mutation(
+        name="code-pages-never-released",
+        what="the daemon's trimmer has no CodePages: its library pages stay in the RSS",
+        edits=(
+            Edit(
+                "daemon/unwindd/serve/service.py",
+                old="        self.trimmer = heap.Trimmer(code=CodePages())\n",
+                new="        self.trimmer = heap.Trimmer()  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_footprint.py",),
+    ),
     # -- the ring spill (ringspill.c, PerfSession.start_spill)
     Mutation(
         name="spill-ring-before-spilled",

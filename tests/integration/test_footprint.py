@@ -134,6 +134,9 @@ def test_daemon_reports_memory_and_drops_churned_processes(
         # page tables with it (cachefiles.release_mapped; their pages stay in the page cache)
         mt = mem2["mapped_tables"]
         assert mt["tables"] >= 1 and mt["bytes"] > 0, mt
+        # ... and its own code's clean pages (codepages.py): the interpreter's at least
+        cp = mem2["code_pages"]
+        assert cp["mappings"] >= 2 and cp["bytes"] >= 1 << 20, cp
         text = d.metrics()
         assert metric_values(text, "unwindd_heap_trims_total")[""] >= 1
         assert set(metric_values(text, "unwindd_heap_bytes")) == {

@@ -43,6 +43,8 @@ NOT_IMPORTED = (
     "subprocess", "socket", "selectors", "select", "signal", "ssl", "http", "urllib", "email",
     "logging", "zipfile", "pathlib", "gzip", "shutil", "bz2", "lzma", "fnmatch",
     "dataclasses", "inspect",  # (classes are lightdc's: no per-method compiles, no inspect)
+    "hashlib", "_hashlib",  # (OpenSSL's libcrypto, loaded and initialised: only for a binary
+    # without a build-id, whose stand-in store key is a SHA-1)
     "unwindd.serve", "unwindd.store", "unwindd.record", "unwindd.ctl", "unwindd.source.capture",
     "unwindd.source.output", "unwindd.pipeline.streamreplay", "unwindd.pipeline.live",
     "unwindd.pipeline.ringstep", "unwindd.procs.livetable", "unwindd.procs.procscan",

@@ -119,6 +119,18 @@ def test_trimmer_releases_hot_tables_at_their_own_pace(tmp_path: Path) -> None:
     del gc_, gh
 
 
+def test_trimmer_releases_its_code_pages_at_each_trim() -> None:
+    from unwindd.serve.codepages import CodePages
+
+    code = CodePages()
+    t = heap.Trimmer(interval=10.0, release_interval=0.1, code=code)
+    assert t.maybe(now=100.0) and code.mappings >= 2 and code.nbytes >= 1 << 20
+    code.mappings = code.nbytes = 0
+    assert not t.maybe(now=100.5) and code.mappings == 0  # the tables only
+    assert t.maybe(now=110.0) and code.mappings >= 2
+    assert heap.Trimmer().code is None  # (only the daemon's, which passes one)
+
+
 def test_trimmer_releases_the_tables_at_the_drain_ticks_pace() -> None:
     # A lookup's fault maps the cached pages around it too, so the tables' share of the RSS is
     # what one release period's lookups touched: the default period is no longer than the

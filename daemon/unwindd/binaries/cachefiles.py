@@ -57,7 +57,6 @@ pages)), ``release_table`` one; a file's first mapping in the process one fadvis
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import struct
@@ -258,6 +257,10 @@ def _small_folios(fd: int) -> None:
 def identity_key(st: os.stat_result) -> bytes:
     """The store key of a binary without a build-id whose open file ``st`` describes (module
     rules): a tag and the SHA-1 of its identity."""
+    # imported here: hashlib loads and initialises OpenSSL's libcrypto, a cost every replay's
+    # start would pay for the few binaries without a build-id
+    import hashlib
+
     ident = struct.pack("<QQQqq", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
                         st.st_ctime_ns)  # fmt: skip
     return b"UWid" + hashlib.sha1(ident).digest()

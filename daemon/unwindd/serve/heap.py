@@ -46,6 +46,7 @@ from typing import Any
 
 from ..binaries.cachefiles import release_mapped
 from ..lightdc import dataclass
+from .codepages import CodePages
 
 __all__ = ["ARENA_MAX", "MMAP_THRESHOLD", "HeapStats", "Trimmer", "limit_arenas", "stats"]
 
@@ -131,8 +132,9 @@ class Trimmer:
     most every ``release_interval`` seconds: a lookup's read fault maps the page-cache pages
     around it too (mm/memory.c do_fault_around), so the tables' share of the RSS is what the
     lookups of one such period touched; the tables mapped hot (CFI, read by every sample's
-    unwind) only every ``hot_release_interval`` seconds. Counts trims and the seconds of trims
-    and releases (for the metrics), and the tables (``mapped_tables``) and their bytes
+    unwind) only every ``hot_release_interval`` seconds; with ``code``, the clean pages of the
+    daemon's own code at each trim (codepages.py). Counts trims and the seconds of trims and
+    releases (for the metrics), and the tables (``mapped_tables``) and their bytes
     (``mapped_bytes``) the last release advised."""
 
     interval: float = 2.0
@@ -145,6 +147,7 @@ class Trimmer:
     _last: float = 0.0
     _last_release: float = 0.0
     _last_hot: float = 0.0
+    code: CodePages | None = None
 
     def due(self, now: float) -> bool:
         """Whether ``maybe(now)`` would trim or release the tables."""
@@ -163,6 +166,8 @@ class Trimmer:
             self._last = now
             if _LIBC is not None:
                 _LIBC.malloc_trim(0)
+            if self.code is not None:
+                self.code.release()
             self.trims += 1
         self._last_release = now
         hot = trim or now - self._last_hot >= self.hot_release_interval

@@ -53,6 +53,7 @@ from ..pipeline.ringstep import StepInfo
 from . import heap
 from .answers import AnswerCache, cacheable
 from .api import Answer, Api, Peer, clock_offset_ns
+from .codepages import CodePages
 from .config import (
     DEFAULT_SOCKET,
     Config,
@@ -181,7 +182,8 @@ class Daemon:
         self._timer: asyncio.TimerHandle | None = None
         self._tick_s = 0.0  # the next tick's delay (_pace); 0: tick_ms
         self._ncpus = os.cpu_count() or 1
-        self.trimmer = heap.Trimmer()  # free heap pages back to the kernel (heap.py)
+        # free heap pages back to the kernel, unused code pages out of the RSS (heap.py)
+        self.trimmer = heap.Trimmer(code=CodePages())
         self.metrics_address: tuple[str, int] | None = None
         self.pull: PprofPull | None = None  # [export] pprof_listen
         self._query_pool: ThreadPoolExecutor | None = None
@@ -311,8 +313,10 @@ class Daemon:
         per-pid counts hold (``stream_pids``, dropped likewise), the pids whose uid and exe are
         kept (``proc_facts``, procfacts.py), the C heap (heap.py; None without glibc) and the
         mapped cache tables the last release dropped from the page tables (``mapped_tables``:
-        their count and bytes)."""
+        their count and bytes), and the mappings of its own code the last trim did likewise
+        (``code_pages``, codepages.py)."""
         ns = self.profiler.native_step
+        code = self.trimmer.code
         hs = heap.stats()
         return {"native_context": {"bytes": ns.nctx.native_bytes, "stacks": ns.nstacks,
                                    "frames": ns.nframes, "resets": ns.contexts - 1},
@@ -322,7 +326,9 @@ class Daemon:
                 "heap": hs.to_json() if hs is not None else None,
                 "trims": self.trimmer.trims,
                 "mapped_tables": {"tables": self.trimmer.mapped_tables,
-                                  "bytes": self.trimmer.mapped_bytes}}  # fmt: skip
+                                  "bytes": self.trimmer.mapped_bytes},
+                "code_pages": {"mappings": code.mappings if code else 0,
+                               "bytes": code.nbytes if code else 0}}  # fmt: skip
 
     def heap_bytes(self) -> dict[str, int]:
         """The C heap by state, for the metrics ({} without glibc: heap.py)."""
