@@ -129,8 +129,8 @@ def jit_parts(nctx: NativeContext, recs: Any, perm: Any, a: int, b: int
 
 
 def callchain(kc: bytes) -> tuple[int, ...]:
-    """An exported stack's raw kernel callchain bytes as the u64 words
-    ``StackEngine.kernel_frames`` takes."""
+    """An exported stack's raw kernel callchain bytes as u64 words (``StackEngine.kernel_frames``
+    takes the bytes themselves too)."""
     return tuple(memoryview(kc).cast("Q").tolist())
 
 

@@ -757,7 +757,7 @@ class _Replay:
         for comm, space, code, regs_none, ids, kkey, pcs in nctx.new_stacks():
             krendered = ktexts.get(kkey)
             if krendered is None:  # kernel frames rendered once per callchain
-                kframes = engine.kernel_frames(callchain(kkey)) if kkey else ()
+                kframes = engine.kernel_frames(kkey) if kkey else ()
                 krendered = ktexts[kkey] = [self._render_kernel(f) for f in kframes]
             nk = len(krendered)
             if regs_none and nk:

@@ -77,7 +77,6 @@ from .context import (
     STATUS_NAMES,
     TIMED,
     NativeContext,
-    callchain,
     jit_parts,
     view,
 )
@@ -820,7 +819,7 @@ class NativeStep:
         self._frames += nctx.new_frames()
         stacks, frame_of = self._stacks, self._frames.__getitem__
         for comm, space, code, regs_none, ids, kc, pcs in nctx.new_stacks():
-            kframes = kernel_frames(callchain(kc)) if kc else ()
+            kframes = kernel_frames(kc) if kc else ()
             if regs_none and kframes:
                 stacks.append((kframes, comm, "kernel_only", 0, len(kframes)))
                 if self.python is not None:

@@ -230,7 +230,7 @@ class StackEngine:
         # pid -> {(2 * generation + exact, named ip): its frames (one, or one per inline level)}
         self._frames: dict[int, dict[tuple[int, int], tuple[Frame, ...]]] = {}
         self._joined: dict[tuple[int, int], tuple[tuple[Frame, ...], ...]] = {}
-        self._kstacks: dict[tuple[int, ...], tuple[Frame, ...]] = {}
+        self._kstacks: dict[tuple[int, ...] | bytes, tuple[Frame, ...]] = {}
         self._kframes: dict[int, Frame] = {}  # kernel ip -> its frame (kernel_frame)
         self.live: LiveTable | None = None
         self._tids: dict[int, set[int]] = {}  # pid -> threads with their own comm (live mode)
@@ -741,12 +741,15 @@ class StackEngine:
             self._nstacks = 0
         return out
 
-    def kernel_frames(self, callchain: tuple[int, ...]) -> tuple[Frame, ...]:
-        """Symbolized kernel frames of a sample's kernel callchain (user entries skipped)."""
+    def kernel_frames(self, callchain: tuple[int, ...] | bytes) -> tuple[Frame, ...]:
+        """Symbolized kernel frames of a sample's kernel callchain (user entries skipped): its
+        u64 words, or the words packed native-endian (the native step's export, kept as the
+        key as it is: 8 bytes a word, where a tuple holds an int object of 4-5 times that)."""
         hit = self._kstacks.get(callchain)
         if hit is not None:
             return hit
-        out = self._kstacks[callchain] = tuple(map(self.kernel_frame, kernel_ips(callchain)))
+        words = memoryview(callchain).cast("Q") if isinstance(callchain, bytes) else callchain
+        out = self._kstacks[callchain] = tuple(map(self.kernel_frame, kernel_ips(words)))
         if len(self._kstacks) > self._kstacks_max:
             self._kstacks.clear()
         return out
