@@ -549,6 +549,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/integration/test_footprint.py",),
     ),
+    Mutation(
+        name="srcline-stride-short-by-one",
+        what="srclines._find: the stride after the directory searched one address short",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/srclines.py",
+                old="min(lo + _STRIDE, len(col))",
+                new="min(lo + _STRIDE - 1, len(col))",
+            ),
+        ),
+        tests=("tests/unit/test_srclines.py",),
+    ),
     # -- the ring spill (ringspill.c, PerfSession.start_spill)
     Mutation(
         name="spill-ring-before-spilled",

@@ -24,7 +24,11 @@ Invariants:
 
 Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well under a second);
 a load from disk is one mmap (the table used in place: page cache, not heap) and one CRC; a
-lookup two bisects and a walk of at most ``MAX_LEVELS`` parents; names decoded once per
+lookup two bisects and a walk of at most ``MAX_LEVELS`` parents; each bisect first in a
+directory of every ``_STRIDE``-th address (on the heap, 1/_STRIDE of the column), then
+within one stride of the column: a lookup reads one or two pages of a mapped column, not
+one page per level of a whole-column bisect (each read of a page not mapped yet maps the
+cached pages around it too: mm/memory.c do_fault_around); names decoded once per
 string, file names once per file index (a table holds at most one decoded name per string and
 per file it has: every level naming a file shares one str).
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from array import array
 from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -188,10 +193,10 @@ class SrcLineTable:
     """One binary's compiled line/inline table (immutable; share it). ``lookup(vaddr)``: the
     levels at an ELF vaddr, innermost first (see the module's invariants)."""
 
-    __slots__ = ("__weakref__", "_files", "_fnames", "_kind", "_laddr", "_lfile", "_lno",
-                 "_names", "_ndfile", "_ndline", "_nfile", "_nline", "_nname", "_nparent", "_saddr",
-                 "_snode", "_strbase", "_strp", "_strtab", "blob", "errors", "mapped",
-                 "nbytes")  # fmt: skip
+    __slots__ = ("__weakref__", "_files", "_fnames", "_kind", "_laddr", "_ldir", "_lfile",
+                 "_lno", "_names", "_ndfile", "_ndline", "_nfile", "_nline", "_nname",
+                 "_nparent", "_saddr", "_sdir", "_snode", "_strbase", "_strp", "_strtab", "blob",
+                 "errors", "mapped", "nbytes")  # fmt: skip
 
     def __init__(self, blob: bytes | Any, mapped: bool = False) -> None:
         # ``blob``: bytes, or a read-only mapping of a stored table (cachefiles.map_cache_file,
@@ -245,7 +250,9 @@ class SrcLineTable:
         self._strbase: Any = ffi.from_buffer(blob) if strlen else ffi.NULL
         self._strp: Any = self._strbase + o if strlen else ffi.NULL
         self.mapped = mapped
-        self.nbytes = len(blob) + 64
+        self._ldir = array("Q", self._laddr[::_STRIDE])
+        self._sdir = array("Q", self._saddr[::_STRIDE])
+        self.nbytes = len(blob) + 64 + 8 * (len(self._ldir) + len(self._sdir))
 
     @property
     def nlines(self) -> int:
@@ -279,9 +286,9 @@ class SrcLineTable:
 
     def chain(self, vaddr: int) -> tuple[DeclLevel, ...]:
         """``lookup``'s levels, each with its function's decl file and line."""
-        i = bisect_right(self._laddr, vaddr) - 1
+        i = _find(self._laddr, self._ldir, vaddr)
         fid, line = (self._lfile[i], self._lno[i]) if i >= 0 else (NONE, 0)
-        j = bisect_right(self._saddr, vaddr) - 1
+        j = _find(self._saddr, self._sdir, vaddr)
         node = self._snode[j] if j >= 0 else NONE
         if fid == NONE and node == NONE:
             return ()
@@ -307,6 +314,23 @@ class SrcLineTable:
 
     def __repr__(self) -> str:
         return f"SrcLineTable(lines={self.nlines}, nodes={self.nnodes}, bytes={len(self.blob)})"
+
+
+# A lookup's bisect reads one stride of a column after its directory: 512 addresses are one
+# 4 KiB page (two where the column's offset splits them).
+_STRIDE = 512
+
+
+def _find(col: memoryview, directory: array[int], vaddr: int) -> int:
+    """``bisect_right(col, vaddr) - 1`` for a column sorted ascending whose every
+    ``_STRIDE``-th value ``directory`` holds: the directory's bisect names the one stride
+    that can hold the answer (its first value <= vaddr < the next stride's first). On a
+    misordered column (damage the CRC missed) it stays in bounds like the plain bisect."""
+    k = bisect_right(directory, vaddr)
+    if k == 0:
+        return -1
+    lo = (k - 1) * _STRIDE
+    return bisect_right(col, vaddr, lo, min(lo + _STRIDE, len(col))) - 1
 
 
 def _out_of(col: memoryview, n: int) -> bool:
