@@ -550,16 +550,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_footprint.py",),
     ),
     Mutation(
-        name="srcline-stride-short-by-one",
-        what="srclines._find: the stride after the directory searched one address short",
+        name="stride-short-by-one",
+        what="strided.find: the stride after the directory searched one value short",
         edits=(
             Edit(
-                "daemon/unwindd/binaries/srclines.py",
-                old="min(lo + _STRIDE, len(col))",
-                new="min(lo + _STRIDE - 1, len(col))",
+                "daemon/unwindd/binaries/strided.py",
+                old="min(lo + STRIDE, len(col))",
+                new="min(lo + STRIDE - 1, len(col))",
             ),
         ),
-        tests=("tests/unit/test_srclines.py",),
+        tests=("tests/unit/test_strided.py",),
     ),
     # -- the ring spill (ringspill.c, PerfSession.start_spill)
     Mutation(

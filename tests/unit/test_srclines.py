@@ -494,30 +494,3 @@ def test_inline_frames_follow_perf() -> None:
     assert inline_frames(f, (("leaf", None, 0), ("outer", "/s/a.c", 1))) == (f,)
     assert inline_frames(f, ()) == (f,)
 
-
-def test_a_lookup_bisects_one_stride_after_the_directory() -> None:
-    """``_find`` answers the whole-column bisect on sorted columns of any length (strides cut
-    anywhere, runs of equal addresses across a stride's edge, values before, between and
-    after all of them); on a misordered column it stays in bounds."""
-    import random
-    from array import array
-    from bisect import bisect_right
-
-    from unwindd.binaries.srclines import _STRIDE, _find
-
-    rng = random.Random(7)
-    for n in (0, 1, 2, _STRIDE - 1, _STRIDE, _STRIDE + 1, 3 * _STRIDE, 5000):
-        vals = sorted(rng.randrange(1000, 1000 + 4 * n + 1) for _ in range(n))
-        if n > _STRIDE + 4:  # a run of equal addresses across the first stride's edge
-            vals[_STRIDE - 3 : _STRIDE + 3] = [vals[_STRIDE - 3]] * 6
-            vals.sort()
-        col = memoryview(array("Q", vals).tobytes()).cast("Q")
-        directory = array("Q", col[::_STRIDE])
-        probes = [0, 999, 1000, 10**12, *vals, *(v + 1 for v in vals), *(v - 1 for v in vals)]
-        for v in probes:
-            assert _find(col, directory, v) == bisect_right(col, v) - 1, (n, v)
-    shuffled = list(range(3000))
-    rng.shuffle(shuffled)
-    col = memoryview(array("Q", shuffled).tobytes()).cast("Q")
-    directory = array("Q", col[::_STRIDE])
-    assert all(-1 <= _find(col, directory, v) < len(col) for v in range(-5, 3005, 7))

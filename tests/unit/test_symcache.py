@@ -75,8 +75,9 @@ def _assert_same(got: SymbolTable, want: SymbolTable, seed: int = 0) -> None:
     extras = [*want._named.values(), *want._plt.values()]
     blob = sum(len(x.encode("utf-8", "surrogateescape")) + 1 for x in extras)
     if got.mapped_bytes:  # read in place from its file: the file's bytes plus the columns
-        assert not got._plt and len(got._extras[0]) == len(extras)
-        assert got.nbytes - got.mapped_bytes == 8 * len(extras)
+        # and its starts' directory (strided.py)
+        assert not got._plt and len(got._extras[0]) == len(extras) and got._dir is not None
+        assert got.nbytes - got.mapped_bytes == 8 * len(extras) + 8 * len(got._dir)
     elif len(got._extras[0]):  # read from its file's bytes
         assert not got._plt and len(got._extras[0]) == len(extras)
         assert got.nbytes == 20 * len(want) + len(want._strtab) + 8 * len(extras) + blob

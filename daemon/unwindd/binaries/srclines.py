@@ -24,11 +24,9 @@ Invariants:
 
 Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well under a second);
 a load from disk is one mmap (the table used in place: page cache, not heap) and one CRC; a
-lookup two bisects and a walk of at most ``MAX_LEVELS`` parents; each bisect first in a
-directory of every ``_STRIDE``-th address (on the heap, 1/_STRIDE of the column), then
-within one stride of the column: a lookup reads one or two pages of a mapped column, not
-one page per level of a whole-column bisect (each read of a page not mapped yet maps the
-cached pages around it too: mm/memory.c do_fault_around); names decoded once per
+lookup two bisects through heap directories (strided.py: one or two pages of each mapped
+column read, not one per level of a whole-column bisect) and a walk of at most
+``MAX_LEVELS`` parents; names decoded once per
 string, file names once per file index (a table holds at most one decoded name per string and
 per file it has: every level naming a file shares one str).
 """
@@ -38,8 +36,6 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from array import array
-from bisect import bisect_right
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .cachefiles import (
@@ -52,6 +48,7 @@ from .cachefiles import (
 )
 from .demangle import demangle
 from .elf import ElfError, ElfReader
+from .strided import directory, find
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -250,8 +247,7 @@ class SrcLineTable:
         self._strbase: Any = ffi.from_buffer(blob) if strlen else ffi.NULL
         self._strp: Any = self._strbase + o if strlen else ffi.NULL
         self.mapped = mapped
-        self._ldir = array("Q", self._laddr[::_STRIDE])
-        self._sdir = array("Q", self._saddr[::_STRIDE])
+        self._ldir, self._sdir = directory(self._laddr), directory(self._saddr)
         self.nbytes = len(blob) + 64 + 8 * (len(self._ldir) + len(self._sdir))
 
     @property
@@ -286,9 +282,9 @@ class SrcLineTable:
 
     def chain(self, vaddr: int) -> tuple[DeclLevel, ...]:
         """``lookup``'s levels, each with its function's decl file and line."""
-        i = _find(self._laddr, self._ldir, vaddr)
+        i = find(self._laddr, self._ldir, vaddr)
         fid, line = (self._lfile[i], self._lno[i]) if i >= 0 else (NONE, 0)
-        j = _find(self._saddr, self._sdir, vaddr)
+        j = find(self._saddr, self._sdir, vaddr)
         node = self._snode[j] if j >= 0 else NONE
         if fid == NONE and node == NONE:
             return ()
@@ -314,23 +310,6 @@ class SrcLineTable:
 
     def __repr__(self) -> str:
         return f"SrcLineTable(lines={self.nlines}, nodes={self.nnodes}, bytes={len(self.blob)})"
-
-
-# A lookup's bisect reads one stride of a column after its directory: 512 addresses are one
-# 4 KiB page (two where the column's offset splits them).
-_STRIDE = 512
-
-
-def _find(col: memoryview, directory: array[int], vaddr: int) -> int:
-    """``bisect_right(col, vaddr) - 1`` for a column sorted ascending whose every
-    ``_STRIDE``-th value ``directory`` holds: the directory's bisect names the one stride
-    that can hold the answer (its first value <= vaddr < the next stride's first). On a
-    misordered column (damage the CRC missed) it stays in bounds like the plain bisect."""
-    k = bisect_right(directory, vaddr)
-    if k == 0:
-        return -1
-    lo = (k - 1) * _STRIDE
-    return bisect_right(col, vaddr, lo, min(lo + _STRIDE, len(col))) - 1
 
 
 def _out_of(col: memoryview, n: int) -> bool:

@@ -22,8 +22,9 @@ Rules:
   ``mapped_bytes`` is the part of it that lies in a file mapping (shared, reclaimable page
   cache) rather than on the heap.
 
-Cost: a lookup is one bisect, O(log n); names cost O(names used), decoded and demangled once
-(a name among the extras one more bisect, O(log extras)).
+Cost: a lookup is one bisect, O(log n), through a heap directory for a mapped table
+(strided.py: one or two pages of its starts read, not one per level); names cost O(names
+used), decoded and demangled once (a name among the extras one more bisect, O(log extras)).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TypeAlias
 
 from ..lightdc import dataclass
 from .demangle import demangle
+from .strided import directory, find
 
 __all__ = ["EXTRA_RAW", "NO_NAME", "Column", "Extras", "StrTab", "Symbol", "SymbolTable",
            "c_string"]
@@ -90,8 +92,8 @@ class SymbolTable:
     ``_plt`` holds the raw names of PLT entries whose demangling waits for a lookup too;
     ``_extras`` the names a cache file holds outside the string table, undecoded."""
 
-    __slots__ = ("_extras", "_named", "_offs", "_plt", "_strtab", "ends", "mapped_bytes",
-                 "nbytes", "starts")  # fmt: skip
+    __slots__ = ("_dir", "_extras", "_named", "_offs", "_plt", "_strtab", "ends",
+                 "mapped_bytes", "nbytes", "starts")  # fmt: skip
 
     starts: Column
     ends: Column
@@ -109,6 +111,7 @@ class SymbolTable:
         self._extras = _NO_EXTRAS
         self.nbytes = 20 * len(syms) + sum(49 + len(n) for _, _, n in syms)
         self.mapped_bytes = 0
+        self._dir: array[int] | None = None
 
     @classmethod
     def _columns(
@@ -129,6 +132,10 @@ class SymbolTable:
         names += 8 * len(xidx) + (0 if isinstance(xblob, memoryview) else len(xblob))
         t.nbytes = (mapped_bytes or 20 * len(starts) + len(strtab)) + names
         t.mapped_bytes = mapped_bytes
+        # a mapped column is bisected through a heap directory (strided.py); a heap one whole
+        t._dir = directory(starts) if mapped_bytes else None
+        if t._dir is not None:
+            t.nbytes += 8 * len(t._dir)
         return t
 
     @classmethod
@@ -169,7 +176,8 @@ class SymbolTable:
         return [self.name(i) for i in range(len(self.starts))]
 
     def lookup(self, addr: int) -> tuple[str, int] | None:
-        i = bisect_right(self.starts, addr) - 1
+        dirs = self._dir
+        i = bisect_right(self.starts, addr) - 1 if dirs is None else find(self.starts, dirs, addr)
         if i < 0:
             return None
         start, end = self.starts[i], self.ends[i]
