@@ -32,9 +32,10 @@ Invariants:
 - Without glibc (musl, another libc) every malloc function here is a no-op and ``stats`` is
   None: the daemon runs the same, only without these bounds (the tables are still released).
 Cost: ``Trimmer.maybe`` O(1) except at most once per ``interval`` s, when malloc_trim walks
-every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB), and at most once
-per ``release_interval`` s, when one madvise per mapped table runs (O(tables + their resident
-pages)); ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
+every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB) and, with
+``code``, ``CodePages.release`` runs (codepages.py: one /proc/self/maps read, one madvise per
+clean mapping), and at most once per ``release_interval`` s, when one madvise per mapped
+table runs (O(tables + their resident pages)); ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
 at most once per call.
 """
 
