@@ -35,8 +35,8 @@ Cost: ``Trimmer.maybe`` O(1) except at most once per ``interval`` s, when malloc
 every arena's free chunks (O(free chunks), ~10-100 ms at a few hundred MiB) and, with
 ``code``, ``CodePages.release`` runs (codepages.py: one /proc/self/maps read, one madvise per
 clean mapping), and at most once per ``release_interval`` s, when one madvise per mapped
-table runs (O(tables + their resident pages)); ``stats`` walks the same (mallinfo2), so /v1/status and the metrics read it
-at most once per call.
+table runs (O(tables + their resident pages)); ``stats`` walks the same (mallinfo2), so
+/v1/status and the metrics read it at most once per call.
 """
 
 from __future__ import annotations
