@@ -118,9 +118,11 @@ def _load(path: str) -> _Binary | None:
     for i, (start, size, _) in enumerate(syms):
         if size:
             ends.append(start + size)
-        else:  # perf symbols__fixup_end: up to the next symbol that starts later
+        else:  # perf symbols__fixup_end: up to the next symbol that starts later; the last
+            # one to the page after its start's, roundup(start, 4096) + 4096, as
+            # elfsyms._fixup does (e.g. _fini, a zero-size FUNC of crti.o, last in .fini)
             j = bisect.bisect_right(starts, start, i + 1)
-            ends.append(starts[j] if j < len(starts) else start + 1)
+            ends.append(starts[j] if j < len(starts) else -(-start // 4096) * 4096 + 4096)
     return _Binary(segs, starts, tuple(ends), tuple(n for _, _, n in syms))
 
 
