@@ -26,9 +26,9 @@ Cost: a compile is O(DWARF bytes + rows log rows) in C (libc's debug file: well 
 a load from disk is one mmap (the table used in place: page cache, not heap) and one CRC; a
 lookup two bisects through heap directories (strided.py: one or two pages of each mapped
 column read, not one per level of a whole-column bisect) and a walk of at most
-``MAX_LEVELS`` parents; names decoded once per
-string, file names once per file index (a table holds at most one decoded name per string and
-per file it has: every level naming a file shares one str).
+``MAX_LEVELS`` parents; names decoded once per string, file names once per file index (a
+table holds at most one decoded name per string and per file it has: every level naming a
+file shares one str).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ _Levels = tuple[
 ]  # fmt: skip
 # Lookups kept of (binary, address) -> symbol, and of kernel callchain -> frames: a miss costs
 # one bisect in a mapped symbol table (its names are cached by the table), or one dict hit per
-# kernel frame (``_kframes``), so a few thousand recent ones are as good as more; at
-# ``sym_cache_size`` they held ~300 B and ~1 KB an entry (tuple keys of large ints).
+# kernel frame (``_kframes``), so a few thousand recent ones are as good as more. A callchain
+# from the native step is kept under its packed bytes, not a tuple of int objects.
 _SYMS_MAX = 4096
 _KSTACKS_MAX = 4096
 # Kernel frames kept by ip: their number grows with a busy machine's uptime (each new kernel
