@@ -27,6 +27,7 @@ import subprocess
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from smaps import resident_kb
@@ -199,17 +200,23 @@ def test_store_tables_are_mapped_and_counted(tmp_path: Path) -> None:
     assert h.symbols().mapped_bytes == 0 and plain.stats.mapped_bytes == 0
 
 
-def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> None:
-    # the checks (CRC, validation) read every page of a table; its store releases it at once
+def _libc_tables(tmp_path: Path) -> tuple[CfiStore, bytes, CfiTable, Any, str, str]:
+    """libc's CFI and symbol tables from stores under ``tmp_path``, both mapped: (the CFI
+    store, libc's build-id, the CFI table, the symbol table, their files' paths)."""
     store, syms, cache = _stored_cache(tmp_path)
     e = cache.acquire(None, LIBC)
     assert e.usable and e.build_id
     t, s = e.cfi(), e.symbols()
     assert isinstance(t, CfiTable) and t.mapped and s.mapped_bytes > 64 << 10
-    cpath, spath = store.path_for(e.build_id), syms.path_for(e.build_id)
+    return store, e.build_id, t, s, store.path_for(e.build_id), syms.path_for(e.build_id)
+
+
+def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> None:
+    # the checks (CRC, validation) read every page of a table; its store releases it at once
+    store, bid, t, _, cpath, spath = _libc_tables(tmp_path)
     assert os.path.getsize(cpath) > 64 << 10
     assert resident_kb(cpath) == 0 and resident_kb(spath) == 0
-    again = store.lookup(e.build_id)  # a second load of the same file
+    again = store.lookup(bid)  # a second load of the same file
     assert again is not None and again.mapped and resident_kb(cpath) == 0
     assert t.lookup(t.rows()[100].pc) is not None  # lookups map back what they read
 
@@ -217,12 +224,7 @@ def test_store_tables_are_out_of_rss_after_their_load_checks(tmp_path: Path) -> 
 def test_cfi_tables_are_hot_the_others_cold(tmp_path: Path) -> None:
     # every sample's unwind reads the CFI tables: a release of the cold tables alone (the
     # frequent one) leaves their pages mapped; the symbol tables go with it
-    store, syms, cache = _stored_cache(tmp_path)
-    e = cache.acquire(None, LIBC)
-    assert e.usable and e.build_id
-    t, s = e.cfi(), e.symbols()
-    assert isinstance(t, CfiTable) and t.mapped and s.mapped_bytes > 64 << 10
-    cpath, spath = store.path_for(e.build_id), syms.path_for(e.build_id)
+    _, _, t, s, cpath, spath = _libc_tables(tmp_path)
     pcs = [r.pc for r in t.rows()[::50]]
     assert sum(t.lookup(pc) is not None for pc in pcs) > len(pcs) // 2  # unwinds read it
     assert sum(s.lookup(pc) is not None for pc in pcs) > len(pcs) // 2
