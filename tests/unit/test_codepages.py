@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from smaps import resident_kb
+from smaps import in_child, resident_kb
 from unwindd.serve.codepages import CodePages, _anonymous_kb, _candidates
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -30,21 +30,24 @@ def _address(m: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
 
-def test_a_clean_read_only_mapping_is_dropped_and_reads_back(tmp_path: Path) -> None:
-    p = tmp_path / "code"
+def _clean_mapping(path: str) -> None:
     data = random.Random(1).randbytes(4 << 20)
-    p.write_bytes(data)
-    fd = os.open(p, os.O_RDONLY)
+    Path(path).write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
     m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     os.close(fd)
     assert m[:] == data  # every page read
-    assert resident_kb(str(p)) >= 4000
+    assert resident_kb(path) >= 4000
     code = CodePages()
     n, nbytes = code.release()
-    assert resident_kb(str(p)) == 0
+    assert resident_kb(path) == 0
     assert n >= 1 and nbytes >= 4 << 20 and (code.mappings, code.nbytes) == (n, nbytes)
     assert m[:] == data
     m.close()
+
+
+def test_a_clean_read_only_mapping_is_dropped_and_reads_back(tmp_path: Path) -> None:
+    in_child(_clean_mapping, str(tmp_path / "code"))
 
 
 def test_the_interpreter_runs_on_after_its_code_was_dropped() -> None:
@@ -74,10 +77,9 @@ def test_the_interpreter_runs_on_after_its_code_was_dropped() -> None:
     assert before == 0 or after < before, (before, after)
 
 
-def test_private_copies_made_read_only_are_never_advised(tmp_path: Path) -> None:
-    p = tmp_path / "relro"
-    p.write_bytes(b"F" * (1 << 20))
-    fd = os.open(p, os.O_RDONLY)
+def _private_copies(path: str) -> None:
+    Path(path).write_bytes(b"F" * (1 << 20))
+    fd = os.open(path, os.O_RDONLY)
     m = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     os.close(fd)
     m[: 64 << 10] = b"W" * (64 << 10)  # private copies, as relocations make
@@ -91,6 +93,10 @@ def test_private_copies_made_read_only_are_never_advised(tmp_path: Path) -> None
     assert m[:4] == b"WWWW"
     assert _libc.mprotect(addr, 1 << 20, mmap.PROT_READ | mmap.PROT_WRITE) == 0
     m.close()
+
+
+def test_private_copies_made_read_only_are_never_advised(tmp_path: Path) -> None:
+    in_child(_private_copies, str(tmp_path / "relro"))
 
 
 def test_smaps_is_read_only_for_a_new_mapping(tmp_path: Path) -> None:

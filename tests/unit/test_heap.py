@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from smaps import resident_kb
+from smaps import in_child, resident_kb
 from unwindd.serve import heap
 
 pytestmark = pytest.mark.skipif(heap.stats() is None, reason="needs glibc >= 2.33")
@@ -119,7 +119,7 @@ def test_trimmer_releases_hot_tables_at_their_own_pace(tmp_path: Path) -> None:
     del gc_, gh
 
 
-def test_trimmer_releases_its_code_pages_at_each_trim() -> None:
+def _code_pages_at_trims() -> None:
     from unwindd.serve.codepages import CodePages
 
     code = CodePages()
@@ -129,6 +129,10 @@ def test_trimmer_releases_its_code_pages_at_each_trim() -> None:
     assert not t.maybe(now=100.5) and code.mappings == 0  # the tables only
     assert t.maybe(now=110.0) and code.mappings >= 2
     assert heap.Trimmer().code is None  # (only the daemon's, which passes one)
+
+
+def test_trimmer_releases_its_code_pages_at_each_trim() -> None:
+    in_child(_code_pages_at_trims)
 
 
 def test_trimmer_releases_the_tables_at_the_drain_ticks_pace() -> None:
