@@ -115,7 +115,7 @@ def test_trimmer_releases_hot_tables_at_their_own_pace(tmp_path: Path) -> None:
     assert not t.maybe(now=101.0)  # the hot ones' period is up too
     assert resident_kb(str(hot)) < 100
     checksum(gh[1])
-    assert t.maybe(now=110.0) and resident_kb(str(hot)) < 100  # and every trim
+    assert t.maybe(now=110.0) and resident_kb(str(hot)) < 100
     del gc_, gh
 
 
