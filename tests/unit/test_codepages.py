@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from smaps import in_child, resident_kb
+from unwindd.procs.mapping import MAP_SHARED, PROT_EXEC, PROT_READ, PROT_WRITE, Mapping
 from unwindd.serve.codepages import CodePages, _anonymous_kb, _candidates
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -115,6 +116,13 @@ def test_smaps_is_read_only_for_a_new_mapping(tmp_path: Path) -> None:
     assert code.release() == (0, 0)  # a new mapping and no smaps: nothing advised this time
 
 
+def _key(m: Mapping) -> tuple[int, int, str, int | None]:
+    """A parsed mapping as its maps line spells it: (start, end, permissions, inode)."""
+    perms = "".join(c if m.prot & bit else "-" for c, bit in
+                    (("r", PROT_READ), ("w", PROT_WRITE), ("x", PROT_EXEC)))  # fmt: skip
+    return m.start, m.end, perms + ("s" if m.flags == MAP_SHARED else "p"), m.identity.ino
+
+
 def test_parsers_follow_the_kernels_layout() -> None:
     maps = (
         "55d0a0000000-55d0a0001000 r--p 00000000 fe:00 1001   /usr/bin/python3.11\n"
@@ -126,7 +134,7 @@ def test_parsers_follow_the_kernels_layout() -> None:
         "7f0000200000-7f0000201000 r-xp 00000000 00:00 0      [vdso]\n"
         "7f0000300000-7f0000301000 ---p 00000000 fe:00 4004   /usr/lib/libgap.so\n"
     )
-    assert _candidates(maps) == [
+    assert [_key(m) for m in _candidates(maps)] == [
         (0x55D0A0000000, 0x55D0A0001000, "r--p", 1001),
         (0x55D0A0001000, 0x55D0A0002000, "r-xp", 1001),
     ]
@@ -137,7 +145,7 @@ def test_parsers_follow_the_kernels_layout() -> None:
         "55d0a0001000-55d0a0002000 r-xp 00001000 fe:00 1001   /usr/bin/python3.11\n"
         "Anonymous:             0 kB\n"
     )
-    assert _anonymous_kb(smaps) == {
+    assert {_key(m): kb for m, kb in _anonymous_kb(smaps).items()} == {
         (0x55D0A0000000, 0x55D0A0001000, "r--p", 1001): 4,
         (0x55D0A0001000, 0x55D0A0002000, "r-xp", 1001): 0,
     }

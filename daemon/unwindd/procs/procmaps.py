@@ -23,36 +23,40 @@ from .mapping import (
     Mapping,
 )
 
-__all__ = ["parse_proc_maps"]
+__all__ = ["parse_maps_line", "parse_proc_maps"]
 
 
 def parse_proc_maps(text: str) -> list[Mapping]:
-    """Lines of /proc/<pid>/maps (fs/proc/task_mmu.c show_map_vma)::
+    """The mappings of a /proc/<pid>/maps text, one per line (``parse_maps_line``);
+    malformed lines are skipped."""
+    return [m for m in map(parse_maps_line, text.splitlines()) if m is not None]
+
+
+def parse_maps_line(line: str) -> Mapping | None:
+    """One line of /proc/<pid>/maps, or a mapping's header line in /proc/<pid>/smaps
+    (fs/proc/task_mmu.c show_map_vma)::
 
         start-end perms offset maj:min inode [pathname]
         55a966728000-55a96672d000 r-xp 00002000 fe:00 260131   /usr/bin/cat
 
     all hex except the decimal inode; the pathname may contain spaces and ends with
-    `` (deleted)`` for an unlinked file. Malformed lines are skipped."""
-    out: list[Mapping] = []
-    for line in text.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        try:
-            lo, hi = (int(x, 16) for x in parts[0].split("-", 1))
-            perms = parts[1]
-            pgoff = int(parts[2], 16)
-            maj, mnr = (int(x, 16) for x in parts[3].split(":", 1))
-            ino = int(parts[4])
-        except ValueError:
-            continue
-        if len(perms) < 4:
-            continue
-        prot = ((PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0)
-                | (PROT_EXEC if perms[2] == "x" else 0))  # fmt: skip
-        flags = MAP_SHARED if perms[3] == "s" else MAP_PRIVATE
-        name = parts[5].rstrip("\n") if len(parts) > 5 else ""
-        ident = Identity(None, maj, mnr, ino, None) if ino else NO_IDENTITY
-        out.append(Mapping(lo, hi, pgoff, prot, flags, name, ident))
-    return out
+    `` (deleted)`` for an unlinked file. None for a malformed line (or an smaps field line)."""
+    parts = line.split(maxsplit=5)
+    if len(parts) < 5:
+        return None
+    try:
+        lo, hi = (int(x, 16) for x in parts[0].split("-", 1))
+        perms = parts[1]
+        pgoff = int(parts[2], 16)
+        maj, mnr = (int(x, 16) for x in parts[3].split(":", 1))
+        ino = int(parts[4])
+    except ValueError:
+        return None
+    if len(perms) < 4:
+        return None
+    prot = ((PROT_READ if perms[0] == "r" else 0) | (PROT_WRITE if perms[1] == "w" else 0)
+            | (PROT_EXEC if perms[2] == "x" else 0))  # fmt: skip
+    flags = MAP_SHARED if perms[3] == "s" else MAP_PRIVATE
+    name = parts[5].rstrip("\n") if len(parts) > 5 else ""
+    ident = Identity(None, maj, mnr, ino, None) if ino else NO_IDENTITY
+    return Mapping(lo, hi, pgoff, prot, flags, name, ident)

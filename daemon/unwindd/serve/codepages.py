@@ -15,12 +15,13 @@ Invariants:
   read-only (ld.so's _dl_protect_relro), or any mapping ever written, keeps its copies, so
   it is never advised. Such a mapping cannot become one of those later without an mprotect
   to writable, which only the dynamic linker does, while it loads a library, before the
-  mapping reads as read-only; its class is decided once per (range, permissions, inode).
+  mapping reads as read-only; its class is decided once per mapping (``procmaps`` value:
+  range, offset, permissions, file).
 - Nothing the daemon runs unmaps a library (CPython never unloads an extension module,
   ctypes never dlcloses), so a range read from /proc/self/maps is still that mapping when it
   is advised; a failed madvise is skipped.
-Cost: one read of /proc/self/maps (a few hundred lines) and one madvise per clean mapping
-(~100) per release; /proc/self/smaps is read only when a mapping is new (start-up, a module
+Cost: one read and parse of /proc/self/maps (a few hundred lines) and one madvise per clean
+mapping (~100) per release; /proc/self/smaps is read only when a mapping is new (start-up, a module
 imported late); the faults that map back the hot code, a few dozen per release.
 """
 
@@ -29,11 +30,12 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from ..procs.mapping import MAP_PRIVATE, PROT_READ, PROT_WRITE, Mapping
+from ..procs.procmaps import parse_maps_line, parse_proc_maps
+
 __all__ = ["CodePages"]
 
 _MADV_DONTNEED = 4  # asm-generic/mman-common.h
-
-_Key = tuple[int, int, str, int]  # (start, end, permissions, inode)
 
 
 def _madvise() -> Any:
@@ -46,35 +48,24 @@ def _madvise() -> Any:
     return f
 
 
-def _candidates(maps_text: str) -> list[_Key]:
-    """The private, read-only file mappings of a /proc/PID/maps text (fs/proc/task_mmu.c
-    show_map_vma: ``start-end perms offset dev inode path``)."""
-    out = []
-    for line in maps_text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
-            continue  # anonymous, [heap], [stack], [vdso], ...
-        perms = parts[1]
-        if perms[0] != "r" or perms[1] != "-" or perms[3] != "p" or parts[5].endswith(" (deleted)"):
-            continue  # a gap, writable, or shared (the cache tables: cachefiles.release_mapped)
-        lo, _, hi = parts[0].partition("-")
-        out.append((int(lo, 16), int(hi, 16), perms, int(parts[4])))
-    return out
+def _candidates(maps_text: str) -> list[Mapping]:
+    """The private, read-only file mappings of a /proc/PID/maps text."""
+    return [m for m in parse_proc_maps(maps_text)
+            if m.prot & PROT_READ and not m.prot & PROT_WRITE and m.flags == MAP_PRIVATE
+            and m.filename.startswith("/") and not m.filename.endswith(" (deleted)")]  # fmt: skip
 
 
-def _anonymous_kb(smaps_text: str) -> dict[_Key, int]:
-    """``Anonymous`` (kB: private copies) of every file mapping in a /proc/PID/smaps text."""
-    out: dict[_Key, int] = {}
-    key: _Key | None = None
+def _anonymous_kb(smaps_text: str) -> dict[Mapping, int]:
+    """``Anonymous`` (kB: private copies) of every mapping in a /proc/PID/smaps text (its
+    header lines are maps lines)."""
+    out: dict[Mapping, int] = {}
+    cur: Mapping | None = None
     for line in smaps_text.splitlines():
-        parts = line.split(None, 5)
-        if not parts:
-            continue
-        if "-" in parts[0] and not parts[0].endswith(":") and len(parts) >= 5:
-            lo, _, hi = parts[0].partition("-")
-            key = (int(lo, 16), int(hi, 16), parts[1], int(parts[4]))
-        elif parts[0] == "Anonymous:" and key is not None:
-            out[key] = int(parts[1])
+        if line.startswith("Anonymous:"):
+            if cur is not None:
+                out[cur] = int(line.split()[1])
+        elif (m := parse_maps_line(line)) is not None:
+            cur = m
     return out
 
 
@@ -84,7 +75,7 @@ class CodePages:
 
     def __init__(self, proc: str = "/proc/self") -> None:
         self._proc = proc
-        self._clean: dict[_Key, bool] = {}
+        self._clean: dict[Mapping, bool] = {}
         self._madvise = _madvise()
         self.mappings = 0
         self.nbytes = 0
@@ -107,9 +98,9 @@ class CodePages:
         except (OSError, ValueError):
             return 0, 0
         n = nbytes = 0
-        for (lo, hi, _, _), clean in zip(keys, map(self._clean.__getitem__, keys), strict=True):
-            if clean and self._madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+        for m in keys:
+            if self._clean[m] and self._madvise(m.start, m.end - m.start, _MADV_DONTNEED) == 0:
                 n += 1
-                nbytes += hi - lo
+                nbytes += m.end - m.start
         self.mappings, self.nbytes = n, nbytes
         return n, nbytes
