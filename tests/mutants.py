@@ -525,6 +525,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_replay_startup.py",),
     ),
     Mutation(
+        name="replay-drops-the-page-cache",
+        what="a replay drops each cache table's pages before mapping it, as the daemon does",
+        edits=(
+            Edit(
+                "daemon/unwindd/cli.py",
+                old="    keep_page_cache()\n",
+                new="    pass  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/unit/test_cachemap.py",),
+    ),
+    Mutation(
         name="code-pages-private-copies-advised",
         what="codepages: a read-only private mapping holding written copies (RELRO) advised "
         "too, its copies discarded",

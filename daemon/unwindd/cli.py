@@ -459,8 +459,12 @@ def _bound_cache(cache_dir: str | None) -> None:
 def _replay_engine(cache_dir: str | None) -> tuple[StackEngine, str | None]:
     """The engine a replay (native or Python) unwinds and names with: its stores in
     ``cache_dir`` (none if that cannot be made), and with ``DEBUGINFOD_URLS`` a debuginfod
-    client (``_replay_debuginfod``); and the temporary dir the caller removes, or None."""
+    client (``_replay_debuginfod``); and the temporary dir the caller removes, or None. Its
+    cache tables are mapped as the page cache holds them (``cachefiles.keep_page_cache``)."""
+    from .binaries.cachefiles import keep_page_cache
     from .unwind.engine import StackEngine
+
+    keep_page_cache()
 
     try:
         engine = StackEngine.create(cache_dir=cache_dir, kernel_store=True)

@@ -1,10 +1,14 @@
 """What this process has resident of a file it mapped, read from /proc/self/smaps: the tests
-of the mapped cache tables (what their loads, lookups and releases leave in the RSS); and
-``in_child``, for a test that drops pages of its own process's mappings."""
+of the mapped cache tables (what their loads, lookups and releases leave in the RSS); what
+the page cache holds of a file (``cached_pages``); and ``in_child``, for a test that drops
+pages of its own process's mappings."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import multiprocessing
+import os
 from collections.abc import Callable
 
 
@@ -19,6 +23,32 @@ def resident_kb(path: str) -> int:
             elif inside and head[0] == "Rss:":
                 kb += int(head[1])
     return kb
+
+
+def cached_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache (mincore(2) on a fresh mapping of it: a file
+    mapping's vector says which pages the page cache holds, mm/mincore.c mincore_page),
+    whatever any process has mapped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    npages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        vec = ctypes.create_string_buffer(npages)
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec.raw[:npages])
+    finally:
+        libc.munmap(addr, size)
 
 
 def in_child(body: Callable[..., None], *args: object) -> None:

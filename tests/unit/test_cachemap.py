@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from smaps import resident_kb
+from smaps import cached_pages, resident_kb
+from unwindd.binaries import cachefiles, symstore
 from unwindd.binaries import cfi as cfimod
-from unwindd.binaries import symstore
 from unwindd.binaries.cachefiles import (
     CacheFileError,
     checksum,
@@ -147,6 +147,29 @@ def test_a_file_cached_in_large_folios_is_read_back_small(tmp_path: Path) -> Non
     _touch_every_mib(got[1])
     assert 0 < resident_kb(str(p)) <= 1024
     assert bytes(got[1][: 1 << 10]) == data[: 1 << 10]
+
+
+def test_a_replay_maps_tables_as_the_page_cache_holds_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The daemon's first mapping of a clean file drops its pages from the page cache
+    (``_small_folios``); a replay's engine keeps them (``keep_page_cache``): its load checks
+    would otherwise read each table back from the disk at every run."""
+    from unwindd import cli
+
+    monkeypatch.setattr(cachefiles, "_drop_first", True)  # (restored: this process goes on)
+    npages = (4 << 20) // os.sysconf("SC_PAGESIZE")
+    for i, policy in enumerate(("daemon", "replay")):
+        p = tmp_path / f"t{i}"
+        with open(p, "wb") as f:
+            f.write(random.Random(i).randbytes(4 << 20))
+            f.flush()
+            os.fsync(f.fileno())  # clean: a drop may take its pages
+        assert p.read_bytes() and cached_pages(str(p)) == npages
+        if policy == "replay":
+            cli._replay_engine(str(tmp_path / "cache"))
+        got = map_cache_file(str(p), 8 << 20)
+        assert got is not None
+        assert cached_pages(str(p)) == (npages if policy == "replay" else 0), policy
 
 
 def test_release_table_drops_that_table_only(tmp_path: Path) -> None:

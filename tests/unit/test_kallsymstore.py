@@ -259,10 +259,14 @@ def test_real_kernel_named_from_the_store_and_what_lies_outside(tmp_path: Path) 
     assert sym._kallsyms is not None and len(sym._kallsyms) < len(outside) + 64
 
 
-def test_the_replay_and_the_daemon_keep_kernel_symbols(tmp_path: Path) -> None:
+def test_the_replay_and_the_daemon_keep_kernel_symbols(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The replay's engine and the daemon's have the store in their cache dir; an engine
     created without asking for it has none."""
     from unwindd import cli
+    from unwindd.binaries import cachefiles
+
+    monkeypatch.setattr(cachefiles, "_drop_first", True)  # (_replay_engine clears it)
     from unwindd.serve.config import parse_config
     from unwindd.serve.startup import engine_with_disk_cache
     from unwindd.unwind.engine import StackEngine

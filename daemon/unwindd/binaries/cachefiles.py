@@ -34,6 +34,8 @@ Rules:
   large folios is all in the RSS after a few lookups: files are written ``WRITE_CHUNK`` at a
   time (small folios), and a file's clean pages are dropped from the page cache before its
   first mapping in the process (``_small_folios``), so that its faults read it back small.
+  A short-lived command (``unwindd replay``) skips the drop (``keep_page_cache``): its RSS
+  ends with it, and a table's load checks would read the dropped file back from the disk.
 - A file is written to a temporary name (pid and thread in it; O_EXCL | O_NOFOLLOW: never
   through a symlink or into a planted file) then ``os.replace``d, so a reader sees a whole old
   file, a whole new one, or none, never half of one. Writers of one build-id write the same
@@ -76,6 +78,7 @@ __all__ = [
     "checksum",
     "discard_cache_file",
     "identity_key",
+    "keep_page_cache",
     "map_blob_file",
     "map_cache_file",
     "prune_cache_dirs",
@@ -204,7 +207,7 @@ def map_cache_file(path: str, limit: int, head: int = 0, small: bool = True,
         return None
     fd, size = opened
     try:
-        if small:
+        if small and _drop_first:
             _small_folios(fd)
         cls = lib.UNW_MAP_HOT if hot else lib.UNW_MAP_COLD
         p = lib.unw_map_file(fd, size, cls) if size > head else ffi.NULL
@@ -228,6 +231,20 @@ _DROPPED_MAX = 4096
 # it in folios of at most this size (mm/filemap.c __filemap_get_folio: a buffered write's
 # folio order follows its length), not in the multi-MiB folios one large write makes.
 WRITE_CHUNK = 64 << 10
+
+
+# Whether a file's first mapping in this process drops its pages first (``_small_folios``):
+# the daemon's rule, for its RSS; cleared by ``keep_page_cache``.
+_drop_first = True
+
+
+def keep_page_cache() -> None:
+    """From now on this process maps cache files as the page cache holds them, without
+    ``_small_folios``: for a short-lived command (``unwindd replay``), whose RSS ends with
+    it. A drop would only make it read each table back from the disk, since a table's load
+    checks read all of it, at every run."""
+    global _drop_first
+    _drop_first = False
 
 
 def _note_small(dev: int, ino: int) -> None:
