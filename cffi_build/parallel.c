@@ -73,6 +73,7 @@ struct par_job {
     const struct fp_ctx *c;
     const struct fp_layout *lay;
     const uint8_t *data;
+    uint64_t len;
     const struct fp_rec *recs;
     const uint32_t *perm;
 };
@@ -109,6 +110,8 @@ static void par_block(const struct fp_par *P, const struct par_job *J, uint64_t 
     const struct fp_ctx *c = J->c;
     for (uint64_t k = s; k < e; k++) {
         const struct fp_rec *r = &J->recs[J->perm[k]];
+        if (k + 1 < e)
+            prefetch_sample(J->data, J->len, &J->recs[J->perm[k + 1]]);
         uint64_t i = k % P->ring;
         struct par_slot *sl = &P->slots[i];
         sl->status = unwind_sample(c->arch, P->max_depth, J->lay, J->data, r,
@@ -317,8 +320,8 @@ static void par_judge(struct fp_par *P, uint64_t wall, uint64_t cpu)
  * FP_RUN_DONE, or the stop (FP_RUN_NEED_SYMS, FP_RUN_ERROR) at *stopped, like the one-thread
  * loop. */
 static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
-                   const struct fp_rec *recs, const uint32_t *perm, uint64_t k0, uint64_t k1,
-                   uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
+                   uint64_t len, const struct fp_rec *recs, const uint32_t *perm, uint64_t k0,
+                   uint64_t k1, uint32_t *stack_ids, uint64_t *stopped, uint32_t *need_pid,
                    uint32_t *need_tid)
 {
     struct fp_par *P = c->par;
@@ -326,7 +329,7 @@ static int par_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t 
     uint64_t t0 = clock_ns(CLOCK_MONOTONIC), m0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
     uint64_t w0 = P->have_wclock ? clock_ns(P->wclock) : 0;
     pthread_mutex_lock(&P->mu);
-    P->job = (struct par_job){c, lay, data, recs, perm};
+    P->job = (struct par_job){c, lay, data, len, recs, perm};
     P->k1 = k1;
     P->next = k0;
     P->limit = k0 / g * g + ring;
@@ -450,8 +453,8 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
             while (p < seg && !run_ready(c, &recs[perm[p]], len, &sp, &ce, &np, &nt))
                 p++;
             if (p - k >= c->par_min && par_ready(c) && par_turn(c->par, p - k)) {
-                int rc = par_run(c, lay, data, recs, perm, k, p, stack_ids, stopped, need_pid,
-                                 need_tid);
+                int rc = par_run(c, lay, data, len, recs, perm, k, p, stack_ids, stopped,
+                                 need_pid, need_tid);
                 if (rc != FP_RUN_DONE)
                     return rc;
                 k = p;
@@ -467,6 +470,8 @@ int fp_unwind_run(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *
             int rc = run_ready(c, r, len, &sp, &ce, need_pid, need_tid);
             if (rc)
                 return rc;
+            if (k + 1 < end)
+                prefetch_sample(data, len, &recs[perm[k + 1]]);
             uint32_t id = unwind_rec(c, lay, data, r, sp, ce);
             if (id == NEED_SYMS_ID) {
                 *need_pid = r->pid;
