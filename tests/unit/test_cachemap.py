@@ -157,6 +157,7 @@ def test_a_replay_maps_tables_as_the_page_cache_holds_them(
     from unwindd import cli
 
     monkeypatch.setattr(cachefiles, "_drop_first", True)  # (restored: this process goes on)
+    monkeypatch.setattr(cachefiles, "_dropped", set())  # (an inode an earlier test's file had)
     npages = (4 << 20) // os.sysconf("SC_PAGESIZE")
     for i, policy in enumerate(("daemon", "replay")):
         p = tmp_path / f"t{i}"

@@ -265,11 +265,11 @@ def test_the_replay_and_the_daemon_keep_kernel_symbols(
     created without asking for it has none."""
     from unwindd import cli
     from unwindd.binaries import cachefiles
-
-    monkeypatch.setattr(cachefiles, "_drop_first", True)  # (_replay_engine clears it)
     from unwindd.serve.config import parse_config
     from unwindd.serve.startup import engine_with_disk_cache
     from unwindd.unwind.engine import StackEngine
+
+    monkeypatch.setattr(cachefiles, "_drop_first", True)  # (_replay_engine clears it)
 
     assert StackEngine.create(cache_dir=str(tmp_path)).symbolizer.kernel_store is None
     engine, tmp = cli._replay_engine(str(tmp_path))
