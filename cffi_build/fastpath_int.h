@@ -155,7 +155,6 @@ FP_INTERNAL uint32_t intern_sample(struct fp_ctx *c, const struct fp_layout *lay
                                    const struct space_ent *sp, const struct comm_ent *ce,
                                    uint8_t status, const uint64_t *pcs, const uint8_t *kinds,
                                    uint32_t npcs);
-FP_INTERNAL void prefetch_sample(const uint8_t *data, uint64_t len, const struct fp_rec *r);
 FP_INTERNAL uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay,
                                 const uint8_t *data, const struct fp_rec *r,
                                 const struct space_ent *sp, const struct comm_ent *ce);

@@ -553,23 +553,6 @@ uint32_t intern_sample(struct fp_ctx *c, const struct fp_layout *lay, const uint
     return id;
 }
 
-/* Prefetch what unwind_sample reads first of sample r: its registers and the head of its
- * stack copy. The records of a replay (8 KiB apiece, read once, from a mapped file) are never
- * in cache, and both reads stall the walk's start; issued while the sample before r is walked,
- * their misses overlap that walk. Only addresses inside r (within len bytes of data) are
- * formed, and a prefetch never faults. */
-void prefetch_sample(const uint8_t *data, uint64_t len, const struct fp_rec *r)
-{
-    if (r->size < 8 || r->off > len || r->size > len - r->off)
-        return;
-    const uint8_t *body = data + r->off + 8;
-    uint64_t blen = r->size - 8u;
-    for (uint64_t o = r->regs_off; r->regs_abi && o < blen && o < r->regs_off + 192u; o += 64)
-        __builtin_prefetch(body + o);
-    for (uint64_t o = r->stack_off; r->dyn && o < blen && o < r->stack_off + 256u; o += 64)
-        __builtin_prefetch(body + o);
-}
-
 /* Unwind one indexed SAMPLE r against space sp, comm ce; its stack id, or UINT32_MAX. */
 uint32_t unwind_rec(struct fp_ctx *c, const struct fp_layout *lay, const uint8_t *data,
                     const struct fp_rec *r, const struct space_ent *sp,
