@@ -43,8 +43,8 @@ NOT_IMPORTED = (
     "subprocess", "socket", "selectors", "select", "signal", "ssl", "http", "urllib", "email",
     "logging", "zipfile", "pathlib", "gzip", "shutil", "bz2", "lzma", "fnmatch",
     "dataclasses", "inspect",  # (classes are lightdc's: no per-method compiles, no inspect)
-    "hashlib", "_hashlib",  # (OpenSSL's libcrypto, loaded and initialised: only for a binary
-    # without a build-id, whose stand-in store key is a SHA-1)
+    "hashlib", "_hashlib",  # (OpenSSL's libcrypto, loaded and initialised: a binary without a
+    # build-id has a SHA-1 for its store key, from CPython's own _sha1)
     "unwindd.serve", "unwindd.store", "unwindd.record", "unwindd.ctl", "unwindd.source.capture",
     "unwindd.source.output", "unwindd.pipeline.streamreplay", "unwindd.pipeline.live",
     "unwindd.pipeline.ringstep", "unwindd.procs.livetable", "unwindd.procs.procscan",
@@ -104,6 +104,23 @@ def test_native_replay_imports_and_gc(perf_file: Path, tmp_path: Path, fmt: str)
     # collections before the engine's import are the interpreter's and argparse's; from it
     # on, none (a native replay keeps everything it allocates until it exits)
     assert late.count(True) == 0, f"{late.count(True)} cyclic GC collections after start-up"
+
+
+def test_a_binary_without_a_build_id_loads_no_openssl(tmp_path: Path) -> None:
+    """A binary without a build-id is keyed by the SHA-1 of its file's identity
+    (cachefiles.identity_key); the replay computes it without importing hashlib, which loads
+    and initialises OpenSSL's libcrypto."""
+    src, exe = tmp_path / "nobid.c", tmp_path / "nobid"
+    src.write_text("#include <time.h>\nvolatile unsigned long n;\n"
+                   "__attribute__((noinline)) void spin(void) {\n"
+                   "  while (clock() < CLOCKS_PER_SEC / 4) n++;\n}\n"
+                   "int main(void) { spin(); return 0; }\n")  # fmt: skip
+    subprocess.run(["gcc", "-O1", "-Wl,--build-id=none", "-o", str(exe), str(src)], check=True)
+    path = record_perf_data(tmp_path, [str(exe)], freq=499)
+    rc, modules, _, _, out = _child_replay(tmp_path, "replay", str(path), "--format", "folded")
+    assert rc == 0 and "spin" in out
+    assert list((tmp_path / "cache").rglob(b"UWid".hex() + "*"))  # (keyed by its identity)
+    assert "hashlib" not in modules and "_hashlib" not in modules
 
 
 def _with_header_attr(src: bytes) -> bytes:

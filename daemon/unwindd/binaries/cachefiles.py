@@ -274,13 +274,22 @@ def _small_folios(fd: int) -> None:
 def identity_key(st: os.stat_result) -> bytes:
     """The store key of a binary without a build-id whose open file ``st`` describes (module
     rules): a tag and the SHA-1 of its identity."""
-    # imported here: hashlib loads and initialises OpenSSL's libcrypto, a cost every replay's
-    # start would pay for the few binaries without a build-id
-    import hashlib
-
     ident = struct.pack("<QQQqq", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
                         st.st_ctime_ns)  # fmt: skip
-    return b"UWid" + hashlib.sha1(ident).digest()
+    digest: bytes = _sha1()(ident).digest()
+    return b"UWid" + digest
+
+
+def _sha1() -> Any:
+    """SHA-1's constructor: CPython's own (``_sha1``, Modules/sha1module.c), imported when
+    first needed. Not hashlib's: importing hashlib loads and initialises OpenSSL's libcrypto,
+    a cost a replay paid at its start for the few binaries without a build-id. The digest is
+    the same; an interpreter built without its own hashes gets hashlib's."""
+    try:
+        from _sha1 import sha1  # type: ignore[import-not-found]
+    except ImportError:
+        from hashlib import sha1
+    return sha1
 
 
 def release_table(buf: Any) -> int:
