@@ -7,15 +7,18 @@ Why: ``dataclasses.dataclass`` compiles each generated method separately (``__in
 ``tokenize``): a short command such as ``unwindd replay`` paid for it at every start, for some
 fifty classes on its import path. Here ``__init__``, ``__eq__`` and ``__hash__`` are compiled
 (their speed matters: records and frames are built, compared and hashed by the thousand), in
-one ``compile``, and only when one of them is first called (stubs compile them and put them in
-their places); the other methods are shared closures.
+one ``compile``, and only once a class is hot: its first ``HOT`` calls of them are served by
+generic closures doing the same work, and then stubs compile them and put them in their
+places. The other methods are shared closures.
 
 Invariants (what the classes keep of ``dataclasses``' behaviour, Python 3.11):
 - The options used: ``frozen``, ``slots``; ``field(default=, default_factory=, init=, repr=,
   compare=, metadata=)``; ``__post_init__``; a ``ClassVar`` annotation is not a field. Anything
   else (inheritance from a dataclass, ``InitVar``, ``KW_ONLY``, ``order``) is refused at
   import, so a class never silently differs from what the standard decorator would build.
-- ``__init__`` is the same code the standard decorator generates; ``__eq__`` compares the
+- ``__init__`` is the same code the standard decorator generates (before that, the generic one
+  sets the same fields to the same values in the same order; a call that does not bind is
+  handed to the compiled code, for the interpreter's own TypeError); ``__eq__`` compares the
   tuples of the compared fields of two instances of the same class (NotImplemented otherwise);
   frozen classes hash that tuple, other classes are unhashable (unless they define
   ``__hash__``); ``__repr__`` is ``Name(f=value, ...)``; a frozen instance refuses assignment
@@ -27,9 +30,10 @@ Invariants (what the classes keep of ``dataclasses``' behaviour, Python 3.11):
 - Not kept: the docstring ``dataclasses`` makes up (from ``inspect.signature``) for a class
   without one.
 
-Cost: at definition no ``compile``, a few closures; one ``compile`` at a class's first
-instantiation, comparison or hash; together about a seventh of the standard decorator's time.
-Instances cost the same to build, compare and hash (the same code); ``repr`` is slower.
+Cost: at definition no ``compile``, a few closures; one ``compile`` (about what a few hundred
+generic calls cost) at a class's ``HOT``-th instantiation, comparison or hash, or at a call
+that does not bind; together about a seventh of the standard decorator's time. Hot instances
+cost the same to build, compare and hash (the same code); ``repr`` is slower.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 __all__ = ["FrozenInstanceError", "dataclass", "field", "field_names", "replace"]
 
 _T = TypeVar("_T")
+
+# Calls of a class's __init__, __eq__ and __hash__ (together) after which they are compiled.
+HOT = 16
 
 
 class FrozenInstanceError(AttributeError):
@@ -188,6 +195,49 @@ def _compiled(cls: type, flds: list[_Field], frozen: bool, slots: bool,
     return out
 
 
+def _generic_init(cls: type, flds: list[_Field], frozen: bool,
+                  slots: bool) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]:
+    """``__init__``'s work without its compiled code, for the calls before a class is hot:
+    binds ``args`` and ``kwargs`` to the init fields and sets every field ``_compiled``'s
+    ``__init__`` sets, with the same values in the same order, then ``__post_init__``. Returns
+    False, having done nothing, for a call that does not bind (too many arguments, an unknown
+    or repeated keyword, a required field missing): the compiled ``__init__`` raises the
+    interpreter's own TypeError for it."""
+    params = [f.name for f in flds if f.init]
+    known = frozenset(params)
+    required = [f.name for f in flds
+                if f.init and f.default is MISSING and f.default_factory is MISSING]  # fmt: skip
+    # (name, its argument's name or None, the default or MISSING, the factory or MISSING),
+    # for each field __init__ sets, in field order
+    plan = [(f.name, f.name if f.init else None, f.default, f.default_factory) for f in flds
+            if f.default_factory is not MISSING or f.init
+            or (slots and f.default is not MISSING)]  # fmt: skip
+    post_init = "__post_init__" in cls.__dict__
+    put: Callable[[Any, str, Any], None] = object.__setattr__ if frozen else setattr
+
+    def init(self: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if len(args) > len(params):
+            return False
+        bound = dict(zip(params, args, strict=False))
+        for k in kwargs:
+            if k in bound or k not in known:
+                return False
+        bound.update(kwargs)
+        for name in required:
+            if name not in bound:
+                return False
+        for name, arg, default, factory in plan:
+            value = bound.get(arg, MISSING) if arg is not None else MISSING
+            if value is MISSING:
+                value = factory() if factory is not MISSING else default
+            put(self, name, value)
+        if post_init:
+            self.__post_init__()
+        return True
+
+    return init
+
+
 def _tuple_getter(names: list[str]) -> Callable[[Any], tuple[Any, ...]]:
     if len(names) >= 2:
         return attrgetter(*names)
@@ -203,10 +253,14 @@ def _process(cls: type, frozen: bool, slots: bool) -> type:
     own = cls.__dict__
     methods: dict[str, Any] = {}
 
-    # __init__, __eq__ and __hash__ are compiled together on the first call of any of them
-    # (the stubs below put the compiled ones in their places): most classes a short command
-    # imports are never built, compared or hashed by it.
+    # __init__, __eq__ and __hash__ are compiled together once their calls reach HOT (the
+    # stubs below put the compiled ones in their places); until then the stubs do the same
+    # work generically. Most classes a short command imports are built, compared or hashed a
+    # few times or never; a compile costs as much as a few hundred generic calls.
     stubs: dict[str, Any] = {}
+    calls = [0]
+    generic_init = _generic_init(cls, flds, frozen, slots)
+    compared = _tuple_getter([f.name for f in flds if f.compare])
 
     def compiled(name: str) -> Any:
         real = _compiled(cls, flds, frozen, slots, tuple(n for n in ("__eq__", "__hash__")
@@ -217,13 +271,24 @@ def _process(cls: type, frozen: bool, slots: bool) -> type:
         return real[name]
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        compiled("__init__")(self, *args, **kwargs)
+        calls[0] += 1
+        # a call the generic binding refuses goes to the compiled code, for its TypeError
+        if calls[0] >= HOT or not generic_init(self, args, kwargs):
+            compiled("__init__")(self, *args, **kwargs)
 
     def __eq__(self: Any, other: Any) -> Any:
-        return compiled("__eq__")(self, other)
+        calls[0] += 1
+        if calls[0] >= HOT:
+            return compiled("__eq__")(self, other)
+        if other.__class__ is self.__class__:
+            return compared(self) == compared(other)
+        return NotImplemented
 
     def __hash__(self: Any) -> int:
-        return cast(int, compiled("__hash__")(self))
+        calls[0] += 1
+        if calls[0] >= HOT:
+            return cast(int, compiled("__hash__")(self))
+        return hash(compared(self))
 
     shown = attrgetter(*[f.name for f in flds if f.repr] or ["__class__"])
     shown_names = [f.name for f in flds if f.repr]

@@ -115,7 +115,8 @@ def _outcome(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[str, Any]:
 
 ARGS: dict[str, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {
     "frozen_slots": [((1, "s"), {}), ((1, None, 2.0, (3,), "e"), {}), ((), {"a": 1, "b": "z"}),
-                     ((1,), {}), ((1, "s", 1.5, (), None, 9), {}), ((1, "s"), {"zz": 1})],
+                     ((1,), {}), ((1, "s", 1.5, (), None, 9), {}), ((1, "s"), {"zz": 1}),
+                     ((1, "s"), {"a": 2})],
     "mutable": [((), {}), ((5, [1, 2]), {}), ((), {"tag": "y"})],
     "mutable_slots": [((1,), {}), ((1, {"a": 1}), {})],
     "one_field": [((1.0,), {}), ((math.nan,), {})],
@@ -131,33 +132,9 @@ def _state(o: Any, std: type) -> dict[str, Any]:
     return {f.name: getattr(o, f.name) for f in dataclasses.fields(std)}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_same_behaviour_as_dataclasses(case: str) -> None:
-    std, light = _pair(case)
-    assert light.__name__ == std.__name__ and light.__qualname__ == std.__qualname__
-    assert light.__match_args__ == std.__match_args__
-    assert hasattr(light, "__slots__") == hasattr(std, "__slots__")
-    if hasattr(std, "__slots__"):
-        assert light.__slots__ == std.__slots__
-    assert (light.__hash__ is None) == (std.__hash__ is None)
-    stub = light.__dict__["__init__"]
-    made = []
-    for args, kw in ARGS[case]:
-        a, b = _outcome(std, *args, **kw), _outcome(light, *args, **kw)
-        assert a[0] == b[0], (args, kw, a, b)
-        if a[0] == "ok":
-            made.append((a[1], b[1]))
-    assert made
-    # __init__ is compiled on the first construction: the same signature as the standard one;
-    # __eq__ and __hash__ with it, in place of their stubs once called
-    assert light.__dict__["__init__"] is not stub or "__init__" in CASES[case][1]
-    for name in ("__eq__", "__hash__"):
-        fn = light.__dict__.get(name)
-        if fn is not None and f"def {name}" not in CASES[case][1]:
-            made[0][1] == made[0][1]  # noqa: B015
-            _outcome(hash, made[0][1])
-            assert light.__dict__[name].__code__.co_filename.startswith("<lightdc "), name
-    assert str(inspect.signature(light.__init__)) == str(inspect.signature(std.__init__))
+def _compared_alike(made: list[tuple[Any, Any]], std: type, case: str) -> None:
+    """Pairs (standard instance, lightdc instance) from the same arguments: the same repr,
+    equality, hash and frozen behaviour, field by field."""
     frozen = CASES[case][0].get("frozen", False)
     for s1, l1 in made:
         assert repr(l1) == repr(s1)
@@ -184,6 +161,68 @@ def test_same_behaviour_as_dataclasses(case: str) -> None:
         with pytest.raises(AttributeError):
             l1.other = 0  # type: ignore[attr-defined]
         assert _state(l1, std) == _state(s1, std)
+
+
+STUBBED = ("__init__", "__eq__", "__hash__")
+
+
+@pytest.mark.parametrize("tier", ["generic", "compiled"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_behaviour_as_dataclasses(case: str, tier: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways lightdc serves a class: its first calls by the stubs' generic closures
+    ("generic": the class never gets hot), and by the compiled methods ("compiled": hot from
+    its first call)."""
+    monkeypatch.setattr(lightdc, "HOT", 10**9 if tier == "generic" else 1)
+    std, light = _pair(case)
+    assert light.__name__ == std.__name__ and light.__qualname__ == std.__qualname__
+    assert light.__match_args__ == std.__match_args__
+    assert hasattr(light, "__slots__") == hasattr(std, "__slots__")
+    if hasattr(std, "__slots__"):
+        assert light.__slots__ == std.__slots__
+    assert (light.__hash__ is None) == (std.__hash__ is None)
+    stubs = {n: light.__dict__.get(n) for n in STUBBED if f"def {n}" not in CASES[case][1]}
+    calls = [(args, kw, _outcome(std, *args, **kw)) for args, kw in ARGS[case]]
+    made = []
+    for args, kw, a in calls:
+        if a[0] == "ok":
+            b = _outcome(light, *args, **kw)
+            assert b[0] == "ok", (args, kw, b)
+            made.append((a[1], b[1]))
+    assert made
+    _compared_alike(made, std, case)
+    now = {n: light.__dict__.get(n) for n in stubs}
+    if tier == "generic":  # everything above was served without compiling
+        assert now == stubs
+    else:  # compiled at the first call, in place of the stubs
+        for name, fn in now.items():
+            if fn is not None:
+                assert fn.__code__.co_filename.startswith("<lightdc "), name
+    # a call that does not bind, each the first call of its class: the interpreter's
+    # TypeError, from the compiled __init__
+    for args, kw, a in calls:
+        if a[0] != "ok":
+            fresh = _pair(case)[1]
+            assert _outcome(fresh, *args, **kw)[0] == a[0], (args, kw)
+            if "__init__" in stubs:
+                assert fresh.__dict__["__init__"].__code__.co_filename.startswith("<lightdc ")
+    monkeypatch.setattr(lightdc, "HOT", 1)
+    light(*ARGS[case][0][0], **ARGS[case][0][1])  # (hot now: the compiled signature)
+    assert str(inspect.signature(light.__init__)) == str(inspect.signature(std.__init__))
+
+
+def test_a_class_is_compiled_once_hot() -> None:
+    """The ``HOT``-th call of a class's ``__init__``, ``__eq__`` or ``__hash__`` (counted
+    together) compiles them; instances made before and after are alike."""
+    std, light = _pair("frozen_slots")
+    stub = light.__dict__["__init__"]
+    early = [light(i, "s") for i in range(lightdc.HOT - 1)]
+    assert light.__dict__["__init__"] is stub
+    late = light(0, "s")
+    assert light.__dict__["__init__"] is not stub
+    assert light.__dict__["__hash__"].__code__.co_filename.startswith("<lightdc ")
+    assert late == early[0] and hash(late) == hash(early[0]) and late != early[1]
+    assert repr(late) == repr(std(0, "s")).replace(std.__qualname__, light.__qualname__)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
