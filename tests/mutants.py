@@ -525,6 +525,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_replay_startup.py",),
     ),
     Mutation(
+        name="sha1-from-hashlib",
+        what="a binary without a build-id keyed by hashlib's SHA-1 (OpenSSL) again",
+        edits=(
+            Edit(
+                "daemon/unwindd/binaries/cachefiles.py",
+                old="        from _sha1 import sha1  # type: ignore[import-not-found]\n",
+                new="        from hashlib import sha1  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_replay_startup.py",),
+    ),
+    Mutation(
+        name="lightdc-generic-init-skips-post-init",
+        what="lightdc's generic __init__ (a class not yet hot) does not call __post_init__",
+        edits=(
+            Edit(
+                "daemon/unwindd/lightdc.py",
+                old="        if post_init:\n            self.__post_init__()\n",
+                new="        if False:  # MUTANT\n            self.__post_init__()\n",
+            ),
+        ),
+        tests=("tests/unit/test_lightdc.py",),
+    ),
+    Mutation(
         name="replay-drops-the-page-cache",
         what="a replay drops each cache table's pages before mapping it, as the daemon does",
         edits=(
