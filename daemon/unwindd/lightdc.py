@@ -30,10 +30,11 @@ Invariants (what the classes keep of ``dataclasses``' behaviour, Python 3.11):
 - Not kept: the docstring ``dataclasses`` makes up (from ``inspect.signature``) for a class
   without one.
 
-Cost: at definition no ``compile``, a few closures; one ``compile`` (about what a few hundred
-generic calls cost) at a class's ``HOT``-th instantiation, comparison or hash, or at a call
-that does not bind; together about a seventh of the standard decorator's time. Hot instances
-cost the same to build, compare and hash (the same code); ``repr`` is slower.
+Cost: at definition no ``compile``, a few closures; one ``compile`` (what dozens of generic
+calls cost) at a class's ``HOT``-th instantiation, comparison or hash, or at a call that does
+not bind; together about a seventh of the standard decorator's time. A generic call costs a
+few times a compiled one; hot instances cost the same to build, compare and hash (the same
+code); ``repr`` is slower.
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def _process(cls: type, frozen: bool, slots: bool) -> type:
     # __init__, __eq__ and __hash__ are compiled together once their calls reach HOT (the
     # stubs below put the compiled ones in their places); until then the stubs do the same
     # work generically. Most classes a short command imports are built, compared or hashed a
-    # few times or never; a compile costs as much as a few hundred generic calls.
+    # few times or never; a compile costs as much as dozens of generic calls.
     stubs: dict[str, Any] = {}
     calls = [0]
     generic_init = _generic_init(cls, flds, frozen, slots)
