@@ -212,6 +212,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         if not prof.closed:
             prof.close()
     sink.finish()
+    _report_lost(prof.pipeline)
     if args.format == "summary":
         session = prof.session
         what = _describe(target)
@@ -236,6 +237,17 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         )
         out.write(_render_unwind_summary(prof))
     return 0
+
+
+def _report_lost(pipeline: StreamPipeline) -> None:
+    """One line on stderr when the kernel dropped records (a ring was full when it wrote:
+    PERF_RECORD_LOST) or samples, as ``perf record`` warns of lost chunks: what was printed
+    lacks them, and a bigger ring keeps them."""
+    s = pipeline.stats
+    if s.lost or s.lost_samples:
+        print(f"unwindd: warning: {s.lost} records and {s.lost_samples} samples lost to full "
+              "rings, missing from the output; a larger --ring-pages keeps them",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _render_unwind_summary(prof: LiveProfiler) -> str:

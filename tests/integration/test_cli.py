@@ -208,6 +208,16 @@ def test_record_all_stops_cleanly_on_sigterm() -> None:
     assert re.search(r"^target: all CPUs$", out, re.M)
 
 
+def test_record_says_what_full_rings_lost() -> None:
+    """A ring too small for the stack copies (2 pages: no sample fits) loses records, and
+    ``record`` says so on stderr at its end, as perf record does, with its output intact."""
+    res = run_unwindd("record", "--format", "folded", "--ring-pages", "2", "--", *WORKLOAD)
+    assert res.returncode == 0, res.stderr
+    lost = re.search(r"unwindd: warning: (\d+) records and (\d+) samples lost to full rings",
+                     res.stderr)  # fmt: skip
+    assert lost is not None and int(lost[1]) > 0, res.stderr
+
+
 def test_record_nonexistent_pid_is_a_clear_error() -> None:
     # pid_max is at most 2^22, so this pid cannot exist.
     res = run_unwindd("record", "--pid", str(1 << 23), "--duration", "0.1")

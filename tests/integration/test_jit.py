@@ -46,6 +46,10 @@ function topLevel(secs) {
 }
 console.error(topLevel(parseFloat(process.argv[2] || "1.5")));
 """
+# Rings for the live captures: their jsonl output is slow to write, and on a slow machine the
+# default ring filled while a step ran, losing records (``record`` says so on stderr) and with
+# them the middle of the run these tests measure; 4 MiB a CPU holds a second of it.
+RINGS = ("--ring-pages", "1024")
 RANK = {"leafWork": 0, "middleStep": 1, "outerLoop": 2, "topLevel": 3}
 JS_NAME = re.compile(r"JS:[*^~+]?(\w+) (\S+):\d+:\d+$")
 
@@ -130,8 +134,10 @@ def _check_stacks(samples: list[dict[str, Any]], script: Path, pid: int | None =
 def _perf_share(path: Path) -> float:
     """perf's own share of samples whose callchain reaches a thread's first frame (the last
     line of each sample's callchain in ``perf script``: ``ADDR SYM+OFF (DSO)``)."""
-    out = subprocess.run([PERF, "script", "-i", str(path)], capture_output=True, text=True,
-                         errors="replace", check=True).stdout  # fmt: skip
+    # --no-inline: inline frames never change a callchain's last line, and perf 6.1 finds
+    # them by running addr2line over node's binary, which takes minutes
+    out = subprocess.run([PERF, "script", "--no-inline", "-i", str(path)], capture_output=True,
+                         text=True, errors="replace", check=True).stdout  # fmt: skip
     blocks = [b.splitlines() for b in out.split("\n\n") if b.strip()]
     assert len(blocks) > 100
     done = 0
@@ -159,7 +165,7 @@ def test_replay_unwinds_through_jit_frames(recording: Path, script: Path) -> Non
 def test_record_live_through_jit_frames(script: Path) -> None:
     with _perf_maps() as pids:
         proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                               "jsonl", "-F", "499", "--", *_argv(script, 1.0)],
+                               "jsonl", "-F", "499", *RINGS, "--", *_argv(script, 1.0)],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         samples = _jsonl(proc.stdout)
         node = {s["pid"] for s in samples if s["comm"] == "node"}
@@ -244,9 +250,11 @@ def _perf_jitted(path: Path, prefix: str = "JS:"
     injected = path.with_suffix(".jit.data")
     subprocess.run([PERF, "inject", "--jit", "-i", str(path), "-o", str(injected)],
                    check=True, capture_output=True)  # fmt: skip
-    out = subprocess.run([PERF, "script", "-F", "tid,time,ip,sym,symoff,dso", "-i",
-                          str(injected)], capture_output=True, text=True, errors="replace",
-                         check=True).stdout  # fmt: skip
+    # --no-inline: the jitted ELFs perf inject writes hold no inline entries, so no JS frame
+    # changes; perf 6.1 would look for node's by running addr2line over its binary (minutes)
+    out = subprocess.run([PERF, "script", "--no-inline", "-F", "tid,time,ip,sym,symoff,dso",
+                          "-i", str(injected)], capture_output=True, text=True,
+                         errors="replace", check=True).stdout  # fmt: skip
     samples = []
     for block in out.split("\n\n"):
         lines = block.strip("\n").splitlines()
@@ -293,7 +301,7 @@ def test_replay_names_jit_frames_from_jitdump(dump_recording: Path, dump_script:
 
 def test_record_live_names_jit_frames_from_jitdump(dump_script: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                           "jsonl", "-F", "499", "--", *_dump_argv(dump_script, 1.0)],
+                           "jsonl", "-F", "499", *RINGS, "--", *_dump_argv(dump_script, 1.0)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     samples = _jsonl(proc.stdout)
     node = {s["pid"] for s in samples if s["comm"] == "node"}
@@ -407,7 +415,7 @@ def test_replay_names_replaced_jit_code_by_time(minijit: Path) -> None:
 def test_record_live_names_replaced_jit_code_by_time(minijit: Path) -> None:
     cwd = minijit.parent
     proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format", "jsonl",
-                           "-F", "499", "--", "env", "-C", str(cwd), str(minijit), "0.7"],
+                           "-F", "499", *RINGS, "--", "env", "-C", str(cwd), str(minijit), "0.7"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     samples = _jsonl(proc.stdout)
@@ -429,7 +437,7 @@ def test_record_pid_finds_jitdump_in_proc_maps(minijit: Path) -> None:
                 break
             time.sleep(0.01)
         proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                               "jsonl", "-F", "499", "--pid", str(child.pid), "--duration",
+                               "jsonl", "-F", "499", *RINGS, "--pid", str(child.pid), "--duration",
                                "15"], capture_output=True, text=True, timeout=300)  # fmt: skip
     finally:
         assert child.wait(60) == 0
