@@ -549,6 +549,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/unit/test_lightdc.py",),
     ),
     Mutation(
+        name="record-silent-on-loss",
+        what="record ends without saying that full rings lost records",
+        edits=(
+            Edit(
+                "daemon/unwindd/record.py",
+                old="    sink.finish()\n    _report_lost(prof.pipeline)\n",
+                new="    sink.finish()  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_cli.py",),
+    ),
+    Mutation(
         name="replay-drops-the-page-cache",
         what="a replay drops each cache table's pages before mapping it, as the daemon does",
         edits=(

@@ -139,8 +139,19 @@ def assert_user_only(samples: list[dict[str, Any]], phase: str, pid: int | None 
         assert {s["pid"] for s in samples} == {pid}
 
 
+# record's line at its end when full rings lost records (record._report_lost): how many a run
+# loses depends on the machine's pace and on the ring, which the locked-memory budget of a
+# user who is not root keeps small; these tests are about the other lines
+LOST = "unwindd: warning: "
+
+
+def other_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines()
+            if not (line.startswith(LOST) and "lost to full rings" in line)]  # fmt: skip
+
+
 def one_line(stderr: str) -> str:
-    lines = stderr.splitlines()
+    lines = other_lines(stderr)
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr
     return lines[0]
@@ -242,7 +253,7 @@ def test_nobody_runs_the_daemon_on_its_own_pids(site: Path, shared_dir: Path,
 def test_record_command_from_its_start(phases: Path) -> None:
     res = unwindd_as_root("record", "-F", "999", "--format", "jsonl", "--", str(phases))
     assert res.returncode == 0, res.stderr
-    assert res.stderr == ""
+    assert other_lines(res.stderr) == [], res.stderr
     samples = jsonl_samples(res.stdout)
     in_main = sorted((s for s in samples if "main" in syms(s)), key=lambda s: int(s["time_ns"]))
     assert {s["comm"] for s in in_main} == {"phases"}
@@ -312,7 +323,7 @@ def test_cycles_falls_back_to_cpu_clock_without_a_pmu(phases: Path) -> None:
                           "--", str(phases))  # fmt: skip
     assert res.returncode == 0, res.stderr
     if has_pmu():
-        assert res.stderr == ""
+        assert other_lines(res.stderr) == [], res.stderr
     else:
         assert one_line(res.stderr) == (
             "unwindd: the cycles event is not supported (no hardware PMU), falling back to "
@@ -326,7 +337,7 @@ def test_cycles_fallback_and_user_only_together(site: Path, shared_dir: Path,
     res = unwindd_as_nobody(site, shared_dir, "record", "--event", "cycles", "--format", "jsonl",
                             "-F", "999", "--", str(phases))  # fmt: skip
     assert res.returncode == 0, res.stderr
-    lines = res.stderr.splitlines()
+    lines = other_lines(res.stderr)
     assert any(USER_ONLY.match(line) for line in lines), lines
     assert len(lines) == (1 if has_pmu() else 2), lines
     assert_user_only(jsonl_samples(res.stdout), "second_phase")
