@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 from unwindd.source import abi, perfcore, records, sampling
 from unwindd.source.decoder import RecordDecoder
 from unwindd.source.perfcore import PerfSession
@@ -161,22 +163,52 @@ def exec_range(cap: Capture, pid: int, path: pathlib.Path) -> list[records.Mmap2
     ]
 
 
-def in_maps(ip: int, maps: list[records.Mmap2]) -> bool:
-    return in_ranges(ip, [(m.start, m.start + m.length) for m in maps])
-
-
 def in_ranges(ip: int, ranges: list[tuple[int, int]]) -> bool:
     return any(lo <= ip < hi for lo, hi in ranges)
 
 
-def proc_text_ranges(pid: int, path: pathlib.Path) -> list[tuple[int, int]]:
-    """Executable mappings of ``path`` in /proc/<pid>/maps (proc(5))."""
+# Where magic is live on the stack: spin() and the one function of the binary it calls. A
+# sample elsewhere in the binary's text (_init's first touch of the text page at start-up,
+# main around the call) has its sp above &magic.
+SPINNING = ("spin", "now_ms")
+
+
+def spinning_ranges(path: pathlib.Path, maps: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """Run-time ranges of SPINNING's functions in ``maps``' executable mappings of ``path``
+    (start, end, file offset): a symbol's file offset comes from its PT_LOAD segment (ELF
+    gABI, program header), its address from the mapping holding that offset."""
+    with path.open("rb") as f:
+        elf = ELFFile(f)
+        symtab = elf.get_section_by_name(".symtab")
+        assert isinstance(symtab, SymbolTableSection), "busy is built with a symbol table"
+        loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+        spans = []
+        for name in SPINNING:
+            (sym,) = symtab.get_symbol_by_name(name) or [None]
+            assert sym is not None and sym["st_size"] > 0, f"{name} not in {path}"
+            addr = sym["st_value"]
+            (seg,) = [s for s in loads if s["p_vaddr"] <= addr < s["p_vaddr"] + s["p_memsz"]]
+            off = addr - seg["p_vaddr"] + seg["p_offset"]
+            spans.append((off, off + sym["st_size"]))
+    out = [
+        (start + lo - pgoff, start + hi - pgoff)
+        for start, end, pgoff in maps
+        for lo, hi in spans
+        if pgoff <= lo and hi <= pgoff + (end - start)
+    ]
+    assert len(out) == len(SPINNING), (maps, spans)
+    return out
+
+
+def proc_text_maps(pid: int, path: pathlib.Path) -> list[tuple[int, int, int]]:
+    """Executable mappings of ``path`` in /proc/<pid>/maps as (start, end, file offset)
+    (proc(5))."""
     out = []
     for line in pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] == str(path) and "x" in fields[1]:
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            out.append((lo, hi))
+            out.append((lo, hi, int(fields[2], 16)))
     assert out, f"{path} not mapped executable in pid {pid}"
     return out
 
@@ -443,9 +475,10 @@ def test_system_wide_sees_child_lifecycle(busy: pathlib.Path, build_id: bool) ->
             assert (m.maj, m.min) == (os.major(st.st_dev), os.minor(st.st_dev))
 
     # Samples inside spin(): the stack copy is really the stack at sp.
-    in_binary = [s for s in mine if s.cpumode == abi.MISC_USER and in_maps(s.regs[IP], maps)]
-    assert len(in_binary) >= 10
-    for s in in_binary:
+    spinning = spinning_ranges(busy, [(m.start, m.start + m.length, m.pgoff) for m in maps])
+    in_spin = [s for s in mine if s.cpumode == abi.MISC_USER and in_ranges(s.regs[IP], spinning)]
+    assert len(in_spin) >= 10
+    for s in in_spin:
         check_magic(s, ann)
 
     # COMM (exec) < samples in the new image <= EXIT.
@@ -456,7 +489,7 @@ def test_system_wide_sees_child_lifecycle(busy: pathlib.Path, build_id: bool) ->
     comm_t, exit_t = comms[0].time, exits[0].time
     assert comm_t is not None
     assert all(m.time is not None and m.time > comm_t for m in maps)
-    assert comm_t < min(s.time or 0 for s in in_binary)
+    assert comm_t < min(s.time or 0 for s in in_spin)
     # Kernel-mode samples can follow perf_event_exit_task inside do_exit; user ones cannot.
     assert max(s.time or 0 for s in mine if s.cpumode == abi.MISC_USER) <= exit_t
 
@@ -483,7 +516,7 @@ def test_pid_target_inherits_to_grandchild(busy: pathlib.Path, config: SamplingC
             ann = read_announce(proc)
             # The grandchild runs the image mapped before the session opened (so no MMAP2):
             # take its text range from /proc while the child waits for it.
-            text = proc_text_ranges(ann.pid, busy)
+            spinning = spinning_ranges(busy, proc_text_maps(ann.pid, busy))
             cap = collect(session, lambda: proc.poll() is not None)
     finally:
         if proc.poll() is None:
@@ -506,8 +539,8 @@ def test_pid_target_inherits_to_grandchild(busy: pathlib.Path, config: SamplingC
     assert len(exits) == 1
     assert forks[0].time < min(s.time or 0 for s in gc)
     assert max(s.time or 0 for s in gc if s.cpumode == abi.MISC_USER) <= exits[0].time
-    # The stack copies are real: every user sample in the binary's text is inside spin().
-    spun = [s for s in gc if s.cpumode == abi.MISC_USER and in_ranges(s.regs[IP], text)]
+    # The stack copies are real: every user sample inside spin() holds magic where it said.
+    spun = [s for s in gc if s.cpumode == abi.MISC_USER and in_ranges(s.regs[IP], spinning)]
     assert len(spun) >= 10
     for s in spun:
         check_magic(s, ann)
