@@ -561,6 +561,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_cli.py",),
     ),
     Mutation(
+        name="record-without-spill",
+        what="record drains its rings with no spill behind them",
+        edits=(
+            Edit(
+                "daemon/unwindd/record.py",
+                old="    if cap <= 0:\n        return\n",
+                new="    if True:  # MUTANT\n        return\n",
+            ),
+        ),
+        tests=("tests/integration/test_cli.py",),
+    ),
+    Mutation(
         name="replay-drops-the-page-cache",
         what="a replay drops each cache table's pages before mapping it, as the daemon does",
         edits=(

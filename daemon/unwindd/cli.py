@@ -97,6 +97,7 @@ def _add_record_parser(sub: Any) -> None:
         help="stop after S seconds (default: until SIGINT/SIGTERM)",
     )
     _add_sampling_args(rec)
+    _add_spill_arg(rec)
     _add_inline_arg(rec)
     _add_output_args(rec)
     rec.add_argument(
@@ -265,6 +266,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
         help="ring buffer data pages per CPU, a power of two; 0 (the default): sized from "
         "--frequency and --stack-size (64 at 99 Hz with 8 KiB stacks, at most 256 and what the "
         "locked-memory budget allows)",
+    )
+
+
+def _add_spill_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--spill-max-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="memory a native thread may fill with records it moves out of rings that are "
+        "75%% full while the output is written, so a slow output loses none (16 MiB, as the "
+        "daemon's [sampling] spill_max_bytes); 0: none",
     )
 
 

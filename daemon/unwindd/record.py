@@ -9,6 +9,9 @@ Invariants:
 - ``record -- CMD`` forks the command first (before any thread starts), holds it before its
   exec while the events open on it with enable_on_exec (``source/workload.py``), and ends when
   it exits; its exit status is reported on stderr, ``record``'s own is 0, as perf's.
+- The rings are backed by the ring spill (``PerfSession.start_spill``, ``--spill-max-bytes``) as
+  the daemon's are: a step held up by its output (jsonl to a slow pipe) loses no records while
+  the spill has room. Records the kernel still dropped are one line on stderr at the end.
 - Each fallback the session took to open (user-only sampling, cycles -> cpu-clock) is one line
   on stderr; an open that fails ends in one line (``usererror.fail``), exit status 2.
 
@@ -32,6 +35,7 @@ _Opened = TypeVar("_Opened")  # what record opens: a PerfSession, or a LiveProfi
 if TYPE_CHECKING:
     from .pipeline.live import LiveProfiler
     from .source.capture import StreamPipeline
+    from .source.perfcore import PerfSession
     from .source.sampling import SamplingConfig, Target
     from .source.workload import Workload
 
@@ -55,6 +59,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
         return opened
     session, workload, _ = opened
     _print_notes(session.notes)
+    _start_spill(session, args)
     stop = _install_stop_handlers()
     pipeline = StreamPipeline.for_format(session.event_format)
     sink = TextOutput(args.format, out)
@@ -131,6 +136,20 @@ def _print_notes(notes: Sequence[str]) -> None:
         print(f"unwindd: {note}", file=sys.stderr, flush=True)
 
 
+def _start_spill(session: PerfSession, args: argparse.Namespace) -> None:
+    """The ring spill, as the daemon starts it (serve/startup.py); a spill that cannot start
+    (no thread) leaves the rings to the loop, said in one line."""
+    from .source.sampling import SPILL_MAX_BYTES
+
+    cap = SPILL_MAX_BYTES if args.spill_max_bytes is None else args.spill_max_bytes
+    if cap <= 0:
+        return
+    try:
+        session.start_spill(cap)
+    except OSError as e:
+        print(f"unwindd: {e}: the rings are drained by the loop alone", file=sys.stderr)
+
+
 def _sampling_config(args: argparse.Namespace) -> SamplingConfig:
     from .source.sampling import SamplingConfig
 
@@ -170,6 +189,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         return opened
     prof, workload, target = opened
     _print_notes(prof.session.notes)
+    _start_spill(prof.session, args)
     # processes older than the recording have no COMM record: the summary names them from /proc
     prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
     stop = _stop_or_exited(_install_stop_handlers(), workload)
@@ -224,6 +244,10 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
             "mmap2_identity": "build-id" if session.build_id_mmap2 else "inode",
             "ring_errors": session.ring_errors,
         }
+        spill = session.spill_stats()
+        if spill is not None:  # what the spill kept that a full ring would have lost
+            extra["ring_spilled_records"] = spill["records"]
+            extra["ring_spill_full"] = spill["full"]
         if session.skipped_cpus:
             extra["skipped_cpus"] = ",".join(map(str, session.skipped_cpus))
         out.write(
@@ -246,7 +270,8 @@ def _report_lost(pipeline: StreamPipeline) -> None:
     s = pipeline.stats
     if s.lost or s.lost_samples:
         print(f"unwindd: warning: {s.lost} records and {s.lost_samples} samples lost to full "
-              "rings, missing from the output; a larger --ring-pages keeps them",
+              "rings, missing from the output; a larger --ring-pages or --spill-max-bytes "
+              "keeps them",
               file=sys.stderr, flush=True)  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..binaries.cachefiles import DIR_MAX_BYTES
 from ..lightdc import dataclass, field
-from ..source.sampling import EVENTS
+from ..source.sampling import EVENTS, SPILL_MAX_BYTES
 
 DEFAULT_PATH = "/etc/unwindd/config.toml"
 DEFAULT_SOCKET = "/run/unwindd/unwindd.sock"
@@ -116,7 +116,7 @@ class SamplingSection:
     frequency: int = _key(99, live=False, check=_positive)
     stack_size: int = _key(8192, live=False, check=_stack_size)
     ring_pages: int = _key(0, live=False, check=_auto_or_power_of_two)
-    spill_max_bytes: int = _key(16 << 20, live=False, check=_non_negative,
+    spill_max_bytes: int = _key(SPILL_MAX_BYTES, live=False, check=_non_negative,
                                 doc="memory the ring spill may hold; 0: no spill")  # fmt: skip
 
 

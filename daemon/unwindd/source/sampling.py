@@ -82,6 +82,9 @@ RETRY_MIN_PAGES = 16
 # The largest ring auto sizing picks: 1 MiB per CPU (64 MiB on a 64-CPU machine).
 AUTO_MAX_PAGES = 256
 _CAP_IPC_LOCK = 14  # include/uapi/linux/capability.h
+# What the ring spill (perfcore.PerfSession.start_spill) may hold by default, the daemon's and
+# record's: ~2,000 samples with 8 KiB stacks, a second of a 2-CPU machine's at 999 Hz.
+SPILL_MAX_BYTES = 16 << 20
 
 
 def ring_pages_cap(page: int, ncpus: int, mlock_kb: int, memlock: int, unlimited: bool) -> int:
