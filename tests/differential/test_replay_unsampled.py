@@ -359,7 +359,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("unsampled-cache")
 
 
-@settings(max_examples=1000, deadline=None,
+@settings(max_examples=250, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(_OPS, min_size=10, max_size=60), jit=st.integers(0, 15), at=st.integers(0, 50))
 def test_skipping_replay_equals_applying_every_record(ops: list[tuple[Any, ...]], jit: int,
