@@ -77,6 +77,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
                  should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
         sink.finish()
         session.disable()
+    _report_lost(pipeline)
     _end_workload(workload)
     return 0
 

@@ -209,10 +209,11 @@ def test_record_all_stops_cleanly_on_sigterm() -> None:
     assert re.search(r"^target: all CPUs$", out, re.M)
 
 
-def test_record_says_what_full_rings_lost() -> None:
+@pytest.mark.parametrize("fmt", ["folded", "records"])  # the unwinding loop; the plain stream
+def test_record_says_what_full_rings_lost(fmt: str) -> None:
     """A ring too small for the stack copies (2 pages: no sample fits) loses records, and
     ``record`` says so on stderr at its end, as perf record does, with its output intact."""
-    res = run_unwindd("record", "--format", "folded", "--ring-pages", "2", "--", *WORKLOAD)
+    res = run_unwindd("record", "--format", fmt, "--ring-pages", "2", "--", *WORKLOAD)
     assert res.returncode == 0, res.stderr
     lost = re.search(r"unwindd: warning: (\d+) records and (\d+) samples lost to full rings",
                      res.stderr)  # fmt: skip
