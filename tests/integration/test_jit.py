@@ -46,10 +46,6 @@ function topLevel(secs) {
 }
 console.error(topLevel(parseFloat(process.argv[2] || "1.5")));
 """
-# Rings for the live captures: their jsonl output is slow to write, and on a slow machine the
-# default ring filled while a step ran, losing records (``record`` says so on stderr) and with
-# them the middle of the run these tests measure; 4 MiB a CPU holds a second of it.
-RINGS = ("--ring-pages", "1024")
 RANK = {"leafWork": 0, "middleStep": 1, "outerLoop": 2, "topLevel": 3}
 JS_NAME = re.compile(r"JS:[*^~+]?(\w+) (\S+):\d+:\d+$")
 
@@ -165,7 +161,7 @@ def test_replay_unwinds_through_jit_frames(recording: Path, script: Path) -> Non
 def test_record_live_through_jit_frames(script: Path) -> None:
     with _perf_maps() as pids:
         proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                               "jsonl", "-F", "499", *RINGS, "--", *_argv(script, 1.0)],
+                               "jsonl", "-F", "499", "--", *_argv(script, 1.0)],
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         samples = _jsonl(proc.stdout)
         node = {s["pid"] for s in samples if s["comm"] == "node"}
@@ -301,7 +297,7 @@ def test_replay_names_jit_frames_from_jitdump(dump_recording: Path, dump_script:
 
 def test_record_live_names_jit_frames_from_jitdump(dump_script: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                           "jsonl", "-F", "499", *RINGS, "--", *_dump_argv(dump_script, 1.0)],
+                           "jsonl", "-F", "499", "--", *_dump_argv(dump_script, 1.0)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     samples = _jsonl(proc.stdout)
     node = {s["pid"] for s in samples if s["comm"] == "node"}
@@ -415,7 +411,7 @@ def test_replay_names_replaced_jit_code_by_time(minijit: Path) -> None:
 def test_record_live_names_replaced_jit_code_by_time(minijit: Path) -> None:
     cwd = minijit.parent
     proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format", "jsonl",
-                           "-F", "499", *RINGS, "--", "env", "-C", str(cwd), str(minijit), "0.7"],
+                           "-F", "499", "--", "env", "-C", str(cwd), str(minijit), "0.7"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     samples = _jsonl(proc.stdout)
@@ -437,7 +433,7 @@ def test_record_pid_finds_jitdump_in_proc_maps(minijit: Path) -> None:
                 break
             time.sleep(0.01)
         proc = subprocess.run([sys.executable, "-m", "unwindd.cli", "record", "--format",
-                               "jsonl", "-F", "499", *RINGS, "--pid", str(child.pid), "--duration",
+                               "jsonl", "-F", "499", "--pid", str(child.pid), "--duration",
                                "15"], capture_output=True, text=True, timeout=300)  # fmt: skip
     finally:
         assert child.wait(60) == 0
