@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nativebuild import CFI, FASTPATH
 from oracle import Workload
-from perfutil import perf_script_samples, record_perf_data
+from perfutil import PERF, perf_script_samples, record_perf_data
 from refreplay import python_replay, python_replay_bytes
 from replaycounts import replay_counts
 from texts import assert_same_text
@@ -104,6 +104,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
     three = ["sh", "-c", f"{fpchain} & {fpchain} & {fpchain} & wait"]
     out["fp3"] = record_perf_data(tmp, three, call_graph="fp", name="fp3.data")
     out["nocg3"] = record_perf_data(tmp, three, call_graph=None, name="nocg3.data")
+    # [vdso] code in three processes at once (clockspin.c): the same vdso addresses, mapped
+    # at another address in each process, with DWARF unwinding and with frame pointers
+    clockspin = tmp / "clockspin"
+    subprocess.run(["gcc", "-O2", "-fno-omit-frame-pointer", "-o", str(clockspin),
+                    str(src / "clockspin.c")], check=True, capture_output=True)  # fmt: skip
+    clocks = ["sh", "-c", f"{clockspin} & {clockspin} & {clockspin} & wait"]
+    out["vdso3"] = record_perf_data(tmp, clocks, name="vdso3.data")
+    out["vdso3fp"] = record_perf_data(tmp, clocks, call_graph="fp", name="vdso3fp.data")
     # JIT code: V8's, in anonymous executable memory without CFI, walked by frame pointer and
     # named from the /tmp/perf-<pid>.map node writes (removed when the module is done)
     js = tmp / "jit.js"
@@ -145,7 +153,7 @@ def _fast(path: Path, fmt: str, result: list[Any] | None = None) -> tuple[str, d
 @pytest.mark.parametrize(
     "name",
     ["forkexec", "dlopen", "threads", "signal", "python", "system", "mmapstorm", "dlmtwice",
-     "fp", "nocg", "fp3", "nocg3", "node"],
+     "fp", "nocg", "fp3", "nocg3", "vdso3", "vdso3fp", "node"],
 )
 def test_fast_equals_slow(files: dict[str, Path], name: str, fmt: str) -> None:
     slow_out, slow_counts = _slow(files[name], fmt)
@@ -170,6 +178,29 @@ def test_code_frames_shown_at_each_address(files: dict[str, Path]) -> None:
     assert len(by_pid) >= 2, out[:2000]
     pages = [p for ps in by_pid.values() for p in ps]
     assert len(set(pages)) >= 2, by_pid  # not one address: ASLR put them apart
+
+
+@pytest.mark.parametrize("name", ["vdso3", "vdso3fp"])
+def test_vdso_frames_are_perfs(files: dict[str, Path], name: str) -> None:
+    """perf shows a [vdso] frame as it shows a file's, at ``ip - map start + pgoff``
+    (util/map.c map__new: [vdso] is neither anonymous nor memory without a dso), so the same
+    vdso code shows one address in every process: every [vdso] line of perf script's callchains
+    is the native and the Python replay's, in order. The file has what makes that a test:
+    samples in the vdso of several processes, at the same address in at least two."""
+    text = subprocess.run([PERF, "script", "-i", str(files[name]), "-F",
+                           "comm,pid,tid,time,ip,sym,dso", "--ns"], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    theirs = [ln for ln in text.splitlines() if ln.endswith(" ([vdso])")]
+    by_addr: dict[str, set[str]] = {}
+    pid = ""
+    for ln in text.splitlines():
+        if ln and not ln[0].isspace():
+            pid = ln.split()[1].split("/")[0]
+        elif ln.endswith(" ([vdso])"):
+            by_addr.setdefault(ln.split()[0], set()).add(pid)
+    assert len(theirs) > 100 and max(map(len, by_addr.values())) >= 2, by_addr
+    for out in (_fast(files[name], "perf-script")[0], _slow(files[name], "perf-script")[0]):
+        assert [ln for ln in out.splitlines() if ln.endswith(" ([vdso])")] == theirs
 
 
 @pytest.mark.parametrize("where", ["inside", "boundary"])

@@ -92,11 +92,20 @@ class Mapping:
 
     @property
     def anonymous(self) -> bool:
-        return not self.filename.startswith("/") or self.filename.startswith("//anon")
+        """Memory without a file as perf tells it (util/map.c map__new: is_anon_memory,
+        is_no_dso_memory), whose addresses perf shows as they are (identity__map_ip), not as
+        ``ip - start + pgoff``: "//anon" (in /proc/<pid>/maps an empty or "[anon:...]" name),
+        /dev/zero, /anon_hugepage, [stack, /SYSV, [heap]. Not "[vdso]" or the kernel's other
+        named mappings: perf maps those as it maps files, so the same vdso code shows the same
+        address in every process, wherever the kernel put the vdso."""
+        return self.filename == "" or self.filename.startswith(_ANON_NAMES)
 
     def vaddr(self, addr: int) -> int:
         """ELF vaddr (what symbol tables and CFI are keyed by) of runtime ``addr``."""
         return addr - self.bias
+
+
+_ANON_NAMES = ("//anon", "[anon:", "/dev/zero", "/anon_hugepage", "[stack", "/SYSV", "[heap]")
 
 
 def find_mapping(starts: Sequence[int], mappings: Sequence[Mapping], addr: int) -> Mapping | None:
