@@ -29,7 +29,6 @@ import os
 import pathlib
 import random
 import re
-import shutil
 import signal
 import struct
 import subprocess
@@ -43,7 +42,7 @@ import oracle
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nativebuild import CFI, FASTPATH
+from nativebuild import CFI, FASTPATH, build
 from oracle import Workload
 from perfutil import PERF, perf_script_samples, record_perf_data
 from refreplay import python_replay, python_replay_bytes
@@ -613,16 +612,10 @@ def _fp_fuzz(tmp_path: Path, section: tuple[Any, RecordDecoder, bytes], name: st
     of the small section, so the threaded path meets its edges (fp_fuzz runs it at any
     prefix length and compares with one thread), and every job is judged (PAR_JUDGE_NS=0), so
     short one-thread stretches (PAR_BACKOFF) come and go."""
-    cc = shutil.which("gcc")
-    assert cc
     lay, _dec, raw = section
     (tmp_path / "data").write_bytes(raw)
-    exe = tmp_path / name
-    subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
-                    "-pthread", *flags, str(SUPPORT / "native" / "fp_fuzz.c"),
-                    *FASTPATH, str(CORE / "unwind.c"), *CFI,
-                    str(CORE / "fold.c"), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
+    exe = build(tmp_path / name, [str(SUPPORT / "native" / "fp_fuzz.c"), *FASTPATH,
+                                  str(CORE / "unwind.c"), *CFI, str(CORE / "fold.c")], flags)
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs)]  # fmt: skip
     proc = subprocess.run([str(exe), str(tmp_path / "data"), *args, str(iters), str(lay.i_ip)],
@@ -701,8 +694,6 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path, name
     (data MMAP2s) and of processes forking and exec'ing (FORK, COMM, EXIT)."""
     from unwindd.binaries.elf import ElfReader
 
-    cc = shutil.which("gcc")
-    assert cc
     libc = os.path.realpath("/usr/lib/x86_64-linux-gnu/libc.so.6")
     fd = os.open(libc, os.O_RDONLY)
     try:
@@ -721,13 +712,10 @@ def test_symtab_sideband_asan_ubsan(files: dict[str, Path], tmp_path: Path, name
     dec = RecordDecoder(data.decoder.formats)
     lay, trailer = layout_of(dec.formats[0]), dec.sample_id_trailer()
     assert trailer is not None
-    exe = tmp_path / "sym_fuzz"
-    subprocess.run([cc, "-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", f"-I{CORE}",
-                    "-pthread", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    str(SUPPORT / "native" / "sym_fuzz.c"), str(CORE / "symtab.c"),
-                    str(CORE / "sideband.c"), *FASTPATH, str(CORE / "unwind.c"),
-                    *CFI, "-o", str(exe)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
+    exe = build(tmp_path / "sym_fuzz", [str(SUPPORT / "native" / "sym_fuzz.c"),
+                                         str(CORE / "symtab.c"), str(CORE / "sideband.c"),
+                                         *FASTPATH, str(CORE / "unwind.c"), *CFI],
+                ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])  # fmt: skip
     args = [str(lay.sample_type), str(lay.regs_mask), str(lay.nprefix), str(lay.i_tid),
             str(lay.i_time), str(lay.i_cpu), str(lay.i_period), str(lay.nregs),
             *map(str, trailer)]  # fmt: skip

@@ -17,21 +17,16 @@ import shutil
 import subprocess
 
 import pytest
-from nativebuild import compile_warning_free
+from nativebuild import build, compile_warning_free
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CORE = ROOT / "cffi_build"
 HARNESS = ROOT / "tests" / "support" / "native" / "ring_test.c"
-CFLAGS = ["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread", f"-I{CORE}"]
 SOURCES = [str(CORE / "perfcore.c"), str(CORE / "ringspill.c")]
 
 
 def _build(out: pathlib.Path, extra: list[str]) -> pathlib.Path:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed for the native tests"
-    cmd = [cc, *CFLAGS, *extra, str(HARNESS), *SOURCES, "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return out
+    return pathlib.Path(build(out, [str(HARNESS), *SOURCES], extra))
 
 
 def _check_output(proc: subprocess.CompletedProcess[str]) -> None:
