@@ -1,11 +1,12 @@
 /* Sanitizer/valgrind harness for the CFI compiler + unwind.c (tests/native/test_unwcore_sanitizers.py).
  *
- *   unw_fuzz EH_FRAME_FILE EH_ADDR HDR_FILE HDR_ADDR ITERATIONS
+ *   unw_fuzz EH_FRAME_FILE EH_ADDR HDR_FILE HDR_ADDR ITERATIONS [TRUNCATIONS]
  *
  * Every input buffer is malloc'd at its exact size, so any read one byte past it is an ASan
  * report (or a valgrind error). Checks, all with a fixed-seed xorshift so runs are repeatable:
  *   1. the real section compiles, validates, and every row is found again by lookup;
- *   2. truncations of the section at ~300 lengths; random prefixes with random byte mutations
+ *   2. truncations of the section at ~TRUNCATIONS lengths (300 unless given), spread over
+ *      it; random prefixes with random byte mutations
  *      (with and without the hdr, also fed as .debug_frame): compile + validate must succeed;
  *   3. corrupted blobs: validate either rejects them or they are safe to look up in;
  *   4. random registers and random stacks (some full of pointers into the table's range)
@@ -211,12 +212,15 @@ static void unwind_jit(const uint8_t *blob, uint64_t base, uint64_t span, int it
 
 int main(int argc, char **argv)
 {
-    if (argc != 6)
+    if (argc != 6 && argc != 7)
         return 2;
     uint64_t elen, hlen;
     uint8_t *eh = slurp(argv[1], &elen), *hdr = slurp(argv[3], &hlen);
     uint64_t eaddr = strtoull(argv[2], 0, 0), haddr = strtoull(argv[4], 0, 0);
     int iters = atoi(argv[5]);
+    uint64_t truncations = argc == 7 ? strtoull(argv[6], 0, 0) : 300;
+    if (!truncations)
+        return 2;
 
     /* 1. the real thing */
     uint64_t blen;
@@ -238,7 +242,7 @@ int main(int argc, char **argv)
     printf("real: %u rows, %lu bytes\n", h.nrows, (unsigned long)blen);
 
     /* 2. truncations and mutations */
-    for (uint64_t n = 0; n < elen; n += elen / 300 + 1) {
+    for (uint64_t n = 0; n < elen; n += elen / truncations + 1) {
         uint64_t bl;
         free(compile(eh, n, eaddr, NULL, 0, 0, NULL, 0, &bl));
         free(compile(eh, n, eaddr, hdr, hlen, haddr, NULL, 0, &bl));
