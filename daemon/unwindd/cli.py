@@ -86,7 +86,8 @@ def _add_record_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="P",
-        help="sample this pid (and its future children); repeatable",
+        help="sample this pid (and its future children); repeatable; the recording ends "
+        "when every pid given has exited",
     )
     tgt.add_argument("--all", action="store_true", help="sample every CPU (the default)")
     tgt.add_argument("--cgroup", metavar="PATH", help="sample the tasks of a cgroup v2 directory")

@@ -9,6 +9,8 @@ Invariants:
 - ``record -- CMD`` forks the command first (before any thread starts), holds it before its
   exec while the events open on it with enable_on_exec (``source/workload.py``), and ends when
   it exits; its exit status is reported on stderr, ``record``'s own is 0, as perf's.
+  ``record --pid`` ends when every given process has exited (``_Exits``), as ``perf record
+  -p`` does.
 - The rings are backed by the ring spill (``PerfSession.start_spill``, ``--spill-max-bytes``) as
   the daemon's are: a step held up by its output (jsonl to a slow pipe) loses no records while
   the spill has room. Records the kernel still dropped are one line on stderr at the end.
@@ -21,6 +23,9 @@ Cost: the capture's; printing is O(output). Imported only when ``record`` runs.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import select
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +65,8 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     session, workload, _ = opened
     _print_notes(session.notes)
     _start_spill(session, args)
-    stop = _install_stop_handlers()
+    exits = _Exits(args.pid)
+    stop = exits.or_(_install_stop_handlers())
     pipeline = StreamPipeline.for_format(session.event_format)
     sink = TextOutput(args.format, out)
     on_tick = None
@@ -77,6 +83,7 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
                  should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
         sink.finish()
         session.disable()
+    exits.close()
     _report_lost(pipeline)
     _end_workload(workload)
     return 0
@@ -118,6 +125,43 @@ def _stop_or_exited(stop: Callable[[], bool], workload: Workload | None) -> Call
     if workload is None:
         return stop
     return lambda: stop() or workload.poll() is not None
+
+
+class _Exits:
+    """``record --pid``: whether every given process has exited, seen through pidfds (readable
+    once the process has exited, whoever its parent is; a reused pid is another process). perf
+    record -p ends then too (builtin-record.c: once every event's fd has hung up with its
+    task), even while children the processes started run on. A pid gone before its pidfd was
+    opened has exited; one that has no pidfd (a thread id, not a process) is not watched, and
+    then the recording ends as without ``--pid`` (``--duration``, Ctrl-C). O(pids) per check."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.fds: list[int] = []
+        self.watched = bool(pids)
+        for pid in pids:
+            try:
+                self.fds.append(os.pidfd_open(pid))
+            except OSError as e:
+                if e.errno != errno.ESRCH:
+                    self.watched = False
+        self._poll = select.poll()
+        for fd in self.fds:
+            self._poll.register(fd, select.POLLIN)
+
+    def all_exited(self) -> bool:
+        return self.watched and len(self._poll.poll(0)) == len(self.fds)
+
+    def or_(self, stop: Callable[[], bool]) -> Callable[[], bool]:
+        """``stop`` or every process exited."""
+        if not self.watched:
+            return stop
+        return lambda: stop() or self.all_exited()
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.watched = False
 
 
 def _end_workload(workload: Workload | None) -> None:
@@ -183,6 +227,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     returns (those held for a /proc rescan and unwound later), so it builds none."""
     from .pipeline.live import LiveProfiler
     from .pipeline.textout import TextOutput
+    from .source.capture import poll_rings
     from .source.output import render_summary
 
     opened = _open(args, LiveProfiler.open)
@@ -193,7 +238,8 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     _start_spill(prof.session, args)
     # processes older than the recording have no COMM record: the summary names them from /proc
     prof.live.comm_listeners.append(prof.pipeline.stats.note_comm)
-    stop = _stop_or_exited(_install_stop_handlers(), workload)
+    exits = _Exits(args.pid)
+    stop = exits.or_(_stop_or_exited(_install_stop_handlers(), workload))
     sink = TextOutput(args.format, out, unwind=False)
     sink.labels_of = prof.store.labels_of  # jsonl: each sample's process's cgroup labels
     take: Callable[[Sequence[stackfmt.UnwoundSample]], None] = sink.samples
@@ -206,13 +252,13 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
     on_tick = None
     if args.status_interval:
         on_tick = _status_printer(prof.pipeline, started, args.status_interval)
-    import select
-
     poller = select.poll()
     for fd in prof.fds:
         poller.register(fd, select.POLLIN)
     if workload is not None and workload.pidfd >= 0:
         poller.register(workload.pidfd, select.POLLIN)  # readable once the command exits
+    for fd in exits.fds:
+        poller.register(fd, select.POLLIN)  # (--pid: readable once that process exits)
     deadline = None if args.duration is None else started + args.duration
     try:
         take(prof.start())
@@ -223,13 +269,14 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
                 return fail(e.strerror or str(e))
         while not stop() and (deadline is None or time.monotonic() < deadline):
             timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            poller.poll(int(timeout * 1000))
+            poll_rings(poller, timeout, exits.fds)
             take(prof.step())
             if on_tick is not None:
                 on_tick()
         _end_workload(workload)
         take(prof.close())
     finally:
+        exits.close()
         if not prof.closed:
             prof.close()
     sink.finish()

@@ -118,7 +118,7 @@ def test_replay_records_are_time_ordered(perf_file: Path) -> None:
 def test_record_pid_records_see_child(tmp_path: Path) -> None:
     # The child waits on a pipe until unwindd has its session open, then spins 0.4 s of its
     # own CPU time (the samples a loaded machine gives it do not thin out) and exits; record
-    # is stopped with SIGINT once the child is gone (its last drain keeps what the rings hold).
+    # ends by itself once the child is gone (its last drain keeps what the rings hold).
     r, w = os.pipe()
     child = subprocess.Popen(
         [
@@ -163,11 +163,11 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
     status = wait_stderr_line(rec, STATUS_LINE)
     os.write(w, b"x")
     os.close(w)
-    # the child's samples and EXIT are in the rings once it is reaped (the kernel writes its
-    # EXIT before it notifies the parent), and record's last drain after SIGINT takes them
+    # the child's samples and EXIT are in the rings once it has exited (the kernel writes its
+    # EXIT before it notifies its parent and its pidfd's readers: kernel/exit.c do_exit), and
+    # record's last drain, once the pidfd says so, takes them
     child.wait(timeout=60)
-    rec.send_signal(signal.SIGINT)
-    _, err = rec.communicate(timeout=30)
+    _, err = rec.communicate(timeout=60)
     err = "".join(status) + err
     out_file.close()
     out = (tmp_path / "records.jsonl").read_text()
@@ -179,6 +179,84 @@ def test_record_pid_records_see_child(tmp_path: Path) -> None:
     exits = [x for x in recs if x["type"] == "EXIT" and x["pid"] == child.pid]
     assert exits and max(x["time"] for x in samples) <= exits[-1]["time"], (recs[-3:], err)
     assert not [x for x in recs if x["type"] == "LOST"], err
+
+
+def test_record_pid_ends_when_every_pid_has_exited(tmp_path: Path) -> None:
+    """``record --pid A --pid B`` ends by itself once both have exited, as perf record -p does,
+    long before its --duration: not at A's exit (B's samples go on after A's EXIT), and with
+    what the rings held at the end (both EXIT records)."""
+    r, w = os.pipe()
+    spin = ("import os, sys, time\n"
+            "os.read(int(sys.argv[1]), 1)\n"
+            "end = time.thread_time() + float(sys.argv[2])\n"
+            "while time.thread_time() < end: pass\n")  # fmt: skip
+    kids = [subprocess.Popen([sys.executable, "-c", spin, str(r), t], pass_fds=(r,))
+            for t in ("0.2", "0.7")]  # fmt: skip
+    os.close(r)
+    out_file = (tmp_path / "records.jsonl").open("w")
+    rec = subprocess.Popen([*UNWINDD, "record", "--pid", str(kids[0].pid), "--pid",
+                            str(kids[1].pid), "--duration", "600", "-F", "499", "--format",
+                            "records", "--status-interval", "0.5"], stdout=out_file,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    wait_perf_fds(rec.pid, 2 * len(online_cpus()), rec)
+    status = wait_stderr_line(rec, STATUS_LINE)
+    os.write(w, b"xx")
+    os.close(w)
+    for k in kids:
+        assert k.wait(timeout=60) == 0
+    _, err = rec.communicate(timeout=120)  # (no signal: it ends by itself)
+    err = "".join(status) + err
+    out_file.close()
+    assert rec.returncode == 0, err
+    recs = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    exit_time = {x["pid"]: x["time"] for x in recs if x["type"] == "EXIT" and x["pid"] == x["tid"]}
+    assert set(exit_time) == {k.pid for k in kids}, (exit_time, err)
+    late = [x for x in recs if x["type"] == "SAMPLE" and x["pid"] == kids[1].pid
+            and x["time"] > exit_time[kids[0].pid]]  # fmt: skip
+    assert len(late) >= 20, (len(late), err)
+
+
+@pytest.mark.parametrize("fmt", ["records", "summary"])
+def test_record_pid_does_not_spin_on_an_exited_pid(fmt: str) -> None:
+    """``record --pid A --pid B`` after A has exited, while B sleeps: A's rings hang up and
+    would make every poll return at once; record drops them from its poll (and A's pidfd), so
+    it waits as usual (a loop that never slept took a whole CPU: 1 s of CPU a second, here
+    under 0.5 s), then ends when B exits. Both loops: the plain stream (records) and the
+    unwinding one."""
+    a = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                         stdin=subprocess.PIPE)  # fmt: skip
+    b = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.read(); "
+                          "time.sleep(2)"], stdin=subprocess.PIPE)  # fmt: skip
+    argv = [*UNWINDD, "record", "--pid", str(a.pid), "--pid", str(b.pid), "--duration", "600",
+            "--format", fmt, "--status-interval", "0.5"]  # fmt: skip
+    rec = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_perf_fds(rec.pid, 2 * len(online_cpus()), rec)
+        wait_stderr_line(rec, STATUS_LINE)
+        for p in (a, b):
+            assert p.stdin is not None
+            p.stdin.close()
+        assert a.wait(60) == 0
+        time.sleep(0.3)  # (A's hangup seen)
+        before = _cpu_seconds(rec.pid)
+        time.sleep(1.0)
+        spent = _cpu_seconds(rec.pid) - before
+        assert b.poll() is None, "B ended too soon for the measure"
+        assert spent < 0.5, spent
+        assert b.wait(60) == 0
+        _, err = rec.communicate(timeout=60)
+        assert rec.returncode == 0, err
+    finally:
+        for p in (a, b, rec):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (proc(5): fields 14 and 15, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_record_all_stops_cleanly_on_sigterm() -> None:

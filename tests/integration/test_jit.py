@@ -421,9 +421,9 @@ def test_record_live_names_replaced_jit_code_by_time(minijit: Path) -> None:
 
 
 def test_record_pid_finds_jitdump_in_proc_maps(minijit: Path) -> None:
-    """A JIT started before ``unwindd record --pid`` (for 15 s; it runs for 1.6 s of CPU): its
-    dump's mapping is found in /proc/<pid>/maps (no MMAP2 record of it), and its code is named
-    by phase all the same."""
+    """A JIT started before ``unwindd record --pid`` (which ends when the JIT exits, after its
+    1.6 s of CPU; --duration 15 only bounds it): its dump's mapping is found in
+    /proc/<pid>/maps (no MMAP2 record of it), and its code is named by phase all the same."""
     cwd = minijit.parent
     child = subprocess.Popen([str(minijit), "0.8"], cwd=cwd)
     try:

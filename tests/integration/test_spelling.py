@@ -19,7 +19,6 @@ import atexit
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -244,9 +243,11 @@ def test_record_names_forked_child(tmp_path: Path) -> None:
         wait_stderr_line(rec, r"unwindd: \d+s samples=\d+ ")  # sampling: the loop runs
         release(child)
         assert child.wait(60) == 0
+        out, err = rec.communicate(timeout=60)  # (it ends by itself: its one pid has exited)
     finally:
-        rec.send_signal(signal.SIGINT)
-        out, err = rec.communicate(timeout=60)
+        if rec.poll() is None:
+            rec.kill()
+            rec.communicate()
     assert rec.returncode == 0, err
     rows = _pid_rows(out)
     assert len(rows) == 2 and child.pid in rows, rows  # the parent and its forked child

@@ -2,8 +2,9 @@
 
 Invariants:
 - ``StreamPipeline`` is sans-IO: it takes ring chunks (live) or records in file order (replay)
-  and returns time-ordered records; the live loop ``run_live`` is the only part that polls fds,
-  reads clocks or touches signals.
+  and returns time-ordered records; the live loop ``run_live`` is the only part that reads
+  clocks or touches signals, and with ``record``'s own loop the only ones that poll fds
+  (``poll_rings``).
 - One live *round* is one pass that drains every ring until it is empty or ``max_passes`` is
   reached (perf record's rule: it writes FINISHED_ROUND only after a full pass over all mmaps,
   tools/perf/builtin-record.c record__mmap_read_evlist). Only then is ``end_round`` called, so
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Protocol
 
 from ..lightdc import dataclass, field
@@ -104,7 +105,7 @@ def run_live(
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - clock()))
         try:
-            poller.poll(int(timeout * 1000))
+            poll_rings(poller, timeout)
         except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
             pass
         out = drain_round(session, pipeline, max_bytes, max_passes)
@@ -117,6 +118,20 @@ def run_live(
     out = drain_round(session, pipeline, max_bytes, max_passes) + pipeline.finish()
     if out:
         sink(out)
+
+
+_GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def poll_rings(poller: select.poll, timeout: float, once: Collection[int] = ()) -> None:
+    """Wait up to ``timeout`` seconds for a ring (or an fd of ``once``) to be readable. A
+    ring whose task has exited (a ``--pid`` target) hangs up and would be ready at every
+    poll from then on, a busy loop: it leaves the poller (its records are read from its
+    mapping, not its fd; builtin-record.c drops such fds too, evlist__filter_pollfd), and so
+    does a readable fd of ``once`` (a pidfd, readable for good once its process has exited)."""
+    for fd, ev in poller.poll(int(timeout * 1000)):
+        if ev & _GONE or fd in once:
+            poller.unregister(fd)
 
 
 def drain_round(
