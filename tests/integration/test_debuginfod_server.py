@@ -204,7 +204,7 @@ def test_daemon_not_found_is_counted_and_cached_on_disk(world: World, tmp_path: 
 def test_daemon_unaffected_by_a_server_that_hangs(world: World, tmp_path: Path) -> None:
     """The first fetch hangs (the server accepts and never answers) for its whole timeout: all
     that time the daemon goes on sampling and answering; then it counts a timeout."""
-    timeout = 15.0
+    timeout = 6.0  # long beside a step (tens of ms), short for the suite
     hang = HangingServer()
     try:
         d = _daemon(tmp_path, hang.url, f"debuginfod_timeout = {timeout}\n")
