@@ -573,6 +573,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/integration/test_cli.py",),
     ),
     Mutation(
+        name="record-pid-never-ends",
+        what="record --pid runs until --duration after its processes have exited",
+        edits=(
+            Edit(
+                "daemon/unwindd/record.py",
+                old="        return self.watched and len(self._poll.poll(0)) == len(self.fds)\n",
+                new="        return False  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_cli.py",),
+    ),
+    Mutation(
+        name="record-polls-hung-up-rings",
+        what="record keeps an exited pid's hung-up rings in its poll: a busy loop",
+        edits=(
+            Edit(
+                "daemon/unwindd/source/capture.py",
+                old="        if ev & _GONE or fd in once:\n",
+                new="        if False:  # MUTANT\n",
+            ),
+        ),
+        tests=("tests/integration/test_cli.py",),
+    ),
+    Mutation(
         name="replay-drops-the-page-cache",
         what="a replay drops each cache table's pages before mapping it, as the daemon does",
         edits=(

@@ -198,13 +198,18 @@ def test_record_pid_ends_when_every_pid_has_exited(tmp_path: Path) -> None:
                             str(kids[1].pid), "--duration", "600", "-F", "499", "--format",
                             "records", "--status-interval", "0.5"], stdout=out_file,
                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    wait_perf_fds(rec.pid, 2 * len(online_cpus()), rec)
-    status = wait_stderr_line(rec, STATUS_LINE)
-    os.write(w, b"xx")
-    os.close(w)
-    for k in kids:
-        assert k.wait(timeout=60) == 0
-    _, err = rec.communicate(timeout=120)  # (no signal: it ends by itself)
+    try:
+        wait_perf_fds(rec.pid, 2 * len(online_cpus()), rec)
+        status = wait_stderr_line(rec, STATUS_LINE)
+        os.write(w, b"xx")
+        os.close(w)
+        for k in kids:
+            assert k.wait(timeout=60) == 0
+        _, err = rec.communicate(timeout=60)  # (no signal: it ends by itself)
+    finally:
+        if rec.poll() is None:
+            rec.kill()
+            rec.communicate()
     err = "".join(status) + err
     out_file.close()
     assert rec.returncode == 0, err
