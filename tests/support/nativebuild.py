@@ -30,7 +30,7 @@ _BUILT: dict[tuple[str, ...], str] = {}
 
 def build(out: pathlib.Path, sources: list[str], extra: list[str]) -> str:
     """The harness of ``sources`` built with CFLAGS and ``extra`` at ``out``: one compiler per
-    source at once, as many as there are CPUs (a sanitizer build of the native core is tens of
+    source at once, as many as there are CPUs (an ASan build of the native core is about ten
     seconds of one compiler), then linked. The same sources and flags built earlier in this
     process give that executable again (a harness takes its inputs as arguments: several
     tests run one build). A failed compile raises with the compiler's message."""
