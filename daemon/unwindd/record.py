@@ -73,17 +73,19 @@ def cmd_record(args: argparse.Namespace, out: TextIO) -> int:
     if args.status_interval:
         on_tick = _status_printer(pipeline, time.monotonic(), args.status_interval)
     with session:
-        session.enable()
-        if workload is not None:
-            try:
-                workload.start()
-            except OSError as e:  # its message names the command and the reason
-                return fail(e.strerror or str(e))
-        run_live(session, pipeline, sink, duration=args.duration,
-                 should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
-        sink.finish()
-        session.disable()
-    exits.close()
+        try:
+            session.enable()
+            if workload is not None:
+                try:
+                    workload.start()
+                except OSError as e:  # its message names the command and the reason
+                    return fail(e.strerror or str(e))
+            run_live(session, pipeline, sink, duration=args.duration,
+                     should_stop=_stop_or_exited(stop, workload), on_tick=on_tick)  # fmt: skip
+            sink.finish()
+            session.disable()
+        finally:
+            exits.close()
     _report_lost(pipeline)
     _end_workload(workload)
     return 0
