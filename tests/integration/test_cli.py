@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from oracle import parse_perf_script
 from perfutil import perf_script_samples, perf_stats, record_perf_data
-from procutil import wait_cpu_seconds, wait_mapped, wait_perf_fds, wait_stderr_line
+from procutil import cpu_seconds, wait_cpu_seconds, wait_mapped, wait_perf_fds, wait_stderr_line
 from stacks import CHAIN, json_syms
 from unwindd.source.abi import RecordType
 from unwindd.source.sampling import online_cpus
@@ -243,9 +243,9 @@ def test_record_pid_does_not_spin_on_an_exited_pid(fmt: str) -> None:
             p.stdin.close()
         assert a.wait(60) == 0
         time.sleep(0.3)  # (A's hangup seen)
-        before = _cpu_seconds(rec.pid)
+        before = cpu_seconds(rec.pid)
         time.sleep(1.0)
-        spent = _cpu_seconds(rec.pid) - before
+        spent = cpu_seconds(rec.pid) - before
         assert b.poll() is None, "B ended too soon for the measure"
         assert spent < 0.5, spent
         assert b.wait(60) == 0
@@ -256,12 +256,6 @@ def test_record_pid_does_not_spin_on_an_exited_pid(fmt: str) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (proc(5): fields 14 and 15, in clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_record_all_stops_cleanly_on_sigterm() -> None:
