@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nativebuild import CFI, FASTPATH, build
 from oracle import Workload
-from perfutil import PERF, perf_script_samples, record_perf_data
+from perfutil import perf_script_samples, record_perf_data
 from refreplay import python_replay, python_replay_bytes
 from replaycounts import replay_counts
 from texts import assert_same_text
@@ -184,22 +184,20 @@ def test_vdso_frames_are_perfs(files: dict[str, Path], name: str) -> None:
     """perf shows a [vdso] frame as it shows a file's, at ``ip - map start + pgoff``
     (util/map.c map__new: [vdso] is neither anonymous nor memory without a dso), so the same
     vdso code shows one address in every process: every [vdso] line of perf script's callchains
-    is the native and the Python replay's, in order. The file has what makes that a test:
-    samples in the vdso of several processes, at the same address in at least two."""
-    text = subprocess.run([PERF, "script", "-i", str(files[name]), "-F",
-                           "comm,pid,tid,time,ip,sym,dso", "--ns"], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
-    theirs = [ln for ln in text.splitlines() if ln.endswith(" ([vdso])")]
-    by_addr: dict[str, set[str]] = {}
-    pid = ""
-    for ln in text.splitlines():
-        if ln and not ln[0].isspace():
-            pid = ln.split()[1].split("/")[0]
-        elif ln.endswith(" ([vdso])"):
-            by_addr.setdefault(ln.split()[0], set()).add(pid)
-    assert len(theirs) > 100 and max(map(len, by_addr.values())) >= 2, by_addr
+    is the native and the Python replay's, sample by sample (oracle.parse_perf_script). The
+    file has what makes that a test: samples in the vdso of several processes, at the same
+    address in at least two."""
+
+    def vdso_frames(samples: list[oracle.OracleSample]) -> list[tuple[Any, oracle.OracleFrame]]:
+        return [(s.key, f) for s in samples for f in s.frames if f.dso == "[vdso]"]
+
+    theirs = vdso_frames(oracle.perf_script(files[name]).samples)
+    pids_at: dict[int, set[int]] = {}
+    for (pid, _, _), f in theirs:
+        pids_at.setdefault(f.ip, set()).add(pid)
+    assert len(theirs) > 100 and max(map(len, pids_at.values())) >= 2, pids_at
     for out in (_fast(files[name], "perf-script")[0], _slow(files[name], "perf-script")[0]):
-        assert [ln for ln in out.splitlines() if ln.endswith(" ([vdso])")] == theirs
+        assert vdso_frames(oracle.parse_perf_script(out).samples) == theirs
 
 
 @pytest.mark.parametrize("where", ["inside", "boundary"])
