@@ -578,7 +578,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "daemon/unwindd/record.py",
-                old="        return self.watched and len(self._poll.poll(0)) == len(self.fds)\n",
+                old="        return self.watched and len(self._poll.poll(0)) == len(self._fds)\n",
                 new="        return False  # MUTANT\n",
             ),
         ),
@@ -590,7 +590,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "daemon/unwindd/source/capture.py",
-                old="        if ev & _GONE or fd in once:\n",
+                old="        if ev & _GONE:\n",
                 new="        if False:  # MUTANT\n",
             ),
         ),

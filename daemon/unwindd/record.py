@@ -138,20 +138,20 @@ class _Exits:
     then the recording ends as without ``--pid`` (``--duration``, Ctrl-C). O(pids) per check."""
 
     def __init__(self, pids: Sequence[int]) -> None:
-        self.fds: list[int] = []
+        self._fds: list[int] = []
         self.watched = bool(pids)
         for pid in pids:
             try:
-                self.fds.append(os.pidfd_open(pid))
+                self._fds.append(os.pidfd_open(pid))
             except OSError as e:
                 if e.errno != errno.ESRCH:
                     self.watched = False
         self._poll = select.poll()
-        for fd in self.fds:
+        for fd in self._fds:
             self._poll.register(fd, select.POLLIN)
 
     def all_exited(self) -> bool:
-        return self.watched and len(self._poll.poll(0)) == len(self.fds)
+        return self.watched and len(self._poll.poll(0)) == len(self._fds)
 
     def or_(self, stop: Callable[[], bool]) -> Callable[[], bool]:
         """``stop`` or every process exited."""
@@ -160,9 +160,9 @@ class _Exits:
         return lambda: stop() or self.all_exited()
 
     def close(self) -> None:
-        for fd in self.fds:
+        for fd in self._fds:
             os.close(fd)
-        self.fds = []
+        self._fds = []
         self.watched = False
 
 
@@ -259,8 +259,6 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
         poller.register(fd, select.POLLIN)
     if workload is not None and workload.pidfd >= 0:
         poller.register(workload.pidfd, select.POLLIN)  # readable once the command exits
-    for fd in exits.fds:
-        poller.register(fd, select.POLLIN)  # (--pid: readable once that process exits)
     deadline = None if args.duration is None else started + args.duration
     try:
         take(prof.start())
@@ -271,7 +269,7 @@ def _record_live(args: argparse.Namespace, out: TextIO) -> int:
                 return fail(e.strerror or str(e))
         while not stop() and (deadline is None or time.monotonic() < deadline):
             timeout = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
-            poll_rings(poller, timeout, exits.fds)
+            poll_rings(poller, timeout)  # (--pid exits are seen within the 0.1 s tick)
             take(prof.step())
             if on_tick is not None:
                 on_tick()

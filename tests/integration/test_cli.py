@@ -224,8 +224,8 @@ def test_record_pid_ends_when_every_pid_has_exited(tmp_path: Path) -> None:
 @pytest.mark.parametrize("fmt", ["records", "summary"])
 def test_record_pid_does_not_spin_on_an_exited_pid(fmt: str) -> None:
     """``record --pid A --pid B`` after A has exited, while B sleeps: A's rings hang up and
-    would make every poll return at once; record drops them from its poll (and A's pidfd), so
-    it waits as usual (a loop that never slept took a whole CPU: 1 s of CPU a second, here
+    would make every poll return at once; record drops them from its poll, so it waits as
+    usual (a loop that never slept took a whole CPU: 1 s of CPU a second, here
     under 0.5 s), then ends when B exits. Both loops: the plain stream (records) and the
     unwinding one."""
     a = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import select
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from ..lightdc import dataclass, field
@@ -123,14 +123,13 @@ def run_live(
 _GONE = select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
-def poll_rings(poller: select.poll, timeout: float, once: Collection[int] = ()) -> None:
-    """Wait up to ``timeout`` seconds for a ring (or an fd of ``once``) to be readable. A
-    ring whose task has exited (a ``--pid`` target) hangs up and would be ready at every
-    poll from then on, a busy loop: it leaves the poller (its records are read from its
-    mapping, not its fd; builtin-record.c drops such fds too, evlist__filter_pollfd), and so
-    does a readable fd of ``once`` (a pidfd, readable for good once its process has exited)."""
+def poll_rings(poller: select.poll, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for a ring to be readable. A ring whose task has exited
+    (a ``--pid`` target) hangs up and would be ready at every poll from then on, a busy loop:
+    it leaves the poller (its records are read from its mapping, not its fd; builtin-record.c
+    drops such fds too, evlist__filter_pollfd)."""
     for fd, ev in poller.poll(int(timeout * 1000)):
-        if ev & _GONE or fd in once:
+        if ev & _GONE:
             poller.unregister(fd)
 
 
